@@ -1,0 +1,1 @@
+"""Sluice operator: reconciles InferenceModel and Ensemble resources into runtime Deployments."""
