@@ -1,0 +1,1 @@
+"""Model backends. Only modules in this package import onnxruntime, torch or tensorrt, and lazily."""

@@ -1,0 +1,64 @@
+"""The contract between the scheduler and a backend.
+
+A backend turns one model version directory plus its parsed ``ModelConfig`` into a
+:class:`ModelBackend`; the scheduler asks it for one :class:`ModelInstance` per instance-group slot
+and calls ``execute`` on a worker thread (never on the event loop) with a batch of validated
+requests. ``execute`` returns one result per request, in order: an ``InferResponse`` or a
+``SluiceError`` for that request alone, so one bad request never fails its batch neighbours.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from sluice.runtime.errors import SluiceError
+from sluice.runtime.types import InferRequest, InferResponse
+
+Result = InferResponse | SluiceError
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """An input or output as the model file declares it (used to complete the config)."""
+
+    name: str
+    datatype: str  # V2 name, e.g. "FP32"
+    shape: tuple[int, ...]  # -1 for dynamic dims, including the batch dim if the model has one
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadContext:
+    model_name: str
+    version: int
+    model_dir: Path  # <repository>/<model>
+    version_dir: Path  # <repository>/<model>/<version>
+    repository: Path
+
+
+class ModelInstance(abc.ABC):
+    """One executor of a model: owns its session/interpreter; used by one thread at a time."""
+
+    @abc.abstractmethod
+    def execute(self, requests: Sequence[InferRequest]) -> list[Result]: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the instance holds; called once, after its last execute."""
+
+
+class ModelBackend(abc.ABC):
+    """A loaded model version; creates instances."""
+
+    config: mc.ModelConfig
+
+    @abc.abstractmethod
+    def new_instance(self, index: int, kind: int, device_id: int) -> ModelInstance:
+        """``kind`` is a ``ModelInstanceGroup.Kind`` value (KIND_CPU, KIND_GPU, ...)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Called after every instance was closed."""
+

@@ -1,0 +1,112 @@
+"""Errors of the runtime and the one table that maps them to HTTP statuses and gRPC codes.
+
+Every error raised towards a client is a :class:`SluiceError` subclass; protocol adapters never
+invent statuses of their own, they read ``http_status`` and ``grpc_code`` here.
+
+    SluiceError
+    ├── InvalidArgument      400 / INVALID_ARGUMENT   the request is malformed or disagrees with the model
+    │   ├── PayloadTooLarge  413 / RESOURCE_EXHAUSTED a body, header or element count over a limit
+    │   └── Unsupported      400 / UNIMPLEMENTED      a protocol feature Sluice refuses (classification)
+    ├── NotFound             404 / NOT_FOUND          unknown model or version
+    ├── Unavailable          503 / UNAVAILABLE        model not ready, server shutting down
+    │   ├── QueueFull        503 / UNAVAILABLE        the model's queue is at max_queue_size
+    │   └── QueueTimeout     503 / UNAVAILABLE        the request waited in the queue past its deadline
+    ├── Cancelled            499 / CANCELLED          the client went away before the model ran
+    ├── ModelError           500 / INTERNAL           the model's own code failed (message passed through)
+    ├── ConfigError          400 / INVALID_ARGUMENT   a model configuration is invalid (file, line, field)
+    └── Internal             500 / INTERNAL           a bug in Sluice
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class SluiceError(Exception):
+    """Base of all client-facing errors; ``message`` is what the client reads."""
+
+    http_status: int = 500
+    grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(SluiceError):
+    http_status = 400
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class PayloadTooLarge(InvalidArgument):
+    http_status = 413
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unsupported(InvalidArgument):
+    http_status = 400
+    grpc_code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class NotFound(SluiceError):
+    http_status = 404
+    grpc_code = grpc.StatusCode.NOT_FOUND
+
+
+class Unavailable(SluiceError):
+    http_status = 503
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+
+
+class QueueFull(Unavailable):
+    pass
+
+
+class QueueTimeout(Unavailable):
+    pass
+
+
+class Cancelled(SluiceError):
+    http_status = 499
+    grpc_code = grpc.StatusCode.CANCELLED
+
+
+class ModelError(SluiceError):
+    http_status = 500
+    grpc_code = grpc.StatusCode.INTERNAL
+
+
+class ConfigError(InvalidArgument):
+    """A model configuration problem; the message names file, line/column, field and what is allowed."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        line: int | None = None,
+        column: int | None = None,
+        field: str | None = None,
+    ) -> None:
+        where = file or "<config>"
+        if line is not None:
+            where += f":{line}" + (f":{column}" if column is not None else "")
+        prefix = f"{where}: " + (f"field '{field}': " if field else "")
+        super().__init__(prefix + message)
+        self.file = file
+        self.line = line
+        self.column = column
+        self.field = field
+        self.detail = message
+
+
+class Internal(SluiceError):
+    http_status = 500
+    grpc_code = grpc.StatusCode.INTERNAL
+
+
+def unknown_model(name: str, version: str | None = None) -> NotFound:
+    """Triton's wording, which clients and dashboards match on."""
+    if version:
+        return NotFound(f"Request for unknown model: '{name}' version {version} is not found")
+    return NotFound(f"Request for unknown model: '{name}' is not found")

@@ -1,0 +1,62 @@
+"""Server settings: one explicit object built once from the command line and passed down."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds on what a client may send; each one has a command-line flag of the same name."""
+
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Largest HTTP request body (bytes); larger bodies get 413 before they are read."""
+    max_header_bytes: int = 16 * 1024
+    """Largest HTTP request head (request line plus headers, bytes); larger heads get 431."""
+    max_json_depth: int = 16
+    """Deepest nesting of JSON arrays/objects in an HTTP request body."""
+    max_elements: int = 16 * 1024 * 1024
+    """Most tensor elements in one request, summed over its inputs."""
+    max_grpc_message_bytes: int = 64 * 1024 * 1024
+    """Largest gRPC message, received or sent."""
+    header_timeout_s: float = 10.0
+    """Time a connection has to send a complete request head; slower clients are disconnected."""
+    body_timeout_s: float = 30.0
+    """Time a connection has to send the body once the head arrived."""
+    idle_timeout_s: float = 60.0
+    """A keep-alive connection with no request in flight is closed after this long."""
+    max_connections: int = 4096
+    """Open HTTP connections at once; more are accepted and closed at once with 503."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulingDefaults:
+    """Server-wide defaults a model's config.pbtxt may override."""
+
+    queue_timeout_us: int = 30_000_000
+    """Server-side queue timeout when the model config names none (0 turns it off). Unlike Triton,
+    on by default: a request that waited this long is answered with a timeout and never executed."""
+    max_queue_size: int = 1024
+    """Queued requests per model version when the config names no max_queue_size (0 = unbounded)."""
+    batch_policy: str = "work_conserving"
+    """``work_conserving``: dispatch as soon as an instance is idle, the queue delay is only an upper
+    bound; ``fixed_wait``: Triton's behaviour, wait up to the delay for a preferred batch size."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    model_repository: Path
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    """0 picks a free port; -1 disables that listener."""
+    limits: Limits = dataclasses.field(default_factory=Limits)
+    scheduling: SchedulingDefaults = dataclasses.field(default_factory=SchedulingDefaults)
+    shutdown_grace_s: float = 30.0
+    """After SIGTERM/Ctrl-C: how long in-flight requests may take to finish."""
+    models: tuple[str, ...] = ()
+    """Models to load at start; empty loads every model in the repository."""
+    strict_readiness: bool = True
+    """Server readiness requires every model that was asked for to be ready."""

@@ -1,0 +1,147 @@
+"""Protocol-neutral domain types: datatypes, tensors, requests and responses.
+
+Nothing here knows JSON or protobuf; the codecs beside each protocol convert to and from these.
+BYTES tensors are numpy ``object`` arrays of ``bytes``; BF16 tensors are ``uint16`` arrays holding the
+raw bfloat16 bit patterns (numpy has no bfloat16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+# V2 datatype name -> numpy dtype used in memory (little-endian on the wire).
+_NUMPY_BY_DATATYPE: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+    "BF16": np.dtype(np.uint16),
+    "BYTES": np.dtype(np.object_),
+}
+
+DATATYPES: tuple[str, ...] = tuple(_NUMPY_BY_DATATYPE)
+
+# Triton config enum name (model_config.proto DataType) -> V2 datatype name.
+DATATYPE_BY_CONFIG_TYPE: dict[str, str] = {
+    "TYPE_BOOL": "BOOL",
+    "TYPE_UINT8": "UINT8",
+    "TYPE_UINT16": "UINT16",
+    "TYPE_UINT32": "UINT32",
+    "TYPE_UINT64": "UINT64",
+    "TYPE_INT8": "INT8",
+    "TYPE_INT16": "INT16",
+    "TYPE_INT32": "INT32",
+    "TYPE_INT64": "INT64",
+    "TYPE_FP16": "FP16",
+    "TYPE_FP32": "FP32",
+    "TYPE_FP64": "FP64",
+    "TYPE_BF16": "BF16",
+    "TYPE_STRING": "BYTES",
+}
+CONFIG_TYPE_BY_DATATYPE: dict[str, str] = {v: k for k, v in DATATYPE_BY_CONFIG_TYPE.items()}
+
+# Bytes per element on the wire for fixed-size types.
+ELEMENT_SIZE: dict[str, int] = {k: v.itemsize for k, v in _NUMPY_BY_DATATYPE.items() if k != "BYTES"}
+
+
+def numpy_dtype(datatype: str) -> np.dtype:
+    """The in-memory numpy dtype of a V2 datatype (KeyError for unknown names)."""
+    return _NUMPY_BY_DATATYPE[datatype]
+
+
+def datatype_of(array: np.ndarray) -> str:
+    """The V2 datatype of a numpy array produced by a backend."""
+    kind = array.dtype
+    if kind == np.object_ or kind.kind in ("S", "U"):
+        return "BYTES"
+    for name, dtype in _NUMPY_BY_DATATYPE.items():
+        if dtype == kind and name != "BF16":
+            return name
+    raise ValueError(f"numpy dtype {kind} has no V2 datatype")
+
+
+@dataclasses.dataclass(slots=True)
+class Tensor:
+    """A named tensor with its V2 datatype and data; ``data.shape`` is the tensor's shape."""
+
+    name: str
+    datatype: str
+    data: np.ndarray
+    parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+
+@dataclasses.dataclass(slots=True)
+class RequestedOutput:
+    """An output the client asked for; ``binary`` is the HTTP binary-data extension flag."""
+
+    name: str
+    binary: bool | None = None
+    parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class CancelToken:
+    """Set by the protocol layer when the client goes away; read by the scheduler and by models."""
+
+    __slots__ = ("_callbacks", "cancelled")
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self._callbacks: list[Callable[[], None]] | None = None
+
+    def cancel(self) -> None:
+        if self.cancelled:
+            return
+        self.cancelled = True
+        callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
+            callback()
+
+    def on_cancel(self, callback: Callable[[], None]) -> None:
+        if self.cancelled:
+            callback()
+        elif self._callbacks is None:
+            self._callbacks = [callback]
+        else:
+            self._callbacks.append(callback)
+
+
+@dataclasses.dataclass(slots=True)
+class InferRequest:
+    """One inference request after decoding, before validation against the model."""
+
+    model_name: str
+    model_version: str
+    inputs: list[Tensor]
+    outputs: list[RequestedOutput] | None = None
+    id: str = ""
+    parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
+    cancel: CancelToken = dataclasses.field(default_factory=CancelToken)
+    # Filled by the dataplane: the request's batch size (first dim when the model batches) and
+    # a key that equal-shaped requests share, so only compatible requests are batched together.
+    batch_size: int = 1
+    shape_key: tuple = ()
+
+
+@dataclasses.dataclass(slots=True)
+class InferResponse:
+    model_name: str
+    model_version: str
+    outputs: list[Tensor]
+    id: str = ""
+    parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
