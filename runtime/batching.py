@@ -1,0 +1,429 @@
+"""Batch formation (pure) and the per-model-version scheduler that applies it.
+
+``decide`` is the whole batching policy as a plain function of the queue and the time; the
+:class:`Scheduler` is the thin stateful layer around it: bounded priority queues, deadlines from an
+injected monotonic clock, cancellation, and dispatch of batches to model instances on worker threads.
+
+Policy (see docs/batching.md):
+
+* ``work_conserving`` (default): when an instance is idle and requests are queued, dispatch at once
+  with as many compatible requests as fit in ``max_batch_size``. While every instance is busy the
+  queue grows, so the next batch is naturally larger; ``max_queue_delay_microseconds`` is only an
+  upper bound that never has to be waited for.
+* ``fixed_wait``: Triton's behaviour. Dispatch when a preferred batch size (or ``max_batch_size``)
+  is reached, or when the oldest request has waited ``max_queue_delay_microseconds``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from sluice.runtime.backends.base import ModelInstance, Result
+from sluice.runtime.errors import (
+    Cancelled,
+    Internal,
+    InvalidArgument,
+    QueueFull,
+    QueueTimeout,
+    SluiceError,
+    Unavailable,
+)
+from sluice.runtime.types import InferRequest
+
+WORK_CONSERVING = "work_conserving"
+FIXED_WAIT = "fixed_wait"
+BATCH_POLICIES = (WORK_CONSERVING, FIXED_WAIT)
+
+Clock = Callable[[], int]  # monotonic nanoseconds
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPolicy:
+    max_batch_size: int = 0
+    """0: the model does not batch; every request runs alone."""
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_ns: int = 0
+    mode: str = WORK_CONSERVING
+    dynamic: bool = True
+    """False when the config has no dynamic_batching: requests still run one at a time."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """What ``decide`` needs to know of a queued request."""
+
+    batch_size: int
+    shape_key: tuple
+    enqueued_ns: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    count: int  # take this many requests from the head of the queue
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    until_ns: int | None  # None: nothing to do until something is queued
+
+
+def decide(queue: Sequence[Pending], now_ns: int, policy: BatchPolicy) -> Dispatch | Wait:
+    """Decide what an idle instance should do with the queue (head first, highest priority first)."""
+    if not queue:
+        return Wait(None)
+    if policy.max_batch_size <= 0 or not policy.dynamic:
+        return Dispatch(1)
+    head = queue[0]
+    total = 0
+    count = 0
+    totals: list[int] = []
+    full = False
+    for item in queue:
+        if item.shape_key != head.shape_key or total + item.batch_size > policy.max_batch_size:
+            full = True
+            break
+        total += item.batch_size
+        count += 1
+        totals.append(total)
+    if count == 0:  # a single request larger than max_batch_size is rejected before queueing
+        return Dispatch(1)
+    full = full or total >= policy.max_batch_size
+    if policy.mode == WORK_CONSERVING:
+        return Dispatch(count)
+    target = max(policy.preferred_batch_sizes) if policy.preferred_batch_sizes else policy.max_batch_size
+    if full or total >= target:
+        if policy.preferred_batch_sizes:
+            preferred = set(policy.preferred_batch_sizes)
+            for i in range(count - 1, -1, -1):
+                if totals[i] in preferred:
+                    return Dispatch(i + 1)
+        return Dispatch(count)
+    deadline = head.enqueued_ns + policy.max_queue_delay_ns
+    if now_ns >= deadline:
+        return Dispatch(count)
+    return Wait(deadline)
+
+
+@dataclasses.dataclass(frozen=True)
+class QueuePolicy:
+    """Triton's ModelQueuePolicy for one priority level, with Sluice's default timeout."""
+
+    timeout_ns: int = 0  # 0: no timeout
+    allow_timeout_override: bool = True
+    delay_on_timeout: bool = False  # timeout_action DELAY instead of REJECT
+    max_queue_size: int = 0  # 0: unbounded
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    batch: BatchPolicy
+    priority_levels: int = 0  # 0: one level
+    default_priority: int = 0
+    default_queue: QueuePolicy = QueuePolicy()
+    queue_by_priority: dict[int, QueuePolicy] = dataclasses.field(default_factory=dict)
+    model_label: str = ""
+
+
+class Observer:
+    """Hooks the scheduler calls on the event-loop thread (statistics, metrics)."""
+
+    def on_rejected(self, reason: str) -> None:  # reason: "queue_full", "timeout", "cancelled"
+        pass
+
+    def on_batch(
+        self, requests: Sequence[InferRequest], queue_ns: Sequence[int], compute_ns: int, results: list[Result]
+    ) -> None:
+        pass
+
+
+_QUEUED, _RUNNING, _DONE = 0, 1, 2
+
+
+class _Entry:
+    __slots__ = ("deadline", "enqueued", "future", "level", "request", "state")
+
+    def __init__(self, request: InferRequest, future: asyncio.Future, enqueued: int, deadline: int, level: int):
+        self.request = request
+        self.future = future
+        self.enqueued = enqueued
+        self.deadline = deadline
+        self.level = level
+        self.state = _QUEUED
+
+
+class Scheduler:
+    """Queues requests for one model version and runs them in batches on its instances."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        instances: Sequence[ModelInstance],
+        *,
+        clock: Clock = time.monotonic_ns,
+        observer: Observer | None = None,
+    ) -> None:
+        if not instances:
+            raise ValueError("a scheduler needs at least one instance")
+        self._config = config
+        self._instances = list(instances)
+        self._free = list(instances)
+        self._clock = clock
+        self._observer = observer or Observer()
+        levels = max(config.priority_levels, 1)
+        # One FIFO per priority level, then one lane for DELAYed (timed-out) requests.
+        self._lanes: list[collections.deque[_Entry]] = [collections.deque() for _ in range(levels + 1)]
+        self._policies = [
+            config.queue_by_priority.get(level + 1, config.default_queue) for level in range(levels)
+        ]
+        self._pending = 0
+        self._running = 0
+        self._deadlines: list[tuple[int, int, _Entry]] = []
+        self._seq = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: int | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self._idle: asyncio.Event | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        label = self._config.model_label or "model"
+        self._executor = ThreadPoolExecutor(len(self._instances), thread_name_prefix=f"sluice-{label}")
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def aclose(self, grace_s: float = 30.0) -> None:
+        """Stop taking requests, let queued and running ones finish within ``grace_s``, close."""
+        self._closing = True
+        if self._idle is not None and (self._pending or self._running):
+            try:
+                await asyncio.wait_for(self._idle.wait(), grace_s)
+            except asyncio.TimeoutError:
+                pass
+        for lane in self._lanes:
+            while lane:
+                self._finish(lane.popleft(), Unavailable("the model is being unloaded"))
+        self._pending = 0
+        if self._timer is not None:
+            self._timer.cancel()
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
+        for instance in self._instances:
+            try:
+                instance.close()
+            except Exception:  # a failing finalize must not stop the others
+                pass
+
+    @property
+    def queue_depth(self) -> int:
+        return self._pending
+
+    @property
+    def in_flight(self) -> int:
+        return self._pending + self._running
+
+    # -- submission --------------------------------------------------------------------------
+    async def submit(self, request: InferRequest, priority: int = 0, timeout_us: int | None = None) -> Result:
+        """Queue ``request`` and wait for its result; raises SluiceError subclasses."""
+        if self._closing or self._loop is None:
+            raise Unavailable(f"model '{self._config.model_label}' is not accepting requests (unloading)")
+        level = self._level(priority)
+        policy = self._policies[level]
+        if policy.max_queue_size and self._pending >= policy.max_queue_size:
+            self._observer.on_rejected("queue_full")
+            raise QueueFull(
+                f"model '{self._config.model_label}' queue is full: {self._pending} requests queued, "
+                f"max_queue_size is {policy.max_queue_size}"
+            )
+        now = self._clock()
+        timeout_ns = policy.timeout_ns
+        if timeout_us is not None:
+            if not policy.allow_timeout_override:
+                pass  # Triton ignores the override silently; we keep the model's timeout
+            elif timeout_us > 0:
+                timeout_ns = timeout_us * 1000 if timeout_ns == 0 else min(timeout_ns, timeout_us * 1000)
+        deadline = now + timeout_ns if timeout_ns > 0 else 0
+        future = self._loop.create_future()
+        entry = _Entry(request, future, now, deadline, level)
+        self._lanes[level].append(entry)
+        self._pending += 1
+        if self._idle is not None:
+            self._idle.clear()
+        if deadline:
+            heapq.heappush(self._deadlines, (deadline, next(self._seq), entry))
+            if self._timer_at is None or deadline < self._timer_at:
+                self._arm(deadline)
+        request.cancel.on_cancel(lambda: self._cancel(entry))
+        if self._free:
+            self._pump()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            request.cancel.cancel()
+            raise
+
+    def _level(self, priority: int) -> int:
+        levels = max(self._config.priority_levels, 1)
+        if priority == 0:
+            priority = self._config.default_priority or 1
+        if self._config.priority_levels == 0:
+            return 0
+        if not 1 <= priority <= levels:
+            raise InvalidArgument(
+                f"priority {priority} is out of range for model '{self._config.model_label}': "
+                f"allowed 1..{levels} (1 is highest), or 0 for the default"
+            )
+        return priority - 1
+
+    # -- internals ---------------------------------------------------------------------------
+    def _cancel(self, entry: _Entry) -> None:
+        if entry.state == _QUEUED:
+            self._pending -= 1
+            self._observer.on_rejected("cancelled")
+            self._finish(entry, Cancelled("the request was cancelled by the client before it ran"))
+            self._maybe_idle()
+
+    def _finish(self, entry: _Entry, outcome: Result) -> None:
+        entry.state = _DONE
+        future = entry.future
+        if not future.done():
+            if isinstance(outcome, SluiceError):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+    def _maybe_idle(self) -> None:
+        if self._pending == 0 and self._running == 0 and self._idle is not None:
+            self._idle.set()
+
+    def _arm(self, at_ns: int) -> None:
+        assert self._loop is not None
+        if self._timer is not None:
+            self._timer.cancel()
+        delay = max(at_ns - self._clock(), 0) / 1e9
+        self._timer_at = at_ns
+        self._timer = self._loop.call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self._pump()
+
+    def _expire(self, now: int) -> None:
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, _, entry = heapq.heappop(heap)
+            if entry.state != _QUEUED or entry.level >= len(self._policies):
+                continue
+            if self._policies[entry.level].delay_on_timeout:
+                self._lanes[entry.level].remove(entry)
+                entry.level = len(self._policies)
+                self._lanes[-1].append(entry)
+                continue
+            self._pending -= 1
+            self._observer.on_rejected("timeout")
+            waited_us = (now - entry.enqueued) // 1000
+            self._finish(
+                entry,
+                QueueTimeout(
+                    f"request for model '{self._config.model_label}' timed out in the queue after "
+                    f"{waited_us} us (queue timeout {(entry.deadline - entry.enqueued) // 1000} us); "
+                    "it was not executed"
+                ),
+            )
+
+    def _snapshot(self, limit: int) -> list[_Entry]:
+        """Live entries in dispatch order, dropping dead ones from the lane heads."""
+        out: list[_Entry] = []
+        for lane in self._lanes:
+            while lane and lane[0].state != _QUEUED:
+                lane.popleft()
+            for entry in lane:
+                if entry.state == _QUEUED:
+                    out.append(entry)
+                    if len(out) >= limit:
+                        return out
+        return out
+
+    def _pump(self) -> None:
+        """Dispatch batches to idle instances while the policy says so."""
+        now = self._clock()
+        if self._deadlines and self._deadlines[0][0] <= now:
+            self._expire(now)
+            self._maybe_idle()
+        batch_policy = self._config.batch
+        limit = max(batch_policy.max_batch_size, 1)
+        while self._free and self._pending:
+            entries = self._snapshot(limit)
+            if not entries:
+                break
+            decision = decide(
+                [Pending(e.request.batch_size, e.request.shape_key, e.enqueued) for e in entries],
+                now,
+                batch_policy,
+            )
+            if isinstance(decision, Wait):
+                if decision.until_ns is not None and (self._timer_at is None or decision.until_ns < self._timer_at):
+                    self._arm(decision.until_ns)
+                break
+            batch = entries[: decision.count]
+            for entry in batch:
+                entry.state = _RUNNING  # left in its lane; _snapshot drops non-queued heads lazily
+            self._pending -= len(batch)
+            self._running += len(batch)
+            self._run(self._free.pop(), batch, now)
+        if self._deadlines and (self._timer_at is None or self._deadlines[0][0] < self._timer_at):
+            # lazily drop dead heads so the timer tracks a live deadline
+            while self._deadlines and self._deadlines[0][2].state != _QUEUED:
+                heapq.heappop(self._deadlines)
+            if self._deadlines:
+                self._arm(self._deadlines[0][0])
+
+    def _run(self, instance: ModelInstance, batch: list[_Entry], now: int) -> None:
+        assert self._loop is not None and self._executor is not None
+        requests = [entry.request for entry in batch]
+        queue_ns = [now - entry.enqueued for entry in batch]
+        clock = self._clock
+
+        def work() -> tuple[list[Result], int]:
+            start = clock()
+            try:
+                results = instance.execute(requests)
+            except SluiceError as exc:
+                results = [exc] * len(requests)
+            except Exception as exc:  # a backend bug must reach the clients, not the loop
+                results = [Internal(f"backend failed: {type(exc).__name__}: {exc}")] * len(requests)
+            if len(results) != len(requests):
+                results = [Internal(f"backend returned {len(results)} results for {len(requests)} requests")] * len(
+                    requests
+                )
+            return results, clock() - start
+
+        future = self._loop.run_in_executor(self._executor, work)
+        future.add_done_callback(lambda f: self._done(instance, batch, queue_ns, f))
+
+    def _done(self, instance: ModelInstance, batch: list[_Entry], queue_ns: list[int], f: Any) -> None:
+        self._free.append(instance)
+        self._running -= len(batch)
+        try:
+            results, compute_ns = f.result()
+        except BaseException as exc:  # executor shut down under us
+            results, compute_ns = [Internal(f"execution failed: {exc!r}")] * len(batch), 0
+        for entry, result in zip(batch, results, strict=True):
+            self._finish(entry, result)
+        self._observer.on_batch([e.request for e in batch], queue_ns, compute_ns, results)
+        self._maybe_idle()
+        if self._pending:
+            self._pump()
+
