@@ -1,0 +1,499 @@
+"""The Python backend: runs Triton ``model.py`` files (``class TritonPythonModel``) unchanged.
+
+The repository calls :func:`load` for a model version whose config says ``backend: "python"``; the
+scheduler then asks the returned backend for instances and calls ``execute`` on a worker thread.
+Unlike Triton, which runs each instance in a stub process, Sluice runs the model in-process: each
+instance is one ``TritonPythonModel()`` object, used by one thread at a time.
+
+Conversion happens here, in both directions: Sluice's :class:`~sluice.runtime.types.InferRequest`
+becomes a ``pb_utils.InferenceRequest`` for the model, and each ``pb_utils.InferenceResponse``
+becomes an ``InferResponse`` or a :class:`~sluice.runtime.errors.SluiceError` for that request
+alone. The ``pb_utils`` surface itself is :mod:`.triton_python_backend_utils`; what is and is not
+supported is listed in ``docs/python-backend.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import inspect
+import itertools
+import json
+import logging
+import re
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+from google.protobuf import descriptor as pb_descriptor
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from sluice.runtime.backends import triton_python_backend_utils as pb_utils
+from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result
+from sluice.runtime.errors import (
+    Cancelled,
+    InvalidArgument,
+    ModelError,
+    NotFound,
+    SluiceError,
+    Unavailable,
+    Unsupported,
+)
+from sluice.runtime.types import (
+    CONFIG_TYPE_BY_DATATYPE,
+    DATATYPE_BY_CONFIG_TYPE,
+    CancelToken,
+    InferRequest,
+    InferResponse,
+    Tensor,
+    datatype_of,
+)
+
+_log = logging.getLogger(__name__)
+
+UTILS_MODULE_NAME = "triton_python_backend_utils"
+DEFAULT_MODEL_FILENAME = "model.py"
+
+# Request parameters the protocol layer consumes itself; Triton does not show them to the model
+# in ``request.parameters()``.
+_RESERVED_PARAMETERS = frozenset(
+    {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "binary_data_output"}
+)
+
+# TritonError code -> the Sluice error (and so the HTTP status / gRPC code) the client sees.
+_ERROR_BY_TRITON_CODE: dict[int, type[SluiceError]] = {
+    pb_utils.TritonError.UNKNOWN: ModelError,
+    pb_utils.TritonError.INTERNAL: ModelError,
+    pb_utils.TritonError.NOT_FOUND: NotFound,
+    pb_utils.TritonError.INVALID_ARG: InvalidArgument,
+    pb_utils.TritonError.UNAVAILABLE: Unavailable,
+    pb_utils.TritonError.UNSUPPORTED: Unsupported,
+    pb_utils.TritonError.ALREADY_EXISTS: ModelError,
+    pb_utils.TritonError.CANCELLED: Cancelled,
+}
+
+# Unique module names, so two models (or two versions) with a ``model.py`` never share a module.
+_module_numbers = itertools.count(1)
+# ``sys.path`` and ``sys.modules`` are process-wide: one model import at a time.
+_import_lock = threading.Lock()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def load(config: mc.ModelConfig, ctx: LoadContext) -> ModelBackend:
+    """Import ``<version_dir>/model.py`` (or ``default_model_filename``) and check its class."""
+    if config.model_transaction_policy.decoupled:
+        raise Unsupported(
+            f"failed to load '{ctx.model_name}' version {ctx.version}: "
+            "model_transaction_policy { decoupled: true } is not supported by Sluice's Python backend yet; "
+            "remove it and return one InferenceResponse per request from execute()"
+        )
+    path = ctx.version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
+    if not path.is_file():
+        raise ModelError(
+            f"failed to load '{ctx.model_name}' version {ctx.version}: model file {path} does not exist "
+            f"(the Python backend loads '{config.default_model_filename or DEFAULT_MODEL_FILENAME}' "
+            "from the version directory; set default_model_filename to use another name)"
+        )
+    module = _import_model_file(path, ctx)
+    model_class = getattr(module, "TritonPythonModel", None)
+    if not inspect.isclass(model_class):
+        _forget_module(module)
+        raise ModelError(
+            f"failed to load '{ctx.model_name}' version {ctx.version}: {path} does not define "
+            "a class named 'TritonPythonModel'"
+        )
+    if not callable(getattr(model_class, "execute", None)):
+        _forget_module(module)
+        raise ModelError(
+            f"failed to load '{ctx.model_name}' version {ctx.version}: class TritonPythonModel in {path} "
+            "has no execute(self, requests) method"
+        )
+    return PythonBackend(config, ctx, module, model_class)
+
+
+def _import_model_file(path: Path, ctx: LoadContext) -> ModuleType:
+    """Import ``path`` as a fresh module; sibling files of ``path`` are importable while it runs.
+
+    Sibling modules imported by the model file are dropped from ``sys.modules`` afterwards (the
+    model keeps its references), so another model's ``utils.py`` is never mistaken for this one's.
+    """
+    safe_name = re.sub(r"\W", "_", ctx.model_name)
+    module_name = f"sluice_python_model_{next(_module_numbers)}_{safe_name}_v{ctx.version}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ModelError(f"failed to load '{ctx.model_name}' version {ctx.version}: cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sibling_dir = str(path.parent)
+    with _import_lock:
+        sys.modules[UTILS_MODULE_NAME] = pb_utils
+        already_imported = set(sys.modules)
+        sys.modules[module_name] = module
+        sys.path.insert(0, sibling_dir)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            sys.modules.pop(module_name, None)
+            raise ModelError(
+                f"failed to load '{ctx.model_name}' version {ctx.version}: importing {path} raised "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(sibling_dir)
+            _forget_siblings(path.parent, set(sys.modules) - already_imported - {module_name})
+    return module
+
+
+def _forget_siblings(directory: Path, names: set[str]) -> None:
+    root = directory.resolve()
+    for name in names:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file and Path(file).resolve().is_relative_to(root):
+            sys.modules.pop(name, None)
+
+
+def _forget_module(module: ModuleType) -> None:
+    if sys.modules.get(module.__name__) is module:
+        del sys.modules[module.__name__]
+
+
+def model_config_json(config: mc.ModelConfig) -> str:
+    """The config as Triton hands it to ``initialize``: field names as in the proto, defaults
+    included (``max_batch_size: 0`` is present), and 64-bit integers such as ``dims`` as JSON
+    numbers, not the strings protobuf's JSON mapping would use."""
+    try:
+        data = json_format.MessageToDict(
+            config, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+    except TypeError:  # protobuf < 5.26 spells the option differently
+        data = json_format.MessageToDict(config, preserving_proto_field_name=True, including_default_value_fields=True)
+    _int64_strings_to_numbers(config.DESCRIPTOR, data)
+    return json.dumps(data)
+
+
+_INT64_TYPES = (pb_descriptor.FieldDescriptor.CPPTYPE_INT64, pb_descriptor.FieldDescriptor.CPPTYPE_UINT64)
+
+
+def _int64_strings_to_numbers(message_type: pb_descriptor.Descriptor, data: dict[str, Any]) -> None:
+    for field in message_type.fields:
+        if field.name not in data:
+            continue
+        value = data[field.name]
+        entry = field.message_type
+        if entry is not None and entry.GetOptions().map_entry:
+            value_field = entry.fields_by_name["value"]
+            for key, item in value.items():
+                if value_field.message_type is not None:
+                    _int64_strings_to_numbers(value_field.message_type, item)
+                elif value_field.cpp_type in _INT64_TYPES:
+                    value[key] = int(item)
+        elif entry is not None:
+            for item in value if isinstance(value, list) else [value]:
+                _int64_strings_to_numbers(entry, item)
+        elif field.cpp_type in _INT64_TYPES:
+            data[field.name] = [int(v) for v in value] if isinstance(value, list) else int(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend and instances
+# ---------------------------------------------------------------------------------------------
+
+
+class PythonBackend(ModelBackend):
+    """A loaded ``model.py``; every instance gets its own ``TritonPythonModel`` object."""
+
+    def __init__(self, config: mc.ModelConfig, ctx: LoadContext, module: ModuleType, model_class: type) -> None:
+        self.config = config
+        self._ctx = ctx
+        self._module = module
+        self._model_class = model_class
+        self._config_json = model_config_json(config)
+        self._declared_outputs = {
+            output.name: DATATYPE_BY_CONFIG_TYPE[mc.DataType.Name(output.data_type)]
+            for output in config.output
+            if mc.DataType.Name(output.data_type) in DATATYPE_BY_CONFIG_TYPE
+        }
+        self._all_output_names = [output.name for output in config.output]
+
+    def new_instance(self, index: int, kind: int, device_id: int) -> ModelInstance:
+        name = self._ctx.model_name
+        instance_name = f"{name}_{index}"
+        try:
+            kind_name = mc.ModelInstanceGroup.Kind.Name(kind).removeprefix("KIND_")
+        except ValueError:
+            kind_name = str(kind)
+        args = {
+            "model_config": self._config_json,
+            "model_instance_kind": kind_name,
+            "model_instance_name": instance_name,
+            "model_instance_device_id": str(device_id),
+            "model_repository": str(self._ctx.model_dir),
+            "model_version": str(self._ctx.version),
+            "model_name": name,
+        }
+        instance = PythonInstance(self, instance_name)
+        try:
+            instance.start(args)
+        except Exception as exc:
+            instance.close_loop()
+            raise ModelError(
+                f"failed to initialize model instance '{instance_name}' of model '{name}' "
+                f"version {self._ctx.version}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return instance
+
+    def close(self) -> None:
+        _forget_module(self._module)
+
+
+class PythonInstance(ModelInstance):
+    """One ``TritonPythonModel`` object; ``execute`` converts requests in and responses out."""
+
+    def __init__(self, backend: PythonBackend, instance_name: str) -> None:
+        self._backend = backend
+        self._instance_name = instance_name
+        self._model: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self, args: dict[str, str]) -> None:
+        self._model = self._backend._model_class()
+        initialize = getattr(self._model, "initialize", None)
+        if callable(initialize):
+            self._resolve(initialize(args))
+
+    def close(self) -> None:
+        finalize = getattr(self._model, "finalize", None)
+        try:
+            if callable(finalize):
+                self._resolve(finalize())
+        except Exception:
+            _log.exception("finalize() of model instance '%s' raised", self._instance_name)
+        finally:
+            self._model = None
+            self.close_loop()
+
+    def close_loop(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+    def _resolve(self, result: Any) -> Any:
+        """Run a coroutine (``async def execute``/``initialize``) to completion on this instance's loop."""
+        if not inspect.isawaitable(result):
+            return result
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(result)
+
+    # -- execution ------------------------------------------------------------------------------
+
+    def execute(self, requests: Sequence[InferRequest]) -> list[Result]:
+        model_name = self._backend._ctx.model_name
+        wrapped = [self._to_model_request(request) for request in requests]
+        try:
+            returned = self._resolve(self._model.execute(wrapped))
+        except Exception as exc:
+            message = f"Failed to process the request(s) for model '{model_name}', message: {type(exc).__name__}: {exc}"
+            _log.debug("execute() of model instance '%s' raised", self._instance_name, exc_info=True)
+            return [ModelError(message) for _ in requests]
+        problem = _check_response_list(returned, len(requests))
+        if problem is not None:
+            message = f"model '{model_name}': {problem}"
+            return [ModelError(message) for _ in requests]
+        return [
+            self._to_result(position, request, response)
+            for position, (request, response) in enumerate(zip(requests, returned, strict=True))
+        ]
+
+    def _to_model_request(self, request: InferRequest) -> ServedRequest:
+        parameters = request.parameters
+        correlation_id = parameters.get("sequence_id", 0)
+        if not isinstance(correlation_id, (int, str)):
+            correlation_id = 0
+        flags = 0
+        if parameters.get("sequence_start"):
+            flags |= pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+        if parameters.get("sequence_end"):
+            flags |= pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+        if request.outputs:
+            requested = [output.name for output in request.outputs]
+        else:  # as in Triton: no requested outputs means all of the model's outputs
+            requested = list(self._backend._all_output_names)
+        version = request.model_version
+        return ServedRequest(
+            request.cancel,
+            request_id=request.id,
+            correlation_id=correlation_id,
+            inputs=[pb_utils.Tensor(tensor.name, tensor.data) for tensor in request.inputs],
+            requested_output_names=requested,
+            model_name=request.model_name,
+            model_version=int(version) if version.isdigit() else self._backend._ctx.version,
+            flags=flags,
+            parameters={k: v for k, v in parameters.items() if k not in _RESERVED_PARAMETERS},
+        )
+
+    def _to_result(self, position: int, request: InferRequest, response: Any) -> Result:
+        model_name = self._backend._ctx.model_name
+        if not isinstance(response, pb_utils.InferenceResponse):
+            return ModelError(
+                f"model '{model_name}': execute() returned {type(response).__name__} at position {position}; "
+                "expected a triton_python_backend_utils.InferenceResponse"
+            )
+        error = response.error()
+        if error is not None:
+            error_type = _ERROR_BY_TRITON_CODE.get(error.code(), ModelError)
+            return error_type(str(error.message()))
+        wanted = {output.name for output in request.outputs} if request.outputs else None
+        outputs: list[Tensor] = []
+        try:
+            for tensor in response.output_tensors():
+                output = self._to_output(tensor)
+                if wanted is None or output.name in wanted:
+                    outputs.append(output)
+            parameters = json.loads(response.parameters())
+        except SluiceError as exc:
+            return exc
+        except ValueError as exc:
+            return ModelError(f"model '{model_name}': response parameters are not a JSON object: {exc}")
+        return InferResponse(
+            model_name=request.model_name,
+            model_version=request.model_version or str(self._backend._ctx.version),
+            outputs=outputs,
+            id=request.id,
+            parameters=parameters if isinstance(parameters, dict) else {},
+        )
+
+    def _to_output(self, tensor: Any) -> Tensor:
+        model_name = self._backend._ctx.model_name
+        if not isinstance(tensor, pb_utils.Tensor):
+            raise ModelError(
+                f"model '{model_name}': an InferenceResponse holds a {type(tensor).__name__} "
+                "where a triton_python_backend_utils.Tensor was expected"
+            )
+        name = tensor.name()
+        declared = self._backend._declared_outputs
+        if declared and name not in declared:
+            allowed = ", ".join(f"'{n}'" for n in declared)
+            raise ModelError(
+                f"model '{model_name}' returned output '{name}', which its configuration does not declare "
+                f"(declared outputs: {allowed})"
+            )
+        datatype, data = convert_output(name, np.asarray(tensor.as_numpy()), declared.get(name))
+        return Tensor(name, datatype, data)
+
+
+class ServedRequest(pb_utils.InferenceRequest):
+    """A request from a client, as the model sees it: cancellation is read live from Sluice."""
+
+    def __init__(self, cancel: CancelToken, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._cancel_token = cancel
+
+    def is_cancelled(self) -> bool:
+        return self._cancel_token.cancelled
+
+
+def _check_response_list(returned: Any, expected: int) -> str | None:
+    """Why the value ``execute`` returned cannot be matched to the requests, or None if it can."""
+    if returned is None:
+        return (
+            "execute() returned None; decoupled mode is not supported by Sluice yet, "
+            "return a list with one InferenceResponse per request"
+        )
+    if not isinstance(returned, (list, tuple)):
+        return f"execute() must return a list of InferenceResponse, got {type(returned).__name__}"
+    if len(returned) != expected:
+        return (
+            "Number of InferenceResponse objects do not match the number of InferenceRequest objects. "
+            f"InferenceRequest(s) size is:{expected}, and InferenceResponse(s) size is:{len(returned)}"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Output conversion
+# ---------------------------------------------------------------------------------------------
+
+
+def convert_output(name: str, array: np.ndarray, declared: str | None) -> tuple[str, np.ndarray]:
+    """The V2 datatype and in-memory array for an output the model produced.
+
+    With a declared datatype the data is converted to it when numpy calls that a ``same_kind``
+    cast (float64 -> FP32, int64 -> INT32, ...); anything else is a :class:`ModelError` in Triton's
+    words. Without one the datatype follows the array. BYTES become object arrays of ``bytes``.
+    """
+    if declared is None:
+        if array.dtype.name == "bfloat16":
+            return "BF16", array.view(np.uint16)
+        try:
+            declared = datatype_of(array)
+        except ValueError as exc:
+            raise ModelError(f"output '{name}': numpy dtype {array.dtype} has no Triton datatype") from exc
+    if declared == "BYTES":
+        if array.dtype == np.object_ or array.dtype.kind in ("S", "U"):
+            return "BYTES", _to_bytes_array(array)
+    elif declared == "BF16":
+        bits = _to_bf16_bits(array)
+        if bits is not None:
+            return "BF16", bits
+    else:
+        target = np.dtype(pb_utils.triton_string_to_numpy(CONFIG_TYPE_BY_DATATYPE[declared]))
+        if array.dtype == target:
+            return declared, array
+        if array.dtype.kind in "biuf" and np.can_cast(array.dtype, target, casting="same_kind"):
+            return declared, array.astype(target)
+    raise ModelError(
+        f"configuration expects datatype {CONFIG_TYPE_BY_DATATYPE[declared]} for output '{name}', "
+        f"model provides {_describe_dtype(array)}"
+    )
+
+
+def _describe_dtype(array: np.ndarray) -> str:
+    try:
+        return CONFIG_TYPE_BY_DATATYPE[datatype_of(array)]
+    except ValueError:
+        return f"numpy dtype {array.dtype}"
+
+
+def _to_bytes_array(array: np.ndarray) -> np.ndarray:
+    out = np.empty(array.shape, dtype=np.object_)
+    flat = out.reshape(-1)
+    for index, item in enumerate(array.flat):
+        flat[index] = _as_bytes(item)
+    return out
+
+
+def _as_bytes(item: Any) -> bytes:
+    if isinstance(item, bytes):
+        return bytes(item)
+    if isinstance(item, str):
+        return item.encode("utf-8")
+    if isinstance(item, (bytearray, memoryview)):
+        return bytes(item)
+    return str(item).encode("utf-8")
+
+
+def _to_bf16_bits(array: np.ndarray) -> np.ndarray | None:
+    """BF16 as Sluice holds it: uint16 bit patterns (from uint16, ml_dtypes bfloat16 or floats)."""
+    if array.dtype == np.uint16:
+        return array
+    if array.dtype.name == "bfloat16":
+        return array.view(np.uint16)
+    if array.dtype.kind != "f":
+        return None
+    as_float = np.ascontiguousarray(array, dtype=np.float32)
+    bits = as_float.view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.where(np.isnan(as_float), np.uint16(0x7FC0), rounded.astype(np.uint16))

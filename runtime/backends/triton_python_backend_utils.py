@@ -1,0 +1,483 @@
+"""Sluice's implementation of Triton's ``triton_python_backend_utils`` module (``pb_utils``).
+
+Triton ``model.py`` files ``import triton_python_backend_utils as pb_utils``; the Python backend
+(:mod:`sluice.runtime.backends.python`) registers this module in ``sys.modules`` under that exact
+name when it loads a Python model, so those files run unchanged. Names and signatures follow
+Triton's python_backend; what Sluice does not support (BLS, decoupled response senders, request
+rescheduling, GPU tensors) raises :class:`TritonModelException` with a message saying so.
+See ``docs/python-backend.md``.
+
+Nothing here imports the rest of Sluice: this is the surface user code sees, kept free of
+Sluice's own types.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------
+# Constants (values of Triton's C API enums)
+# ---------------------------------------------------------------------------------------------
+
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+TRITONSERVER_MEMORY_CPU = 0
+TRITONSERVER_MEMORY_CPU_PINNED = 1
+TRITONSERVER_MEMORY_GPU = 2
+
+# TRITONSERVER_DataType values, as ``Tensor.triton_dtype()`` and ``numpy_to_triton_type`` return them.
+TRITONSERVER_TYPE_INVALID = 0
+TRITONSERVER_TYPE_BOOL = 1
+TRITONSERVER_TYPE_UINT8 = 2
+TRITONSERVER_TYPE_UINT16 = 3
+TRITONSERVER_TYPE_UINT32 = 4
+TRITONSERVER_TYPE_UINT64 = 5
+TRITONSERVER_TYPE_INT8 = 6
+TRITONSERVER_TYPE_INT16 = 7
+TRITONSERVER_TYPE_INT32 = 8
+TRITONSERVER_TYPE_INT64 = 9
+TRITONSERVER_TYPE_FP16 = 10
+TRITONSERVER_TYPE_FP32 = 11
+TRITONSERVER_TYPE_FP64 = 12
+TRITONSERVER_TYPE_BYTES = 13
+TRITONSERVER_TYPE_BF16 = 14
+
+_NUMPY_BY_TRITON_TYPE: dict[int, type] = {
+    TRITONSERVER_TYPE_BOOL: np.bool_,
+    TRITONSERVER_TYPE_UINT8: np.uint8,
+    TRITONSERVER_TYPE_UINT16: np.uint16,
+    TRITONSERVER_TYPE_UINT32: np.uint32,
+    TRITONSERVER_TYPE_UINT64: np.uint64,
+    TRITONSERVER_TYPE_INT8: np.int8,
+    TRITONSERVER_TYPE_INT16: np.int16,
+    TRITONSERVER_TYPE_INT32: np.int32,
+    TRITONSERVER_TYPE_INT64: np.int64,
+    TRITONSERVER_TYPE_FP16: np.float16,
+    TRITONSERVER_TYPE_FP32: np.float32,
+    TRITONSERVER_TYPE_FP64: np.float64,
+    TRITONSERVER_TYPE_BYTES: np.object_,
+}
+
+TRITON_STRING_TO_NUMPY: dict[str, type] = {
+    "TYPE_BOOL": bool,
+    "TYPE_UINT8": np.uint8,
+    "TYPE_UINT16": np.uint16,
+    "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_INT8": np.int8,
+    "TYPE_INT16": np.int16,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_FP16": np.float16,
+    "TYPE_FP32": np.float32,
+    "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+}
+
+
+def triton_string_to_numpy(triton_type_string: str) -> type:
+    """``"TYPE_FP32"`` -> ``np.float32`` (KeyError for unknown names, as in Triton)."""
+    return TRITON_STRING_TO_NUMPY[triton_type_string]
+
+
+def triton_to_numpy_type(data_type: int) -> type | None:
+    """A ``TRITONSERVER_TYPE_*`` value -> numpy type; None when numpy has none (BF16, INVALID)."""
+    return _NUMPY_BY_TRITON_TYPE.get(data_type)
+
+
+def numpy_to_triton_type(data_type: Any) -> int | None:
+    """A numpy dtype or type -> ``TRITONSERVER_TYPE_*`` value; None when there is none."""
+    try:
+        dtype = np.dtype(data_type)
+    except TypeError:
+        return None
+    if dtype.kind == "S":
+        return TRITONSERVER_TYPE_BYTES
+    for code, numpy_type in _NUMPY_BY_TRITON_TYPE.items():
+        if dtype == np.dtype(numpy_type):
+            return code
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# BYTES serialization (4-byte little-endian length, then the bytes, per element in C order)
+# ---------------------------------------------------------------------------------------------
+
+
+def serialize_byte_tensor(input_tensor: np.ndarray) -> bytes | None:
+    """Flatten an object/bytes array into length-prefixed bytes; None for non-bytes dtypes."""
+    if input_tensor.size == 0:
+        return b""
+    if input_tensor.dtype != np.object_ and input_tensor.dtype.kind not in ("S", "U"):
+        return None
+    chunks: list[bytes] = []
+    for item in input_tensor.flat:
+        if isinstance(item, bytes):
+            data = item
+        elif isinstance(item, str):
+            data = item.encode("utf-8")
+        else:
+            data = str(item).encode("utf-8")
+        chunks.append(struct.pack("<I", len(data)))
+        chunks.append(data)
+    return b"".join(chunks)
+
+
+def deserialize_bytes_tensor(encoded_tensor: bytes) -> np.ndarray:
+    """Length-prefixed bytes -> 1-D object array of ``bytes``."""
+    view = memoryview(encoded_tensor).cast("B")
+    items: list[bytes] = []
+    offset = 0
+    while offset < len(view):
+        if offset + 4 > len(view):
+            raise TritonModelException("truncated length prefix in serialized BYTES tensor")
+        (length,) = struct.unpack_from("<I", view, offset)
+        offset += 4
+        if offset + length > len(view):
+            raise TritonModelException("element runs past the end of the serialized BYTES tensor")
+        items.append(bytes(view[offset : offset + length]))
+        offset += length
+    array = np.empty(len(items), dtype=np.object_)
+    array[:] = items
+    return array
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+class TritonError:
+    """An error a model puts in an :class:`InferenceResponse`; not an exception, as in Triton."""
+
+    UNKNOWN = 0
+    INTERNAL = 1
+    NOT_FOUND = 2
+    INVALID_ARG = 3
+    UNAVAILABLE = 4
+    UNSUPPORTED = 5
+    ALREADY_EXISTS = 6
+    CANCELLED = 7
+
+    def __init__(self, message: str, code: int = INTERNAL) -> None:
+        self._message = message
+        self._code = code
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+    def __str__(self) -> str:
+        return self._message
+
+    def __repr__(self) -> str:
+        return f"TritonError({self._message!r}, code={self._code})"
+
+
+class TritonModelException(Exception):
+    """Raised by models (and by this module) to fail a call; ``message()`` as in Triton."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self._message = message
+
+    def message(self) -> str:
+        return self._message
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors, requests, responses
+# ---------------------------------------------------------------------------------------------
+
+
+class _DLPackCapsuleHolder:
+    """Lets ``np.from_dlpack`` consume a bare DLPack capsule (it wants an object with ``__dlpack__``)."""
+
+    def __init__(self, capsule: Any) -> None:
+        self._capsule = capsule
+
+    def __dlpack__(self, **_: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU
+
+
+class Tensor:
+    """A named tensor held as a numpy array (Sluice keeps every tensor in CPU memory)."""
+
+    def __init__(self, name: str, numpy_array: Any, triton_dtype: int | None = None) -> None:
+        if not isinstance(name, str):
+            raise TritonModelException(f"Tensor name must be a str, got {type(name).__name__}")
+        array = numpy_array if isinstance(numpy_array, np.ndarray) else np.asarray(numpy_array)
+        if triton_dtype is not None:
+            wanted = triton_to_numpy_type(triton_dtype)
+            if wanted is not None and array.dtype != np.dtype(wanted):
+                array = array.view(wanted)
+        self._name = name
+        self._array = array
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+    def triton_dtype(self) -> int | None:
+        return numpy_to_triton_type(self._array.dtype)
+
+    def shape(self) -> list[int]:
+        return list(self._array.shape)
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def to_dlpack(self) -> Any:
+        """A DLPack capsule of the data (numeric dtypes only; BYTES has no DLPack form)."""
+        if self._array.dtype == np.object_ or self._array.dtype.kind in ("S", "U"):
+            raise TritonModelException(f"Tensor '{self._name}': BYTES tensors cannot be converted to DLPack")
+        return np.ascontiguousarray(self._array).__dlpack__()
+
+    @staticmethod
+    def from_dlpack(name: str, dlpack_tensor: Any) -> Tensor:
+        """From an object with ``__dlpack__`` (e.g. a CPU torch tensor) or a bare DLPack capsule."""
+        source = dlpack_tensor if hasattr(dlpack_tensor, "__dlpack__") else _DLPackCapsuleHolder(dlpack_tensor)
+        try:
+            array = np.from_dlpack(source)
+        except (TypeError, ValueError, BufferError, RuntimeError) as exc:
+            raise TritonModelException(
+                f"Tensor '{name}': cannot import DLPack data ({exc}); Sluice supports CPU tensors only"
+            ) from exc
+        return Tensor(name, array)
+
+    def __repr__(self) -> str:
+        return f"Tensor({self._name!r}, dtype={self._array.dtype}, shape={self._array.shape})"
+
+
+class PreferredMemory:
+    """Accepted for compatibility with BLS code; Sluice keeps tensors in CPU memory."""
+
+    def __init__(self, preferred_memory_type: int = TRITONSERVER_MEMORY_CPU, preferred_device_id: int = 0) -> None:
+        self.preferred_memory_type = preferred_memory_type
+        self.preferred_device_id = preferred_device_id
+
+
+_BLS_UNSUPPORTED = "BLS is not supported by Sluice yet"
+_DECOUPLED_UNSUPPORTED = (
+    "decoupled mode (InferenceRequest.get_response_sender) is not supported by Sluice yet; "
+    "return one InferenceResponse per request from execute()"
+)
+
+
+class InferenceRequest:
+    """A request as the model sees it; models may also build one (for BLS, which Sluice lacks)."""
+
+    def __init__(
+        self,
+        request_id: str = "",
+        correlation_id: int | str = 0,
+        inputs: Sequence[Tensor] = (),
+        requested_output_names: Sequence[str] = (),
+        model_name: str = "",
+        model_version: int = -1,
+        flags: int = 0,
+        timeout: int = 0,
+        preferred_memory: PreferredMemory | None = None,
+        trace: Any = None,
+        parameters: dict[str, Any] | str | None = None,
+    ) -> None:
+        self._request_id = request_id
+        self._correlation_id = correlation_id
+        self._inputs = list(inputs)
+        self._requested_output_names = list(requested_output_names)
+        self._model_name = model_name
+        self._model_version = model_version
+        self._flags = flags
+        self._timeout = timeout
+        self._preferred_memory = preferred_memory or PreferredMemory()
+        self._trace = trace
+        if parameters is None:
+            self._parameters = "{}"
+        elif isinstance(parameters, str):
+            self._parameters = parameters
+        else:
+            self._parameters = json.dumps(parameters, default=str)
+
+    def inputs(self) -> list[Tensor]:
+        return self._inputs
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def correlation_id(self) -> int | str:
+        return self._correlation_id
+
+    def flags(self) -> int:
+        return self._flags
+
+    def model_name(self) -> str:
+        return self._model_name
+
+    def model_version(self) -> int:
+        return self._model_version
+
+    def timeout(self) -> int:
+        return self._timeout
+
+    def trace(self) -> Any:
+        return self._trace
+
+    def requested_output_names(self) -> list[str]:
+        return self._requested_output_names
+
+    def parameters(self) -> str:
+        """The request parameters as a JSON object string (``json.loads`` it), as in Triton."""
+        return self._parameters
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def get_response_sender(self) -> Any:
+        raise TritonModelException(_DECOUPLED_UNSUPPORTED)
+
+    def set_release_flags(self, flags: int) -> None:
+        if flags != TRITONSERVER_REQUEST_RELEASE_ALL:
+            raise TritonModelException("request rescheduling is not supported by Sluice yet")
+
+    def exec(self, decoupled: bool = False) -> InferenceResponse:
+        raise TritonModelException(_BLS_UNSUPPORTED)
+
+    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
+        raise TritonModelException(_BLS_UNSUPPORTED)
+
+
+class InferenceResponse:
+    """One response: output tensors, or an error (then the tensors are ignored)."""
+
+    def __init__(
+        self,
+        output_tensors: Iterable[Tensor] | None = None,
+        error: TritonError | None = None,
+        parameters: dict[str, Any] | str | None = None,
+    ) -> None:
+        if output_tensors is not None and not isinstance(output_tensors, (list, tuple)):
+            raise TritonModelException('"output_tensors" must be a list.')
+        if error is not None and not isinstance(error, TritonError):
+            raise TritonModelException(f'"error" must be a TritonError, got {type(error).__name__}')
+        self._output_tensors = list(output_tensors or ())
+        self._error = error
+        if parameters is None:
+            self._parameters = "{}"
+        elif isinstance(parameters, str):
+            self._parameters = parameters
+        else:
+            self._parameters = json.dumps(parameters, default=str)
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._output_tensors
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
+# ---------------------------------------------------------------------------------------------
+# Lookup helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
+    for tensor in inference_request.inputs():
+        if tensor.name() == name:
+            return tensor
+    return None
+
+
+def get_output_tensor_by_name(inference_response: InferenceResponse, name: str) -> Tensor | None:
+    for tensor in inference_response.output_tensors():
+        if tensor.name() == name:
+            return tensor
+    return None
+
+
+def get_input_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The ``input`` entry named ``name`` of the json-loaded model config, or None."""
+    for properties in model_config.get("input", ()):
+        if properties.get("name") == name:
+            return properties
+    return None
+
+
+def get_output_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The ``output`` entry named ``name`` of the json-loaded model config, or None."""
+    for properties in model_config.get("output", ()):
+        if properties.get("name") == name:
+            return properties
+    return None
+
+
+def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bool:
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+# ---------------------------------------------------------------------------------------------
+# Logging
+# ---------------------------------------------------------------------------------------------
+
+_LOGGER_NAME = "sluice.python_model"
+
+
+class LogLevel(enum.IntEnum):
+    INFO = 0
+    WARNING = 1
+    ERROR = 2
+    VERBOSE = 3
+
+
+_LOGGING_LEVEL = {
+    LogLevel.INFO: logging.INFO,
+    LogLevel.WARNING: logging.WARNING,
+    LogLevel.ERROR: logging.ERROR,
+    LogLevel.VERBOSE: logging.DEBUG,
+}
+
+
+class Logger:
+    """Triton's model logger, writing to the ``sluice.python_model`` logger of :mod:`logging`."""
+
+    @staticmethod
+    def log(message: str, level: LogLevel = LogLevel.INFO) -> None:
+        logging.getLogger(_LOGGER_NAME).log(_LOGGING_LEVEL[LogLevel(level)], "%s", message, stacklevel=2)
+
+    @staticmethod
+    def log_info(message: str) -> None:
+        logging.getLogger(_LOGGER_NAME).info("%s", message, stacklevel=2)
+
+    @staticmethod
+    def log_warn(message: str) -> None:
+        logging.getLogger(_LOGGER_NAME).warning("%s", message, stacklevel=2)
+
+    @staticmethod
+    def log_error(message: str) -> None:
+        logging.getLogger(_LOGGER_NAME).error("%s", message, stacklevel=2)
+
+    @staticmethod
+    def log_verbose(message: str) -> None:
+        logging.getLogger(_LOGGER_NAME).debug("%s", message, stacklevel=2)
