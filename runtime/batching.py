@@ -180,9 +180,7 @@ class Scheduler:
         levels = max(config.priority_levels, 1)
         # One FIFO per priority level, then one lane for DELAYed (timed-out) requests.
         self._lanes: list[collections.deque[_Entry]] = [collections.deque() for _ in range(levels + 1)]
-        self._policies = [
-            config.queue_by_priority.get(level + 1, config.default_queue) for level in range(levels)
-        ]
+        self._policies = [config.queue_by_priority.get(level + 1, config.default_queue) for level in range(levels)]
         self._pending = 0
         self._running = 0
         self._deadlines: list[tuple[int, int, _Entry]] = []
@@ -426,4 +424,3 @@ class Scheduler:
         self._maybe_idle()
         if self._pending:
             self._pump()
-

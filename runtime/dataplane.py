@@ -1,0 +1,163 @@
+"""The protocol-agnostic data plane both HTTP and gRPC call.
+
+Returns plain Python values and domain types; the protocol adapters encode them. Raises
+``SluiceError`` subclasses, which the adapters map through errors.py.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sluice.runtime import __version__
+from sluice.runtime import config as model_config
+from sluice.runtime.errors import InvalidArgument, SluiceError, Unavailable
+from sluice.runtime.repository import READY, Repository
+from sluice.runtime.signature import check_request
+from sluice.runtime.types import CONFIG_TYPE_BY_DATATYPE, InferRequest, InferResponse
+
+EXTENSIONS = [
+    "classification",  # refused with a clear error, listed so clients can discover the refusal
+    "binary_tensor_data",
+    "model_repository",
+    "model_repository(unload_dependents)",
+    "schedule_policy",
+    "model_configuration",
+    "statistics",
+]
+
+
+def _int_param(parameters: dict[str, Any], key: str) -> int | None:
+    value = parameters.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"request parameter '{key}' must be an integer, got {value!r}")
+    if value < 0:
+        raise InvalidArgument(f"request parameter '{key}' must be >= 0, got {value}")
+    return value
+
+
+class DataPlane:
+    def __init__(self, repository: Repository) -> None:
+        self.repository = repository
+        self._accepting = True
+        self._ready = False
+
+    # -- server ------------------------------------------------------------------------------
+    def live(self) -> bool:
+        return True
+
+    def ready(self) -> bool:
+        return self._ready and self._accepting
+
+    def set_ready(self, ready: bool) -> None:
+        self._ready = ready
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": "sluice", "version": __version__, "extensions": EXTENSIONS}
+
+    # -- models ------------------------------------------------------------------------------
+    def model_ready(self, name: str, version: str = "") -> bool:
+        try:
+            self.repository.get(name, version)
+        except SluiceError:
+            return False
+        return True
+
+    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        mv = self.repository.get(name, version)
+        sig = mv.signature
+
+        def io(specs: dict) -> list[dict[str, Any]]:
+            return [
+                {
+                    "name": s.name,
+                    "datatype": s.datatype,
+                    "shape": [-1, *s.dims] if sig.batched else list(s.dims),
+                }
+                for s in specs.values()
+            ]
+
+        return {
+            "name": name,
+            "versions": [str(v) for v in self.repository.ready_versions(name)],
+            "platform": mv.platform,
+            "inputs": io(sig.inputs),
+            "outputs": io(sig.outputs),
+        }
+
+    def model_config(self, name: str, version: str = "") -> Any:
+        return self.repository.get(name, version).config
+
+    def model_config_json(self, name: str, version: str = "") -> dict[str, Any]:
+        return model_config.config_to_json(self.model_config(name, version))
+
+    def model_statistics(self, name: str = "", version: str = "") -> list[dict[str, Any]]:
+        if name:
+            if version:
+                versions = [self.repository.get(name, version)]
+            else:
+                self.repository.get(name)  # raises NotFound for unknown models
+                versions = [self.repository.get(name, str(v)) for v in self.repository.ready_versions(name)]
+        else:
+            versions = self.repository.all_versions()
+        return [v.stats.as_triton() for v in versions]
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        out = []
+        for entry in self.repository.index(ready_only):
+            row = {"name": entry.name}
+            if entry.version:
+                row["version"] = entry.version
+            if entry.state:
+                row["state"] = entry.state
+            if entry.reason:
+                row["reason"] = entry.reason
+            out.append(row)
+        return out
+
+    async def load(self, name: str, config_override: str | None = None) -> None:
+        if not self._accepting:
+            raise Unavailable("server is shutting down")
+        await self.repository.load(name, config_override)
+
+    async def unload(self, name: str) -> None:
+        await self.repository.unload(name)
+
+    def state_of(self, name: str) -> str:
+        return self.repository.state_of(name)[0]
+
+    # -- inference ---------------------------------------------------------------------------
+    async def infer(self, request: InferRequest) -> InferResponse:
+        if not self._accepting:
+            raise Unavailable("server is shutting down and takes no new requests")
+        start = time.monotonic_ns()
+        mv = self.repository.get(request.model_name, request.model_version)
+        stats = mv.stats
+        try:
+            check_request(request, mv.signature)
+            params = request.parameters
+            priority = _int_param(params, "priority") or 0 if params else 0
+            timeout_us = _int_param(params, "timeout") if params else None
+            result = await mv.scheduler.submit(request, priority, timeout_us)
+            if isinstance(result, SluiceError):
+                raise result
+        except SluiceError as exc:
+            stats.on_request(time.monotonic_ns() - start, exc)
+            raise
+        stats.on_request(time.monotonic_ns() - start, None)
+        result.model_name = mv.name
+        result.model_version = str(mv.version)
+        result.id = request.id
+        return result
+
+
+def config_datatype(datatype: str) -> str:
+    return CONFIG_TYPE_BY_DATATYPE[datatype]
+
+
+__all__ = ["READY", "DataPlane"]

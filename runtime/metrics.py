@@ -1,0 +1,100 @@
+"""Prometheus metrics: a collector that reads the per-model statistics at scrape time.
+
+Nothing is counted twice and the request path never touches prometheus-client: the collector
+turns ``ModelStats`` (which the statistics endpoints also report) into metric families when
+Prometheus scrapes. The registry is an object owned by the server, never the global one.
+Names and their Triton equivalents are listed in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sluice.runtime.repository import ModelVersion
+
+LABELS = ["model", "version"]
+
+
+class ModelCollector(Collector):
+    def __init__(self, versions: Callable[[], Iterable[ModelVersion]]) -> None:
+        self._versions = versions
+
+    def collect(self) -> Iterator[Metric]:
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=LABELS)
+
+        success = counter(
+            "sluice_request_success", "Requests answered successfully (Triton: nv_inference_request_success)"
+        )
+        failure = counter("sluice_request_failure", "Requests answered with an error (nv_inference_request_failure)")
+        inferences = counter("sluice_inference_count", "Inferences performed, batch rows (nv_inference_count)")
+        executions = counter("sluice_execution_count", "Model executions, batches (nv_inference_exec_count)")
+        queue_us = counter("sluice_queue_duration_us", "Cumulative time requests waited in the queue, us")
+        compute_us = counter("sluice_compute_infer_duration_us", "Cumulative model execution time, us")
+        request_us = counter("sluice_request_duration_us", "Cumulative end-to-end request time, us")
+        rejected = CounterMetricFamily(
+            "sluice_rejected", "Requests refused before execution, by reason", labels=[*LABELS, "reason"]
+        )
+        cache_hits = counter("sluice_cache_hit_count", "Response cache hits (nv_cache_num_hits_per_model)")
+        cache_misses = counter("sluice_cache_miss_count", "Response cache misses (nv_cache_num_misses_per_model)")
+        depth = GaugeMetricFamily(
+            "sluice_queue_depth",
+            "Requests waiting in the queue now (nv_inference_pending_request_count)",
+            labels=LABELS,
+        )
+        in_flight = GaugeMetricFamily("sluice_inflight_requests", "Requests queued or executing now", labels=LABELS)
+        queue_hist = HistogramMetricFamily("sluice_queue_duration_seconds", "Time each request waited", labels=LABELS)
+        compute_hist = HistogramMetricFamily("sluice_compute_duration_seconds", "Time of each execution", labels=LABELS)
+        batch_hist = HistogramMetricFamily("sluice_batch_size", "Rows per model execution", labels=LABELS)
+        for mv in self._versions():
+            s = mv.stats
+            labels = [mv.name, str(mv.version)]
+            success.add_metric(labels, s.success.count)
+            failure.add_metric(labels, s.fail.count)
+            inferences.add_metric(labels, s.inference_count)
+            executions.add_metric(labels, s.execution_count)
+            queue_us.add_metric(labels, s.queue.ns / 1000)
+            compute_us.add_metric(labels, s.compute_infer.ns / 1000)
+            request_us.add_metric(labels, (s.success.ns + s.fail.ns) / 1000)
+            rejected.add_metric([*labels, "queue_full"], s.rejected_queue_full)
+            rejected.add_metric([*labels, "timeout"], s.rejected_timeout)
+            rejected.add_metric([*labels, "cancelled"], s.cancelled)
+            cache_hits.add_metric(labels, s.cache_hit.count)
+            cache_misses.add_metric(labels, s.cache_miss.count)
+            depth.add_metric(labels, mv.scheduler.queue_depth)
+            in_flight.add_metric(labels, mv.scheduler.in_flight)
+            queue_hist.add_metric(labels, s.queue_hist.buckets(), s.queue_hist.sum)
+            compute_hist.add_metric(labels, s.compute_hist.buckets(), s.compute_hist.sum)
+            batch_hist.add_metric(labels, s.batch_hist.buckets(), s.batch_hist.sum)
+        yield from (
+            success,
+            failure,
+            inferences,
+            executions,
+            queue_us,
+            compute_us,
+            request_us,
+            rejected,
+            cache_hits,
+            cache_misses,
+            depth,
+            in_flight,
+            queue_hist,
+            compute_hist,
+            batch_hist,
+        )
+
+
+class Metrics:
+    """The server's registry and its exposition."""
+
+    def __init__(self, versions: Callable[[], Iterable[ModelVersion]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ModelCollector(versions))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,161 @@
+"""gRPC front end: Triton's ``inference.GRPCInferenceService`` on ``grpc.aio`` over the data plane."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+from sluice.runtime.dataplane import DataPlane
+from sluice.runtime.errors import InvalidArgument, SluiceError
+from sluice.runtime.protocol import grpc_codec
+from sluice.runtime.settings import Limits
+
+log = logging.getLogger("sluice.runtime.grpc")
+
+
+class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, dataplane: DataPlane, limits: Limits) -> None:
+        self.dp = dataplane
+        self.limits = limits
+
+    async def _fail(self, context: grpc.aio.ServicerContext, exc: SluiceError) -> None:
+        await context.abort(exc.grpc_code, exc.message)
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=self.dp.live())
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.dp.ready())
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=self.dp.model_ready(request.name, request.version))
+
+    async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:
+        meta = self.dp.server_metadata()
+        return pb.ServerMetadataResponse(name=meta["name"], version=meta["version"], extensions=meta["extensions"])
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
+        try:
+            meta = self.dp.model_metadata(request.name, request.version)
+        except SluiceError as exc:
+            await self._fail(context, exc)
+        return json_format.ParseDict(meta, pb.ModelMetadataResponse())
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
+        try:
+            config = self.dp.model_config(request.name, request.version)
+        except SluiceError as exc:
+            await self._fail(context, exc)
+        return pb.ModelConfigResponse(config=config)
+
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Any) -> pb.ModelStatisticsResponse:
+        try:
+            stats = self.dp.model_statistics(request.name, request.version)
+        except SluiceError as exc:
+            await self._fail(context, exc)
+        return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
+
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
+        rows = self.dp.repository_index(request.ready)
+        return json_format.ParseDict({"models": rows}, pb.RepositoryIndexResponse())
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Any
+    ) -> pb.RepositoryModelLoadResponse:
+        override = None
+        for key, value in request.parameters.items():
+            if key == "config":
+                if value.WhichOneof("parameter_choice") != "string_param":
+                    await self._fail(context, InvalidArgument("load parameter 'config' must be a string (JSON config)"))
+                override = value.string_param
+            elif key.startswith("file:"):
+                await self._fail(
+                    context,
+                    InvalidArgument(f"load parameter '{key}': file overrides are not supported; use the repository"),
+                )
+        try:
+            await self.dp.load(request.model_name, override)
+        except SluiceError as exc:
+            await self._fail(context, exc)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Any
+    ) -> pb.RepositoryModelUnloadResponse:
+        await self.dp.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        try:
+            infer_request = grpc_codec.decode_infer(request, self.limits)
+            response = await self.dp.infer(infer_request)
+        except SluiceError as exc:
+            await self._fail(context, exc)
+        return grpc_codec.encode_infer(response)
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """Requests on one stream run concurrently; responses come back as they finish, with ids."""
+        results: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+
+        async def one(message: pb.ModelInferRequest) -> None:
+            try:
+                infer_request = grpc_codec.decode_infer(message, self.limits)
+                response = await self.dp.infer(infer_request)
+                out = pb.ModelStreamInferResponse(infer_response=grpc_codec.encode_infer(response))
+            except SluiceError as exc:
+                out = pb.ModelStreamInferResponse(
+                    error_message=exc.message,
+                    infer_response=pb.ModelInferResponse(
+                        model_name=message.model_name, model_version=message.model_version, id=message.id
+                    ),
+                )
+            await results.put(out)
+
+        async def read() -> None:
+            try:
+                async for message in request_iterator:
+                    task = asyncio.get_running_loop().create_task(one(message))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            finally:
+                while tasks:
+                    await asyncio.gather(*list(tasks), return_exceptions=True)
+                await results.put(None)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while True:
+                item = await results.get()
+                if item is None:
+                    break
+                yield item
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+
+async def start_grpc(dataplane: DataPlane, limits: Limits, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    options = [
+        ("grpc.max_receive_message_length", limits.max_grpc_message_bytes),
+        ("grpc.max_send_message_length", limits.max_grpc_message_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(dataplane, limits), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC to {host}:{port}")
+    await server.start()
+    return server, bound

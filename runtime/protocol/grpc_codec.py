@@ -1,0 +1,163 @@
+"""Triton's gRPC messages (``tritonclient.grpc.service_pb2``) <-> domain types.
+
+Both raw (``raw_input_contents``) and typed (``contents``) tensors are accepted; responses always
+use ``raw_output_contents``, as Triton does. Every malformed message raises ``InvalidArgument``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+
+from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, Unsupported
+from sluice.runtime.protocol.http_codec import bytes_elements, encode_bytes_elements
+from sluice.runtime.settings import Limits
+from sluice.runtime.types import (
+    DATATYPES,
+    ELEMENT_SIZE,
+    InferRequest,
+    InferResponse,
+    RequestedOutput,
+    Tensor,
+    numpy_dtype,
+)
+
+_LE = {k: numpy_dtype(k).newbyteorder("<") for k in ELEMENT_SIZE}
+_TYPED_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+def parameters_to_dict(params: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        which = value.WhichOneof("parameter_choice")
+        out[key] = getattr(value, which) if which else None
+    return out
+
+
+def dict_to_parameters(values: dict[str, Any], target: Any) -> None:
+    for key, value in values.items():
+        param = target[key]
+        if isinstance(value, bool):
+            param.bool_param = value
+        elif isinstance(value, int):
+            param.int64_param = value
+        elif isinstance(value, float):
+            param.double_param = value
+        else:
+            param.string_param = str(value)
+
+
+def decode_infer(message: pb.ModelInferRequest, limits: Limits) -> InferRequest:
+    if not message.model_name:
+        raise InvalidArgument("model_name is required")
+    raw = message.raw_input_contents
+    if raw and len(raw) != len(message.inputs):
+        raise InvalidArgument(
+            f"raw_input_contents has {len(raw)} entries for {len(message.inputs)} inputs; give one per input"
+        )
+    if not message.inputs:
+        raise InvalidArgument("request must have at least one input")
+    inputs = []
+    total = 0
+    for index, tensor in enumerate(message.inputs):
+        name = tensor.name
+        if not name:
+            raise InvalidArgument(f"inputs[{index}] needs a name")
+        datatype = tensor.datatype
+        if datatype not in DATATYPES:
+            raise InvalidArgument(f"input '{name}': unknown datatype {datatype!r}; allowed: {', '.join(DATATYPES)}")
+        shape = tuple(tensor.shape)
+        count = 1
+        for dim in shape:
+            if dim < 0:
+                raise InvalidArgument(f"input '{name}': shape entries must be >= 0, got {list(shape)}")
+            count *= dim
+            if count > limits.max_elements:
+                raise PayloadTooLarge(
+                    f"input '{name}': shape {list(shape)} holds more than {limits.max_elements} elements "
+                    "(--max-elements)"
+                )
+        total += count
+        if total > limits.max_elements:
+            raise PayloadTooLarge(f"request holds more than {limits.max_elements} tensor elements (--max-elements)")
+        if raw:
+            data = memoryview(raw[index])
+            if datatype == "BYTES":
+                array = bytes_elements(name, data, count).reshape(shape)
+            else:
+                expected = count * ELEMENT_SIZE[datatype]
+                if len(data) != expected:
+                    raise InvalidArgument(
+                        f"input '{name}': raw content is {len(data)} bytes, but shape {list(shape)} of {datatype} "
+                        f"needs {expected}"
+                    )
+                array = np.frombuffer(data, dtype=_LE[datatype]).reshape(shape)
+        else:
+            field = _TYPED_FIELD.get(datatype)
+            if field is None:
+                raise Unsupported(f"input '{name}': {datatype} must be sent in raw_input_contents")
+            values = getattr(tensor.contents, field)
+            if len(values) != count:
+                raise InvalidArgument(
+                    f"input '{name}': {len(values)} values in contents.{field}, shape {list(shape)} needs {count}"
+                )
+            if datatype == "BYTES":
+                array = np.empty(count, dtype=object)
+                array[:] = list(values)
+                array = array.reshape(shape)
+            else:
+                array = np.asarray(values)
+                target = numpy_dtype(datatype)
+                if array.size and target.kind in "iu":
+                    info = np.iinfo(target)
+                    if array.min() < info.min or array.max() > info.max:
+                        raise InvalidArgument(f"input '{name}': a value is out of range for {datatype}")
+                array = array.astype(target, copy=False).reshape(shape)
+        inputs.append(Tensor(name, datatype, array, parameters_to_dict(tensor.parameters) if tensor.parameters else {}))
+    outputs = None
+    if message.outputs:
+        outputs = []
+        for out in message.outputs:
+            params = parameters_to_dict(out.parameters) if out.parameters else {}
+            if params.get("classification"):
+                raise Unsupported(
+                    f"output '{out.name}': the classification extension is not supported by Sluice; "
+                    "request the raw output and take the top-k on the client"
+                )
+            outputs.append(RequestedOutput(out.name, None, params))
+    params = parameters_to_dict(message.parameters) if message.parameters else {}
+    return InferRequest(message.model_name, message.model_version, inputs, outputs, message.id, params)
+
+
+def encode_infer(response: InferResponse) -> pb.ModelInferResponse:
+    message = pb.ModelInferResponse(
+        model_name=response.model_name, model_version=response.model_version, id=response.id
+    )
+    raw = message.raw_output_contents
+    for tensor in response.outputs:
+        out = message.outputs.add()
+        out.name = tensor.name
+        out.datatype = tensor.datatype
+        out.shape.extend(tensor.data.shape)
+        if tensor.datatype == "BYTES":
+            raw.append(encode_bytes_elements(tensor.data))
+        else:
+            raw.append(np.ascontiguousarray(tensor.data, dtype=_LE[tensor.datatype]).tobytes())
+    if response.parameters:
+        dict_to_parameters(response.parameters, message.parameters)
+    return message

@@ -1,0 +1,499 @@
+"""HTTP/1.1 front end: an asyncio protocol on httptools, the KServe V2 routes, and the limits.
+
+Why not an ASGI framework: the request path here is the product. A bare protocol avoids the ASGI
+scope/receive/send layers and their per-request allocations (see docs/performance.md for the
+measurements that chose it). What a framework would give is written out here: keep-alive,
+pipelining (answered in order), request-head and body limits, slow-client and idle timeouts (one
+sweeper per server, no timer per request), and cancellation of queued work when a client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import zlib
+from collections import deque
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import unquote
+
+import httptools
+
+from sluice.runtime.dataplane import DataPlane
+from sluice.runtime.errors import InvalidArgument, NotFound, PayloadTooLarge, SluiceError, Unavailable
+from sluice.runtime.protocol import http_codec
+from sluice.runtime.settings import Limits
+from sluice.runtime.types import InferRequest
+
+log = logging.getLogger("sluice.runtime.http")
+
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
+_REASONS[499] = "Client Closed Request"
+_JSON = b"application/json"
+_IDLE, _HEAD, _BODY, _BUSY = 0, 1, 2, 3
+
+
+class Request:
+    __slots__ = ("body", "conn", "headers", "keep_alive", "method", "path", "query")
+
+    def __init__(self, conn: Connection, method: bytes, url: bytes, headers: dict[bytes, bytes], body: bytes):
+        self.conn = conn
+        self.method = method
+        path, _, query = url.partition(b"?")
+        self.path = path
+        self.query = query
+        self.headers = headers
+        self.body = body
+        self.keep_alive = True
+
+
+class Response:
+    __slots__ = ("body", "content_type", "extra", "status")
+
+    def __init__(
+        self,
+        status: int,
+        body: bytes = b"",
+        content_type: bytes = _JSON,
+        extra: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+        self.extra = extra
+
+
+def json_response(value: Any, status: int = 200) -> Response:
+    return Response(status, json.dumps(value, separators=(",", ":")).encode())
+
+
+def error_response(exc: SluiceError) -> Response:
+    return json_response({"error": exc.message}, exc.http_status)
+
+
+Handler = Callable[[Request], "Response | Awaitable[Response]"]
+
+
+class Connection(asyncio.Protocol):
+    """One client connection; requests are answered in the order they arrived."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self._server = server
+        self._limits = server.limits
+        self._loop = server.loop
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._headers: dict[bytes, bytes] = {}
+        self._head_bytes = 0
+        self._body: list[bytes] = []
+        self._body_bytes = 0
+        self._header_name = b""
+        self._pending: deque[Request] = deque()
+        self._current: asyncio.Task | None = None
+        self._current_request: Request | None = None
+        self._closed = False
+        self._too_large: SluiceError | None = None
+        self.phase = _IDLE
+        self.since = self._loop.time()
+        self.cancel_tokens: list[InferRequest] = []
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._server.connections.add(self)
+        if len(self._server.connections) > self._limits.max_connections:
+            self._write_simple(503, b"too many connections", close=True)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._server.connections.discard(self)
+        for request in self.cancel_tokens:
+            request.cancel.cancel()
+        self.cancel_tokens.clear()
+        if self._current is not None and not self._current.done():
+            self._current.cancel()
+        self._pending.clear()
+
+    def data_received(self, data: bytes) -> None:
+        if self._closed:
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._write_simple(400, b"protocol upgrade is not supported", close=True)
+        except httptools.HttpParserError as exc:
+            if self._too_large is not None:
+                self._write_error(self._too_large, close=True)
+            else:
+                self._write_simple(400, f"malformed HTTP request: {exc}".encode(), close=True)
+
+    # -- httptools callbacks -----------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = {}
+        self._head_bytes = 0
+        self._body = []
+        self._body_bytes = 0
+        if self.phase == _IDLE:
+            self.phase = _HEAD
+            self.since = self._loop.time()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._count_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.lower()] = value
+        self._count_head(len(name) + len(value) + 4)
+
+    def _count_head(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self._limits.max_header_bytes:
+            self._too_large = PayloadTooLarge(
+                f"request head is over {self._limits.max_header_bytes} bytes (--max-header-bytes)"
+            )
+            self._too_large.http_status = 431
+            raise httptools.HttpParserError("head too large")
+
+    def on_headers_complete(self) -> None:
+        length = self._headers.get(b"content-length")
+        if length is not None:
+            try:
+                size = int(length)
+            except ValueError:
+                size = -1
+            if size > self._limits.max_body_bytes:
+                self._too_large = PayloadTooLarge(
+                    f"request body is {size} bytes, over the {self._limits.max_body_bytes}-byte limit "
+                    "(--max-body-bytes)"
+                )
+                raise httptools.HttpParserError("body too large")
+        if self.phase == _HEAD:
+            self.phase = _BODY
+            self.since = self._loop.time()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        if self._body_bytes > self._limits.max_body_bytes:
+            self._too_large = PayloadTooLarge(
+                f"request body is over the {self._limits.max_body_bytes}-byte limit (--max-body-bytes)"
+            )
+            raise httptools.HttpParserError("body too large")
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        request = Request(self, self._parser.get_method(), self._url, self._headers, body)
+        request.keep_alive = self._parser.should_keep_alive()
+        if self._current_request is None:
+            self._dispatch(request)
+        else:
+            self._pending.append(request)
+            if len(self._pending) > 32 and self._transport is not None:
+                self._transport.pause_reading()
+
+    # -- dispatch --------------------------------------------------------------------------------
+    def _dispatch(self, request: Request) -> None:
+        self.phase = _BUSY
+        self._current_request = request
+        try:
+            result = self._server.route(request)
+        except SluiceError as exc:
+            result = error_response(exc)
+        except Exception:
+            log.exception("unhandled error on %s", request.path)
+            result = json_response({"error": "internal server error (see server log)"}, 500)
+        if isinstance(result, Response):
+            self._respond(request, result)
+        else:
+            self._current = self._loop.create_task(self._await(request, result))
+
+    async def _await(self, request: Request, pending: Awaitable[Response]) -> None:
+        try:
+            response = await pending
+        except SluiceError as exc:
+            response = error_response(exc)
+        except asyncio.CancelledError:
+            return
+        except Exception:
+            log.exception("unhandled error on %s", request.path)
+            response = json_response({"error": "internal server error (see server log)"}, 500)
+        self._current = None
+        self._respond(request, response)
+
+    def _respond(self, request: Request, response: Response) -> None:
+        if self._closed or self._transport is None:
+            return
+        close = not request.keep_alive or self._server.draining
+        self._write(response, close)
+        self._current_request = None
+        if close:
+            return
+        if self._pending:
+            if len(self._pending) <= 32:
+                self._transport.resume_reading()
+            self._dispatch(self._pending.popleft())
+        else:
+            self.phase = _IDLE
+            self.since = self._loop.time()
+
+    def _write(self, response: Response, close: bool) -> None:
+        assert self._transport is not None
+        status = response.status
+        head = [
+            b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
+            % (status, _REASONS.get(status, "Unknown").encode(), response.content_type, len(response.body))
+        ]
+        if response.extra:
+            head.extend(b"%s: %s\r\n" % pair for pair in response.extra)
+        if close:
+            head.append(b"connection: close\r\n")
+        head.append(b"\r\n")
+        head.append(response.body)
+        self._transport.write(b"".join(head))
+        if close:
+            self._closed = True
+            self._transport.close()
+
+    def _write_error(self, exc: SluiceError, close: bool) -> None:
+        self._write(error_response(exc), close)
+
+    def _write_simple(self, status: int, message: bytes, close: bool) -> None:
+        if self._transport is None or self._closed:
+            return
+        self._write(json_response({"error": message.decode()}, status), close)
+
+    # -- sweeper hooks -----------------------------------------------------------------------
+    def expire(self, now: float) -> None:
+        limits = self._limits
+        if self.phase == _IDLE and now - self.since > limits.idle_timeout_s:
+            self.close()
+        elif self.phase == _HEAD and now - self.since > limits.header_timeout_s:
+            self._write_simple(408, b"request head not received in time (--header-timeout-s)", close=True)
+        elif self.phase == _BODY and now - self.since > limits.body_timeout_s:
+            self._write_simple(408, b"request body not received in time (--body-timeout-s)", close=True)
+
+    def close(self) -> None:
+        if self._transport is not None and not self._closed:
+            self._closed = True
+            self._transport.close()
+
+    @property
+    def busy(self) -> bool:
+        return self._current_request is not None or bool(self._pending)
+
+
+class HttpServer:
+    """A listening socket, its connections and a router."""
+
+    def __init__(self, router: Callable[[Request], Any], limits: Limits, loop: asyncio.AbstractEventLoop) -> None:
+        self.route = router
+        self.limits = limits
+        self.loop = loop
+        self.connections: set[Connection] = set()
+        self.draining = False
+        self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.Task | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await self.loop.create_server(lambda: Connection(self), host, port, backlog=2048)
+        self._sweeper = self.loop.create_task(self._sweep())
+        return self._server.sockets[0].getsockname()[1]
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = self.loop.time()
+            for conn in list(self.connections):
+                conn.expire(now)
+
+    async def stop_listening(self) -> None:
+        self.draining = True
+        if self._server is not None:
+            self._server.close()
+
+    async def drain(self, deadline: float) -> None:
+        """Wait until no connection has a request in flight (or the deadline), then close all."""
+        while any(c.busy for c in self.connections) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for conn in list(self.connections):
+            conn.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
+# -- KServe V2 routes ---------------------------------------------------------------------------
+
+
+def _decode_body(request: Request, limits: Limits) -> bytes:
+    encoding = request.headers.get(b"content-encoding", b"identity").lower()
+    if encoding in (b"identity", b""):
+        return request.body
+    if encoding not in (b"gzip", b"deflate"):
+        raise InvalidArgument(
+            f"unsupported Content-Encoding {encoding.decode(errors='replace')!r}; allowed: gzip, deflate"
+        )
+    wbits = 31 if encoding == b"gzip" else 15
+    decompressor = zlib.decompressobj(wbits)
+    try:
+        out = decompressor.decompress(request.body, limits.max_body_bytes + 1)
+    except zlib.error as exc:
+        raise InvalidArgument(f"request body is not valid {encoding.decode()} data: {exc}") from None
+    if len(out) > limits.max_body_bytes or decompressor.unconsumed_tail:
+        raise PayloadTooLarge(f"decompressed request body is over the {limits.max_body_bytes}-byte limit")
+    return out
+
+
+class V2Routes:
+    """Maps V2 paths to the data plane."""
+
+    def __init__(self, dataplane: DataPlane, limits: Limits) -> None:
+        self.dp = dataplane
+        self.limits = limits
+
+    def __call__(self, request: Request) -> Response | Awaitable[Response]:
+        parts = request.path.split(b"/")
+        # parts[0] is "" (leading slash)
+        if len(parts) < 2 or parts[1] != b"v2":
+            raise NotFound(f"no route for {request.path.decode(errors='replace')}; the API lives under /v2")
+        method = request.method
+        n = len(parts)
+        if n == 2 or (n == 3 and parts[2] == b""):
+            return self._get(method, lambda: json_response(self.dp.server_metadata()))
+        section = parts[2]
+        if section == b"health" and n == 4:
+            if parts[3] == b"live":
+                return self._get(method, lambda: Response(200 if self.dp.live() else 503))
+            if parts[3] == b"ready":
+                return self._get(method, lambda: Response(200) if self.dp.ready() else _not_ready("server"))
+        if section == b"models":
+            return self._models(request, parts[3:])
+        if section == b"repository":
+            return self._repository(request, parts[3:])
+        raise NotFound(f"no route for {request.path.decode(errors='replace')}")
+
+    @staticmethod
+    def _get(method: bytes, make: Callable[[], Response]) -> Response:
+        if method not in (b"GET", b"HEAD"):
+            return json_response({"error": f"method {method.decode()} not allowed here; use GET"}, 405)
+        return make()
+
+    def _models(self, request: Request, rest: list[bytes]) -> Response | Awaitable[Response]:
+        if not rest or rest == [b""]:
+            raise NotFound("a model name is needed: /v2/models/<name>")
+        if rest == [b"stats"]:
+            return self._get(request.method, lambda: json_response({"model_stats": self.dp.model_statistics()}))
+        name = unquote(rest[0].decode("utf-8", "replace"))
+        version = ""
+        tail = rest[1:]
+        if len(tail) >= 2 and tail[0] == b"versions":
+            version = unquote(tail[1].decode("utf-8", "replace"))
+            tail = tail[2:]
+        if not tail:
+            return self._get(request.method, lambda: json_response(self.dp.model_metadata(name, version)))
+        if len(tail) == 1:
+            action = tail[0]
+            if action == b"infer":
+                if request.method != b"POST":
+                    return json_response({"error": "use POST for /infer"}, 405)
+                return self._infer(request, name, version)
+            if action == b"ready":
+                return self._get(
+                    request.method,
+                    lambda: Response(200) if self.dp.model_ready(name, version) else _not_ready(f"model '{name}'"),
+                )
+            if action == b"config":
+                return self._get(request.method, lambda: json_response(self.dp.model_config_json(name, version)))
+            if action == b"stats":
+                return self._get(
+                    request.method, lambda: json_response({"model_stats": self.dp.model_statistics(name, version)})
+                )
+        raise NotFound(f"no route for {request.path.decode(errors='replace')}")
+
+    def _infer(self, request: Request, name: str, version: str) -> Awaitable[Response]:
+        header_length = request.headers.get(b"inference-header-content-length")
+        length = None
+        if header_length is not None:
+            try:
+                length = int(header_length)
+            except ValueError:
+                raise InvalidArgument(
+                    "Inference-Header-Content-Length must be an integer, got "
+                    f"{header_length.decode(errors='replace')!r}"
+                ) from None
+        body = _decode_body(request, self.limits)
+        infer_request = http_codec.decode_infer(body, length, name, version, self.limits)
+        return self._run_infer(request, infer_request)
+
+    async def _run_infer(self, request: Request, infer_request: InferRequest) -> Response:
+        conn = request.conn
+        conn.cancel_tokens.append(infer_request)
+        try:
+            response = await self.dp.infer(infer_request)
+        finally:
+            try:
+                conn.cancel_tokens.remove(infer_request)
+            except ValueError:
+                pass
+        body, header_length = http_codec.encode_infer(infer_request, response)
+        if header_length is None:
+            return Response(200, body)
+        return Response(
+            200,
+            body,
+            b"application/octet-stream",
+            [(b"inference-header-content-length", b"%d" % header_length)],
+        )
+
+    def _repository(self, request: Request, rest: list[bytes]) -> Response | Awaitable[Response]:
+        if request.method != b"POST":
+            return json_response({"error": "repository endpoints take POST"}, 405)
+        if rest == [b"index"]:
+            ready_only = False
+            if request.body:
+                body = http_codec.parse_json(request.body, "repository index body")
+                if isinstance(body, dict):
+                    ready_only = bool(body.get("ready", False))
+            return json_response(self.dp.repository_index(ready_only))
+        if len(rest) == 3 and rest[0] == b"models" and rest[2] in (b"load", b"unload"):
+            name = unquote(rest[1].decode("utf-8", "replace"))
+            if rest[2] == b"load":
+                return self._load(request, name)
+            return self._unload(name)
+        raise NotFound(f"no route for {request.path.decode(errors='replace')}")
+
+    async def _load(self, request: Request, name: str) -> Response:
+        override = None
+        if request.body:
+            body = http_codec.parse_json(request.body, "load request body")
+            if not isinstance(body, dict):
+                raise InvalidArgument("load request body must be a JSON object")
+            params = body.get("parameters") or {}
+            if not isinstance(params, dict):
+                raise InvalidArgument("load request 'parameters' must be an object")
+            for key in params:
+                if key.startswith("file:"):
+                    raise InvalidArgument(
+                        f"load parameter '{key}': file overrides are not supported; put files in the repository"
+                    )
+            config = params.get("config")
+            if config is not None:
+                if not isinstance(config, str):
+                    raise InvalidArgument("load parameter 'config' must be a string holding the model config as JSON")
+                override = config
+        await self.dp.load(name, override)
+        return Response(200)
+
+    async def _unload(self, name: str) -> Response:
+        await self.dp.unload(name)
+        return Response(200)
+
+
+def _not_ready(what: str) -> Response:
+    return error_response(Unavailable(f"{what} is not ready"))

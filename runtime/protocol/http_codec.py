@@ -1,0 +1,330 @@
+"""KServe V2 JSON and Triton's binary tensor data extension <-> domain types.
+
+``decode_infer`` turns an HTTP request body into an ``InferRequest`` and rejects every malformed
+input with ``InvalidArgument`` (or ``PayloadTooLarge``) naming the problem before anything large is
+allocated; ``encode_infer`` builds the response body. Pure functions, fuzzed in the tests.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, Unsupported
+from sluice.runtime.settings import Limits
+from sluice.runtime.types import (
+    DATATYPES,
+    ELEMENT_SIZE,
+    InferRequest,
+    InferResponse,
+    RequestedOutput,
+    Tensor,
+    numpy_dtype,
+)
+
+_LE = {k: numpy_dtype(k).newbyteorder("<") for k in ELEMENT_SIZE}
+_INT_KINDS = frozenset("iu")
+_ACCEPTED_KINDS = {
+    "BOOL": frozenset("b"),
+    "FP16": frozenset("iuf"),
+    "FP32": frozenset("iuf"),
+    "FP64": frozenset("iuf"),
+    "BF16": frozenset("iuf"),
+}
+
+
+def _bad(message: str) -> InvalidArgument:
+    return InvalidArgument(message)
+
+
+def parse_json(body: bytes | memoryview, what: str) -> Any:
+    try:
+        return json.loads(bytes(body))
+    except RecursionError:
+        raise _bad(f"{what} is nested too deeply to parse") from None
+    except UnicodeDecodeError as exc:
+        raise _bad(f"{what} is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
+    except ValueError as exc:
+        raise _bad(f"{what} is not valid JSON: {exc}") from None
+
+
+def _element_count(name: str, shape: Any, limits: Limits) -> tuple[tuple[int, ...], int]:
+    if not isinstance(shape, list):
+        raise _bad(f"input '{name}': 'shape' must be a list of non-negative integers, got {type(shape).__name__}")
+    if len(shape) > 32:
+        raise _bad(f"input '{name}': shape has {len(shape)} dimensions, at most 32 are allowed")
+    count = 1
+    for dim in shape:
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise _bad(f"input '{name}': shape entries must be integers, got {dim!r}")
+        if dim < 0:
+            raise _bad(f"input '{name}': shape entries must be >= 0, got {dim}")
+        count *= dim
+        if count > limits.max_elements:
+            raise PayloadTooLarge(
+                f"input '{name}': shape {shape} holds more than {limits.max_elements} elements "
+                "(the server's --max-elements limit)"
+            )
+    return tuple(shape), count
+
+
+def bytes_elements(name: str, raw: memoryview, count: int) -> np.ndarray:
+    """Split Triton's length-prefixed BYTES encoding (4-byte little-endian length, then data)."""
+    out = np.empty(count, dtype=object)
+    pos = 0
+    end = len(raw)
+    for i in range(count):
+        if pos + 4 > end:
+            raise _bad(f"input '{name}': BYTES data ends after {i} of {count} elements")
+        length = int.from_bytes(raw[pos : pos + 4], "little")
+        pos += 4
+        if pos + length > end:
+            raise _bad(f"input '{name}': BYTES element {i} claims {length} bytes but only {end - pos} remain")
+        out[i] = bytes(raw[pos : pos + length])
+        pos += length
+    if pos != end:
+        raise _bad(f"input '{name}': {end - pos} bytes left over after {count} BYTES elements")
+    return out
+
+
+def encode_bytes_elements(array: np.ndarray) -> bytes:
+    parts = []
+    for item in array.ravel():
+        data = item if isinstance(item, bytes) else str(item).encode()
+        parts.append(len(data).to_bytes(4, "little"))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def _bf16_from_float(values: np.ndarray) -> np.ndarray:
+    bits = values.astype(np.float32).view(np.uint32)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).astype(np.uint16)
+
+
+def _float_from_bf16(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _from_json_data(
+    name: str, datatype: str, data: Any, shape: tuple[int, ...], count: int, limits: Limits
+) -> np.ndarray:
+    if not isinstance(data, list):
+        data = [data]
+    if datatype == "BYTES":
+        flat = _flatten(name, data, limits.max_json_depth)
+        if len(flat) != count:
+            raise _bad(f"input '{name}': {len(flat)} elements given, shape {list(shape)} needs {count}")
+        out = np.empty(count, dtype=object)
+        for i, item in enumerate(flat):
+            if isinstance(item, str):
+                out[i] = item.encode()
+            elif isinstance(item, bool | int | float):
+                out[i] = json.dumps(item).encode()
+            else:
+                raise _bad(f"input '{name}': BYTES elements must be strings, got {type(item).__name__}")
+        return out.reshape(shape)
+    try:
+        array = np.asarray(data)
+    except (ValueError, OverflowError) as exc:
+        raise _bad(f"input '{name}': data is not a regular array of numbers: {exc}") from None
+    if array.ndim > limits.max_json_depth:
+        raise _bad(f"input '{name}': data is nested {array.ndim} deep, at most {limits.max_json_depth} is allowed")
+    accepted = _ACCEPTED_KINDS.get(datatype, _INT_KINDS)
+    if array.size and array.dtype.kind not in accepted:
+        kinds = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers", "U": "strings", "O": "mixed values"}
+        raise _bad(
+            f"input '{name}': {datatype} data must be "
+            f"{'true/false' if datatype == 'BOOL' else ('integers' if accepted == _INT_KINDS else 'numbers')}, "
+            f"got {kinds.get(array.dtype.kind, array.dtype.name)}"
+        )
+    if array.size != count:
+        raise _bad(f"input '{name}': {array.size} elements given, shape {list(shape)} needs {count}")
+    if datatype == "BF16":
+        return _bf16_from_float(array).reshape(shape)
+    target = numpy_dtype(datatype)
+    if array.dtype.kind in _INT_KINDS and target.kind in _INT_KINDS:
+        info = np.iinfo(target)
+        if array.size and (array.min() < info.min or array.max() > info.max):
+            raise _bad(f"input '{name}': a value is out of range for {datatype} ({info.min}..{info.max})")
+    return array.astype(target, copy=False).reshape(shape)
+
+
+def _flatten(name: str, data: list, max_depth: int) -> list:
+    """Nested lists -> flat list in row-major order, refusing nesting deeper than ``max_depth``."""
+    out: list = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                if len(stack) >= max_depth:
+                    raise _bad(f"input '{name}': data is nested more than {max_depth} deep")
+                stack.append(iter(item))
+                break
+            out.append(item)
+        else:
+            stack.pop()
+    return out
+
+
+def _parameters(obj: dict, where: str) -> dict[str, Any]:
+    params = obj.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise _bad(f"{where}: 'parameters' must be an object, got {type(params).__name__}")
+    return params
+
+
+def decode_infer(
+    body: bytes | memoryview,
+    header_length: int | None,
+    model_name: str,
+    model_version: str,
+    limits: Limits,
+) -> InferRequest:
+    """Decode a V2 infer request body (JSON, or JSON header + binary tensors)."""
+    view = memoryview(body)
+    if header_length is None:
+        header_bytes, binary = view, view[len(view) :]
+    else:
+        if header_length < 0 or header_length > len(view):
+            raise _bad(f"Inference-Header-Content-Length is {header_length} but the body has only {len(view)} bytes")
+        header_bytes, binary = view[:header_length], view[header_length:]
+    header = parse_json(header_bytes, "request body")
+    if not isinstance(header, dict):
+        raise _bad(f"request body must be a JSON object, got {type(header).__name__}")
+    request_id = header.get("id", "")
+    if not isinstance(request_id, str):
+        raise _bad(f"'id' must be a string, got {type(request_id).__name__}")
+    params = _parameters(header, "request")
+    raw_inputs = header.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise _bad("request must have a non-empty 'inputs' list")
+    inputs: list[Tensor] = []
+    offset = 0
+    total = 0
+    for index, item in enumerate(raw_inputs):
+        if not isinstance(item, dict):
+            raise _bad(f"inputs[{index}] must be an object, got {type(item).__name__}")
+        name = item.get("name")
+        if not isinstance(name, str) or not name:
+            raise _bad(f"inputs[{index}] needs a non-empty string 'name'")
+        datatype = item.get("datatype")
+        if datatype not in DATATYPES:
+            raise _bad(
+                f"input '{name}': unknown datatype {datatype!r}; allowed: BOOL, UINT8, UINT16, UINT32, UINT64, "
+                "INT8, INT16, INT32, INT64, FP16, FP32, FP64, BF16, BYTES"
+            )
+        shape, count = _element_count(name, item.get("shape"), limits)
+        total += count
+        if total > limits.max_elements:
+            raise PayloadTooLarge(f"request holds more than {limits.max_elements} tensor elements (--max-elements)")
+        in_params = _parameters(item, f"input '{name}'")
+        size = in_params.get("binary_data_size")
+        if size is not None:
+            if "data" in item:
+                raise _bad(f"input '{name}' has both 'data' and parameters.binary_data_size; give one")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise _bad(f"input '{name}': binary_data_size must be a non-negative integer, got {size!r}")
+            if offset + size > len(binary):
+                raise _bad(
+                    f"input '{name}': binary_data_size {size} runs past the end of the body "
+                    f"({len(binary) - offset} binary bytes left)"
+                )
+            raw = binary[offset : offset + size]
+            offset += size
+            if datatype == "BYTES":
+                array = bytes_elements(name, raw, count).reshape(shape)
+            else:
+                expected = count * ELEMENT_SIZE[datatype]
+                if size != expected:
+                    raise _bad(
+                        f"input '{name}': binary_data_size is {size} bytes, but shape {list(shape)} of "
+                        f"{datatype} needs {expected}"
+                    )
+                array = np.frombuffer(raw, dtype=_LE[datatype]).reshape(shape)
+        else:
+            if "data" not in item:
+                raise _bad(f"input '{name}' has neither 'data' nor parameters.binary_data_size")
+            array = _from_json_data(name, datatype, item["data"], shape, count, limits)
+        in_params = {k: v for k, v in in_params.items() if k != "binary_data_size"}
+        inputs.append(Tensor(name, datatype, array, in_params))
+    if offset != len(binary):
+        raise _bad(
+            f"body has {len(binary) - offset} binary bytes that no input claims "
+            "(check Inference-Header-Content-Length and binary_data_size)"
+        )
+    outputs = None
+    raw_outputs = header.get("outputs")
+    default_binary = params.get("binary_data_output")
+    if default_binary is not None and not isinstance(default_binary, bool):
+        raise _bad(f"parameter 'binary_data_output' must be true or false, got {default_binary!r}")
+    if raw_outputs is not None:
+        if not isinstance(raw_outputs, list):
+            raise _bad("'outputs' must be a list")
+        outputs = []
+        for index, item in enumerate(raw_outputs):
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                raise _bad(f"outputs[{index}] must be an object with a string 'name'")
+            out_params = _parameters(item, f"output '{item['name']}'")
+            if out_params.get("classification"):
+                raise Unsupported(
+                    f"output '{item['name']}': the classification extension is not supported by Sluice; "
+                    "request the raw output and take the top-k on the client"
+                )
+            binary_flag = out_params.get("binary_data")
+            if binary_flag is not None and not isinstance(binary_flag, bool):
+                raise _bad(f"output '{item['name']}': binary_data must be true or false")
+            outputs.append(RequestedOutput(item["name"], binary_flag, out_params))
+    request = InferRequest(model_name, model_version, inputs, outputs, request_id, params)
+    return request
+
+
+def _json_values(tensor: Tensor) -> list:
+    data = tensor.data
+    if tensor.datatype == "BYTES":
+        return [(v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)) for v in data.ravel().tolist()]
+    if tensor.datatype == "BF16":
+        data = _float_from_bf16(data)
+    values = data.ravel().tolist()
+    return values
+
+
+def encode_infer(request: InferRequest, response: InferResponse) -> tuple[bytes, int | None]:
+    """Response body, and the JSON header length when binary data follows (None for pure JSON)."""
+    wanted: dict[str, RequestedOutput] | None = None
+    if request.outputs is not None:
+        wanted = {o.name: o for o in request.outputs}
+    default_binary = bool(request.parameters.get("binary_data_output", False)) if request.parameters else False
+    outputs_json = []
+    blobs: list[bytes] = []
+    for tensor in response.outputs:
+        requested = wanted.get(tensor.name) if wanted is not None else None
+        binary = default_binary if requested is None or requested.binary is None else requested.binary
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.data.shape)}
+        if binary:
+            if tensor.datatype == "BYTES":
+                blob = encode_bytes_elements(tensor.data)
+            else:
+                blob = np.ascontiguousarray(tensor.data, dtype=_LE[tensor.datatype]).tobytes()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = _json_values(tensor)
+        outputs_json.append(entry)
+    header: dict[str, Any] = {
+        "model_name": response.model_name,
+        "model_version": response.model_version,
+        "outputs": outputs_json,
+    }
+    if response.id:
+        header["id"] = response.id
+    if response.parameters:
+        header["parameters"] = response.parameters
+    head = json.dumps(header, separators=(",", ":")).encode()
+    if not blobs:
+        return head, None
+    return b"".join([head, *blobs]), len(head)

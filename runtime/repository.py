@@ -1,0 +1,332 @@
+"""The model repository: which models and versions are loaded, loading and unloading them.
+
+Called by the dataplane. Reading configs and creating sessions is blocking work, so it runs on a
+worker thread; the registry itself is only touched on the event loop. A failed (re)load leaves the
+versions that were serving in place and records the reason for the repository index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from sluice.runtime import config as model_config
+from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance
+from sluice.runtime.batching import BATCH_POLICIES, BatchPolicy, QueuePolicy, Scheduler, SchedulerConfig
+from sluice.runtime.errors import ConfigError, NotFound, SluiceError, Unavailable, unknown_model
+from sluice.runtime.settings import SchedulingDefaults
+from sluice.runtime.signature import Signature, signature_of
+from sluice.runtime.stats import ModelStats
+
+log = logging.getLogger("sluice.runtime.repository")
+
+READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
+
+
+@dataclasses.dataclass
+class ModelVersion:
+    name: str
+    version: int
+    config: mc.ModelConfig
+    signature: Signature
+    backend: ModelBackend
+    scheduler: Scheduler
+    stats: ModelStats
+
+    @property
+    def platform(self) -> str:
+        return platform_of(self.config)
+
+
+@dataclasses.dataclass
+class IndexEntry:
+    name: str
+    version: str
+    state: str
+    reason: str
+
+
+@dataclasses.dataclass
+class _Model:
+    versions: dict[int, ModelVersion] = dataclasses.field(default_factory=dict)
+    state: str = UNAVAILABLE
+    reason: str = ""
+    history: dict[int, str] = dataclasses.field(default_factory=dict)  # version -> state, for the index
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+
+_PLATFORM_BY_BACKEND = {"onnxruntime": "onnxruntime_onnx", "pytorch": "pytorch_libtorch", "tensorrt": "tensorrt_plan"}
+
+
+def platform_of(config: mc.ModelConfig) -> str:
+    """What model metadata reports as ``platform`` (Triton reports "python" for Python models)."""
+    if config.platform:
+        return config.platform
+    return _PLATFORM_BY_BACKEND.get(config.backend, config.backend)
+
+
+def scheduler_config(config: mc.ModelConfig, defaults: SchedulingDefaults, label: str) -> SchedulerConfig:
+    """The scheduler settings a model config asks for, with Sluice's server defaults filled in (pure)."""
+    dyn = config.dynamic_batching
+    dynamic = config.HasField("dynamic_batching")
+    mode = defaults.batch_policy
+    if "batch_policy" in config.parameters:
+        mode = config.parameters["batch_policy"].string_value
+        if mode not in BATCH_POLICIES:
+            raise ConfigError(
+                f"must be one of {', '.join(BATCH_POLICIES)}, got {mode!r}", field="parameters[batch_policy]"
+            )
+    batch = BatchPolicy(
+        max_batch_size=config.max_batch_size,
+        preferred_batch_sizes=tuple(dyn.preferred_batch_size),
+        max_queue_delay_ns=dyn.max_queue_delay_microseconds * 1000,
+        mode=mode,
+        dynamic=dynamic,
+    )
+
+    def queue(policy: mc.ModelQueuePolicy | None) -> QueuePolicy:
+        if policy is None:
+            return QueuePolicy(timeout_ns=defaults.queue_timeout_us * 1000, max_queue_size=defaults.max_queue_size)
+        timeout_us = policy.default_timeout_microseconds or defaults.queue_timeout_us
+        return QueuePolicy(
+            timeout_ns=timeout_us * 1000,
+            allow_timeout_override=policy.allow_timeout_override or not policy.default_timeout_microseconds,
+            delay_on_timeout=policy.timeout_action == mc.ModelQueuePolicy.DELAY,
+            max_queue_size=policy.max_queue_size or defaults.max_queue_size,
+        )
+
+    default_queue = queue(dyn.default_queue_policy if dyn.HasField("default_queue_policy") else None)
+    by_priority = {int(level): queue(policy) for level, policy in dyn.priority_queue_policy.items()}
+    return SchedulerConfig(
+        batch=batch,
+        priority_levels=int(dyn.priority_levels),
+        default_priority=int(dyn.default_priority_level),
+        default_queue=default_queue,
+        queue_by_priority=by_priority,
+        model_label=label,
+    )
+
+
+def _backend_loader(backend: str) -> Callable[[mc.ModelConfig, LoadContext], ModelBackend]:
+    if backend == "onnxruntime":
+        from sluice.runtime.backends import onnxrt
+
+        return onnxrt.load
+    if backend == "python":
+        from sluice.runtime.backends import python
+
+        return python.load
+    raise ConfigError(
+        f"backend '{backend}' is not available in this Sluice build; available: onnxruntime, python",
+        field="backend",
+    )
+
+
+def _available_versions(model_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
+
+
+@dataclasses.dataclass
+class _Prepared:
+    config: mc.ModelConfig
+    versions: list[tuple[int, ModelBackend, list[ModelInstance]]]
+    warnings: list[str]
+
+
+def _instance_plan(config: mc.ModelConfig) -> list[tuple[int, int]]:
+    """(kind, device_id) for every instance the instance groups ask for."""
+    groups = list(config.instance_group) or [mc.ModelInstanceGroup(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)]
+    plan = []
+    for group in groups:
+        gpus = list(group.gpus) or [0]
+        for i in range(max(group.count, 1)):
+            plan.append((group.kind, gpus[i % len(gpus)]))
+    return plan
+
+
+def prepare(root: Path, name: str, override: str | None) -> _Prepared:
+    """Blocking part of a load: parse, complete, validate, open sessions. Runs on a worker thread."""
+    model_dir = root / name
+    if not model_dir.is_dir():
+        raise NotFound(
+            f"failed to load '{name}': no directory '{name}' in the model repository {root} "
+            "(failed to poll from model repository)"
+        )
+    loaded = model_config.load_model_config(model_dir, override=override)
+    config = loaded.config
+    warnings = list(loaded.warnings)
+    available = _available_versions(model_dir)
+    chosen = model_config.select_versions(config, available)
+    if not chosen:
+        raise ConfigError(
+            f"no version directories to serve under {model_dir} (found {available or 'none'}); "
+            "versions are numbered directories like 1/, 2/",
+            file=str(model_dir),
+            field="version_policy",
+        )
+    backend = model_config.backend_of(config)
+    if backend == "onnxruntime":
+        from sluice.runtime.backends import onnxrt
+
+        ctx = LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root)
+        inputs, outputs = onnxrt.probe(onnxrt.model_path(config, ctx))
+        warnings += model_config.complete_io(config, inputs, outputs)
+    warnings += model_config.validate(config, source=loaded.source)
+    loader = _backend_loader(backend)
+    versions = []
+    try:
+        for version in chosen:
+            ctx = LoadContext(name, version, model_dir, model_dir / str(version), root)
+            instance_backend = loader(config, ctx)
+            instances = [
+                instance_backend.new_instance(index, kind, device)
+                for index, (kind, device) in enumerate(_instance_plan(config))
+            ]
+            versions.append((version, instance_backend, instances))
+    except BaseException:
+        for _, created, instances in versions:
+            for instance in instances:
+                instance.close()
+            created.close()
+        raise
+    return _Prepared(config, versions, warnings)
+
+
+class Repository:
+    """Loaded models of one repository directory."""
+
+    def __init__(self, root: Path, scheduling: SchedulingDefaults, *, grace_s: float = 30.0) -> None:
+        self.root = root
+        self._scheduling = scheduling
+        self._grace_s = grace_s
+        self._models: dict[str, _Model] = {}
+
+    def names_on_disk(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def _entry(self, name: str) -> _Model:
+        model = self._models.get(name)
+        if model is None:
+            model = self._models[name] = _Model()
+        return model
+
+    async def load(self, name: str, override: str | None = None) -> None:
+        model = self._entry(name)
+        async with model.lock:
+            previous_state = model.state
+            model.state = LOADING
+            loop = asyncio.get_running_loop()
+            try:
+                prepared = await loop.run_in_executor(None, prepare, self.root, name, override)
+            except SluiceError as exc:
+                model.state = READY if model.versions else UNAVAILABLE
+                model.reason = exc.message
+                log.error("model %s failed to load: %s", name, exc.message)
+                if previous_state == READY and model.versions:
+                    model.reason = f"reload failed, previous versions still serving: {exc.message}"
+                raise
+            except Exception as exc:
+                model.state = READY if model.versions else UNAVAILABLE
+                model.reason = f"{type(exc).__name__}: {exc}"
+                log.exception("model %s failed to load", name)
+                raise Unavailable(f"failed to load '{name}': {type(exc).__name__}: {exc}") from exc
+            for warning in prepared.warnings:
+                log.warning("model %s: %s", name, warning)
+            new_versions: dict[int, ModelVersion] = {}
+            for version, backend, instances in prepared.versions:
+                label = f"{name}:{version}"
+                stats = ModelStats(name, str(version))
+                scheduler = Scheduler(
+                    scheduler_config(prepared.config, self._scheduling, label), instances, observer=stats
+                )
+                scheduler.start()
+                new_versions[version] = ModelVersion(
+                    name, version, prepared.config, signature_of(prepared.config, label), backend, scheduler, stats
+                )
+            old, model.versions = model.versions, new_versions
+            for version in new_versions:
+                model.history[version] = READY
+            for version in old:
+                if version not in new_versions:
+                    model.history[version] = UNAVAILABLE
+            model.state = READY
+            model.reason = ""
+            log.info("model %s ready, versions %s", name, sorted(new_versions))
+        if old:
+            await self._close_versions(old.values())
+
+    async def unload(self, name: str) -> None:
+        model = self._models.get(name)
+        if model is None:
+            return  # Triton answers success for an unknown model
+        async with model.lock:
+            old, model.versions = model.versions, {}
+            model.state = UNAVAILABLE
+            model.reason = "unloaded"
+            for version in old:
+                model.history[version] = UNAVAILABLE
+        await self._close_versions(old.values())
+
+    async def _close_versions(self, versions: object) -> None:
+        closing = list(versions)  # type: ignore[call-overload]
+        await asyncio.gather(*(v.scheduler.aclose(self._grace_s) for v in closing))
+        for v in closing:
+            v.backend.close()
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(self.unload(name) for name in list(self._models)), return_exceptions=True)
+
+    # -- lookups (event loop, hot path) ------------------------------------------------------
+    def get(self, name: str, version: str = "") -> ModelVersion:
+        model = self._models.get(name)
+        if model is None or not model.versions:
+            if model is not None and model.state == LOADING:
+                raise Unavailable(f"model '{name}' is loading; retry when it is ready")
+            raise unknown_model(name, version or None)
+        if not version:
+            return model.versions[max(model.versions)]
+        try:
+            return model.versions[int(version)]
+        except (ValueError, KeyError):
+            raise unknown_model(name, version) from None
+
+    def ready_versions(self, name: str) -> list[int]:
+        model = self._models.get(name)
+        return sorted(model.versions) if model else []
+
+    def all_versions(self) -> list[ModelVersion]:
+        return [v for m in self._models.values() for v in m.versions.values()]
+
+    def index(self, ready_only: bool = False) -> list[IndexEntry]:
+        entries = []
+        names = set(self._models)
+        try:
+            names.update(self.names_on_disk())
+        except OSError:
+            pass
+        for name in sorted(names):
+            model = self._models.get(name)
+            if model is None or not model.history:
+                if not ready_only:
+                    state = model.state if model else ""
+                    entries.append(IndexEntry(name, "", state, model.reason if model else ""))
+                continue
+            for version, state in sorted(model.history.items()):
+                if version in model.versions:
+                    state = READY
+                if ready_only and state != READY:
+                    continue
+                reason = "" if state == READY else model.reason
+                entries.append(IndexEntry(name, str(version), state, reason))
+        return entries
+
+    def state_of(self, name: str) -> tuple[str, str]:
+        model = self._models.get(name)
+        if model is None:
+            return "", ""
+        return model.state, model.reason
