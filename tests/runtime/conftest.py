@@ -1,0 +1,218 @@
+"""Fixtures for runtime tests: model repositories built in the test, and a real server on loopback.
+
+``serve(repo, **settings)`` starts ``sluice.runtime.server.Server`` on free 127.0.0.1 ports in a
+background thread with its own event loop and returns a handle with the URLs; tests then talk
+to it with tritonclient over HTTP and gRPC exactly as a user would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import textwrap
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sluice.runtime.server import Server
+from sluice.runtime.settings import Limits, SchedulingDefaults, ServerSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_builders() -> Any:
+    spec = importlib.util.spec_from_file_location("sluice_example_models", ROOT / "examples" / "make_models.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BUILDERS = _load_builders()
+
+ADD_SUB_CONFIG = """
+name: "add_sub"
+backend: "onnxruntime"
+max_batch_size: 0
+input [
+  { name: "INPUT0", data_type: TYPE_FP32, dims: [ 16 ] },
+  { name: "INPUT1", data_type: TYPE_FP32, dims: [ 16 ] }
+]
+output [
+  { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 16 ] },
+  { name: "OUTPUT1", data_type: TYPE_FP32, dims: [ 16 ] }
+]
+"""
+
+MLP_CONFIG = """
+name: "mlp"
+platform: "onnxruntime_onnx"
+max_batch_size: 64
+dynamic_batching { max_queue_delay_microseconds: 500 }
+"""
+
+IDENTITY_PY = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.config = json.loads(args["model_config"])
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            tensors = []
+            for cfg in self.config["input"]:
+                t = pb_utils.get_input_tensor_by_name(request, cfg["name"])
+                if t is not None:
+                    tensors.append(pb_utils.Tensor(cfg["name"].replace("IN", "OUT"), t.as_numpy()))
+            out.append(pb_utils.InferenceResponse(output_tensors=tensors))
+        return out
+"""
+
+
+def write_model(repo: Path, name: str, config: str, files: dict[str, bytes | str], version: int = 1) -> Path:
+    """Write ``<repo>/<name>/config.pbtxt`` and ``<repo>/<name>/<version>/<file>``."""
+    model_dir = repo / name
+    (model_dir / str(version)).mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(textwrap.dedent(config))
+    for filename, content in files.items():
+        path = model_dir / str(version) / filename
+        if isinstance(content, str):
+            path.write_text(textwrap.dedent(content))
+        else:
+            path.write_bytes(content)
+    return model_dir
+
+
+@dataclasses.dataclass
+class Running:
+    server: Server
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+
+    @property
+    def http(self) -> str:
+        return f"127.0.0.1:{self.server.ports.http}"
+
+    @property
+    def grpc(self) -> str:
+        return f"127.0.0.1:{self.server.ports.grpc}"
+
+    @property
+    def metrics(self) -> str:
+        return f"127.0.0.1:{self.server.ports.metrics}"
+
+    def call(self, coro: Any, timeout: float = 30) -> Any:
+        """Run a coroutine on the server's loop (e.g. to inspect it) and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.thread.is_alive():
+            self.call(self.server.stop(grace_s), timeout=grace_s + 30)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+
+
+def start_server(repo: Path, **overrides: Any) -> Running:
+    limits = overrides.pop("limits", Limits())
+    scheduling = overrides.pop("scheduling", SchedulingDefaults())
+    settings = ServerSettings(
+        model_repository=repo,
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        limits=limits,
+        scheduling=scheduling,
+        **overrides,
+    )
+    server = Server(settings)
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+
+        async def boot() -> None:
+            try:
+                await server.start()
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                started.set()
+
+        loop.run_until_complete(boot())
+        if not errors:
+            loop.run_forever()
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+    thread = threading.Thread(target=run, name="sluice-test-server", daemon=True)
+    thread.start()
+    started.wait(60)
+    if errors:
+        raise errors[0]
+    return Running(server, loop, thread)
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., Running]]:
+    running: list[Running] = []
+
+    def factory(repo: Path, **overrides: Any) -> Running:
+        handle = start_server(repo, **overrides)
+        running.append(handle)
+        return handle
+
+    yield factory
+    for handle in running:
+        handle.stop()
+
+
+@pytest.fixture
+def example_repo(tmp_path: Path) -> Path:
+    """add_sub (no batching), mlp (dynamic batching) and an identity Python model."""
+    repo = tmp_path / "repo"
+    write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    write_model(repo, "mlp", MLP_CONFIG, {"model.onnx": BUILDERS.mlp_model()})
+    return repo
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    """One server for read-only tests of a module (faster than one per test)."""
+    repo = tmp_path_factory.mktemp("shared") / "repo"
+    write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    write_model(repo, "mlp", MLP_CONFIG, {"model.onnx": BUILDERS.mlp_model()})
+    write_model(
+        repo,
+        "identity_bytes",
+        """
+        name: "identity_bytes"
+        backend: "python"
+        max_batch_size: 8
+        input [ { name: "INPUT0", data_type: TYPE_STRING, dims: [ -1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_STRING, dims: [ -1 ] } ]
+        dynamic_batching { }
+        """,
+        {"model.py": IDENTITY_PY},
+    )
+    handle = start_server(repo)
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture(scope="session")
+def mlp_session() -> Any:
+    """The example MLP in onnxruntime directly: the reference served results are compared with."""
+    import onnxruntime as ort
+
+    return ort.InferenceSession(BUILDERS.mlp_model(), providers=["CPUExecutionProvider"])
