@@ -826,16 +826,6 @@ def _check_dynamic_batching(config: mc.ModelConfig, fail: _Fail) -> None:
                 f"priority level {level} is out of range; allowed: {level_range}",
                 f"dynamic_batching.priority_queue_policy[{level}]",
             )
-    policies = [("dynamic_batching.default_queue_policy", batching.default_queue_policy)]
-    policies += [
-        (f"dynamic_batching.priority_queue_policy[{k}]", v) for k, v in sorted(batching.priority_queue_policy.items())
-    ]
-    for field, queue_policy in policies:
-        if queue_policy.max_queue_size < 0:
-            raise fail(
-                f"max_queue_size is {queue_policy.max_queue_size}; allowed: 0 (unbounded) or more",
-                f"{field}.max_queue_size",
-            )
 
 
 def _collect_unimplemented(message: Message, pattern_prefix: str, path_prefix: str, warnings: list[str]) -> None:
