@@ -177,6 +177,7 @@ def prepare(root: Path, name: str, override: str | None) -> _Prepared:
         inputs, outputs = onnxrt.probe(onnxrt.model_path(config, ctx))
         warnings += model_config.complete_io(config, inputs, outputs)
     warnings += model_config.validate(config, source=loaded.source)
+    warnings = list(dict.fromkeys(warnings))  # load_model_config validates too; report each once
     loader = _backend_loader(backend)
     versions = []
     try:
