@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
@@ -18,6 +20,45 @@ from sluice.runtime.protocol import grpc_codec
 from sluice.runtime.settings import Limits
 
 log = logging.getLogger("sluice.runtime.grpc")
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+
+
+class Unparsable:
+    """Stands in for a request whose bytes are not a valid protobuf message.
+
+    grpc.aio answers a request deserializer that raises with UNKNOWN ("Unexpected DecodeError"), and
+    ends a stream silently; parsing leniently lets the handlers answer INVALID_ARGUMENT instead.
+    """
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _lenient_parser(message_type: Any) -> Callable[[bytes], Any]:
+    parse = message_type.FromString
+    full_name = message_type.DESCRIPTOR.full_name
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return Unparsable(f"request is not a valid protobuf {full_name} message ({len(data)} bytes): {exc}")
+
+    return deserialize
+
+
+def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Answer an unparsable request with INVALID_ARGUMENT before ``method`` sees it."""
+
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if type(request) is Unparsable:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await method(request, context)
+
+    return handle
 
 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
@@ -93,6 +134,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        if type(request) is Unparsable:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             infer_request = grpc_codec.decode_infer(request, self.limits)
             response = await self.dp.infer(infer_request)
@@ -108,6 +151,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         tasks: set[asyncio.Task] = set()
 
         async def one(message: pb.ModelInferRequest) -> None:
+            if type(message) is Unparsable:
+                await results.put(pb.ModelStreamInferResponse(error_message=message.message))
+                return
             try:
                 infer_request = grpc_codec.decode_infer(message, self.limits)
                 response = await self.dp.infer(infer_request)
@@ -153,9 +199,28 @@ async def start_grpc(dataplane: DataPlane, limits: Limits, host: str, port: int)
         ("grpc.http2.max_pings_without_data", 0),
     ]
     server = grpc.aio.server(options=options)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(dataplane, limits), server)
+    handlers = method_handlers(InferenceService(dataplane, limits))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(_SERVICE.full_name, handlers)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port}")
     await server.start()
     return server, bound
+
+
+def method_handlers(service: InferenceService) -> dict[str, grpc.RpcMethodHandler]:
+    """What ``add_GRPCInferenceServiceServicer_to_server`` registers, with lenient request parsing."""
+    handlers = {}
+    for method in _SERVICE.methods:
+        behaviour = getattr(service, method.name)
+        parse = _lenient_parser(getattr(pb, method.input_type.name))
+        serialize = getattr(pb, method.output_type.name).SerializeToString
+        if method.client_streaming:
+            # ModelStreamInfer answers unparsable messages on the stream itself.
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(behaviour, parse, serialize)
+        else:
+            if method.name != "ModelInfer" and inspect.iscoroutinefunction(behaviour):
+                behaviour = _guarded(behaviour)  # ModelInfer checks inline; unimplemented ones ignore the request
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(behaviour, parse, serialize)
+    return handlers

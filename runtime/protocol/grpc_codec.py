@@ -82,12 +82,17 @@ def decode_infer(message: pb.ModelInferRequest, limits: Limits) -> InferRequest:
         if datatype not in DATATYPES:
             raise InvalidArgument(f"input '{name}': unknown datatype {datatype!r}; allowed: {', '.join(DATATYPES)}")
         shape = tuple(tensor.shape)
+        if len(shape) > 32:
+            raise InvalidArgument(f"input '{name}': shape has {len(shape)} dimensions, at most 32 are allowed")
         count = 1
+        span = 1  # product of the non-zero dims: bounded too, or a 0 in the shape would hide 2**62 beside it
         for dim in shape:
             if dim < 0:
                 raise InvalidArgument(f"input '{name}': shape entries must be >= 0, got {list(shape)}")
             count *= dim
-            if count > limits.max_elements:
+            if dim:
+                span *= dim
+            if span > limits.max_elements:
                 raise PayloadTooLarge(
                     f"input '{name}': shape {list(shape)} holds more than {limits.max_elements} elements "
                     "(--max-elements)"
@@ -96,6 +101,8 @@ def decode_infer(message: pb.ModelInferRequest, limits: Limits) -> InferRequest:
         if total > limits.max_elements:
             raise PayloadTooLarge(f"request holds more than {limits.max_elements} tensor elements (--max-elements)")
         if raw:
+            if tensor.HasField("contents"):
+                raise InvalidArgument(f"input '{name}': give its data in raw_input_contents or in contents, not both")
             data = memoryview(raw[index])
             if datatype == "BYTES":
                 array = bytes_elements(name, data, count).reshape(shape)
@@ -110,7 +117,9 @@ def decode_infer(message: pb.ModelInferRequest, limits: Limits) -> InferRequest:
         else:
             field = _TYPED_FIELD.get(datatype)
             if field is None:
-                raise Unsupported(f"input '{name}': {datatype} must be sent in raw_input_contents")
+                raise InvalidArgument(
+                    f"input '{name}': {datatype} has no typed contents field; send it in raw_input_contents"
+                )
             values = getattr(tensor.contents, field)
             if len(values) != count:
                 raise InvalidArgument(

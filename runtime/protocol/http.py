@@ -347,6 +347,8 @@ def _decode_body(request: Request, limits: Limits) -> bytes:
         raise InvalidArgument(f"request body is not valid {encoding.decode()} data: {exc}") from None
     if len(out) > limits.max_body_bytes or decompressor.unconsumed_tail:
         raise PayloadTooLarge(f"decompressed request body is over the {limits.max_body_bytes}-byte limit")
+    if not decompressor.eof:
+        raise InvalidArgument(f"request body is truncated {encoding.decode()} data: the compressed stream does not end")
     return out
 
 

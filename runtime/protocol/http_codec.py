@@ -56,13 +56,16 @@ def _element_count(name: str, shape: Any, limits: Limits) -> tuple[tuple[int, ..
     if len(shape) > 32:
         raise _bad(f"input '{name}': shape has {len(shape)} dimensions, at most 32 are allowed")
     count = 1
+    span = 1  # product of the non-zero dims: bounded too, or a 0 in the shape would hide 2**80 beside it
     for dim in shape:
         if isinstance(dim, bool) or not isinstance(dim, int):
             raise _bad(f"input '{name}': shape entries must be integers, got {dim!r}")
         if dim < 0:
             raise _bad(f"input '{name}': shape entries must be >= 0, got {dim}")
         count *= dim
-        if count > limits.max_elements:
+        if dim:
+            span *= dim
+        if span > limits.max_elements:
             raise PayloadTooLarge(
                 f"input '{name}': shape {shape} holds more than {limits.max_elements} elements "
                 "(the server's --max-elements limit)"
@@ -72,9 +75,14 @@ def _element_count(name: str, shape: Any, limits: Limits) -> tuple[tuple[int, ..
 
 def bytes_elements(name: str, raw: memoryview, count: int) -> np.ndarray:
     """Split Triton's length-prefixed BYTES encoding (4-byte little-endian length, then data)."""
+    end = len(raw)
+    if count * 4 > end:  # every element has a 4-byte length: refuse before allocating ``count`` slots
+        raise _bad(
+            f"input '{name}': BYTES data is {end} bytes, too short for {count} elements "
+            "(each needs at least a 4-byte length)"
+        )
     out = np.empty(count, dtype=object)
     pos = 0
-    end = len(raw)
     for i in range(count):
         if pos + 4 > end:
             raise _bad(f"input '{name}': BYTES data ends after {i} of {count} elements")
@@ -118,13 +126,16 @@ def _from_json_data(
         if len(flat) != count:
             raise _bad(f"input '{name}': {len(flat)} elements given, shape {list(shape)} needs {count}")
         out = np.empty(count, dtype=object)
-        for i, item in enumerate(flat):
-            if isinstance(item, str):
-                out[i] = item.encode()
-            elif isinstance(item, bool | int | float):
-                out[i] = json.dumps(item).encode()
-            else:
-                raise _bad(f"input '{name}': BYTES elements must be strings, got {type(item).__name__}")
+        try:
+            for i, item in enumerate(flat):
+                if isinstance(item, str):
+                    out[i] = item.encode()
+                elif isinstance(item, bool | int | float):
+                    out[i] = json.dumps(item).encode()
+                else:
+                    raise _bad(f"input '{name}': BYTES elements must be strings, got {type(item).__name__}")
+        except UnicodeEncodeError as exc:  # a lone surrogate such as "\ud800" is valid JSON but not text
+            raise _bad(f"input '{name}': BYTES element {i} is not valid Unicode text: {exc.reason}") from None
         return out.reshape(shape)
     try:
         array = np.asarray(data)
@@ -134,7 +145,14 @@ def _from_json_data(
         raise _bad(f"input '{name}': data is nested {array.ndim} deep, at most {limits.max_json_depth} is allowed")
     accepted = _ACCEPTED_KINDS.get(datatype, _INT_KINDS)
     if array.size and array.dtype.kind not in accepted:
-        kinds = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers", "U": "strings", "O": "mixed values"}
+        kinds = {
+            "b": "booleans",
+            "i": "integers",
+            "u": "integers",
+            "f": "numbers",
+            "U": "strings",
+            "O": "mixed values (or integers beyond 64 bits)",
+        }
         raise _bad(
             f"input '{name}': {datatype} data must be "
             f"{'true/false' if datatype == 'BOOL' else ('integers' if accepted == _INT_KINDS else 'numbers')}, "
@@ -143,8 +161,12 @@ def _from_json_data(
     if array.size != count:
         raise _bad(f"input '{name}': {array.size} elements given, shape {list(shape)} needs {count}")
     if datatype == "BF16":
-        return _bf16_from_float(array).reshape(shape)
+        with np.errstate(over="ignore"):  # out-of-range numbers become +-inf, as IEEE casts do
+            return _bf16_from_float(array).reshape(shape)
     target = numpy_dtype(datatype)
+    if target.kind == "f" and array.dtype != target:
+        with np.errstate(over="ignore"):  # numbers beyond the type's range become +-inf, as IEEE casts do
+            return array.astype(target).reshape(shape)
     if array.dtype.kind in _INT_KINDS and target.kind in _INT_KINDS:
         info = np.iinfo(target)
         if array.size and (array.min() < info.min or array.max() > info.max):
