@@ -85,6 +85,15 @@ def stats(http: str) -> tuple[int, int]:
     return int(doc["inference_count"]), int(doc["execution_count"])
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc), to report server CPU per request."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def perf_analyzer(pa: str, url: str, protocol: str, c: int, duration: float) -> tuple[float, float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         csv = Path(tmp) / "pa.csv"
@@ -165,28 +174,34 @@ def main() -> int:
                 url = f"127.0.0.1:{http if protocol == 'http' else grpc_port}"
                 for c in levels:
                     before = stats(f"127.0.0.1:{http}")
+                    cpu_before = cpu_seconds(server.pid)
                     if a.perf_analyzer:
                         tput, p50, p99 = perf_analyzer(a.perf_analyzer, url, protocol, c, a.duration)
                     else:
                         tput, p50, p99 = python_loadgen(url, protocol, c, a.duration)
                     after = stats(f"127.0.0.1:{http}")
+                    cpu = cpu_seconds(server.pid) - cpu_before
                     rows_done, execs = after[0] - before[0], after[1] - before[1]
+                    cpu_us = cpu / rows_done * 1e6 if rows_done else 0.0
                     mean_batch = rows_done / execs if execs else 0.0
                     bs = max(1, round(mean_batch))
                     if bs not in raw_cache:
                         raw_cache[bs] = raw_ort(blob, bs)
                     raw_tput, raw_ms = raw_cache[bs]
-                    rows.append((protocol, c, tput, p50, p99, mean_batch, raw_tput, raw_ms))
+                    rows.append((protocol, c, tput, p50, p99, mean_batch, raw_tput, cpu_us))
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(30)
     print(f"\nload generator: {loadgen}\n")
-    print("| protocol | concurrency | inf/s | p50 ms | p99 ms | mean batch | raw ORT rows/s at that batch | ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for protocol, c, tput, p50, p99, mean_batch, raw_tput, _ in rows:
+    print(
+        "| protocol | concurrency | inf/s | p50 ms | p99 ms | mean batch | server CPU us/inf "
+        "| raw ORT rows/s at that batch | ratio |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for protocol, c, tput, p50, p99, mean_batch, raw_tput, cpu_us in rows:
         print(
-            f"| {protocol} | {c} | {tput:,.0f} | {p50:.2f} | {p99:.2f} | {mean_batch:.1f} | {raw_tput:,.0f} | "
-            f"{tput / raw_tput:.2f} |"
+            f"| {protocol} | {c} | {tput:,.0f} | {p50:.2f} | {p99:.2f} | {mean_batch:.1f} | {cpu_us:.0f} "
+            f"| {raw_tput:,.0f} | {tput / raw_tput:.2f} |"
         )
     raw1 = raw_ort(blob, 1)
     print(f"\nraw onnxruntime bs1: {raw1[0]:,.0f} calls/s, p50 {raw1[1]:.3f} ms per call")

@@ -110,6 +110,10 @@ class ModelStats(Observer):
         self.execution_count += 1
         self.inference_count += rows
         self.compute_infer.add(compute_ns, len(requests))
+        # Input merge and output split run inside the measured execution; Triton's clients
+        # (perf_analyzer) require the three compute counts to agree.
+        self.compute_input.add(0, len(requests))
+        self.compute_output.add(0, len(requests))
         self.compute_hist.observe(compute_ns / 1e9)
         self.batch_hist.observe(rows)
         stats = self.batch.get(rows)
