@@ -234,6 +234,19 @@ class Scheduler:
     # -- submission --------------------------------------------------------------------------
     async def submit(self, request: InferRequest, priority: int = 0, timeout_us: int | None = None) -> Result:
         """Queue ``request`` and wait for its result; raises SluiceError subclasses."""
+        future = self.enqueue(request, priority, timeout_us)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            request.cancel.cancel()
+            raise
+
+    def enqueue(self, request: InferRequest, priority: int = 0, timeout_us: int | None = None) -> asyncio.Future:
+        """Queue ``request``; the returned future resolves to its result or a SluiceError.
+
+        The callback form of ``submit`` for protocol layers that avoid a task per request; the
+        caller cancels through ``request.cancel`` when its client goes away.
+        """
         if self._closing or self._loop is None:
             raise Unavailable(f"model '{self._config.model_label}' is not accepting requests (unloading)")
         level = self._level(priority)
@@ -265,11 +278,7 @@ class Scheduler:
         request.cancel.on_cancel(lambda: self._cancel(entry))
         if self._free:
             self._pump()
-        try:
-            return await future
-        except asyncio.CancelledError:
-            request.cancel.cancel()
-            raise
+        return future
 
     def _level(self, priority: int) -> int:
         levels = max(self._config.priority_levels, 1)
