@@ -17,6 +17,7 @@ Policy (see docs/batching.md):
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import dataclasses
 import heapq
@@ -98,18 +99,23 @@ def decide(queue: Sequence[Pending], now_ns: int, policy: BatchPolicy) -> Dispat
     full = full or total >= policy.max_batch_size
     if policy.mode == WORK_CONSERVING:
         return Dispatch(count)
-    target = max(policy.preferred_batch_sizes) if policy.preferred_batch_sizes else policy.max_batch_size
-    if full or total >= target:
-        if policy.preferred_batch_sizes:
-            preferred = set(policy.preferred_batch_sizes)
+    # fixed_wait, as Triton's dynamic batcher: before the delay has passed, a prefix that reaches a
+    # preferred size goes at once (the largest such); a queue past the largest preferred size sends
+    # what fits under it; once the delay has passed (or with no delay) everything that fits goes.
+    delay = policy.max_queue_delay_ns
+    deadline = head.enqueued_ns + delay
+    if delay == 0 or now_ns < deadline:
+        preferred = policy.preferred_batch_sizes
+        if preferred:
             for i in range(count - 1, -1, -1):
                 if totals[i] in preferred:
                     return Dispatch(i + 1)
-        return Dispatch(count)
-    deadline = head.enqueued_ns + policy.max_queue_delay_ns
-    if now_ns >= deadline:
-        return Dispatch(count)
-    return Wait(deadline)
+            cap = max(preferred)
+            if total >= cap:
+                return Dispatch(max(bisect.bisect_right(totals, cap), 1))
+        if delay and not full:
+            return Wait(deadline)
+    return Dispatch(count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +188,7 @@ class Scheduler:
         self._lanes: list[collections.deque[_Entry]] = [collections.deque() for _ in range(levels + 1)]
         self._policies = [config.queue_by_priority.get(level + 1, config.default_queue) for level in range(levels)]
         self._pending = 0
+        self._queued = [0] * levels  # per priority level, DELAYed requests included (as Triton counts)
         self._running = 0
         self._deadlines: list[tuple[int, int, _Entry]] = []
         self._seq = itertools.count()
@@ -212,6 +219,7 @@ class Scheduler:
             while lane:
                 self._finish(lane.popleft(), Unavailable("the model is being unloaded"))
         self._pending = 0
+        self._queued = [0] * len(self._queued)
         if self._timer is not None:
             self._timer.cancel()
         executor, self._executor = self._executor, None
@@ -251,10 +259,11 @@ class Scheduler:
             raise Unavailable(f"model '{self._config.model_label}' is not accepting requests (unloading)")
         level = self._level(priority)
         policy = self._policies[level]
-        if policy.max_queue_size and self._pending >= policy.max_queue_size:
+        if policy.max_queue_size and self._queued[level] >= policy.max_queue_size:
             self._observer.on_rejected("queue_full")
+            where = f" at priority {level + 1}" if self._config.priority_levels > 1 else ""
             raise QueueFull(
-                f"model '{self._config.model_label}' queue is full: {self._pending} requests queued, "
+                f"model '{self._config.model_label}' queue is full: {self._queued[level]} requests queued{where}, "
                 f"max_queue_size is {policy.max_queue_size}"
             )
         now = self._clock()
@@ -269,6 +278,7 @@ class Scheduler:
         entry = _Entry(request, future, now, deadline, level)
         self._lanes[level].append(entry)
         self._pending += 1
+        self._queued[level] += 1
         if self._idle is not None:
             self._idle.clear()
         if deadline:
@@ -297,6 +307,7 @@ class Scheduler:
     def _cancel(self, entry: _Entry) -> None:
         if entry.state == _QUEUED:
             self._pending -= 1
+            self._queued[entry.level] -= 1
             self._observer.on_rejected("cancelled")
             self._finish(entry, Cancelled("the request was cancelled by the client before it ran"))
             self._maybe_idle()
@@ -331,14 +342,15 @@ class Scheduler:
         heap = self._deadlines
         while heap and heap[0][0] <= now:
             _, _, entry = heapq.heappop(heap)
-            if entry.state != _QUEUED or entry.level >= len(self._policies):
+            if entry.state != _QUEUED:
                 continue
             if self._policies[entry.level].delay_on_timeout:
+                # behind every request that has not timed out; it keeps its level for the queue bound
                 self._lanes[entry.level].remove(entry)
-                entry.level = len(self._policies)
                 self._lanes[-1].append(entry)
                 continue
             self._pending -= 1
+            self._queued[entry.level] -= 1
             self._observer.on_rejected("timeout")
             waited_us = (now - entry.enqueued) // 1000
             self._finish(
@@ -387,6 +399,7 @@ class Scheduler:
             batch = entries[: decision.count]
             for entry in batch:
                 entry.state = _RUNNING  # left in its lane; _snapshot drops non-queued heads lazily
+                self._queued[entry.level] -= 1
             self._pending -= len(batch)
             self._running += len(batch)
             self._run(self._free.pop(), batch, now)
@@ -394,7 +407,7 @@ class Scheduler:
             # lazily drop dead heads so the timer tracks a live deadline
             while self._deadlines and self._deadlines[0][2].state != _QUEUED:
                 heapq.heappop(self._deadlines)
-            if self._deadlines:
+            if self._deadlines and (self._timer_at is None or self._deadlines[0][0] < self._timer_at):
                 self._arm(self._deadlines[0][0])
 
     def _run(self, instance: ModelInstance, batch: list[_Entry], now: int) -> None:
