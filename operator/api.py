@@ -1,0 +1,476 @@
+"""The ``sluice.dev/v1alpha1`` API as typed Python values, and the parsing that validates a spec.
+
+The CRD schema (``crd.py``) makes the API server reject most bad specs, but CEL rules are not enforced
+by every server (older clusters, test emulators) and some problems only show once a spec meets the
+operator. :func:`parse_inference_model` and :func:`parse_ensemble` re-check every rule and raise
+:class:`SpecError` listing each problem with what to change; the reconciler turns it into a Degraded
+condition instead of crashing. Defaults live here once and ``crd.py`` publishes the same values.
+
+Callers: ``crd`` (constants), ``builders`` (the dataclasses), ``reconcile`` (parsing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+GROUP = "sluice.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+INFERENCE_MODEL_KIND = "InferenceModel"
+INFERENCE_MODEL_PLURAL = "inferencemodels"
+ENSEMBLE_KIND = "Ensemble"
+ENSEMBLE_PLURAL = "ensembles"
+
+FORMATS = ("onnx", "torchscript", "tensorrt", "python")
+"""Model formats, mapped to the Triton backend the runtime loads them with (see ``BACKEND_BY_FORMAT``)."""
+BACKEND_BY_FORMAT = {"onnx": "onnxruntime", "torchscript": "pytorch", "tensorrt": "tensorrt", "python": "python"}
+STORAGE_SCHEMES = ("s3", "gs", "https", "pvc")
+CONFIG_FORMATS = ("pbtxt", "yaml", "json")
+TIMEOUT_ACTIONS = ("REJECT", "DELAY")
+DATA_TYPES = (
+    "TYPE_BOOL", "TYPE_UINT8", "TYPE_UINT16", "TYPE_UINT32", "TYPE_UINT64", "TYPE_INT8", "TYPE_INT16",
+    "TYPE_INT32", "TYPE_INT64", "TYPE_FP16", "TYPE_FP32", "TYPE_FP64", "TYPE_STRING", "TYPE_BF16",
+)
+PLACEMENTS = ("Auto", "Colocated", "Remote")
+
+DEFAULT_MODEL_VERSION = 1
+DEFAULT_MIN_REPLICAS = 1
+DEFAULT_MAX_REPLICAS = 1
+DEFAULT_TARGET_QUEUE_DEPTH = 8
+DEFAULT_CANARY_PERCENT = 10
+MAX_REPLICAS = 100
+MAX_BATCH_SIZE = 4096
+MAX_INSTANCES = 64
+MAX_GPUS = 16
+
+NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}$"
+STORAGE_URI_PATTERN = r"^(s3|gs|https|pvc)://[^\s]+$"
+MIG_PROFILE_PATTERN = r"^[1-7]g\.[0-9]+gb(\+me)?$"
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+
+_BINARY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL_SUFFIXES = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+
+
+class SpecError(ValueError):
+    """A spec the operator cannot serve; ``problems`` lists each one as ``field: what is wrong, what to do``."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("; ".join(self.problems))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files come from and how the runtime should load them."""
+
+    name: str
+    storage_uri: str
+    format: str
+    version: int = DEFAULT_MODEL_VERSION
+    config: str | None = None
+    """Inline model configuration, used verbatim instead of the one rendered from ``RuntimeConfig``."""
+    config_format: str = "pbtxt"
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicBatching:
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_microseconds: int = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class QueuePolicy:
+    max_queue_size: int = 0
+    timeout_microseconds: int = 0
+    timeout_action: str = "REJECT"
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """The subset of a Triton model config the spec exposes; rendered into the model's config file."""
+
+    max_batch_size: int = 0
+    dynamic_batching: DynamicBatching | None = None
+    queue_policy: QueuePolicy | None = None
+    instances: int = 1
+    response_cache: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """Exactly one of the three is set."""
+
+    count: int | None = None
+    mig_profile: str | None = None
+    memory: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    cpu: str | None = None
+    memory: str | None = None
+    gpu: Gpu | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaling:
+    min_replicas: int = DEFAULT_MIN_REPLICAS
+    max_replicas: int = DEFAULT_MAX_REPLICAS
+    target_queue_depth: int = DEFAULT_TARGET_QUEUE_DEPTH
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.max_replicas > self.min_replicas
+
+
+@dataclasses.dataclass(frozen=True)
+class Canary:
+    storage_uri: str
+    version: int
+    traffic_percent: int = DEFAULT_CANARY_PERCENT
+    config: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """Credentials for the model fetch: references only, never the secrets themselves."""
+
+    service_account_name: str | None = None
+    secret_name: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceModelSpec:
+    model: ModelSource
+    runtime: RuntimeConfig = RuntimeConfig()
+    resources: Resources = Resources()
+    scaling: Scaling = Scaling()
+    canary: Canary | None = None
+    storage: Storage = Storage()
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    name: str
+    data_type: str
+    dims: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class EnsembleStep:
+    name: str
+    model_ref: str | None
+    """Name of an InferenceModel in the Ensemble's namespace; ``None`` when the step is inline."""
+    model: ModelSource | None
+    resources: Resources = Resources()
+    version: int = -1
+    input_map: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Step model input tensor -> ensemble tensor it reads."""
+    output_map: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Step model output tensor -> ensemble tensor it writes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EnsembleSpec:
+    steps: tuple[EnsembleStep, ...]
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    max_batch_size: int = 0
+    placement: str = "Auto"
+    resources: Resources = Resources()
+    scaling: Scaling = Scaling()
+    storage: Storage = Storage()
+
+
+def quantity_to_float(text: str) -> float:
+    """Parse a Kubernetes quantity (``500m``, ``2Gi``, ``1.5``) into its value in base units."""
+    match = re.fullmatch(QUANTITY_PATTERN, text)
+    if not match:
+        raise ValueError(f"{text!r} is not a Kubernetes quantity such as 500m, 2Gi or 16G")
+    number = re.match(r"[0-9.]+", text)
+    assert number is not None
+    suffix = text[number.end():]
+    factor = _BINARY_SUFFIXES.get(suffix) or _DECIMAL_SUFFIXES[suffix]
+    return float(number.group()) * factor
+
+
+class _Reader:
+    """Reads typed fields out of an untrusted dict and collects every problem instead of stopping at one."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def problem(self, path: str, text: str) -> None:
+        self.problems.append(f"{path}: {text}")
+
+    def obj(self, data: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any] | None:
+        value = data.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, Mapping):
+            self.problem(f"{path}.{key}", "must be an object")
+            return None
+        return value
+
+    def int(self, data: Mapping[str, Any], key: str, path: str, default: int, lo: int, hi: int) -> int:
+        value = data.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.problem(f"{path}.{key}", f"must be an integer from {lo} to {hi}, got {value!r}")
+            return default
+        if not lo <= value <= hi:
+            self.problem(f"{path}.{key}", f"must be from {lo} to {hi}, got {value}")
+        return value
+
+    def str(
+        self, data: Mapping[str, Any], key: str, path: str, *, required: bool = False,
+        pattern: str | None = None, choices: Sequence[str] = (), hint: str = "",
+    ) -> str | None:
+        value = data.get(key)
+        if value is None:
+            if required:
+                self.problem(f"{path}.{key}", f"is required{hint}")
+            return None
+        if isinstance(value, int) and not isinstance(value, bool) and pattern == QUANTITY_PATTERN:
+            value = str(value)
+        if not isinstance(value, str):
+            self.problem(f"{path}.{key}", f"must be a string, got {value!r}")
+            return None
+        if choices and value not in choices:
+            self.problem(f"{path}.{key}", f"must be one of {', '.join(choices)}, got {value!r}")
+        elif pattern and not re.fullmatch(pattern, value):
+            self.problem(f"{path}.{key}", f"{value!r} does not match {pattern}{hint}")
+        return value
+
+    def model_source(self, data: Mapping[str, Any], path: str, default_name: str) -> ModelSource:
+        name = self.str(data, "name", path, pattern=NAME_PATTERN) or default_name
+        uri = self.str(
+            data, "storageUri", path, required=True, pattern=STORAGE_URI_PATTERN,
+            hint=" (use s3://bucket/path, gs://bucket/path, https://host/path or pvc://claim/path)",
+        )
+        fmt = self.str(data, "format", path, required=True, choices=FORMATS)
+        config = self.str(data, "config", path)
+        config_format = self.str(data, "configFormat", path, choices=CONFIG_FORMATS) or "pbtxt"
+        version = self.int(data, "version", path, DEFAULT_MODEL_VERSION, 1, 2**31 - 1)
+        return ModelSource(
+            name=name, storage_uri=uri or "", format=fmt or "onnx", version=version,
+            config=config, config_format=config_format,
+        )
+
+    def runtime(self, data: Mapping[str, Any] | None, path: str) -> RuntimeConfig:
+        if data is None:
+            return RuntimeConfig()
+        max_batch = self.int(data, "maxBatchSize", path, 0, 0, MAX_BATCH_SIZE)
+        batching = None
+        if (raw := self.obj(data, "dynamicBatching", path)) is not None:
+            sizes = raw.get("preferredBatchSizes", [])
+            if not isinstance(sizes, list) or not all(isinstance(s, int) and s >= 1 for s in sizes):
+                self.problem(f"{path}.dynamicBatching.preferredBatchSizes", "must be a list of integers >= 1")
+                sizes = []
+            if max_batch == 0:
+                self.problem(
+                    f"{path}.dynamicBatching",
+                    "needs maxBatchSize > 0; set spec.runtime.maxBatchSize or remove dynamicBatching",
+                )
+            elif any(s > max_batch for s in sizes):
+                self.problem(
+                    f"{path}.dynamicBatching.preferredBatchSizes",
+                    f"every size must be <= maxBatchSize ({max_batch}), got {sizes}",
+                )
+            batching = DynamicBatching(
+                preferred_batch_sizes=tuple(sizes),
+                max_queue_delay_microseconds=self.int(
+                    raw, "maxQueueDelayMicroseconds", f"{path}.dynamicBatching", 100, 0, 10_000_000
+                ),
+            )
+        policy = None
+        if (raw := self.obj(data, "queuePolicy", path)) is not None:
+            sub = f"{path}.queuePolicy"
+            policy = QueuePolicy(
+                max_queue_size=self.int(raw, "maxQueueSize", sub, 0, 0, 1_000_000),
+                timeout_microseconds=self.int(raw, "timeoutMicroseconds", sub, 0, 0, 3_600_000_000),
+                timeout_action=self.str(raw, "timeoutAction", sub, choices=TIMEOUT_ACTIONS) or "REJECT",
+            )
+        cache = data.get("responseCache", False)
+        if not isinstance(cache, bool):
+            self.problem(f"{path}.responseCache", f"must be true or false, got {cache!r}")
+            cache = False
+        return RuntimeConfig(
+            max_batch_size=max_batch, dynamic_batching=batching, queue_policy=policy,
+            instances=self.int(data, "instances", path, 1, 1, MAX_INSTANCES), response_cache=cache,
+        )
+
+    def resources(self, data: Mapping[str, Any] | None, path: str) -> Resources:
+        if data is None:
+            return Resources()
+        cpu = self.str(data, "cpu", path, pattern=QUANTITY_PATTERN)
+        memory = self.str(data, "memory", path, pattern=QUANTITY_PATTERN)
+        gpu = None
+        if (raw := self.obj(data, "gpu", path)) is not None:
+            sub = f"{path}.gpu"
+            forms = [key for key in ("count", "migProfile", "memory") if raw.get(key) is not None]
+            if len(forms) != 1:
+                self.problem(
+                    sub,
+                    "set exactly one of count (whole GPUs), migProfile (e.g. 1g.10gb) or memory (e.g. 16Gi)"
+                    + (f", got {', '.join(forms)}" if forms else ", got none"),
+                )
+            gpu = Gpu(
+                count=self.int(raw, "count", sub, 1, 1, MAX_GPUS) if "count" in raw else None,
+                mig_profile=self.str(raw, "migProfile", sub, pattern=MIG_PROFILE_PATTERN),
+                memory=self.str(raw, "memory", sub, pattern=QUANTITY_PATTERN),
+            )
+        return Resources(cpu=cpu, memory=memory, gpu=gpu)
+
+    def scaling(self, data: Mapping[str, Any] | None, path: str) -> Scaling:
+        if data is None:
+            return Scaling()
+        lo = self.int(data, "minReplicas", path, DEFAULT_MIN_REPLICAS, 1, MAX_REPLICAS)
+        hi = self.int(data, "maxReplicas", path, max(lo, DEFAULT_MAX_REPLICAS), 1, MAX_REPLICAS)
+        if lo > hi:
+            self.problem(
+                path, f"minReplicas ({lo}) must be <= maxReplicas ({hi}); raise maxReplicas or lower minReplicas"
+            )
+        depth = self.int(data, "targetQueueDepth", path, DEFAULT_TARGET_QUEUE_DEPTH, 1, 100_000)
+        return Scaling(min_replicas=lo, max_replicas=hi, target_queue_depth=depth)
+
+    def storage(self, data: Mapping[str, Any] | None, path: str) -> Storage:
+        if data is None:
+            return Storage()
+        secret = self.obj(data, "secretRef", path)
+        return Storage(
+            service_account_name=self.str(data, "serviceAccountName", path),
+            secret_name=self.str(secret, "name", f"{path}.secretRef", required=True) if secret else None,
+        )
+
+    def tensors(self, data: Any, path: str) -> tuple[Tensor, ...]:
+        if not isinstance(data, list) or not data:
+            self.problem(path, "must list at least one tensor with name, dataType and dims")
+            return ()
+        result = []
+        for index, raw in enumerate(data):
+            sub = f"{path}[{index}]"
+            if not isinstance(raw, Mapping):
+                self.problem(sub, "must be an object")
+                continue
+            dims = raw.get("dims", [])
+            if not isinstance(dims, list) or not all(isinstance(d, int) and d >= -1 and d != 0 for d in dims):
+                self.problem(f"{sub}.dims", "must be a list of positive integers or -1 for a variable size")
+                dims = []
+            result.append(Tensor(
+                name=self.str(raw, "name", sub, required=True) or "",
+                data_type=self.str(raw, "dataType", sub, required=True, choices=DATA_TYPES) or "TYPE_FP32",
+                dims=tuple(dims),
+            ))
+        return tuple(result)
+
+    def string_map(self, data: Mapping[str, Any], key: str, path: str) -> dict[str, str]:
+        value = data.get(key, {})
+        if not isinstance(value, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        ):
+            self.problem(f"{path}.{key}", "must map tensor names to tensor names")
+            return {}
+        return dict(value)
+
+
+def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelSpec:
+    """Validate an InferenceModel ``spec`` (``name`` is ``metadata.name``) or raise :class:`SpecError`."""
+    read = _Reader()
+    model_data = read.obj(spec, "model", "spec")
+    if model_data is None:
+        read.problem("spec.model", "is required: give at least storageUri and format")
+        model_data = {}
+    model = read.model_source(model_data, "spec.model", default_name=name)
+    runtime_data = read.obj(spec, "runtime", "spec")
+    if model.config is not None and runtime_data:
+        read.problem(
+            "spec.runtime", "cannot be combined with spec.model.config; put these settings into the inline config"
+        )
+    canary = None
+    if (raw := read.obj(spec, "canary", "spec")) is not None:
+        uri = read.str(raw, "storageUri", "spec.canary", required=True, pattern=STORAGE_URI_PATTERN)
+        canary = Canary(
+            storage_uri=uri or "",
+            version=read.int(raw, "version", "spec.canary", model.version + 1, 1, 2**31 - 1),
+            traffic_percent=read.int(raw, "trafficPercent", "spec.canary", DEFAULT_CANARY_PERCENT, 0, 100),
+            config=read.str(raw, "config", "spec.canary"),
+        )
+        if canary.version == model.version and canary.storage_uri == model.storage_uri:
+            read.problem("spec.canary", "is identical to spec.model; change its version or storageUri")
+    result = InferenceModelSpec(
+        model=model,
+        runtime=read.runtime(runtime_data, "spec.runtime"),
+        resources=read.resources(read.obj(spec, "resources", "spec"), "spec.resources"),
+        scaling=read.scaling(read.obj(spec, "scaling", "spec"), "spec.scaling"),
+        canary=canary,
+        storage=read.storage(read.obj(spec, "storage", "spec"), "spec.storage"),
+    )
+    if read.problems:
+        raise SpecError(read.problems)
+    return result
+
+
+def parse_ensemble(name: str, spec: Mapping[str, Any]) -> EnsembleSpec:
+    """Validate an Ensemble ``spec`` (wiring included) or raise :class:`SpecError`."""
+    read = _Reader()
+    inputs = read.tensors(spec.get("inputs"), "spec.inputs")
+    outputs = read.tensors(spec.get("outputs"), "spec.outputs")
+    raw_steps = spec.get("steps")
+    if not isinstance(raw_steps, list) or not raw_steps:
+        read.problem("spec.steps", "must list at least one step")
+        raw_steps = []
+    steps: list[EnsembleStep] = []
+    for index, raw in enumerate(raw_steps):
+        path = f"spec.steps[{index}]"
+        if not isinstance(raw, Mapping):
+            read.problem(path, "must be an object")
+            continue
+        step_name = read.str(raw, "name", path, required=True, pattern=NAME_PATTERN) or f"step{index}"
+        ref = read.obj(raw, "modelRef", path)
+        inline = read.obj(raw, "model", path)
+        if (ref is None) == (inline is None):
+            read.problem(path, "set exactly one of modelRef (an InferenceModel's name) or model (inline)")
+        steps.append(EnsembleStep(
+            name=step_name,
+            model_ref=read.str(ref, "name", f"{path}.modelRef", required=True) if ref is not None else None,
+            model=read.model_source(inline, f"{path}.model", default_name=step_name) if inline else None,
+            resources=read.resources(read.obj(raw, "resources", path), f"{path}.resources"),
+            version=read.int(raw, "version", path, -1, -1, 2**31 - 1),
+            input_map=read.string_map(raw, "inputMap", path),
+            output_map=read.string_map(raw, "outputMap", path),
+        ))
+    names = [step.name for step in steps]
+    for dup in sorted({n for n in names if names.count(n) > 1}):
+        read.problem("spec.steps", f"step name {dup!r} is used more than once; give each step its own name")
+    # Wiring: every tensor a step reads is an ensemble input or written by an earlier step.
+    available = {tensor.name for tensor in inputs}
+    for index, step in enumerate(steps):
+        for model_input, tensor in step.input_map.items():
+            if tensor not in available:
+                read.problem(
+                    f"spec.steps[{index}].inputMap.{model_input}",
+                    f"reads {tensor!r}, which is neither an ensemble input nor an output of an earlier step "
+                    f"(known: {', '.join(sorted(available)) or 'none'})",
+                )
+        available |= set(step.output_map.values())
+    for tensor in outputs:
+        if tensor.name not in available:
+            read.problem(
+                "spec.outputs", f"{tensor.name!r} is not written by any step; map it in a step's outputMap"
+            )
+    placement = read.str(spec, "placement", "spec", choices=PLACEMENTS) or "Auto"
+    result = EnsembleSpec(
+        steps=tuple(steps), inputs=inputs, outputs=outputs,
+        max_batch_size=read.int(spec, "maxBatchSize", "spec", 0, 0, MAX_BATCH_SIZE),
+        placement=placement,
+        resources=read.resources(read.obj(spec, "resources", "spec"), "spec.resources"),
+        scaling=read.scaling(read.obj(spec, "scaling", "spec"), "spec.scaling"),
+        storage=read.storage(read.obj(spec, "storage", "spec"), "spec.storage"),
+    )
+    if read.problems:
+        raise SpecError(read.problems)
+    return result

@@ -1,0 +1,547 @@
+"""Pure builders: a validated spec + settings -> the Kubernetes objects that should exist.
+
+No I/O, no clock, no randomness: the same input always gives the same objects, so golden files pin
+them and re-running a reconcile changes nothing. ``reconcile`` calls :func:`inference_model` and
+:func:`ensemble`; ``kube`` applies what they return.
+
+Layout of a runtime pod: an emptyDir at ``/models`` is the model repository; each model's files land
+in ``/models/<name>/<version>`` (fetched by an init container, or a PVC sub-path mounted read-only),
+and its config file is mounted from the ConfigMap at ``/models/<name>/config.<ext>``. A hash of the
+ConfigMap goes into a pod-template annotation so a config change rolls the Deployment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sluice.operator import api
+from sluice.operator.settings import Settings
+
+Obj = dict[str, Any]
+
+MANAGED_BY = "sluice-operator"
+CONFIG_HASH_ANNOTATION = "sluice.dev/config-hash"
+MODEL_REPOSITORY = "/models"
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
+RUNTIME_UID = 10001
+
+
+class UnsatisfiableError(ValueError):
+    """The spec is valid on its own but cannot be rendered (e.g. an ensemble that fits nowhere)."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("; ".join(self.problems))
+
+
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """The custom resource the children belong to (their ownerReference)."""
+
+    kind: str
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> Obj:
+        return {
+            "apiVersion": api.API_VERSION, "kind": self.kind, "name": self.name, "uid": self.uid,
+            "controller": True, "blockOwnerDeletion": True,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Desired:
+    """What a reconcile should make true: objects to apply, kinds to remove, and facts for status."""
+
+    objects: tuple[Obj, ...]
+    absent: tuple[tuple[str, str, str], ...]
+    """(apiVersion, kind, name) of optional children that must not exist (e.g. HPA when not autoscaled)."""
+    selector: str
+    http_url: str
+    grpc_target: str
+    model_url: str
+    traffic: tuple[Obj, ...]
+    notes: tuple[str, ...] = ()
+    """Things the spec asks for that this operator version does not do yet; reported as Degraded."""
+    placement: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """One model inside a runtime pod: its files and its config file."""
+
+    source: api.ModelSource
+    config_name: str
+    config_text: str
+
+
+# ---------------------------------------------------------------- model configs
+
+def model_config(source: api.ModelSource, runtime: api.RuntimeConfig, *, gpu: bool) -> Obj:
+    """The Triton model config (proto field names, JSON mapping) for ``source`` and ``runtime``."""
+    config: Obj = {
+        "name": source.name,
+        "backend": api.BACKEND_BY_FORMAT[source.format],
+        "max_batch_size": runtime.max_batch_size,
+        "version_policy": {"specific": {"versions": [source.version]}},
+        "instance_group": [{"count": runtime.instances, "kind": "KIND_GPU" if gpu else "KIND_CPU"}],
+    }
+    if runtime.dynamic_batching is not None:
+        batching: Obj = {"max_queue_delay_microseconds": runtime.dynamic_batching.max_queue_delay_microseconds}
+        if runtime.dynamic_batching.preferred_batch_sizes:
+            batching["preferred_batch_size"] = list(runtime.dynamic_batching.preferred_batch_sizes)
+        config["dynamic_batching"] = batching
+    if runtime.queue_policy is not None:
+        policy = {
+            "max_queue_size": runtime.queue_policy.max_queue_size,
+            "default_timeout_microseconds": runtime.queue_policy.timeout_microseconds,
+            "timeout_action": runtime.queue_policy.timeout_action,
+        }
+        config.setdefault("dynamic_batching", {})["default_queue_policy"] = policy
+    if runtime.response_cache:
+        config["response_cache"] = {"enable": True}
+    return config
+
+
+def served_model(source: api.ModelSource, runtime: api.RuntimeConfig, *, gpu: bool) -> ServedModel:
+    if source.config is not None:
+        return ServedModel(source, f"config.{source.config_format}", source.config)
+    text = json.dumps(model_config(source, runtime, gpu=gpu), indent=2, sort_keys=True) + "\n"
+    return ServedModel(source, "config.json", text)
+
+
+def ensemble_config(name: str, spec: api.EnsembleSpec, step_models: Mapping[str, str],
+                    remote: Mapping[str, str]) -> Obj:
+    """Triton ``platform: ensemble`` config; ``remote`` maps model names to gRPC targets to call."""
+
+    def tensor(t: api.Tensor) -> Obj:
+        return {"name": t.name, "data_type": t.data_type, "dims": list(t.dims)}
+
+    config: Obj = {
+        "name": name,
+        "platform": "ensemble",
+        "max_batch_size": spec.max_batch_size,
+        "input": [tensor(t) for t in spec.inputs],
+        "output": [tensor(t) for t in spec.outputs],
+        "ensemble_scheduling": {"step": [
+            {
+                "model_name": step_models[step.name],
+                "model_version": step.version,
+                # Triton's maps are keyed by the step model's tensor and name the ensemble tensor.
+                "input_map": dict(sorted(step.input_map.items())),
+                "output_map": dict(sorted(step.output_map.items())),
+            }
+            for step in spec.steps
+        ]},
+    }
+    if remote:
+        # Read by the Sluice runtime: steps named here are called over gRPC instead of loaded locally.
+        config["parameters"] = {
+            f"sluice.remote.{model}": {"string_value": target} for model, target in sorted(remote.items())
+        }
+    return config
+
+
+# ---------------------------------------------------------------- objects
+
+def _meta(owner: Owner, name: str, labels: Mapping[str, str], annotations: Mapping[str, str] | None = None) -> Obj:
+    meta: Obj = {
+        "name": name, "namespace": owner.namespace, "labels": dict(labels),
+        "ownerReferences": [owner.reference()],
+    }
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return meta
+
+
+def selector_labels(owner: Owner) -> dict[str, str]:
+    return {"app.kubernetes.io/instance": owner.name, "sluice.dev/" + owner.kind.lower(): owner.name}
+
+
+def common_labels(owner: Owner) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "sluice-runtime",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        "app.kubernetes.io/component": owner.kind.lower(),
+        **selector_labels(owner),
+    }
+
+
+def config_map(owner: Owner, name: str, files: Mapping[str, str]) -> Obj:
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": _meta(owner, name, common_labels(owner)),
+        "data": dict(sorted(files.items())),
+    }
+
+
+def config_hash(files: Mapping[str, str]) -> str:
+    digest = hashlib.sha256()
+    for key, value in sorted(files.items()):
+        digest.update(key.encode() + b"\0" + value.encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _restricted_security_context(*, read_only_root: bool = True) -> Obj:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": read_only_root,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _gpu_scheduling(gpus: Sequence[api.Gpu]) -> tuple[dict[str, str], Obj | None]:
+    """Extended-resource limits and node affinity for a pod's GPU needs."""
+    limits: dict[str, int] = {}
+    min_memory: float | None = None
+    for gpu in gpus:
+        if gpu.count is not None:
+            limits[GPU_RESOURCE] = limits.get(GPU_RESOURCE, 0) + gpu.count
+        elif gpu.mig_profile is not None:
+            key = f"nvidia.com/mig-{gpu.mig_profile}"
+            limits[key] = limits.get(key, 0) + 1
+        elif gpu.memory is not None:
+            limits[GPU_RESOURCE] = limits.get(GPU_RESOURCE, 0) + 1
+            mib = api.quantity_to_float(gpu.memory) / 2**20
+            min_memory = max(min_memory or 0.0, mib)
+    affinity = None
+    if min_memory is not None:
+        # GPU feature discovery publishes the per-GPU memory in MiB; Gt is strict, hence the -1.
+        affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [
+                {"key": GPU_MEMORY_LABEL, "operator": "Gt", "values": [str(int(min_memory) - 1)]},
+            ]},
+        ]}}}
+    return {key: str(value) for key, value in sorted(limits.items())}, affinity
+
+
+def _fetch(
+    model: api.ModelSource, index: int, storage: api.Storage, settings: Settings,
+) -> tuple[Obj | None, Obj | None, Obj | None]:
+    """(init container, volume, runtime volume mount) that put ``model``'s files in the repository."""
+    destination = f"{MODEL_REPOSITORY}/{model.name}/{model.version}"
+    if model.storage_uri.startswith("pvc://"):
+        claim, _, sub_path = model.storage_uri[len("pvc://"):].partition("/")
+        volume_name = f"pvc-{index}"
+        volume = {"name": volume_name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        mount: Obj = {"name": volume_name, "mountPath": destination, "readOnly": True}
+        if sub_path:
+            mount["subPath"] = sub_path
+        return None, volume, mount
+    init: Obj = {
+        "name": f"fetch-{index}-{model.name}".lower().replace("_", "-").replace(".", "-")[:63],
+        "image": settings.storage_initializer_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "args": [model.storage_uri, destination],
+        "resources": {
+            "requests": {"cpu": settings.default_resources.fetch_cpu,
+                         "memory": settings.default_resources.fetch_memory},
+            "limits": {"memory": settings.default_resources.fetch_memory},
+        },
+        "securityContext": _restricted_security_context(),
+        "volumeMounts": [{"name": "model-repository", "mountPath": MODEL_REPOSITORY},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+    }
+    if storage.secret_name:
+        init["envFrom"] = [{"secretRef": {"name": storage.secret_name}}]
+    return init, None, None
+
+
+def deployment(
+    owner: Owner, *, name: str, models: Sequence[ServedModel], config_map_name: str, files: Mapping[str, str],
+    resources: api.Resources, gpus: Sequence[api.Gpu], scaling: api.Scaling, storage: api.Storage,
+    settings: Settings,
+) -> Obj:
+    labels = common_labels(owner)
+    init_containers: list[Obj] = []
+    volumes: list[Obj] = [
+        {"name": "model-repository", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "model-config", "configMap": {"name": config_map_name}},
+    ]
+    mounts: list[Obj] = [
+        {"name": "model-repository", "mountPath": MODEL_REPOSITORY, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    for index, served in enumerate(models):
+        if served.source.storage_uri:
+            init, volume, mount = _fetch(served.source, index, storage, settings)
+        else:
+            # A model with nothing to fetch (an ensemble) still needs its version directory.
+            init, volume = None, {"name": "empty-version", "emptyDir": {}}
+            mount = {"name": "empty-version", "readOnly": True,
+                     "mountPath": f"{MODEL_REPOSITORY}/{served.source.name}/{served.source.version}"}
+        if init is not None:
+            init_containers.append(init)
+        if volume is not None and mount is not None:
+            volumes.append(volume)
+            mounts.append(mount)
+        mounts.append({
+            "name": "model-config", "readOnly": True,
+            "mountPath": f"{MODEL_REPOSITORY}/{served.source.name}/{served.config_name}",
+            "subPath": _config_key(served),
+        })
+    gpu_limits, affinity = _gpu_scheduling(gpus)
+    cpu = resources.cpu or settings.default_resources.cpu
+    memory = resources.memory or settings.default_resources.memory
+    http, grpc, metrics = settings.http_port, settings.grpc_port, settings.metrics_port
+    container: Obj = {
+        "name": "runtime",
+        "image": settings.runtime_gpu_image if gpu_limits else settings.runtime_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["sluice"],
+        "args": ["serve", "--model-repository", MODEL_REPOSITORY, "--http-port", str(http),
+                 "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+        "ports": [
+            {"name": "http", "containerPort": http, "protocol": "TCP"},
+            {"name": "grpc", "containerPort": grpc, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": metrics, "protocol": "TCP"},
+        ],
+        "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "http"},
+                           "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"},
+                          "periodSeconds": 10, "failureThreshold": 3},
+        # Loading a large model can take minutes; liveness only starts once the server is up.
+        "startupProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"},
+                         "periodSeconds": 5, "failureThreshold": 120},
+        "resources": {
+            "requests": {"cpu": cpu, "memory": memory, **gpu_limits},
+            "limits": {"cpu": cpu, "memory": memory, **gpu_limits},
+        },
+        "securityContext": _restricted_security_context(),
+        "volumeMounts": mounts,
+    }
+    pod_spec: Obj = {
+        "securityContext": {
+            "runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID, "fsGroup": RUNTIME_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": settings.termination_grace_seconds,
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if storage.service_account_name:
+        pod_spec["serviceAccountName"] = storage.service_account_name
+    else:
+        pod_spec["automountServiceAccountToken"] = False
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    if gpu_limits:
+        pod_spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    if affinity:
+        pod_spec["affinity"] = affinity
+    spec: Obj = {
+        "revisionHistoryLimit": 3,
+        "selector": {"matchLabels": selector_labels(owner)},
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "template": {
+            "metadata": {
+                "labels": labels,
+                "annotations": {
+                    CONFIG_HASH_ANNOTATION: config_hash(files),
+                    "prometheus.io/scrape": "true",
+                    "prometheus.io/port": str(metrics),
+                },
+            },
+            "spec": pod_spec,
+        },
+    }
+    if not scaling.autoscaled:
+        # With an HPA the replica count is its field; applying one here would fight it.
+        spec["replicas"] = scaling.min_replicas
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(owner, name, labels), "spec": spec,
+    }
+
+
+def service(owner: Owner, name: str, settings: Settings) -> Obj:
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _meta(owner, name, common_labels(owner)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(owner),
+            "ports": [
+                {"name": "http", "port": settings.http_port, "targetPort": "http", "protocol": "TCP",
+                 "appProtocol": "http"},
+                {"name": "grpc", "port": settings.grpc_port, "targetPort": "grpc", "protocol": "TCP",
+                 "appProtocol": "grpc"},
+                {"name": "metrics", "port": settings.metrics_port, "targetPort": "metrics", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def pod_disruption_budget(owner: Owner, name: str) -> Obj:
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": _meta(owner, name, common_labels(owner)),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner)}},
+    }
+
+
+def horizontal_pod_autoscaler(owner: Owner, name: str, scaling: api.Scaling) -> Obj:
+    return {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": _meta(owner, name, common_labels(owner)),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicas": scaling.min_replicas,
+            "maxReplicas": scaling.max_replicas,
+            "metrics": [{
+                "type": "Pods",
+                "pods": {
+                    "metric": {"name": "sluice_queue_depth"},
+                    "target": {"type": "AverageValue", "averageValue": str(scaling.target_queue_depth)},
+                },
+            }],
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
+        },
+    }
+
+
+def _config_key(served: ServedModel) -> str:
+    return f"{served.source.name}.{served.config_name}"
+
+
+def _workload(
+    owner: Owner, models: Sequence[ServedModel], *, model_name: str, resources: api.Resources,
+    gpus: Sequence[api.Gpu], scaling: api.Scaling, storage: api.Storage, settings: Settings,
+    traffic: tuple[Obj, ...], notes: tuple[str, ...] = (), placement: str | None = None,
+) -> Desired:
+    name = owner.name
+    cm_name = f"{name}-config"
+    files = {_config_key(served): served.config_text for served in models}
+    objects: list[Obj] = [
+        config_map(owner, cm_name, files),
+        deployment(owner, name=name, models=models, config_map_name=cm_name, files=files, resources=resources,
+                   gpus=gpus, scaling=scaling, storage=storage, settings=settings),
+        service(owner, name, settings),
+    ]
+    absent: list[tuple[str, str, str]] = []
+    if scaling.max_replicas >= 2:
+        objects.append(pod_disruption_budget(owner, name))
+    else:
+        absent.append(("policy/v1", "PodDisruptionBudget", name))
+    if scaling.autoscaled:
+        objects.append(horizontal_pod_autoscaler(owner, name, scaling))
+    else:
+        absent.append(("autoscaling/v2", "HorizontalPodAutoscaler", name))
+    host = f"{name}.{owner.namespace}.svc.{settings.cluster_domain}"
+    http_url = f"http://{host}:{settings.http_port}"
+    return Desired(
+        objects=tuple(objects), absent=tuple(absent),
+        selector=",".join(f"{k}={v}" for k, v in sorted(selector_labels(owner).items())),
+        http_url=http_url, grpc_target=f"{host}:{settings.grpc_port}",
+        model_url=f"{http_url}/v2/models/{model_name}", traffic=traffic, notes=notes, placement=placement,
+    )
+
+
+def inference_model(owner: Owner, spec: api.InferenceModelSpec, settings: Settings) -> Desired:
+    """Children of an InferenceModel: ConfigMap, Deployment, Service, and PDB/HPA when scaling asks."""
+    gpus = [spec.resources.gpu] if spec.resources.gpu else []
+    served = served_model(spec.model, spec.runtime, gpu=bool(gpus))
+    notes: tuple[str, ...] = ()
+    traffic: tuple[Obj, ...] = ({"revision": "stable", "version": spec.model.version, "percent": 100},)
+    if spec.canary is not None:
+        notes = (
+            "spec.canary is accepted but this operator version does not roll canaries out yet: "
+            f"version {spec.model.version} keeps 100% of traffic. Remove spec.canary to clear this.",
+        )
+    return _workload(
+        owner, [served], model_name=spec.model.name, resources=spec.resources, gpus=gpus,
+        scaling=spec.scaling, storage=spec.storage, settings=settings, traffic=traffic, notes=notes,
+    )
+
+
+def _fits_one_pod(gpus: Sequence[api.Gpu], settings: Settings) -> bool:
+    if any(g.mig_profile is not None or g.memory is not None for g in gpus):
+        return False
+    return sum(g.count or 0 for g in gpus) <= settings.max_colocated_gpus
+
+
+def ensemble(
+    owner: Owner, spec: api.EnsembleSpec, referenced: Mapping[str, api.InferenceModelSpec], settings: Settings,
+) -> Desired:
+    """Children of an Ensemble: one runtime Deployment serving the ensemble config.
+
+    ``referenced`` maps each ``modelRef`` name to that InferenceModel's spec (the reconciler fetched it).
+    Steps are colocated in the ensemble's pods when they fit, otherwise the ensemble calls each
+    referenced InferenceModel's Service over gRPC (inline steps can only be colocated).
+    """
+    problems = [
+        f"spec.steps[{i}].modelRef: InferenceModel {step.model_ref!r} does not exist in namespace "
+        f"{owner.namespace!r}; create it or fix the name"
+        for i, step in enumerate(spec.steps) if step.model_ref is not None and step.model_ref not in referenced
+    ]
+    if problems:
+        raise UnsatisfiableError(problems)
+    step_models: dict[str, str] = {}
+    step_gpus: list[api.Gpu] = []
+    for step in spec.steps:
+        if step.model_ref is not None:
+            ref = referenced[step.model_ref]
+            step_models[step.name] = ref.model.name
+            gpu = step.resources.gpu or ref.resources.gpu
+        else:
+            assert step.model is not None
+            step_models[step.name] = step.model.name
+            gpu = step.resources.gpu
+        if gpu is not None:
+            step_gpus.append(gpu)
+    fits = _fits_one_pod(step_gpus, settings)
+    inline = [i for i, step in enumerate(spec.steps) if step.model is not None]
+    if spec.placement == "Remote" and inline:
+        raise UnsatisfiableError([
+            f"spec.steps[{i}]: an inline model cannot be called remotely; use modelRef or placement Auto"
+            for i in inline
+        ])
+    colocate = spec.placement == "Colocated" or (spec.placement == "Auto" and fits)
+    if not colocate and inline:
+        raise UnsatisfiableError([
+            f"the steps need more than {settings.max_colocated_gpus} whole GPU(s) or a MIG/GPU-memory "
+            "class, so they cannot share one pod, and inline steps "
+            f"({', '.join(spec.steps[i].name for i in inline)}) have no Service to call; "
+            "move them to InferenceModels and use modelRef"
+        ])
+    ensemble_name = owner.name
+    models: list[ServedModel] = []
+    remote: dict[str, str] = {}
+    seen: set[str] = set()
+    gpus: list[api.Gpu] = []
+    for step in spec.steps:
+        model_name = step_models[step.name]
+        if model_name in seen:
+            continue
+        seen.add(model_name)
+        if step.model_ref is not None:
+            ref = referenced[step.model_ref]
+            if colocate:
+                gpu = step.resources.gpu or ref.resources.gpu
+                models.append(served_model(ref.model, ref.runtime, gpu=gpu is not None))
+            else:
+                host = f"{step.model_ref}.{owner.namespace}.svc.{settings.cluster_domain}"
+                remote[model_name] = f"{host}:{settings.grpc_port}"
+        else:
+            assert step.model is not None
+            models.append(served_model(step.model, api.RuntimeConfig(), gpu=step.resources.gpu is not None))
+    if colocate:
+        gpus = step_gpus
+    source = api.ModelSource(name=ensemble_name, storage_uri="", format="python", version=1)
+    text = json.dumps(ensemble_config(ensemble_name, spec, step_models, remote), indent=2, sort_keys=True) + "\n"
+    models.insert(0, ServedModel(source, "config.json", text))
+    return _workload(
+        owner, models, model_name=ensemble_name, resources=spec.resources, gpus=gpus,
+        scaling=spec.scaling, storage=spec.storage, settings=settings,
+        traffic=({"revision": "stable", "version": 1, "percent": 100},),
+        placement="Colocated" if colocate else "Remote",
+    )

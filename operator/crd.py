@@ -1,0 +1,412 @@
+"""The CustomResourceDefinitions of ``sluice.dev/v1alpha1``, built as data from the constants in ``api``.
+
+``manifests/generate.py`` writes them to ``crds/`` and into the Helm chart; a test checks those files
+have not drifted from this module. Every field has a description; bounds, enums and defaults come from
+``api`` so the schema and the operator's own validation cannot disagree; CEL rules carry the
+cross-field checks (the operator repeats them for servers that do not enforce CEL).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sluice.operator import api
+
+Schema = dict[str, Any]
+
+
+def _obj(description: str, properties: dict[str, Schema], *, required: tuple[str, ...] = (), **extra: Any) -> Schema:
+    schema: Schema = {"type": "object", "description": description, "properties": properties}
+    if required:
+        schema["required"] = list(required)
+    schema.update(extra)
+    return schema
+
+
+def _str(description: str, **extra: Any) -> Schema:
+    return {"type": "string", "description": description, **extra}
+
+
+def _int(description: str, minimum: int, maximum: int, **extra: Any) -> Schema:
+    return {"type": "integer", "format": "int32", "description": description,
+            "minimum": minimum, "maximum": maximum, **extra}
+
+
+def _quantity(description: str, **extra: Any) -> Schema:
+    return {"type": "string", "description": description, "pattern": api.QUANTITY_PATTERN, **extra}
+
+
+def _rule(rule: str, message: str, **extra: Any) -> dict[str, str]:
+    return {"rule": rule, "message": message, **extra}
+
+
+def _model_source(description: str) -> Schema:
+    return _obj(
+        description,
+        {
+            "name": _str(
+                "Model name in the runtime's repository and in /v2/models/<name>. Defaults to the "
+                "resource's metadata.name.", pattern=api.NAME_PATTERN, maxLength=63,
+            ),
+            "storageUri": _str(
+                "Where the model version's files are: s3://bucket/path, gs://bucket/path, "
+                "https://host/path (an archive or a file), or pvc://claim/path (mounted read-only).",
+                pattern=api.STORAGE_URI_PATTERN, maxLength=2048,
+            ),
+            "format": _str(
+                "Model format; picks the runtime backend (onnx -> onnxruntime, torchscript -> pytorch, "
+                "tensorrt -> tensorrt, python -> python).", enum=list(api.FORMATS),
+            ),
+            "version": _int(
+                "Model version number; the files are served as <name>/<version>.", 1, 2**31 - 1,
+                default=api.DEFAULT_MODEL_VERSION,
+            ),
+            "config": _str(
+                "Inline model configuration (Triton config.pbtxt text, or YAML/JSON per configFormat). "
+                "When set it is used verbatim and spec.runtime must be empty.", maxLength=262144,
+            ),
+            "configFormat": _str(
+                "Format of the inline config.", enum=list(api.CONFIG_FORMATS), default="pbtxt",
+            ),
+        },
+        required=("storageUri", "format"),
+    )
+
+
+def _resources() -> Schema:
+    gpu = _obj(
+        "GPU need, in exactly one form: whole GPUs, one MIG slice, or one GPU with at least this much memory.",
+        {
+            "count": _int("Number of whole GPUs (nvidia.com/gpu).", 1, api.MAX_GPUS),
+            "migProfile": _str(
+                "One MIG slice of this profile (nvidia.com/mig-<profile>), e.g. 1g.10gb or 3g.40gb.",
+                pattern=api.MIG_PROFILE_PATTERN,
+            ),
+            "memory": _quantity(
+                "One whole GPU on a node whose GPUs have at least this much memory (node label "
+                "nvidia.com/gpu.memory from GPU feature discovery), e.g. 24Gi."
+            ),
+        },
+        **{"x-kubernetes-validations": [_rule(
+            "[has(self.count), has(self.migProfile), has(self.memory)].filter(x, x).size() == 1",
+            "set exactly one of gpu.count, gpu.migProfile or gpu.memory",
+        )]},
+    )
+    return _obj(
+        "Compute for each runtime pod. Requests equal limits (Guaranteed QoS) so latency is predictable.",
+        {
+            "cpu": _quantity("CPU for the runtime container, e.g. 2 or 500m. Operator default if unset."),
+            "memory": _quantity("Memory for the runtime container, e.g. 4Gi. Operator default if unset."),
+            "gpu": gpu,
+        },
+    )
+
+
+def _scaling() -> Schema:
+    return _obj(
+        "Replica bounds. With maxReplicas > minReplicas an HPA scales on the runtime's sluice_queue_depth "
+        "metric (served to the HPA by a custom-metrics adapter such as prometheus-adapter).",
+        {
+            "minReplicas": _int(
+                "Lowest replica count (also what `kubectl scale` sets).", 1, api.MAX_REPLICAS,
+                default=api.DEFAULT_MIN_REPLICAS,
+            ),
+            "maxReplicas": _int("Highest replica count.", 1, api.MAX_REPLICAS, default=api.DEFAULT_MAX_REPLICAS),
+            "targetQueueDepth": _int(
+                "Average queued requests per pod the HPA aims for.", 1, 100_000,
+                default=api.DEFAULT_TARGET_QUEUE_DEPTH,
+            ),
+        },
+        default={},
+        **{"x-kubernetes-validations": [_rule(
+            "self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas",
+        )]},
+    )
+
+
+def _storage() -> Schema:
+    return _obj(
+        "Credentials for fetching model files, by reference only: credentials never go into the spec.",
+        {
+            "serviceAccountName": _str(
+                "Service account of the model pods, e.g. one bound to a cloud IAM role (IRSA, Workload Identity)."
+            ),
+            "secretRef": _obj(
+                "A Secret in the same namespace whose keys become environment variables of the fetch init "
+                "container (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL).",
+                {"name": _str("Secret name.", minLength=1)}, required=("name",),
+            ),
+        },
+    )
+
+
+def _runtime() -> Schema:
+    return _obj(
+        "Runtime settings mirroring the model config (Triton config.pbtxt fields). Leave empty when "
+        "spec.model.config is given inline.",
+        {
+            "maxBatchSize": _int(
+                "Largest batch the model accepts (max_batch_size); 0 turns batching off.", 0, api.MAX_BATCH_SIZE,
+                default=0,
+            ),
+            "dynamicBatching": _obj(
+                "Server-side dynamic batching (dynamic_batching). Needs maxBatchSize > 0.",
+                {
+                    "preferredBatchSizes": {
+                        "type": "array", "description": "Batch sizes the batcher prefers to form.",
+                        "maxItems": 16, "items": {"type": "integer", "minimum": 1, "maximum": api.MAX_BATCH_SIZE},
+                    },
+                    "maxQueueDelayMicroseconds": _int(
+                        "How long a request may wait for a batch to fill.", 0, 10_000_000, default=100,
+                    ),
+                },
+            ),
+            "queuePolicy": _obj(
+                "Queue bounds (default_queue_policy).",
+                {
+                    "maxQueueSize": _int("Most queued requests; 0 means unbounded.", 0, 1_000_000, default=0),
+                    "timeoutMicroseconds": _int(
+                        "Queue timeout per request; 0 means none.", 0, 2**31 - 1, default=0,
+                    ),
+                    "timeoutAction": _str(
+                        "What a timed-out request gets.", enum=list(api.TIMEOUT_ACTIONS), default="REJECT",
+                    ),
+                },
+            ),
+            "instances": _int("Model instances per pod (instance_group count).", 1, api.MAX_INSTANCES, default=1),
+            "responseCache": {
+                "type": "boolean", "default": False,
+                "description": "Cache responses keyed by model, version and inputs (response_cache).",
+            },
+        },
+        **{"x-kubernetes-validations": [
+            _rule("!has(self.dynamicBatching) || self.maxBatchSize > 0",
+                  "dynamicBatching needs maxBatchSize > 0"),
+            _rule(
+                "!has(self.dynamicBatching) || !has(self.dynamicBatching.preferredBatchSizes) || "
+                "self.dynamicBatching.preferredBatchSizes.all(s, s <= self.maxBatchSize)",
+                "every preferredBatchSizes entry must be <= maxBatchSize",
+            ),
+        ]},
+    )
+
+
+def _canary() -> Schema:
+    return _obj(
+        "A second model version that receives a share of the traffic while it is analysed.",
+        {
+            "storageUri": _str("Files of the canary version.", pattern=api.STORAGE_URI_PATTERN, maxLength=2048),
+            "version": _int("Canary version number.", 1, 2**31 - 1),
+            "config": _str("Inline config for the canary; defaults to the stable one.", maxLength=262144),
+            "trafficPercent": _int(
+                "Share of requests sent to the canary.", 0, 100, default=api.DEFAULT_CANARY_PERCENT,
+            ),
+            "analysis": _obj(
+                "Promotion checks evaluated over the runtime's metrics.",
+                {
+                    "intervalSeconds": _int("How often to evaluate.", 10, 86400, default=60),
+                    "maxErrorRatePercent": {
+                        "type": "number", "minimum": 0, "maximum": 100, "default": 1,
+                        "description": "Roll back when the canary's error rate exceeds this.",
+                    },
+                    "maxLatencyP99Milliseconds": _int("Roll back when p99 latency exceeds this.", 1, 600_000),
+                    "successfulIntervals": _int(
+                        "Consecutive passing evaluations before promotion.", 1, 1000, default=5,
+                    ),
+                },
+            ),
+        },
+        required=("storageUri", "version"),
+    )
+
+
+def _condition() -> Schema:
+    return _obj(
+        "A metav1.Condition.",
+        {
+            "type": _str("Ready, Progressing or Degraded."),
+            "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+            "reason": _str("CamelCase reason for machines."),
+            "message": _str("Human-readable explanation, saying what to change when something is wrong."),
+            "lastTransitionTime": _str("When status last changed.", format="date-time"),
+            "observedGeneration": {"type": "integer", "format": "int64",
+                                   "description": "metadata.generation the condition was computed for."},
+        },
+        required=("type", "status"),
+    )
+
+
+def _status(extra: dict[str, Schema] | None = None) -> Schema:
+    properties: dict[str, Schema] = {
+        "observedGeneration": {"type": "integer", "format": "int64",
+                               "description": "metadata.generation the operator last reconciled."},
+        "conditions": {
+            "type": "array", "description": "Ready, Progressing and Degraded.", "items": _condition(),
+            "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"],
+        },
+        "replicas": {"type": "integer", "format": "int32", "description": "Runtime pods that exist."},
+        "readyReplicas": {"type": "integer", "format": "int32", "description": "Runtime pods that are ready."},
+        "selector": _str("Label selector of the runtime pods (for the scale subresource)."),
+        "url": _str("KServe V2 HTTP URL of the model, e.g. http://<svc>.<ns>.svc.cluster.local:8000/v2/models/<m>."),
+        "endpoints": _obj("In-cluster endpoints.", {
+            "http": _str("HTTP base URL (KServe V2 REST)."),
+            "grpc": _str("gRPC target host:port (KServe V2 gRPC)."),
+        }),
+        "traffic": {
+            "type": "array", "description": "Current traffic split between revisions.",
+            "items": _obj("One revision's share.", {
+                "revision": _str("stable or canary."),
+                "version": {"type": "integer", "format": "int64", "description": "Model version."},
+                "percent": _int("Share of requests.", 0, 100),
+            }),
+        },
+        "trafficSummary": _str("The traffic split in one word for `kubectl get`, e.g. v1=100."),
+    }
+    properties.update(extra or {})
+    return _obj("Observed state, written by the operator only.", properties)
+
+
+_PRINTER_COLUMNS = [
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+     "description": "Whether the model serves requests."},
+    {"name": "Replicas", "type": "integer", "jsonPath": ".status.readyReplicas",
+     "description": "Ready runtime pods."},
+    {"name": "Traffic", "type": "string", "jsonPath": ".status.trafficSummary",
+     "description": "Traffic split between revisions."},
+    {"name": "URL", "type": "string", "jsonPath": ".status.url", "description": "KServe V2 HTTP URL."},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def _crd(kind: str, plural: str, short_names: list[str], description: str, spec: Schema,
+         status_extra: dict[str, Schema] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{api.GROUP}"},
+        "spec": {
+            "group": api.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": kind.lower(),
+                "shortNames": short_names, "categories": ["sluice", "all"],
+            },
+            "versions": [{
+                "name": api.VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {
+                    "status": {},
+                    "scale": {
+                        "specReplicasPath": ".spec.scaling.minReplicas",
+                        "statusReplicasPath": ".status.replicas",
+                        "labelSelectorPath": ".status.selector",
+                    },
+                },
+                "additionalPrinterColumns": _PRINTER_COLUMNS,
+                "schema": {"openAPIV3Schema": _obj(
+                    description,
+                    {
+                        "apiVersion": _str("APIVersion of this object."),
+                        "kind": _str("Kind of this object."),
+                        "metadata": {"type": "object"},
+                        "spec": spec,
+                        "status": _status(status_extra),
+                    },
+                    required=("spec",),
+                )},
+            }],
+        },
+    }
+
+
+def inference_model_crd() -> dict[str, Any]:
+    spec = _obj(
+        "Desired state: one model served by Sluice runtime pods behind one Service.",
+        {
+            "model": _model_source("The model to serve (the stable revision)."),
+            "runtime": _runtime(),
+            "resources": _resources(),
+            "scaling": _scaling(),
+            "canary": _canary(),
+            "storage": _storage(),
+        },
+        required=("model",),
+        **{"x-kubernetes-validations": [
+            _rule("!has(self.model.config) || !has(self.runtime)",
+                  "spec.runtime cannot be combined with an inline spec.model.config"),
+            _rule("!has(self.canary) || self.canary.version != self.model.version || "
+                  "self.canary.storageUri != self.model.storageUri",
+                  "spec.canary must differ from spec.model in version or storageUri"),
+        ]},
+    )
+    return _crd(
+        api.INFERENCE_MODEL_KIND, api.INFERENCE_MODEL_PLURAL, ["im", "ims"],
+        "InferenceModel serves one model (with an optional canary) over KServe V2 HTTP and gRPC.", spec,
+    )
+
+
+def _tensors(description: str) -> Schema:
+    return {
+        "type": "array", "description": description, "minItems": 1, "maxItems": 64,
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"],
+        "items": _obj("A tensor.", {
+            "name": _str("Tensor name.", minLength=1),
+            "dataType": _str("Triton data type.", enum=list(api.DATA_TYPES)),
+            "dims": {"type": "array", "description": "Shape without the batch dimension; -1 is variable.",
+                     "items": {"type": "integer", "minimum": -1}},
+        }, required=("name", "dataType", "dims")),
+    }
+
+
+def ensemble_crd() -> dict[str, Any]:
+    tensor_map = {"type": "object", "additionalProperties": {"type": "string"}}
+    step = _obj(
+        "One model call in the pipeline.",
+        {
+            "name": _str("Step name, unique in the ensemble.", pattern=api.NAME_PATTERN),
+            "modelRef": _obj("An InferenceModel in the same namespace.", {
+                "name": _str("InferenceModel name.", minLength=1),
+            }, required=("name",)),
+            "model": _model_source("An inline model served inside the ensemble's pods."),
+            "resources": _resources(),
+            "version": _int("Model version to call; -1 is the latest.", -1, 2**31 - 1, default=-1),
+            "inputMap": {**tensor_map, "description": "Step model input -> ensemble tensor it reads."},
+            "outputMap": {**tensor_map, "description": "Step model output -> ensemble tensor it writes."},
+        },
+        required=("name",),
+        **{"x-kubernetes-validations": [_rule(
+            "has(self.modelRef) != has(self.model)", "set exactly one of modelRef or model",
+        )]},
+    )
+    spec = _obj(
+        "Desired state: a pipeline of models served as one model endpoint.",
+        {
+            "steps": {
+                "type": "array", "description": "Pipeline steps, in order.", "minItems": 1, "maxItems": 32,
+                "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"], "items": step,
+            },
+            "inputs": _tensors("Ensemble inputs."),
+            "outputs": _tensors("Ensemble outputs."),
+            "maxBatchSize": _int("Largest batch the ensemble accepts; 0 turns batching off.", 0,
+                                 api.MAX_BATCH_SIZE, default=0),
+            "placement": _str(
+                "Auto colocates all steps in the ensemble's pods when they fit (see the operator's "
+                "maxColocatedGpus), otherwise calls the step InferenceModels' Services over gRPC. Colocated "
+                "and Remote force one or the other.", enum=list(api.PLACEMENTS), default="Auto",
+            ),
+            "resources": _resources(),
+            "scaling": _scaling(),
+            "storage": _storage(),
+        },
+        required=("steps", "inputs", "outputs"),
+    )
+    status_extra = {"placement": _str("Colocated or Remote: where the steps run.")}
+    return _crd(
+        api.ENSEMBLE_KIND, api.ENSEMBLE_PLURAL, ["ens"],
+        "Ensemble serves a pipeline of models as one KServe V2 model.", spec, status_extra,
+    )
+
+
+def all_crds() -> list[dict[str, Any]]:
+    return [inference_model_crd(), ensemble_crd()]

@@ -1,0 +1,130 @@
+"""kopf handlers: thin wiring from watch events and timers to :class:`reconcile.Reconciler`.
+
+:func:`register` puts every handler into a caller-owned ``kopf.OperatorRegistry`` (no global
+registry, nothing at import time). Triggers, all level-triggered into the same reconcile:
+
+* the custom resource is resumed, created or updated (kopf's change detection, with retries);
+* a child (Deployment, Service, ConfigMap, PDB, HPA carrying our managed-by label) changes or is
+  deleted: the owner named in its controller ownerReference is reconciled, which repairs drift;
+* a timer every ``Settings.resync_seconds`` as a backstop for anything the watches missed.
+
+Deletion needs no handler: children carry ownerReferences, so the garbage collector removes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import kopf
+
+from sluice.operator import api, builders
+from sluice.operator.kube import RESOURCES, Kube
+from sluice.operator.metrics import OperatorMetrics
+from sluice.operator.reconcile import Reconciler
+from sluice.operator.settings import Settings
+
+LoginFn = Callable[..., Awaitable[kopf.ConnectionInfo | None]]
+CHILD_KINDS = ("Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "HorizontalPodAutoscaler")
+CUSTOM_PLURALS = (api.INFERENCE_MODEL_PLURAL, api.ENSEMBLE_PLURAL)
+MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={builders.MANAGED_BY}"
+
+
+async def default_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In-cluster service account first, then the local kubeconfig."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+def kopf_event(body: Mapping[str, Any], *, type: str, reason: str, message: str) -> None:
+    kopf.event(body, type=type, reason=reason, message=message[:1024])
+
+
+def _split(api_version: str) -> tuple[str, str]:
+    group, _, version = api_version.rpartition("/")
+    return group, version
+
+
+def register(
+    registry: kopf.OperatorRegistry, *, settings: Settings, kube: Kube, reconciler: Reconciler,
+    metrics: OperatorMetrics, login: LoginFn = default_login,
+) -> None:
+    """Register all handlers of the Sluice operator into ``registry``."""
+    log = logging.getLogger("sluice.operator")
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        prefix = api.GROUP
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=prefix, key="last-handled-configuration",
+        )
+        settings.posting.level = logging.WARNING  # our own Events are explicit; no "handler succeeded" spam
+        for kind in CHILD_KINDS:
+            api_version, plural = RESOURCES[kind]
+            settings.watching.label_selectors[f"{api_version}/{plural}"] = MANAGED_SELECTOR
+
+    @kopf.on.login(registry=registry)
+    async def authenticate(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        info = await login(**kwargs)
+        if info is not None:
+            kube.connect(info)
+        return info
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(**_: Any) -> None:
+        await kube.aclose()
+
+    async def run(body: Mapping[str, Any]) -> None:
+        kind = str(body.get("kind"))
+        started = time.monotonic()
+        try:
+            outcome = await reconciler.reconcile(body)
+        except Exception:
+            metrics.reconciles.labels(kind, "error").inc()
+            raise
+        finally:
+            metrics.reconcile_seconds.labels(kind).observe(time.monotonic() - started)
+        metrics.reconciles.labels(kind, "ok").inc()
+        if outcome is not None and outcome.status_written:
+            metrics.status_writes.labels(kind).inc()
+
+    async def on_change(body: kopf.Body, **_: Any) -> None:
+        await run(body)
+
+    async def on_timer(body: kopf.Body, **_: Any) -> None:
+        await run(body)
+
+    def on_gone(body: kopf.Body, **_: Any) -> None:
+        meta = body["metadata"]
+        reconciler.forget(str(body.get("kind")), meta["namespace"], meta["name"])
+
+    for plural in CUSTOM_PLURALS:
+        where = (api.GROUP, api.VERSION, plural)
+        kopf.on.resume(*where, registry=registry, id="reconcile", backoff=5)(on_change)
+        kopf.on.create(*where, registry=registry, id="reconcile", backoff=5)(on_change)
+        kopf.on.update(*where, registry=registry, id="reconcile", backoff=5)(on_change)
+        kopf.on.delete(*where, registry=registry, id="forget", optional=True)(on_gone)
+        kopf.timer(*where, registry=registry, id="resync", interval=settings.resync_seconds,
+                   initial_delay=settings.resync_seconds)(on_timer)
+
+    async def on_child(body: kopf.Body, **_: Any) -> None:
+        refs = body.get("metadata", {}).get("ownerReferences", []) or []
+        ref = next((r for r in refs if r.get("controller") and r.get("apiVersion") == api.API_VERSION), None)
+        if ref is None or ref.get("kind") not in (api.INFERENCE_MODEL_KIND, api.ENSEMBLE_KIND):
+            return
+        namespace = body["metadata"]["namespace"]
+        owner = await kube.get(ref["kind"], namespace, ref["name"])
+        if owner is None or owner["metadata"].get("deletionTimestamp"):
+            return  # being garbage-collected along with its owner
+        if ref.get("uid") and owner["metadata"].get("uid") != ref["uid"]:
+            return  # an orphan of an earlier object with the same name; the GC takes it
+        log.debug("Child %s %s/%s changed; reconciling its %s", body.get("kind"), namespace,
+                  body["metadata"]["name"], ref["kind"])
+        await run(owner)
+
+    for kind in CHILD_KINDS:
+        group, version = _split(RESOURCES[kind][0])
+        kopf.on.event(group, version, RESOURCES[kind][1], registry=registry, id=f"child-{kind.lower()}",
+                      labels={"app.kubernetes.io/managed-by": builders.MANAGED_BY})(on_child)

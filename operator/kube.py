@@ -1,0 +1,138 @@
+"""The one place that talks to the Kubernetes API for the reconciler.
+
+Writes go through server-side apply with the fixed field manager ``sluice-operator`` and ``force``:
+the operator owns the fields it renders and takes them back after a manual edit (drift repair),
+while fields it never renders (e.g. an HPA-owned ``replicas``) stay with whoever set them.
+Status goes to the ``/status`` subresource as one merge patch. Credentials are the same
+``kopf.ConnectionInfo`` kopf logs in with, so operator and framework see the same cluster.
+
+Callers: ``reconcile`` (through the :class:`Api` protocol, which tests may replace) and ``handlers``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import aiohttp
+import kopf
+
+from sluice.operator import api
+from sluice.operator.settings import FIELD_MANAGER
+
+Obj = dict[str, Any]
+
+# kind -> (apiVersion, plural) for every kind the operator reads or writes.
+RESOURCES: dict[str, tuple[str, str]] = {
+    "ConfigMap": ("v1", "configmaps"),
+    "Service": ("v1", "services"),
+    "Deployment": ("apps/v1", "deployments"),
+    "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
+    "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    api.INFERENCE_MODEL_KIND: (api.API_VERSION, api.INFERENCE_MODEL_PLURAL),
+    api.ENSEMBLE_KIND: (api.API_VERSION, api.ENSEMBLE_PLURAL),
+}
+
+
+class ApiError(Exception):
+    """A non-success answer from the API server; ``status`` is the HTTP status."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        self.status = status
+        self.reason = reason
+        super().__init__(f"{status} {reason}: {message}")
+
+
+class Api(Protocol):
+    """What the reconciler needs from the cluster."""
+
+    async def apply(self, obj: Mapping[str, Any]) -> Obj: ...
+    async def get(self, kind: str, namespace: str, name: str) -> Obj | None: ...
+    async def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool: ...
+    async def patch_status(
+        self, kind: str, namespace: str, name: str, status: Mapping[str, Any],
+    ) -> Obj | None: ...
+
+
+def path(kind: str, namespace: str, name: str | None = None) -> str:
+    api_version, plural = RESOURCES[kind]
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{prefix}/namespaces/{namespace}/{plural}" + (f"/{name}" if name else "")
+
+
+class Kube:
+    """An aiohttp client bound to one ``kopf.ConnectionInfo``; open it lazily, close it with :meth:`aclose`."""
+
+    def __init__(self, info: kopf.ConnectionInfo | None = None) -> None:
+        self._info = info
+        self._session: aiohttp.ClientSession | None = None
+        self._lock = asyncio.Lock()
+
+    def connect(self, info: kopf.ConnectionInfo) -> None:
+        """Use ``info`` from now on (called by the login handler, also after a credentials refresh)."""
+        self._info = info
+        old, self._session = self._session, None
+        if old is not None:
+            asyncio.get_running_loop().create_task(old.close())
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _request(
+        self, method: str, url_path: str, *, body: Any = None, content_type: str = "application/json",
+        params: Mapping[str, str] | None = None,
+    ) -> Obj | None:
+        async with self._lock:
+            if self._session is None:
+                if self._info is None:
+                    raise RuntimeError("Kube has no credentials yet: the login handler has not run")
+                self._session = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(ssl=self._info.as_ssl_context()),
+                    headers={**self._info.as_http_headers(), "User-Agent": FIELD_MANAGER},
+                )
+            session = self._session
+            server = self._info.server.rstrip("/") if self._info else ""
+        data = None if body is None else json.dumps(body)
+        headers = {"Content-Type": content_type, "Accept": "application/json"}
+        async with session.request(method, server + url_path, data=data, headers=headers, params=params) as resp:
+            payload = await resp.json(content_type=None) if resp.content_length != 0 else None
+            if resp.status == 404 and (method in ("GET", "DELETE") or url_path.endswith("/status")):
+                return None
+            if resp.status >= 400:
+                payload = payload if isinstance(payload, dict) else {}
+                raise ApiError(resp.status, str(payload.get("reason", resp.reason)), str(payload.get("message", "")))
+            return payload if isinstance(payload, dict) else {}
+
+    async def apply(self, obj: Mapping[str, Any]) -> Obj:
+        meta = obj["metadata"]
+        result = await self._request(
+            "PATCH", path(obj["kind"], meta["namespace"], meta["name"]), body=obj,
+            content_type="application/apply-patch+yaml", params={"fieldManager": FIELD_MANAGER, "force": "true"},
+        )
+        return result or {}
+
+    async def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        return await self._request("GET", path(kind, namespace, name))
+
+    async def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool:
+        """Delete if it exists (and still has ``uid``, when given); ``False`` if it was already gone."""
+        body: Obj = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        try:
+            return await self._request("DELETE", path(kind, namespace, name), body=body) is not None
+        except ApiError as exc:
+            if exc.status == 409:  # the uid precondition failed: a newer object took the name
+                return False
+            raise
+
+    async def patch_status(self, kind: str, namespace: str, name: str, status: Mapping[str, Any]) -> Obj | None:
+        """Merge-patch the status subresource; ``None`` if the object is gone."""
+        return await self._request(
+            "PATCH", path(kind, namespace, name) + "/status", body={"status": dict(status)},
+            content_type="application/merge-patch+json",
+        )

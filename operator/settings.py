@@ -1,0 +1,96 @@
+"""Operator settings: one explicit object, built once in ``__main__`` and passed down by keyword.
+
+Nothing here reads the environment at import time; :func:`Settings.from_env` is called by ``__main__``
+(and by tests that want the production defaults with a few overrides).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+FIELD_MANAGER = "sluice-operator"
+"""The server-side apply field manager of every object the operator writes. Fixed on purpose: a changing
+manager name would leave orphaned field ownership behind on every upgrade."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultResources:
+    """Resources a model pod gets when its spec leaves them out."""
+
+    cpu: str = "1"
+    """CPU request (and limit) of the runtime container."""
+    memory: str = "2Gi"
+    """Memory request (and limit) of the runtime container."""
+    fetch_cpu: str = "500m"
+    """CPU request of the model-fetch init container."""
+    fetch_memory: str = "1Gi"
+    """Memory request (and limit) of the model-fetch init container."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything the operator needs to know that is not in an InferenceModel or Ensemble."""
+
+    namespaces: tuple[str, ...] = ()
+    """Namespaces to watch; empty means cluster-wide."""
+    runtime_image: str = "ghcr.io/sluice-ml/sluice-runtime:0.1.0"
+    """The CPU runtime image (``Dockerfile.runtime`` built with ``VARIANT=cpu``)."""
+    runtime_gpu_image: str = "ghcr.io/sluice-ml/sluice-runtime:0.1.0-cuda"
+    """The CUDA runtime image, used when a model asks for a GPU (``VARIANT=cuda``)."""
+    storage_initializer_image: str = "kserve/storage-initializer:v0.14.1"
+    """Init container that downloads ``storageUri`` (s3://, gs://, https://) into the model repository.
+    It is called as ``<image> <storageUri> <destination>``, the KServe storage-initializer contract."""
+    image_pull_policy: str = "IfNotPresent"
+    """Pull policy of the runtime and init containers."""
+    default_resources: DefaultResources = dataclasses.field(default_factory=DefaultResources)
+    """Resources for models that do not name their own."""
+    cluster_domain: str = "cluster.local"
+    """DNS suffix used to build the endpoint URLs in status."""
+    max_colocated_gpus: int = 1
+    """An Ensemble's steps share one pod when their whole GPUs add up to at most this many (and no
+    step needs a MIG slice or a GPU-memory class); otherwise the ensemble calls the step Services."""
+    resync_seconds: float = 60.0
+    """Period of the level-triggered resync that repairs drift even when no watch event arrives."""
+    http_port: int = 8000
+    """Runtime HTTP port (KServe V2 REST)."""
+    grpc_port: int = 8001
+    """Runtime gRPC port (KServe V2 gRPC)."""
+    metrics_port: int = 8002
+    """Runtime Prometheus port; the HPA reads ``sluice_queue_depth`` from it through an adapter."""
+    termination_grace_seconds: int = 45
+    """Pod grace period: the runtime drains open keep-alive connections for up to 30 s, as Triton does."""
+    peering_name: str | None = None
+    """kopf peering object name for leader election; ``None`` runs standalone (single replica)."""
+    health_port: int = 8080
+    """Port of the operator's own liveness endpoint (``/healthz``)."""
+    operator_metrics_port: int = 9090
+    """Port of the operator's own Prometheus metrics (``/metrics``); 0 turns them off."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Build settings from ``SLUICE_*`` variables (the Helm chart sets them); absent ones keep defaults."""
+        env = os.environ if env is None else env
+        defaults = cls()
+        resources = DefaultResources(
+            cpu=env.get("SLUICE_DEFAULT_CPU", defaults.default_resources.cpu),
+            memory=env.get("SLUICE_DEFAULT_MEMORY", defaults.default_resources.memory),
+        )
+        namespaces = tuple(ns.strip() for ns in env.get("SLUICE_WATCH_NAMESPACES", "").split(",") if ns.strip())
+        return cls(
+            namespaces=namespaces,
+            runtime_image=env.get("SLUICE_RUNTIME_IMAGE", defaults.runtime_image),
+            runtime_gpu_image=env.get("SLUICE_RUNTIME_GPU_IMAGE", defaults.runtime_gpu_image),
+            storage_initializer_image=env.get(
+                "SLUICE_STORAGE_INITIALIZER_IMAGE", defaults.storage_initializer_image
+            ),
+            image_pull_policy=env.get("SLUICE_IMAGE_PULL_POLICY", defaults.image_pull_policy),
+            default_resources=resources,
+            cluster_domain=env.get("SLUICE_CLUSTER_DOMAIN", defaults.cluster_domain),
+            max_colocated_gpus=int(env.get("SLUICE_MAX_COLOCATED_GPUS", defaults.max_colocated_gpus)),
+            resync_seconds=float(env.get("SLUICE_RESYNC_SECONDS", defaults.resync_seconds)),
+            peering_name=env.get("SLUICE_PEERING_NAME") or None,
+            health_port=int(env.get("SLUICE_HEALTH_PORT", defaults.health_port)),
+            operator_metrics_port=int(env.get("SLUICE_METRICS_PORT", defaults.operator_metrics_port)),
+        )

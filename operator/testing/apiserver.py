@@ -1,0 +1,418 @@
+"""A kmock Kubernetes emulator with the API-server semantics the operator's tests rely on.
+
+kmock's ``KubernetesEmulator`` stores objects and streams watch events but treats writes as plain
+JSON merges. Operator tests must not pass only because of that, so :class:`ApiServer` fills in what
+a real API server does (listed in ``e2e/README.md``):
+
+* ``metadata.uid``, ``resourceVersion`` (bumped only when an object really changes, so a no-op
+  apply emits no watch event), ``creationTimestamp``, ``generation`` (bumped on non-metadata,
+  non-status changes only);
+* the ``status`` subresource: writes to the main resource ignore ``status``; ``/status`` writes
+  change nothing else;
+* server-side apply (``application/apply-patch+yaml``): creates when absent; merges the applied
+  configuration, removes fields the same manager applied before and no longer applies; lists are
+  treated as atomic (a real server merges keyed lists such as containers by name);
+* deletion with finalizers (``deletionTimestamp``) and ``preconditions.uid``; owner-reference
+  garbage collection (background cascade) when an owner is deleted;
+* CustomResourceDefinitions registered with :meth:`ApiServer.register_crd`: discovery, and on every
+  write structural pruning of unknown fields, defaulting and OpenAPI validation (422 Invalid) -
+  but not CEL ``x-kubernetes-validations``, which the operator must check itself;
+* ``labelSelector`` on list and watch (equality, ``!=``, existence);
+* optionally a Deployment "controller" (:meth:`ApiServer.complete_rollout`) that marks pods ready.
+
+Requires the ``test`` extra (kmock, jsonschema). Not imported by the operator itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import itertools
+import json
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import aiohttp.web
+import attrs
+import jsonpatch
+import jsonpointer
+import jsonschema
+import kmock
+from kmock._internal import dicts as kmock_dicts  # the emulator's own merge/JSON-patch implementation
+from kmock._internal import rendering  # the emulator's own request type; no public alias exists
+
+Obj = dict[str, Any]
+APPLY = "application/apply-patch+yaml"
+
+
+class Invalid(kmock.KubernetesError):
+    pass
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _selector_matches(selector: str, labels: Mapping[str, str]) -> bool:
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key.strip()) == value.strip():
+                return False
+        elif "==" in term or "=" in term:
+            key, value = term.replace("==", "=").split("=", 1)
+            if labels.get(key.strip()) != value.strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def _merge(base: Any, patch: Any) -> Any:
+    """Apply-style merge: dicts recurse, everything else (lists included) is replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        result = dict(base)
+        for key, value in patch.items():
+            result[key] = _merge(base.get(key), value) if key in base else copy.deepcopy(value)
+        return result
+    return copy.deepcopy(patch)
+
+
+def _remove_dropped(obj: Any, previous: Any, current: Any) -> Any:
+    """Remove from ``obj`` the fields ``previous`` applied that ``current`` no longer applies."""
+    if not (isinstance(obj, dict) and isinstance(previous, dict)):
+        return obj
+    current = current if isinstance(current, dict) else {}
+    result = dict(obj)
+    for key, value in previous.items():
+        if key not in current:
+            result.pop(key, None)
+        elif key in result:
+            result[key] = _remove_dropped(result[key], value, current[key])
+    return result
+
+
+def _structural(schema: Mapping[str, Any], value: Any) -> Any:
+    """Prune unknown fields and fill defaults, as the API server does for a structural schema."""
+    if isinstance(value, dict) and schema.get("type") == "object":
+        if schema.get("x-kubernetes-preserve-unknown-fields"):
+            return value
+        properties = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        if properties is None and extra is None:
+            return value  # e.g. metadata: handled by the server itself
+        result: Obj = {}
+        for key, item in value.items():
+            if properties is not None and key in properties:
+                result[key] = _structural(properties[key], item)
+            elif isinstance(extra, dict):
+                result[key] = _structural(extra, item)
+        for key, sub in (properties or {}).items():
+            if key not in result and "default" in sub:
+                result[key] = _structural(sub, copy.deepcopy(sub["default"]))
+        return result
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_structural(schema["items"], item) for item in value]
+    return value
+
+
+def _strip_extensions(schema: Any) -> Any:
+    if isinstance(schema, dict):
+        return {k: _strip_extensions(v) for k, v in schema.items() if not k.startswith("x-kubernetes-")}
+    if isinstance(schema, list):
+        return [_strip_extensions(v) for v in schema]
+    return schema
+
+
+@attrs.define(kw_only=True)
+class ApiServer(kmock.KubernetesEmulator):
+    """The emulator; use as ``async with ApiServer() as server, kmock.Server(server): ...``."""
+
+    _schemas: dict[Any, Obj] = attrs.field(factory=dict, init=False)
+    _applied: dict[tuple[Any, str | None, str, str], Obj] = attrs.field(factory=dict, init=False)
+    _counter: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+    _log: list[tuple[int, Any, Obj]] = attrs.field(factory=list, init=False)
+    _last_version: int = attrs.field(default=0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.resources.load_bundled()
+
+    # ------------------------------------------------------------ setup helpers
+
+    def register_crd(self, crd: Mapping[str, Any]) -> None:
+        """Serve the CRD's resources (discovery, schema) as a real server does once it is established."""
+        spec = crd["spec"]
+        names = spec["names"]
+        for version in spec["versions"]:
+            resource = kmock.resource(spec["group"], version["name"], names["plural"])
+            self.resources[resource] = kmock.ResourceInfo(
+                kind=names["kind"], singular=names.get("singular"), namespaced=spec["scope"] == "Namespaced",
+                verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+                shortnames=set(names.get("shortNames", [])), categories=set(names.get("categories", [])),
+                subresources=set(version.get("subresources", {})),
+            )
+            self._schemas[resource] = version["schema"]["openAPIV3Schema"]
+
+    def read(self, resource: str, namespace: str | None, name: str) -> Obj | None:
+        """The stored object as a plain dict, or ``None``."""
+        key = (kmock.resource(resource), namespace, name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        return copy.deepcopy(self.objects[key].raw)
+
+    async def complete_rollout(self, namespace: str, name: str) -> None:
+        """Act as the Deployment controller and kubelet: all desired pods exist, run the spec and are ready."""
+        deployment = self.read("apps/v1/deployments", namespace, name)
+        assert deployment is not None, f"no Deployment {namespace}/{name}"
+        replicas = deployment["spec"].get("replicas", 1)
+        status = {"observedGeneration": deployment["metadata"]["generation"], "replicas": replicas,
+                  "updatedReplicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas}
+        await self.write_status("apps/v1/deployments", namespace, name, status)
+
+    async def write_status(self, resource: str, namespace: str | None, name: str, status: Obj) -> None:
+        """Write ``status`` as a controller would (through the status subresource semantics)."""
+        res = kmock.resource(resource)
+        async with self._lock:
+            current = self._current(res, namespace, name)
+            new = copy.deepcopy(current)
+            new["status"] = status
+            await self._store(res, namespace, name, current, new)
+
+    @property
+    def version(self) -> int:
+        """The latest resourceVersion handed out: it moves on every real change in the cluster."""
+        return self._last_version
+
+    # ------------------------------------------------------------ reads
+
+    def _visible(self, request: rendering.Request, obj: Mapping[str, Any]) -> bool:
+        meta = obj.get("metadata", {})
+        if request.namespace is not None and meta.get("namespace") != request.namespace:
+            return False
+        selector = request.params.get("labelSelector")
+        return not selector or _selector_matches(selector, meta.get("labels", {}) or {})
+
+    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+        payload = await super()._serve_list(request)
+        if isinstance(payload, dict):
+            payload["items"] = [item for item in payload["items"] if self._visible(request, item)]
+            payload["metadata"] = {"resourceVersion": str(self._last_version)}
+        return payload
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
+        # A watch from a resourceVersion gets the events after it (from the log), not a replay of
+        # every object: kopf lists first and then watches from the list's version, as with a real server.
+        yield b""
+        assert request.resource is not None
+        bus = self._buses[request.resource]
+        since = request.params.get("resourceVersion", "")
+        async with self._lock:
+            if since.isdigit():
+                backlog = [event for version, resource, event in self._log
+                           if resource == request.resource and version > int(since)]
+            else:
+                backlog = [{"type": "ADDED", "object": item.raw} for (resource, _, _), item in self.objects.items()
+                           if resource == request.resource and not item.deleted]
+            marker = await bus.mark()
+        try:
+            for event in backlog:
+                if self._visible(request, event["object"]):
+                    yield event
+            async for event in bus.stream(since=marker):
+                if isinstance(event, dict) and self._visible(request, event.get("object", {})):
+                    yield event
+        finally:
+            await bus.unmark(marker)
+
+    # ------------------------------------------------------------ writes
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        writes = (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE)
+        if request.resource is None or request.action not in writes:
+            return await super()._handle(request)
+        if request.action != kmock.action.CREATE and request.name is None:
+            return await super()._handle(request)
+        try:
+            async with self._lock:
+                if request.action == kmock.action.CREATE:
+                    result = await self._create(request)
+                elif request.action == kmock.action.UPDATE:
+                    result = await self._update(request)
+                else:
+                    result = await self._delete(request)
+        except kmock.KubernetesError as exc:
+            return await self._render_error(exc)
+        return aiohttp.web.json_response(result, status=201 if request.action == kmock.action.CREATE else 200)
+
+    def _has_status_subresource(self, resource: Any) -> bool:
+        return resource in self.resources and "status" in self.resources[resource].subresources
+
+    def _current(self, resource: Any, namespace: str | None, name: str) -> Obj:
+        key = (resource, namespace, name)
+        if key not in self.objects or self.objects[key].deleted:
+            raise kmock.KubernetesObjectNotFoundError(message=f"{resource.plural} {name!r} not found")
+        return copy.deepcopy(self.objects[key].raw)
+
+    def _admit(self, resource: Any, obj: Obj) -> Obj:
+        schema = self._schemas.get(resource)
+        if schema is None:
+            return obj
+        obj = _structural(schema, obj)
+        validator = jsonschema.Draft7Validator(_strip_extensions(schema))
+        errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path))
+        if errors:
+            details = "; ".join(f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in errors)
+            raise Invalid(status=422, reason="Invalid", message=f"{obj.get('kind')} is invalid: {details}")
+        return obj
+
+    async def _store(self, resource: Any, namespace: str | None, name: str, old: Obj | None, new: Obj) -> Obj:
+        """Persist ``new`` if it differs from ``old``: bump resourceVersion/generation, publish the event."""
+        if old is not None and new == old:
+            return old
+        meta = new.setdefault("metadata", {})
+        if old is None:
+            meta.update({"uid": str(uuid.UUID(int=next(self._counter))), "generation": 1,
+                         "creationTimestamp": _now()})
+        else:
+            unchanged = ("metadata", "status")
+            if {k: v for k, v in old.items() if k not in unchanged} != {
+                k: v for k, v in new.items() if k not in unchanged
+            }:
+                meta["generation"] = old["metadata"].get("generation", 1) + 1
+        meta["resourceVersion"] = str(next(self._counter))
+        key = (resource, namespace, name)
+        if key in self.objects:
+            self.objects[key].create(new)
+        else:
+            self.objects[key] = new
+        await self._publish(resource, {"type": "ADDED" if old is None else "MODIFIED", "object": new})
+        if old is None and self._orphaned(new):
+            # The garbage collector removes dependents whose owners are all gone (e.g. a child applied
+            # by a reconcile that raced with the owner's deletion).
+            await self._remove(resource, namespace, name)
+        return new
+
+    def _orphaned(self, obj: Mapping[str, Any]) -> bool:
+        refs = obj.get("metadata", {}).get("ownerReferences") or []
+        if not refs:
+            return False
+        alive = {item.raw["metadata"].get("uid") for item in self.objects.values() if not item.deleted}
+        return not any(ref.get("uid") in alive for ref in refs)
+
+    async def _publish(self, resource: Any, event: Obj) -> None:
+        version = int(event["object"]["metadata"]["resourceVersion"])
+        self._last_version = max(self._last_version, version)
+        self._log.append((version, resource, copy.deepcopy(event)))
+        await self._buses[resource].put(event)
+
+    async def _create(self, request: rendering.Request, body: Obj | None = None) -> Obj:
+        assert request.resource is not None
+        obj = copy.deepcopy(body if body is not None else request.data or {})
+        meta = obj.setdefault("metadata", {})
+        namespace = request.namespace or meta.get("namespace")
+        name = meta.get("name") or request.name
+        if not name and meta.get("generateName"):
+            name = f"{meta['generateName']}{next(self._counter):05d}"
+        if not name:
+            raise Invalid(status=422, reason="Invalid", message="metadata.name is required")
+        meta["name"] = name
+        if namespace is not None:
+            meta["namespace"] = namespace
+        key = (request.resource, namespace, name)
+        if key in self.objects and not self.objects[key].deleted:
+            raise kmock.KubernetesError(status=409, reason="AlreadyExists", message=f"{name!r} already exists")
+        for field in ("uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp"):
+            meta.pop(field, None)
+        if self._has_status_subresource(request.resource):
+            obj.pop("status", None)
+        obj = self._admit(request.resource, obj)
+        return await self._store(request.resource, namespace, name, None, obj)
+
+    async def _update(self, request: rendering.Request) -> Obj:
+        assert request.resource is not None and request.name is not None
+        resource, namespace, name = request.resource, request.namespace, request.name
+        content_type = request.headers.get("Content-Type", "").split(";")[0].strip()
+        patch = request.data if request.data is not None else json.loads(request.text or "{}")
+        status_only = request.subresource == "status"
+        key = (resource, namespace, name)
+        exists = key in self.objects and not self.objects[key].deleted
+        if content_type == APPLY:
+            manager = request.params.get("fieldManager", "")
+            if not exists:
+                created = await self._create(request, body=patch)
+                self._applied[(resource, namespace, name, manager)] = copy.deepcopy(patch)
+                return created
+            old = self._current(resource, namespace, name)
+            previous = self._applied.get((resource, namespace, name, manager))
+            new = _merge(_remove_dropped(old, previous, patch), patch) if previous else _merge(old, patch)
+            self._applied[(resource, namespace, name, manager)] = copy.deepcopy(patch)
+        else:
+            old = self._current(resource, namespace, name)
+            expected = patch.get("metadata", {}).get("resourceVersion") if isinstance(patch, dict) else None
+            if expected is not None and expected != old["metadata"]["resourceVersion"]:
+                raise kmock.KubernetesError(status=409, reason="Conflict", message="the object has been modified")
+            try:
+                new = copy.deepcopy(dict(kmock_dicts.patch_dict(old, patch)))
+            except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
+                # e.g. kopf's "test /metadata/resourceVersion" against a stale body
+                raise Invalid(status=422, reason="Invalid", message=f"the JSON patch failed: {exc}") from exc
+        if status_only:
+            new = {**old, "status": new.get("status")} if "status" in new else {**old}
+        elif self._has_status_subresource(resource):
+            new["status"] = old.get("status")
+            if new["status"] is None:
+                new.pop("status")
+        for field in ("uid", "resourceVersion", "generation", "creationTimestamp", "name", "namespace"):
+            if field in old["metadata"]:
+                new["metadata"][field] = old["metadata"][field]
+        if not status_only:
+            new = self._admit(resource, new)
+        meta = new["metadata"]
+        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            await self._store(resource, namespace, name, old, new)
+            await self._remove(resource, namespace, name)
+            return new
+        return await self._store(resource, namespace, name, old, new)
+
+    async def _delete(self, request: rendering.Request) -> Obj:
+        assert request.resource is not None and request.name is not None
+        resource, namespace, name = request.resource, request.namespace, request.name
+        old = self._current(resource, namespace, name)
+        options = request.data if isinstance(request.data, dict) else {}
+        wanted_uid = (options.get("preconditions") or {}).get("uid")
+        if wanted_uid and wanted_uid != old["metadata"].get("uid"):
+            raise kmock.KubernetesError(status=409, reason="Conflict", message="precondition failed: uid")
+        if old["metadata"].get("finalizers"):
+            if not old["metadata"].get("deletionTimestamp"):
+                new = copy.deepcopy(old)
+                new["metadata"]["deletionTimestamp"] = _now()
+                return await self._store(resource, namespace, name, old, new)
+            return old
+        await self._remove(resource, namespace, name)
+        return old
+
+    async def _remove(self, resource: Any, namespace: str | None, name: str) -> None:
+        """Hard-delete one object and garbage-collect its dependents (background propagation)."""
+        key = (resource, namespace, name)
+        obj = self.objects[key].raw
+        self.objects[key].delete()
+        for manager_key in [k for k in self._applied if k[:3] == key]:
+            del self._applied[manager_key]
+        obj = copy.deepcopy(obj)
+        obj["metadata"]["resourceVersion"] = str(next(self._counter))
+        await self._publish(resource, {"type": "DELETED", "object": obj})
+        uid = obj["metadata"].get("uid")
+        dependents = [
+            (res, ns, nm) for (res, ns, nm), item in list(self.objects.items())
+            if not item.deleted and any(
+                ref.get("uid") == uid for ref in item.raw.get("metadata", {}).get("ownerReferences", []) or []
+            )
+        ]
+        for dependent in dependents:
+            if not self.objects[dependent].deleted:
+                await self._remove(*dependent)

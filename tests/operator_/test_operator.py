@@ -1,0 +1,162 @@
+"""The real kopf operator against the emulator: the lifecycle of an InferenceModel.
+
+Each test drives the cluster through the HTTP API as kubectl would and asserts on the stored objects.
+"""
+
+from __future__ import annotations
+
+DEPLOY = "apps/v1/deployments"
+HPA = "autoscaling/v2/horizontalpodautoscalers"
+PDB = "policy/v1/poddisruptionbudgets"
+CHILDREN = [(DEPLOY, "resnet"), ("v1/services", "resnet"), ("v1/configmaps", "resnet-config"), (HPA, "resnet"),
+            (PDB, "resnet")]
+
+
+def status_of(client, name="resnet"):
+    return (client.read(client.IM, name) or {}).get("status", {})
+
+
+async def test_create_makes_children_with_owner_refs_and_status(client, operator, apiserver):
+    created = await client.create(client.IM, client.model())
+    uid = created["metadata"]["uid"]
+    for resource, name in CHILDREN:
+        child = await client.wait(lambda r=resource, n=name: client.read(r, n))
+        [ref] = child["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "sluice.dev/v1alpha1", "kind": "InferenceModel", "name": "resnet",
+                       "uid": uid, "controller": True, "blockOwnerDeletion": True}
+        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "sluice-operator"
+    deployment = client.read(DEPLOY, "resnet")
+    assert "replicas" not in deployment["spec"]  # min 2 < max 4: the HPA owns the replica count
+    status = await client.wait(lambda: status_of(client).get("conditions") and status_of(client))
+    assert status["observedGeneration"] == 1
+    assert status["url"] == "http://resnet.models.svc.cluster.local:8000/v2/models/resnet"
+    assert status["endpoints"] == {"http": "http://resnet.models.svc.cluster.local:8000",
+                                   "grpc": "resnet.models.svc.cluster.local:8001"}
+    assert status["trafficSummary"] == "v1=100"
+    assert client.condition(client.read(client.IM, "resnet"), "Ready")["status"] == "False"
+    assert client.condition(client.read(client.IM, "resnet"), "Progressing")["status"] == "True"
+    assert client.condition(client.read(client.IM, "resnet"), "Degraded")["status"] == "False"
+
+
+async def test_ready_follows_the_deployment(client, operator, apiserver, clock):
+    await client.create(client.IM, client.model())
+    await client.wait(lambda: status_of(client).get("conditions"))
+    not_ready_since = client.condition(client.read(client.IM, "resnet"), "Ready")["lastTransitionTime"]
+    clock.advance(90)
+    await apiserver.complete_rollout("models", "resnet")  # the Deployment controller reports all pods ready
+    await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Ready")["status"] == "True")
+    model = client.read(client.IM, "resnet")
+    ready = client.condition(model, "Ready")
+    assert ready["reason"] == "Available"
+    assert ready["lastTransitionTime"] == "2025-01-01T00:01:30Z" != not_ready_since
+    assert client.condition(model, "Progressing")["reason"] == "RolloutComplete"
+    assert model["status"]["readyReplicas"] == 1
+    [event] = await client.wait(lambda: [e for e in client.events() if e["reason"] == "Available"])
+    assert event["type"] == "Normal"
+    assert event["involvedObject"]["name"] == "resnet"
+
+
+async def test_status_is_not_rewritten_when_nothing_changed(client, operator, apiserver, clock):
+    await client.create(client.IM, client.model())
+    await client.wait(lambda: status_of(client).get("conditions"))
+    await client.settle()
+    before = client.read(client.IM, "resnet")
+    children = {child: client.read(*child)["metadata"]["resourceVersion"] for child in CHILDREN}
+    clock.advance(3600)
+    outcome = await operator.reconciler.reconcile(before)
+    assert outcome is not None
+    assert outcome.status_written is False
+    assert outcome.applied == 5
+    after = client.read(client.IM, "resnet")
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    for resource, name in CHILDREN:  # a no-op apply leaves every child's resourceVersion alone
+        assert client.read(resource, name)["metadata"]["resourceVersion"] == children[resource, name]
+
+
+async def test_spec_update_rolls_the_deployment(client, operator, apiserver):
+    await client.create(client.IM, client.model())
+    first = await client.wait(lambda: client.read(DEPLOY, "resnet"))
+    first_hash = first["spec"]["template"]["metadata"]["annotations"]["sluice.dev/config-hash"]
+    await client.patch(client.IM, "resnet", {"spec": {"runtime": {"maxBatchSize": 32}}})
+    rolled = await client.wait(lambda: (d := client.read(DEPLOY, "resnet"))["metadata"]["generation"] == 2 and d)
+    assert rolled["spec"]["template"]["metadata"]["annotations"]["sluice.dev/config-hash"] != first_hash
+    config = client.read("v1/configmaps", "resnet-config")["data"]["resnet.config.json"]
+    assert '"max_batch_size": 32' in config
+    await client.wait(lambda: status_of(client).get("observedGeneration") == 2)
+
+
+async def test_scaling_change_removes_the_hpa_and_pins_replicas(client, operator, apiserver):
+    await client.create(client.IM, client.model())
+    await client.wait(lambda: client.read(HPA, "resnet"))
+    await client.patch(client.IM, "resnet", {"spec": {"scaling": {"minReplicas": 1, "maxReplicas": 1}}})
+    await client.wait(lambda: client.read(HPA, "resnet") is None and client.read(PDB, "resnet") is None)
+    assert client.read(DEPLOY, "resnet")["spec"]["replicas"] == 1
+
+
+async def test_delete_garbage_collects_every_child(client, operator, apiserver):
+    await client.create(client.IM, client.model())
+    for resource, name in CHILDREN:
+        await client.wait(lambda r=resource, n=name: client.read(r, n))
+    await client.delete(client.IM, "resnet")
+    await client.wait(lambda: client.read(client.IM, "resnet") is None)  # kopf released its finalizer
+    for resource, name in CHILDREN:
+        assert client.read(resource, name) is None, resource
+
+
+async def test_a_deleted_child_is_recreated(client, operator, apiserver):
+    await client.create(client.IM, client.model())
+    old = await client.wait(lambda: client.read("v1/services", "resnet"))
+    await client.delete("v1/services", "resnet")
+    new = await client.wait(lambda: client.read("v1/services", "resnet"))
+    assert new["metadata"]["uid"] != old["metadata"]["uid"]
+
+
+async def test_an_edited_child_is_restored(client, operator, apiserver):
+    await client.create(client.IM, client.model())
+    await client.wait(lambda: client.read(DEPLOY, "resnet"))
+    await client.patch(DEPLOY, "resnet", {"spec": {"template": {"spec": {"containers": [
+        {"name": "runtime", "image": "evil:latest"}]}}}})
+    restored = await client.wait(
+        lambda: (d := client.read(DEPLOY, "resnet"))["spec"]["template"]["spec"]["containers"][0]["image"]
+        == "sluice-runtime:test" and d)
+    assert restored["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == \
+        "/v2/health/ready"
+
+
+async def test_invalid_spec_is_degraded_and_the_operator_keeps_working(client, operator, apiserver):
+    # Passes the OpenAPI schema (the emulator enforces it) but breaks a CEL rule (it does not).
+    bad = client.model("broken", scaling={"minReplicas": 5, "maxReplicas": 2},
+                       resources={"gpu": {"count": 1, "migProfile": "1g.10gb"}})
+    await client.create(client.IM, bad)
+    degraded = await client.wait(lambda: client.condition(client.read(client.IM, "broken"), "Degraded"))
+    assert degraded["status"] == "True"
+    assert degraded["reason"] == "InvalidSpec"
+    assert "minReplicas (5) must be <= maxReplicas (2)" in degraded["message"]
+    assert "set exactly one of count" in degraded["message"]
+    assert client.read(DEPLOY, "broken") is None
+    [event] = await client.wait(lambda: [e for e in client.events() if e["reason"] == "InvalidSpec"])
+    assert event["type"] == "Warning"
+    assert "maxReplicas" in event["message"]
+
+    await client.create(client.IM, client.model())  # another model still reconciles
+    await client.wait(lambda: client.read(DEPLOY, "resnet"))
+    await client.patch(client.IM, "broken", {"spec": {"scaling": {"minReplicas": 1},
+                                                      "resources": {"gpu": {"migProfile": None}}}})
+    fixed = await client.wait(
+        lambda: client.condition(client.read(client.IM, "broken"), "Degraded")["status"] == "False"
+        and client.read(DEPLOY, "broken"))
+    assert fixed["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+async def test_schema_violations_are_rejected_by_the_api(client, operator):
+    status, body = await client.create_raw(client.IM, client.model(runtime={"maxBatchSize": -1}))
+    assert status == 422
+    assert "maxBatchSize" in body["message"]
+
+
+async def test_canary_is_reported_as_not_implemented(client, operator):
+    await client.create(client.IM, client.model(canary={"storageUri": "s3://models/resnet50-v2", "version": 2}))
+    degraded = await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded"))
+    assert degraded["reason"] == "NotImplemented"
+    assert "Remove spec.canary" in degraded["message"]
+    assert status_of(client)["trafficSummary"] == "v1=100"
