@@ -6,15 +6,17 @@ Returns plain Python values and domain types; the protocol adapters encode them.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sluice.runtime import __version__
 from sluice.runtime import config as model_config
-from sluice.runtime.errors import InvalidArgument, SluiceError, Unavailable
-from sluice.runtime.repository import READY, Repository
+from sluice.runtime.errors import Cancelled, Internal, InvalidArgument, SluiceError, Unavailable
+from sluice.runtime.repository import ModelVersion, Repository
 from sluice.runtime.signature import check_request
-from sluice.runtime.types import CONFIG_TYPE_BY_DATATYPE, InferRequest, InferResponse
+from sluice.runtime.types import InferRequest, InferResponse
 
 EXTENSIONS = [
     "classification",  # refused with a clear error, listed so clients can discover the refusal
@@ -132,32 +134,68 @@ class DataPlane:
         return self.repository.state_of(name)[0]
 
     # -- inference ---------------------------------------------------------------------------
-    async def infer(self, request: InferRequest) -> InferResponse:
+    def _admit(self, request: InferRequest) -> ModelVersion:
         if not self._accepting:
             raise Unavailable("server is shutting down and takes no new requests")
+        return self.repository.get(request.model_name, request.model_version)
+
+    @staticmethod
+    def _options(request: InferRequest) -> tuple[int, int | None]:
+        params = request.parameters
+        if not params:
+            return 0, None
+        return _int_param(params, "priority") or 0, _int_param(params, "timeout")
+
+    async def infer(self, request: InferRequest) -> InferResponse:
         start = time.monotonic_ns()
-        mv = self.repository.get(request.model_name, request.model_version)
+        mv = self._admit(request)
         stats = mv.stats
         try:
             check_request(request, mv.signature)
-            params = request.parameters
-            priority = _int_param(params, "priority") or 0 if params else 0
-            timeout_us = _int_param(params, "timeout") if params else None
+            priority, timeout_us = self._options(request)
             result = await mv.scheduler.submit(request, priority, timeout_us)
-            if isinstance(result, SluiceError):
-                raise result
         except SluiceError as exc:
             stats.on_request(time.monotonic_ns() - start, exc)
             raise
         stats.on_request(time.monotonic_ns() - start, None)
-        result.model_name = mv.name
-        result.model_version = str(mv.version)
-        result.id = request.id
-        return result
+        return _named(result, mv, request)
+
+    def infer_nowait(self, request: InferRequest, done: Callable[[InferResponse | SluiceError], None]) -> None:
+        """Callback form of ``infer``: raises for immediate rejections, else calls ``done`` once.
+
+        The caller cancels through ``request.cancel`` when its client goes away.
+        """
+        start = time.monotonic_ns()
+        mv = self._admit(request)
+        stats = mv.stats
+        try:
+            check_request(request, mv.signature)
+            priority, timeout_us = self._options(request)
+            future = mv.scheduler.enqueue(request, priority, timeout_us)
+        except SluiceError as exc:
+            stats.on_request(time.monotonic_ns() - start, exc)
+            raise
+
+        def finished(f: asyncio.Future) -> None:
+            outcome: InferResponse | SluiceError
+            if f.cancelled():
+                outcome = Cancelled("the request was cancelled")
+            else:
+                exc = f.exception()
+                if exc is None:
+                    outcome = _named(f.result(), mv, request)
+                elif isinstance(exc, SluiceError):
+                    outcome = exc
+                else:
+                    outcome = Internal(f"{type(exc).__name__}: {exc}")
+            stats.on_request(time.monotonic_ns() - start, outcome if isinstance(outcome, SluiceError) else None)
+            done(outcome)
+
+        future.add_done_callback(finished)
 
 
-def config_datatype(datatype: str) -> str:
-    return CONFIG_TYPE_BY_DATATYPE[datatype]
-
-
-__all__ = ["READY", "DataPlane"]
+def _named(result: InferResponse, mv: ModelVersion, request: InferRequest) -> InferResponse:
+    result.model_name = mv.name
+    result.model_version = str(mv.version)
+    result.id = request.id
+    return result

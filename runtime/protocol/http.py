@@ -25,14 +25,16 @@ import httptools
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import InvalidArgument, NotFound, PayloadTooLarge, SluiceError, Unavailable
 from sluice.runtime.protocol import http_codec
+from sluice.runtime.protocol.http_plan import InferCodec
 from sluice.runtime.settings import Limits
-from sluice.runtime.types import InferRequest
+from sluice.runtime.types import InferRequest, InferResponse
 
 log = logging.getLogger("sluice.runtime.http")
 
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 _REASONS[499] = "Client Closed Request"
 _JSON = b"application/json"
+_OCTETS = b"application/octet-stream"
 _IDLE, _HEAD, _BODY, _BUSY = 0, 1, 2, 3
 
 
@@ -74,7 +76,10 @@ def error_response(exc: SluiceError) -> Response:
     return json_response({"error": exc.message}, exc.http_status)
 
 
-Handler = Callable[[Request], "Response | Awaitable[Response]"]
+DEFERRED = object()
+"""A route returns this when it will answer later through ``Connection.complete``."""
+
+Handler = Callable[[Request], "Response | Awaitable[Response] | object"]
 
 
 class Connection(asyncio.Protocol):
@@ -99,7 +104,7 @@ class Connection(asyncio.Protocol):
         self._too_large: SluiceError | None = None
         self.phase = _IDLE
         self.since = self._loop.time()
-        self.cancel_tokens: list[InferRequest] = []
+        self.inflight: InferRequest | None = None  # cancelled if the client goes away
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -111,9 +116,9 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._server.connections.discard(self)
-        for request in self.cancel_tokens:
-            request.cancel.cancel()
-        self.cancel_tokens.clear()
+        if self.inflight is not None:
+            self.inflight.cancel.cancel()
+            self.inflight = None
         if self._current is not None and not self._current.done():
             self._current.cancel()
         self._pending.clear()
@@ -209,8 +214,13 @@ class Connection(asyncio.Protocol):
             result = json_response({"error": "internal server error (see server log)"}, 500)
         if isinstance(result, Response):
             self._respond(request, result)
-        else:
+        elif result is not DEFERRED:
             self._current = self._loop.create_task(self._await(request, result))
+
+    def complete(self, request: Request, response: Response) -> None:
+        """Answer a request whose route returned DEFERRED (called on the event loop)."""
+        self.inflight = None
+        self._respond(request, response)
 
     async def _await(self, request: Request, pending: Awaitable[Response]) -> None:
         try:
@@ -358,6 +368,7 @@ class V2Routes:
     def __init__(self, dataplane: DataPlane, limits: Limits) -> None:
         self.dp = dataplane
         self.limits = limits
+        self.codec = InferCodec(limits)
 
     def __call__(self, request: Request) -> Response | Awaitable[Response]:
         parts = request.path.split(b"/")
@@ -418,7 +429,7 @@ class V2Routes:
                 )
         raise NotFound(f"no route for {request.path.decode(errors='replace')}")
 
-    def _infer(self, request: Request, name: str, version: str) -> Awaitable[Response]:
+    def _infer(self, request: Request, name: str, version: str) -> object:
         header_length = request.headers.get(b"inference-header-content-length")
         length = None
         if header_length is not None:
@@ -430,28 +441,30 @@ class V2Routes:
                     f"{header_length.decode(errors='replace')!r}"
                 ) from None
         body = _decode_body(request, self.limits)
-        infer_request = http_codec.decode_infer(body, length, name, version, self.limits)
-        return self._run_infer(request, infer_request)
-
-    async def _run_infer(self, request: Request, infer_request: InferRequest) -> Response:
+        infer_request = self.codec.decode(body, length, name, version)
         conn = request.conn
-        conn.cancel_tokens.append(infer_request)
-        try:
-            response = await self.dp.infer(infer_request)
-        finally:
+        codec = self.codec
+
+        def done(outcome: InferResponse | SluiceError) -> None:
+            if isinstance(outcome, SluiceError):
+                conn.complete(request, error_response(outcome))
+                return
             try:
-                conn.cancel_tokens.remove(infer_request)
-            except ValueError:
-                pass
-        body, header_length = http_codec.encode_infer(infer_request, response)
-        if header_length is None:
-            return Response(200, body)
-        return Response(
-            200,
-            body,
-            b"application/octet-stream",
-            [(b"inference-header-content-length", b"%d" % header_length)],
-        )
+                body, header_length = codec.encode(infer_request, outcome)
+            except SluiceError as exc:
+                conn.complete(request, error_response(exc))
+                return
+            if header_length is None:
+                conn.complete(request, Response(200, body))
+            else:
+                conn.complete(
+                    request,
+                    Response(200, body, _OCTETS, [(b"inference-header-content-length", b"%d" % header_length)]),
+                )
+
+        conn.inflight = infer_request
+        self.dp.infer_nowait(infer_request, done)
+        return DEFERRED
 
     def _repository(self, request: Request, rest: list[bytes]) -> Response | Awaitable[Response]:
         if request.method != b"POST":
