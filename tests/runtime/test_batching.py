@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime.backends.base import ModelInstance, Result
 from sluice.runtime.batching import (
@@ -29,7 +31,18 @@ from sluice.runtime.batching import (
     Wait,
     decide,
 )
-from sluice.runtime.errors import Cancelled, Internal, InvalidArgument, ModelError, QueueFull, QueueTimeout, Unavailable
+from sluice.runtime.errors import (
+    Cancelled,
+    ConfigError,
+    Internal,
+    InvalidArgument,
+    ModelError,
+    QueueFull,
+    QueueTimeout,
+    Unavailable,
+)
+from sluice.runtime.repository import scheduler_config
+from sluice.runtime.settings import SchedulingDefaults
 from sluice.runtime.types import InferRequest, InferResponse, Tensor
 
 MS = 1_000_000  # ns
@@ -679,3 +692,95 @@ async def test_aclose_grace_expired_fails_what_is_still_queued(harness):
 def test_scheduler_needs_an_instance():
     with pytest.raises(ValueError, match="at least one instance"):
         Scheduler(config(), [])
+
+
+# -- scheduler_config: Triton config -> scheduler settings ----------------------------------------
+
+DEFAULTS = SchedulingDefaults(queue_timeout_us=30_000_000, max_queue_size=1024, batch_policy=WORK_CONSERVING)
+SLUICE_DEFAULT_QUEUE = QueuePolicy(timeout_ns=30_000 * MS, allow_timeout_override=True, max_queue_size=1024)
+
+CONFIG_CASES = [
+    # (id, config.pbtxt text, server defaults, check(SchedulerConfig))
+    (
+        "no dynamic_batching: no batching, Sluice queue defaults",
+        "max_batch_size: 8",
+        DEFAULTS,
+        lambda c: not c.batch.dynamic and c.default_queue == SLUICE_DEFAULT_QUEUE and c.priority_levels == 0,
+    ),
+    (
+        "batch sizes and delay",
+        "max_batch_size: 8 dynamic_batching { preferred_batch_size: [2, 4] max_queue_delay_microseconds: 500 }",
+        DEFAULTS,
+        lambda c: c.batch == BatchPolicy(8, (2, 4), 500 * US, WORK_CONSERVING, True),
+    ),
+    (
+        "fixed_wait from the model config",
+        'dynamic_batching { } parameters { key: "batch_policy" value { string_value: "fixed_wait" } }',
+        DEFAULTS,
+        lambda c: c.batch.mode == FIXED_WAIT,
+    ),
+    (
+        "fixed_wait from the server flag",
+        "max_batch_size: 8 dynamic_batching { }",
+        SchedulingDefaults(batch_policy=FIXED_WAIT),
+        lambda c: c.batch.mode == FIXED_WAIT,
+    ),
+    (
+        "the model config wins over the server flag",
+        'dynamic_batching { } parameters { key: "batch_policy" value { string_value: "work_conserving" } }',
+        SchedulingDefaults(batch_policy=FIXED_WAIT),
+        lambda c: c.batch.mode == WORK_CONSERVING,
+    ),
+    (
+        "queue policy REJECT with everything set",
+        """dynamic_batching { default_queue_policy { timeout_action: REJECT
+             default_timeout_microseconds: 5000 allow_timeout_override: true max_queue_size: 7 } }""",
+        DEFAULTS,
+        lambda c: c.default_queue == QueuePolicy(5 * MS, True, False, 7),
+    ),
+    (
+        "queue policy DELAY without override",
+        "dynamic_batching { default_queue_policy { timeout_action: DELAY default_timeout_microseconds: 5000 } }",
+        DEFAULTS,
+        lambda c: c.default_queue == QueuePolicy(5 * MS, False, True, 1024),
+    ),
+    (
+        "queue policy without a timeout keeps Sluice's, which clients may shorten",
+        "dynamic_batching { default_queue_policy { max_queue_size: 3 } }",
+        DEFAULTS,
+        lambda c: c.default_queue == QueuePolicy(30_000 * MS, True, False, 3),
+    ),
+    (
+        "server defaults off: no timeout, unbounded",
+        "dynamic_batching { }",
+        SchedulingDefaults(queue_timeout_us=0, max_queue_size=0),
+        lambda c: c.default_queue == QueuePolicy(0, True, False, 0),
+    ),
+    (
+        "priority levels and per-level queue policies",
+        """dynamic_batching { priority_levels: 3 default_priority_level: 2
+             priority_queue_policy { key: 1 value { max_queue_size: 2 } }
+             priority_queue_policy { key: 3 value { timeout_action: DELAY default_timeout_microseconds: 10 } } }""",
+        DEFAULTS,
+        lambda c: (
+            c.priority_levels == 3
+            and c.default_priority == 2
+            and c.queue_by_priority
+            == {1: QueuePolicy(30_000 * MS, True, False, 2), 3: QueuePolicy(10 * US, False, True, 1024)}
+            and c.default_queue == SLUICE_DEFAULT_QUEUE
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "defaults", "check"), [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES])
+def test_scheduler_config(text, defaults, check):
+    cfg = scheduler_config(text_format.Parse(text, mc.ModelConfig()), defaults, "m:1")
+    assert check(cfg), cfg
+    assert cfg.model_label == "m:1"
+
+
+def test_scheduler_config_rejects_an_unknown_batch_policy():
+    text = 'dynamic_batching { } parameters { key: "batch_policy" value { string_value: "eager" } }'
+    with pytest.raises(ConfigError, match=r"parameters\[batch_policy\].*work_conserving, fixed_wait, got 'eager'"):
+        scheduler_config(text_format.Parse(text, mc.ModelConfig()), DEFAULTS, "m:1")
