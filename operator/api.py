@@ -343,7 +343,7 @@ class _Reader:
         secret = self.obj(data, "secretRef", path)
         return Storage(
             service_account_name=self.str(data, "serviceAccountName", path),
-            secret_name=self.str(secret, "name", f"{path}.secretRef", required=True) if secret else None,
+            secret_name=self.str(secret, "name", f"{path}.secretRef", required=True) if secret is not None else None,
         )
 
     def tensors(self, data: Any, path: str) -> tuple[Tensor, ...]:
