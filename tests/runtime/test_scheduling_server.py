@@ -29,6 +29,7 @@ from sluice.runtime.settings import SchedulingDefaults
 
 RECORDING_PY = """
 import json
+import threading
 import time
 
 import triton_python_backend_utils as pb_utils
@@ -49,7 +50,9 @@ class TritonPythonModel:
 
     def execute(self, requests):
         ids = [r.request_id() for r in requests]
-        self._write(event="start", ids=ids, t=time.monotonic(), instance=self.instance)
+        self._write(
+            event="start", ids=ids, t=time.monotonic(), instance=self.instance, thread=threading.current_thread().name
+        )
         end = time.monotonic() + self.sleep
         while time.monotonic() < end:
             if self.watch and all(r.is_cancelled() for r in requests):
@@ -203,6 +206,8 @@ def test_http_and_grpc_requests_merge_into_one_batch_and_split_back(serve, repo,
     assert stats["inference_count"] == 7
     assert sorted(b["batch_size"] for b in stats["batch_stats"]) == [1, 6]
     assert stats["inference_stats"]["success"]["count"] == 7
+    # model code runs on the scheduler's worker threads, never on the server's event loop thread
+    assert all(e["thread"].startswith("sluice-merge") for e in merge.events())
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
