@@ -40,6 +40,16 @@ _TYPED_FIELD = {
     "BYTES": "bytes_contents",
 }
 
+_FIELD_DTYPE = {
+    "bool_contents": np.dtype(np.bool_),
+    "int_contents": np.dtype(np.int32),
+    "int64_contents": np.dtype(np.int64),
+    "uint_contents": np.dtype(np.uint32),
+    "uint64_contents": np.dtype(np.uint64),
+    "fp32_contents": np.dtype(np.float32),
+    "fp64_contents": np.dtype(np.float64),
+}
+
 
 def parameters_to_dict(params: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -130,7 +140,8 @@ def decode_infer(message: pb.ModelInferRequest, limits: Limits) -> InferRequest:
                 array[:] = list(values)
                 array = array.reshape(shape)
             else:
-                array = np.asarray(values)
+                # the field's own dtype: inferring one would turn uint64 values past 2**63 into float64
+                array = np.asarray(values, dtype=_FIELD_DTYPE[field])
                 target = numpy_dtype(datatype)
                 if array.size and target.kind in "iu":
                     info = np.iinfo(target)

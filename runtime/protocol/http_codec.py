@@ -144,6 +144,8 @@ def _from_json_data(
     if array.ndim > limits.max_json_depth:
         raise _bad(f"input '{name}': data is nested {array.ndim} deep, at most {limits.max_json_depth} is allowed")
     accepted = _ACCEPTED_KINDS.get(datatype, _INT_KINDS)
+    if array.dtype.kind in "fO" and accepted is _INT_KINDS and array.size:
+        array = _wide_integers(name, datatype, data, array, limits.max_json_depth)
     if array.size and array.dtype.kind not in accepted:
         kinds = {
             "b": "booleans",
@@ -172,6 +174,17 @@ def _from_json_data(
         if array.size and (array.min() < info.min or array.max() > info.max):
             raise _bad(f"input '{name}': a value is out of range for {datatype} ({info.min}..{info.max})")
     return array.astype(target, copy=False).reshape(shape)
+
+
+def _wide_integers(name: str, datatype: str, data: list, array: np.ndarray, max_depth: int) -> np.ndarray:
+    """numpy infers float64 (or object) for integers past int64, e.g. ``[0, 2**63]``; redo those exactly."""
+    flat = _flatten(name, data, max_depth)
+    if len(flat) != array.size or not all(type(v) is int for v in flat):
+        return array  # really floats or mixed values: the caller reports them
+    try:
+        return np.array(flat, dtype=np.uint64 if min(flat) >= 0 else np.int64).reshape(array.shape)
+    except OverflowError:
+        raise _bad(f"input '{name}': a value is out of range for {datatype}") from None
 
 
 def _flatten(name: str, data: list, max_depth: int) -> list:
