@@ -92,6 +92,9 @@ def model_config(source: api.ModelSource, runtime: api.RuntimeConfig, *, gpu: bo
         "version_policy": {"specific": {"versions": [source.version]}},
         "instance_group": [{"count": runtime.instances, "kind": "KIND_GPU" if gpu else "KIND_CPU"}],
     }
+    filename = _single_file(source.storage_uri)
+    if filename is not None:
+        config["default_model_filename"] = filename
     if runtime.dynamic_batching is not None:
         batching: Obj = {"max_queue_delay_microseconds": runtime.dynamic_batching.max_queue_delay_microseconds}
         if runtime.dynamic_batching.preferred_batch_sizes:
@@ -107,6 +110,19 @@ def model_config(source: api.ModelSource, runtime: api.RuntimeConfig, *, gpu: bo
     if runtime.response_cache:
         config["response_cache"] = {"enable": True}
     return config
+
+
+_ARCHIVES = (".tar.gz", ".tgz", ".tar", ".zip")
+
+
+def _single_file(uri: str) -> str | None:
+    """The file name an https:// URI of one model file downloads to (the fetcher keeps it), else None."""
+    if not uri.startswith("https://"):
+        return None
+    last = uri.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+    if "." not in last or last.endswith(_ARCHIVES):
+        return None
+    return last
 
 
 def served_model(source: api.ModelSource, runtime: api.RuntimeConfig, *, gpu: bool) -> ServedModel:

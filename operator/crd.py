@@ -154,7 +154,8 @@ def _runtime() -> Schema:
                 {
                     "preferredBatchSizes": {
                         "type": "array", "description": "Batch sizes the batcher prefers to form.",
-                        "maxItems": 16, "items": {"type": "integer", "minimum": 1, "maximum": api.MAX_BATCH_SIZE},
+                        "maxItems": 16, "items": {"type": "integer", "minimum": 1, "maximum": api.MAX_BATCH_SIZE,
+                                                   "description": "A batch size."},
                     },
                     "maxQueueDelayMicroseconds": _int(
                         "How long a request may wait for a batch to fill.", 0, 10_000_000, default=100,
@@ -354,7 +355,7 @@ def _tensors(description: str) -> Schema:
             "name": _str("Tensor name.", minLength=1),
             "dataType": _str("Triton data type.", enum=list(api.DATA_TYPES)),
             "dims": {"type": "array", "description": "Shape without the batch dimension; -1 is variable.",
-                     "items": {"type": "integer", "minimum": -1}},
+                     "items": {"type": "integer", "minimum": -1, "description": "One dimension."}},
         }, required=("name", "dataType", "dims")),
     }
 
