@@ -6,6 +6,7 @@ registry, nothing at import time). Triggers, all level-triggered into the same r
 * the custom resource is resumed, created or updated (kopf's change detection, with retries);
 * a child (Deployment, Service, ConfigMap, PDB, HPA carrying our managed-by label) changes or is
   deleted: the owner named in its controller ownerReference is reconciled, which repairs drift;
+* an InferenceModel changes: the Ensembles that reference it are reconciled;
 * a timer every ``Settings.resync_seconds`` as a backstop for anything the watches missed.
 
 Deletion needs no handler: children carry ownerReferences, so the garbage collector removes them.
@@ -38,7 +39,11 @@ async def default_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 def kopf_event(body: Mapping[str, Any], *, type: str, reason: str, message: str) -> None:
-    kopf.event(body, type=type, reason=reason, message=message[:1024])
+    """Post a Kubernetes Event through kopf's poster (outside a kopf context, only log it)."""
+    try:
+        kopf.event(body, type=type, reason=reason, message=message[:1024])
+    except LookupError:
+        logging.getLogger("sluice.operator").info("%s %s: %s", type, reason, message)
 
 
 def _split(api_version: str) -> tuple[str, str]:
@@ -123,6 +128,18 @@ def register(
         log.debug("Child %s %s/%s changed; reconciling its %s", body.get("kind"), namespace,
                   body["metadata"]["name"], ref["kind"])
         await run(owner)
+
+    async def on_model_event(body: kopf.Body, **_: Any) -> None:
+        # Ensembles render their referenced models' configs (colocated) or Services (remote):
+        # re-reconcile those that reference this InferenceModel whenever it changes or goes away.
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        for ensemble in await kube.list(api.ENSEMBLE_KIND, namespace):
+            steps = (ensemble.get("spec") or {}).get("steps") or []
+            if any((step.get("modelRef") or {}).get("name") == name for step in steps if isinstance(step, dict)):
+                await run(ensemble)
+
+    kopf.on.event(api.GROUP, api.VERSION, api.INFERENCE_MODEL_PLURAL, registry=registry,
+                  id="ensembles-of-model")(on_model_event)
 
     for kind in CHILD_KINDS:
         group, version = _split(RESOURCES[kind][0])

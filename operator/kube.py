@@ -50,6 +50,7 @@ class Api(Protocol):
 
     async def apply(self, obj: Mapping[str, Any]) -> Obj: ...
     async def get(self, kind: str, namespace: str, name: str) -> Obj | None: ...
+    async def list(self, kind: str, namespace: str) -> list[Obj]: ...
     async def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool: ...
     async def patch_status(
         self, kind: str, namespace: str, name: str, status: Mapping[str, Any],
@@ -117,6 +118,12 @@ class Kube:
 
     async def get(self, kind: str, namespace: str, name: str) -> Obj | None:
         return await self._request("GET", path(kind, namespace, name))
+
+    async def list(self, kind: str, namespace: str) -> list[Obj]:
+        result = await self._request("GET", path(kind, namespace))
+        api_version = RESOURCES[kind][0]
+        # List items carry no apiVersion/kind; add them so items look like fetched objects.
+        return [{"apiVersion": api_version, "kind": kind, **item} for item in (result or {}).get("items", [])]
 
     async def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool:
         """Delete if it exists (and still has ``uid``, when given); ``False`` if it was already gone."""

@@ -1,0 +1,52 @@
+"""The real operator reconciling an Ensemble into one runtime Deployment holding the ensemble config."""
+
+from __future__ import annotations
+
+import json
+
+ENSEMBLE = {
+    "apiVersion": "sluice.dev/v1alpha1", "kind": "Ensemble",
+    "metadata": {"name": "classifier", "namespace": "models"},
+    "spec": {
+        "inputs": [{"name": "IMAGE", "dataType": "TYPE_UINT8", "dims": [-1]}],
+        "outputs": [{"name": "LABEL", "dataType": "TYPE_STRING", "dims": [1]}],
+        "steps": [
+            {"name": "preprocess", "model": {"storageUri": "s3://models/pre", "format": "python"},
+             "inputMap": {"RAW": "IMAGE"}, "outputMap": {"PIXELS": "pixels"}},
+            {"name": "classify", "modelRef": {"name": "resnet"},
+             "inputMap": {"input": "pixels"}, "outputMap": {"label": "LABEL"}},
+        ],
+    },
+}
+
+
+async def test_ensemble_waits_for_its_model_then_colocates_the_steps(client, operator, apiserver):
+    await client.create(client.ENS, ENSEMBLE)
+    degraded = await client.wait(lambda: client.condition(client.read(client.ENS, "classifier"), "Degraded"))
+    assert degraded["reason"] == "Unsatisfiable"
+    assert "spec.steps[1].modelRef: InferenceModel 'resnet' does not exist" in degraded["message"]
+
+    await client.create(client.IM, client.model())  # the operator notices and re-reconciles the Ensemble
+    deployment = await client.wait(lambda: client.read("apps/v1/deployments", "classifier"))
+    assert deployment["metadata"]["ownerReferences"][0]["kind"] == "Ensemble"
+    config_map = client.read("v1/configmaps", "classifier-config")
+    ensemble_config = json.loads(config_map["data"]["classifier.config.json"])
+    assert ensemble_config["platform"] == "ensemble"
+    assert [s["model_name"] for s in ensemble_config["ensemble_scheduling"]["step"]] == ["preprocess", "resnet"]
+    assert set(config_map["data"]) == {"classifier.config.json", "preprocess.config.json", "resnet.config.json"}
+    fetched = [c["args"][0] for c in deployment["spec"]["template"]["spec"]["initContainers"]]
+    assert fetched == ["s3://models/pre", "s3://models/resnet50"]
+    status = await client.wait(lambda: client.read(client.ENS, "classifier")["status"].get("placement") and
+                               client.read(client.ENS, "classifier")["status"])
+    assert status["placement"] == "Colocated"
+    assert status["url"] == "http://classifier.models.svc.cluster.local:8000/v2/models/classifier"
+    assert client.condition(client.read(client.ENS, "classifier"), "Degraded")["status"] == "False"
+
+
+async def test_deleting_the_ensemble_keeps_the_referenced_model(client, operator):
+    await client.create(client.IM, client.model())
+    await client.create(client.ENS, ENSEMBLE)
+    await client.wait(lambda: client.read("apps/v1/deployments", "classifier"))
+    await client.delete(client.ENS, "classifier")
+    await client.wait(lambda: client.read("apps/v1/deployments", "classifier") is None)
+    assert client.read("apps/v1/deployments", "resnet") is not None
