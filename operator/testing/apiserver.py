@@ -18,7 +18,8 @@ a real API server does (listed in ``e2e/README.md``):
   write structural pruning of unknown fields, defaulting and OpenAPI validation (422 Invalid) -
   but not CEL ``x-kubernetes-validations``, which the operator must check itself;
 * ``labelSelector`` on list and watch (equality, ``!=``, existence);
-* optionally a Deployment "controller" (:meth:`ApiServer.complete_rollout`) that marks pods ready.
+* a Deployment "controller" on demand (:meth:`ApiServer.complete_rollout`) or for every rollout
+  (``simulate_rollouts=True``) that marks all pods updated and ready.
 
 Requires the ``test`` extra (kmock, jsonschema). Not imported by the operator itself.
 """
@@ -137,6 +138,8 @@ class ApiServer(kmock.KubernetesEmulator):
     _counter: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _log: list[tuple[int, Any, Obj]] = attrs.field(factory=list, init=False)
     _last_version: int = attrs.field(default=0, init=False)
+    simulate_rollouts: bool = attrs.field(default=False)
+    """Act as the Deployment controller: every new Deployment generation becomes fully ready at once."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -295,6 +298,13 @@ class ApiServer(kmock.KubernetesEmulator):
             # The garbage collector removes dependents whose owners are all gone (e.g. a child applied
             # by a reconcile that raced with the owner's deletion).
             await self._remove(resource, namespace, name)
+            return new
+        if (self.simulate_rollouts and resource == kmock.resource("apps/v1/deployments")
+                and (old is None or old["metadata"].get("generation") != meta["generation"])):
+            replicas = new.get("spec", {}).get("replicas", 1)
+            ready = {"observedGeneration": meta["generation"], "replicas": replicas, "updatedReplicas": replicas,
+                     "readyReplicas": replicas, "availableReplicas": replicas}
+            return await self._store(resource, namespace, name, new, {**copy.deepcopy(new), "status": ready})
         return new
 
     def _orphaned(self, obj: Mapping[str, Any]) -> bool:
