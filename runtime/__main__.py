@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sluice.runtime.batching import BATCH_POLICIES
-from sluice.runtime.settings import Limits, SchedulingDefaults, ServerSettings
+from sluice.runtime.settings import GRPC_SERVERS, Limits, SchedulingDefaults, ServerSettings
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,6 +30,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, default=8002, help="Prometheus port; -1 disables")
     serve.add_argument("--model", action="append", default=[], help="load only this model (repeatable)")
     serve.add_argument("--shutdown-grace-s", type=float, default=30.0, help="time in-flight requests get on stop")
+    serve.add_argument(
+        "--grpc-server",
+        choices=GRPC_SERVERS,
+        default=ServerSettings.grpc_server,
+        help="gRPC front end: h2 (Sluice's own HTTP/2 server, default) or grpcio (grpc.aio fallback)",
+    )
     serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sched = SchedulingDefaults()
     serve.add_argument(
@@ -40,6 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-queue-size", type=int, default=sched.max_queue_size, help="default queue bound per model")
     serve.add_argument("--batch-policy", choices=BATCH_POLICIES, default=sched.batch_policy)
+    serve.add_argument(
+        "--overload-control",
+        choices=["on", "off"],
+        default="on" if sched.overload_control else "off",
+        help="shed requests that waited too long while the queue cannot drain (default on)",
+    )
+    serve.add_argument("--overload-interval-ms", type=float, default=sched.overload_interval_ms)
+    serve.add_argument("--overload-target-ms", type=float, default=sched.overload_target_ms)
     for field in dataclasses.fields(Limits):
         flag = "--" + field.name.replace("_", "-")
         serve.add_argument(
@@ -51,7 +65,12 @@ def _parser() -> argparse.ArgumentParser:
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     scheduling = SchedulingDefaults(
-        queue_timeout_us=args.queue_timeout_us, max_queue_size=args.max_queue_size, batch_policy=args.batch_policy
+        queue_timeout_us=args.queue_timeout_us,
+        max_queue_size=args.max_queue_size,
+        batch_policy=args.batch_policy,
+        overload_control=args.overload_control == "on",
+        overload_interval_ms=args.overload_interval_ms,
+        overload_target_ms=args.overload_target_ms,
     )
     return ServerSettings(
         model_repository=args.model_repository,
@@ -63,6 +82,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         scheduling=scheduling,
         shutdown_grace_s=args.shutdown_grace_s,
         models=tuple(args.model),
+        grpc_server=args.grpc_server,
     )
 
 

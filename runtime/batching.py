@@ -136,12 +136,35 @@ class SchedulerConfig:
     default_queue: QueuePolicy = QueuePolicy()
     queue_by_priority: dict[int, QueuePolicy] = dataclasses.field(default_factory=dict)
     model_label: str = ""
+    overload: OverloadPolicy | None = None
+    """None turns overload shedding off."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OverloadPolicy:
+    """CoDel-style shedding: keeps latency bounded when arrivals outpace the model.
+
+    The queue counts as overloaded when it has not been empty, with every instance busy, for
+    ``interval_ns`` (an idle instance means requests wait by the batching policy's choice). While it is,
+    a request that has waited longer than ``max(target_ns, exec_multiple * recent execution
+    time)`` is answered at once with UNAVAILABLE instead of being run late for a client that
+    has most likely given up. Outside overload only the queue timeout applies.
+    """
+
+    interval_ns: int = 100_000_000
+    target_ns: int = 5_000_000
+    exec_multiple: float = 2.0
+
+
+def shed_limit(policy: OverloadPolicy, exec_ewma_ns: float) -> int:
+    """How long a request may wait while the queue is overloaded (pure)."""
+    return max(policy.target_ns, int(policy.exec_multiple * exec_ewma_ns))
 
 
 class Observer:
     """Hooks the scheduler calls on the event-loop thread (statistics, metrics)."""
 
-    def on_rejected(self, reason: str) -> None:  # reason: "queue_full", "timeout", "cancelled"
+    def on_rejected(self, reason: str) -> None:  # reason: "queue_full", "timeout", "cancelled", "shed"
         pass
 
     def on_batch(
@@ -189,6 +212,8 @@ class Scheduler:
         self._policies = [config.queue_by_priority.get(level + 1, config.default_queue) for level in range(levels)]
         self._pending = 0
         self._queued = [0] * levels  # per priority level, DELAYed requests included (as Triton counts)
+        self._last_empty = clock()
+        self._exec_ewma_ns = 0.0
         self._running = 0
         self._deadlines: list[tuple[int, int, _Entry]] = []
         self._seq = itertools.count()
@@ -277,6 +302,8 @@ class Scheduler:
         future = self._loop.create_future()
         entry = _Entry(request, future, now, deadline, level)
         self._lanes[level].append(entry)
+        if self._pending == 0:
+            self._last_empty = now  # the queue was empty until this request
         self._pending += 1
         self._queued[level] += 1
         if self._idle is not None:
@@ -362,6 +389,33 @@ class Scheduler:
                 ),
             )
 
+    def _shed(self, now: int, max_wait_ns: int) -> None:
+        """Answer queued requests older than ``max_wait_ns`` with UNAVAILABLE (oldest are at lane heads)."""
+        for lane in self._lanes:
+            while lane:
+                entry = lane[0]
+                if entry.state != _QUEUED:
+                    lane.popleft()
+                    continue
+                waited = now - entry.enqueued
+                if waited <= max_wait_ns:
+                    break
+                lane.popleft()
+                self._pending -= 1
+                self._queued[entry.level] -= 1
+                self._observer.on_rejected("shed")
+                self._finish(
+                    entry,
+                    QueueTimeout(
+                        f"model '{self._config.model_label}' is overloaded: the request waited {waited // 1000} us "
+                        f"while the queue has not drained for over {(now - self._last_empty) // 1_000_000} ms; "
+                        f"requests waiting over {max_wait_ns // 1000} us are shed so served latency stays bounded "
+                        "(it was not executed; retry later or add instances)"
+                    ),
+                )
+        if self._pending == 0:
+            self._last_empty = now
+
     def _snapshot(self, limit: int) -> list[_Entry]:
         """Live entries in dispatch order, dropping dead ones from the lane heads."""
         out: list[_Entry] = []
@@ -375,12 +429,26 @@ class Scheduler:
                         return out
         return out
 
-    def _pump(self) -> None:
-        """Dispatch batches to idle instances while the policy says so."""
+    def _pump(self, freed: bool = False) -> None:
+        """Dispatch batches to idle instances while the policy says so.
+
+        ``freed``: called because an execution just finished (that instance was busy until now).
+        """
         now = self._clock()
+        if len(self._free) > freed:
+            # An instance sat idle: whatever waits does so by the batching policy, not overload.
+            self._last_empty = now
         if self._deadlines and self._deadlines[0][0] <= now:
             self._expire(now)
             self._maybe_idle()
+        overload = self._config.overload
+        if (
+            overload is not None
+            and self._pending
+            and self._exec_ewma_ns  # no execution seen yet: nothing to judge lateness by
+            and now - self._last_empty > overload.interval_ns
+        ):
+            self._shed(now, shed_limit(overload, self._exec_ewma_ns))
         batch_policy = self._config.batch
         limit = max(batch_policy.max_batch_size, 1)
         while self._free and self._pending:
@@ -402,7 +470,12 @@ class Scheduler:
                 self._queued[entry.level] -= 1
             self._pending -= len(batch)
             self._running += len(batch)
+            if self._pending == 0:
+                self._last_empty = now
             self._run(self._free.pop(), batch, now)
+        if self._free:
+            # An instance is idle: whatever still waits does so by the batching policy, not overload.
+            self._last_empty = now
         if self._deadlines and (self._timer_at is None or self._deadlines[0][0] < self._timer_at):
             # lazily drop dead heads so the timer tracks a live deadline
             while self._deadlines and self._deadlines[0][2].state != _QUEUED:
@@ -442,7 +515,8 @@ class Scheduler:
             results, compute_ns = [Internal(f"execution failed: {exc!r}")] * len(batch), 0
         for entry, result in zip(batch, results, strict=True):
             self._finish(entry, result)
+        self._exec_ewma_ns = compute_ns if not self._exec_ewma_ns else 0.8 * self._exec_ewma_ns + 0.2 * compute_ns
         self._observer.on_batch([e.request for e in batch], queue_ns, compute_ns, results)
         self._maybe_idle()
         if self._pending:
-            self._pump()
+            self._pump(freed=True)

@@ -63,6 +63,7 @@ class ModelCollector(Collector):
             rejected.add_metric([*labels, "queue_full"], s.rejected_queue_full)
             rejected.add_metric([*labels, "timeout"], s.rejected_timeout)
             rejected.add_metric([*labels, "cancelled"], s.cancelled)
+            rejected.add_metric([*labels, "shed"], s.rejected_shed)
             cache_hits.add_metric(labels, s.cache_hit.count)
             cache_misses.add_metric(labels, s.cache_miss.count)
             depth.add_metric(labels, mv.scheduler.queue_depth)

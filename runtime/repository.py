@@ -17,7 +17,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime import config as model_config
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance
-from sluice.runtime.batching import BATCH_POLICIES, BatchPolicy, QueuePolicy, Scheduler, SchedulerConfig
+from sluice.runtime.batching import BATCH_POLICIES, BatchPolicy, OverloadPolicy, QueuePolicy, Scheduler, SchedulerConfig
 from sluice.runtime.errors import ConfigError, NotFound, SluiceError, Unavailable, unknown_model
 from sluice.runtime.settings import SchedulingDefaults
 from sluice.runtime.signature import Signature, signature_of
@@ -100,6 +100,24 @@ def scheduler_config(config: mc.ModelConfig, defaults: SchedulingDefaults, label
             max_queue_size=policy.max_queue_size or defaults.max_queue_size,
         )
 
+    # A model that spells out Triton's queue semantics (a queue policy or priority levels) gets
+    # exactly those unless it asks for overload control by name.
+    explicit_queueing = (
+        dyn.HasField("default_queue_policy") or bool(dyn.priority_queue_policy) or dyn.priority_levels > 0
+    )
+    enabled = defaults.overload_control and not explicit_queueing
+    if "overload_control" in config.parameters:
+        raw = config.parameters["overload_control"].string_value.lower()
+        if raw not in ("on", "off", "true", "false"):
+            raise ConfigError(f"must be 'on' or 'off', got {raw!r}", field="parameters[overload_control]")
+        enabled = raw in ("on", "true")
+    overload = (
+        OverloadPolicy(
+            interval_ns=int(defaults.overload_interval_ms * 1e6), target_ns=int(defaults.overload_target_ms * 1e6)
+        )
+        if enabled
+        else None
+    )
     default_queue = queue(dyn.default_queue_policy if dyn.HasField("default_queue_policy") else None)
     by_priority = {int(level): queue(policy) for level, policy in dyn.priority_queue_policy.items()}
     return SchedulerConfig(
@@ -109,6 +127,7 @@ def scheduler_config(config: mc.ModelConfig, defaults: SchedulingDefaults, label
         default_queue=default_queue,
         queue_by_priority=by_priority,
         model_label=label,
+        overload=overload,
     )
 
 

@@ -39,9 +39,21 @@ class SchedulingDefaults:
     on by default: a request that waited this long is answered with a timeout and never executed."""
     max_queue_size: int = 1024
     """Queued requests per model version when the config names no max_queue_size (0 = unbounded)."""
+    overload_control: bool = True
+    """Shed requests that waited too long while the queue has not drained for ``overload_interval_ms``
+    (CoDel-style; see docs/batching.md). Keeps served latency bounded and answers the excess at
+    once under overload instead of running requests whose clients have given up."""
+    overload_interval_ms: float = 100.0
+    """How long the queue must stay non-empty before it counts as overloaded."""
+    overload_target_ms: float = 5.0
+    """Least queue wait that is shed while overloaded (the limit is at least 2x the recent execution time)."""
     batch_policy: str = "work_conserving"
     """``work_conserving``: dispatch as soon as an instance is idle, the queue delay is only an upper
     bound; ``fixed_wait``: Triton's behaviour, wait up to the delay for a preferred batch size."""
+
+
+GRPC_SERVERS = ("h2", "grpcio")
+"""Values of ``ServerSettings.grpc_server``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,3 +72,6 @@ class ServerSettings:
     """Models to load at start; empty loads every model in the repository."""
     strict_readiness: bool = True
     """Server readiness requires every model that was asked for to be ready."""
+    grpc_server: str = "h2"
+    """gRPC front end: ``h2``, Sluice's own HTTP/2 server (protocol/grpc_h2.py), or ``grpcio``,
+    the ``grpc.aio`` server kept as a fallback (protocol/grpc.py)."""

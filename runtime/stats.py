@@ -85,6 +85,7 @@ class ModelStats(Observer):
         self.rejected_queue_full = 0
         self.rejected_timeout = 0
         self.cancelled = 0
+        self.rejected_shed = 0
         self.batch: dict[int, BatchStats] = {}
         self.queue_hist = Histogram(QUEUE_BUCKETS_S)
         self.compute_hist = Histogram(QUEUE_BUCKETS_S)
@@ -98,6 +99,8 @@ class ModelStats(Observer):
             self.rejected_timeout += 1
         elif reason == "cancelled":
             self.cancelled += 1
+        elif reason == "shed":
+            self.rejected_shed += 1
 
     def on_batch(
         self, requests: Sequence[InferRequest], queue_ns: Sequence[int], compute_ns: int, results: list[Result]
