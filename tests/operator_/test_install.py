@@ -52,8 +52,8 @@ def template_error(*args: str) -> str:
 def validate(docs: list[dict]) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for doc in docs:
-        if doc["apiVersion"].startswith("monitoring.coreos.com"):
-            continue  # prometheus-operator's CRD, not a Kubernetes built-in
+        if doc["apiVersion"].startswith(("monitoring.coreos.com", "kopf.dev")):
+            continue  # prometheus-operator's and kopf's custom resources, not Kubernetes built-ins
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
@@ -184,6 +184,9 @@ def test_crds_toggle_and_keep():
     peering = [d["metadata"]["name"] for d in template("--set", "leaderElection.enabled=true")
                if d["kind"] == "CustomResourceDefinition"]
     assert "kopfpeerings.kopf.dev" in peering
+    elections = [d for d in template("--set", "leaderElection.enabled=true", "--set", "replicaCount=2")
+                 if d["kind"] == "ClusterKopfPeering"]
+    assert [d["metadata"]["annotations"]["helm.sh/hook"] for d in elections] == ["post-install,post-upgrade"]
 
 
 def test_namespaced_install_binds_roles_only_in_watched_namespaces():
