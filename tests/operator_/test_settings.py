@@ -1,0 +1,47 @@
+"""Settings come from SLUICE_* variables once, in __main__; metrics live on their own registry."""
+
+from __future__ import annotations
+
+import prometheus_client
+import pytest
+
+from sluice.operator import __main__ as entry
+from sluice.operator.metrics import OperatorMetrics
+from sluice.operator.settings import Settings
+
+
+def test_from_env_reads_every_documented_variable():
+    settings = Settings.from_env({
+        "SLUICE_WATCH_NAMESPACES": "models, research,", "SLUICE_RUNTIME_IMAGE": "r:1",
+        "SLUICE_RUNTIME_GPU_IMAGE": "r:1-cuda", "SLUICE_DEFAULT_CPU": "2", "SLUICE_DEFAULT_MEMORY": "8Gi",
+        "SLUICE_MAX_COLOCATED_GPUS": "2", "SLUICE_RESYNC_SECONDS": "30", "SLUICE_PEERING_NAME": "",
+        "SLUICE_METRICS_PORT": "0",
+    })
+    assert settings.namespaces == ("models", "research")
+    assert (settings.runtime_image, settings.runtime_gpu_image) == ("r:1", "r:1-cuda")
+    assert (settings.default_resources.cpu, settings.default_resources.memory) == ("2", "8Gi")
+    assert settings.max_colocated_gpus == 2
+    assert settings.resync_seconds == 30.0
+    assert settings.peering_name is None
+    assert settings.operator_metrics_port == 0
+
+
+def test_defaults_without_environment():
+    assert Settings.from_env({}) == Settings()
+
+
+def test_two_metrics_objects_do_not_collide():
+    first, second = OperatorMetrics(), OperatorMetrics()
+    first.reconciles.labels("InferenceModel", "ok").inc()
+    assert first.registry.get_sample_value("sluice_operator_reconciles_total",
+                                           {"kind": "InferenceModel", "result": "ok"}) == 1
+    assert second.registry.get_sample_value("sluice_operator_reconciles_total",
+                                            {"kind": "InferenceModel", "result": "ok"}) is None
+    assert prometheus_client.REGISTRY.get_sample_value("sluice_operator_reconciles_total") is None
+
+
+def test_cli_help_describes_the_settings(capsys):
+    with pytest.raises(SystemExit) as info:
+        entry.main(["--help"])
+    assert info.value.code == 0
+    assert "SLUICE_" in capsys.readouterr().out
