@@ -8,6 +8,7 @@ clock alone decides whether a deadline has passed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,12 +25,14 @@ from sluice.runtime.batching import (
     BatchPolicy,
     Dispatch,
     Observer,
+    OverloadPolicy,
     Pending,
     QueuePolicy,
     Scheduler,
     SchedulerConfig,
     Wait,
     decide,
+    shed_limit,
 )
 from sluice.runtime.errors import (
     Cancelled,
@@ -784,3 +787,83 @@ def test_scheduler_config_rejects_an_unknown_batch_policy():
     text = 'dynamic_batching { } parameters { key: "batch_policy" value { string_value: "eager" } }'
     with pytest.raises(ConfigError, match=r"parameters\[batch_policy\].*work_conserving, fixed_wait, got 'eager'"):
         scheduler_config(text_format.Parse(text, mc.ModelConfig()), DEFAULTS, "m:1")
+
+
+# -- overload shedding -------------------------------------------------------------------------
+
+OVERLOAD = OverloadPolicy(interval_ns=100 * MS, target_ns=5 * MS, exec_multiple=2.0)
+
+
+def overload_config(**kw) -> SchedulerConfig:
+    return dataclasses.replace(config(**kw), overload=OVERLOAD)
+
+
+def test_shed_limit_is_the_larger_of_target_and_a_multiple_of_execution_time():
+    assert shed_limit(OVERLOAD, 0) == 5 * MS
+    assert shed_limit(OVERLOAD, 1 * MS) == 5 * MS
+    assert shed_limit(OVERLOAD, 150 * MS) == 300 * MS
+
+
+async def test_overload_sheds_requests_that_waited_too_long_and_runs_fresh_ones(harness):
+    h = harness(overload_config(max_batch_size=8))
+    warm = await h.put("warm", 1)
+    h.clock.advance(150 * MS)  # the first batch takes 150 ms of fake time
+    h.gate.set()
+    await asyncio.wait_for(warm, 2)
+    h.gate.clear()
+    await h.busy()
+    old = await h.put("old", 1)
+    h.clock.advance(600 * MS)
+    fresh = await h.put("fresh", 2)
+    h.clock.advance(50 * MS)
+    # busy ran 650 ms: mean execution 0.8 * 150 + 0.2 * 650 = 250 ms, so the shed limit is 500 ms;
+    # old waited 650 ms and the queue has not drained since it came, fresh waited 50 ms
+    h.gate.set()
+    with pytest.raises(QueueTimeout, match=r"overloaded: the request waited 650000 us.*not executed"):
+        await asyncio.wait_for(old, 2)
+    assert value_of(await asyncio.wait_for(fresh, 2)) == 4
+    assert h.executed == ["warm", "busy", "fresh"]
+    assert h.observer.rejected == ["shed"]
+
+
+async def test_no_shedding_before_any_execution_time_is_known(harness):
+    h = harness(overload_config(max_batch_size=8))
+    await h.busy()  # its execution takes no fake time: nothing to judge lateness by
+    late = await h.put("late", 3)
+    h.clock.advance(500 * MS)
+    h.gate.set()
+    assert value_of(await asyncio.wait_for(late, 2)) == 6
+    assert h.observer.rejected == []
+
+
+async def test_no_shedding_while_fixed_wait_holds_requests_on_an_idle_instance(harness):
+    h = harness(overload_config(max_batch_size=8, mode=FIXED_WAIT, delay_ns=30 * MS))
+    warm = await h.put("warm", 1)  # alone on an idle instance: dispatched after the 30 ms delay
+    h.clock.advance(30 * MS)
+    await h.started(1)
+    h.clock.advance(20 * MS)  # it runs 20 ms of fake time: shedding now has an execution time to go by
+    h.gate.set()
+    assert value_of(await asyncio.wait_for(warm, 2)) == 2
+    waiting = await h.put("waiting", 2)
+    h.clock.advance(200 * MS)  # far past the interval and the 40 ms limit, but the instance sat idle
+    await settle(40)
+    assert value_of(await asyncio.wait_for(waiting, 2)) == 4
+    assert h.observer.rejected == []
+
+
+def test_overload_control_follows_server_default_model_parameter_and_explicit_queue_policy():
+    def parse(text: str, defaults: SchedulingDefaults = DEFAULTS) -> SchedulerConfig:
+        return scheduler_config(text_format.Parse(text, mc.ModelConfig()), defaults, "m:1")
+
+    assert parse("dynamic_batching { }").overload is not None
+    assert parse("dynamic_batching { }", SchedulingDefaults(overload_control=False)).overload is None
+    # a model that spells out Triton's queue semantics gets exactly those
+    assert parse("dynamic_batching { default_queue_policy { max_queue_size: 3 } }").overload is None
+    assert parse("dynamic_batching { priority_levels: 2 }").overload is None
+    on = 'dynamic_batching { priority_levels: 2 } parameters { key: "overload_control" value { string_value: "on" } }'
+    assert parse(on).overload is not None
+    off = 'dynamic_batching { } parameters { key: "overload_control" value { string_value: "off" } }'
+    assert parse(off).overload is None
+    bad = 'dynamic_batching { } parameters { key: "overload_control" value { string_value: "maybe" } }'
+    with pytest.raises(ConfigError, match=r"parameters\[overload_control\].*'on' or 'off'"):
+        parse(bad)
