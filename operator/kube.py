@@ -6,7 +6,8 @@ while fields it never renders (e.g. an HPA-owned ``replicas``) stay with whoever
 Status goes to the ``/status`` subresource as one merge patch. Credentials are the same
 ``kopf.ConnectionInfo`` kopf logs in with, so operator and framework see the same cluster.
 
-Callers: ``reconcile`` (through the :class:`Api` protocol, which tests may replace) and ``handlers``.
+Implements ``reconcile.Api`` (the reconciler only sees that protocol); built by ``__main__`` and used
+by ``handlers`` too.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import kopf
 
 from sluice.operator import api
+from sluice.operator.reconcile import ApiError
 from sluice.operator.settings import FIELD_MANAGER
 
 Obj = dict[str, Any]
@@ -34,27 +36,6 @@ RESOURCES: dict[str, tuple[str, str]] = {
     api.INFERENCE_MODEL_KIND: (api.API_VERSION, api.INFERENCE_MODEL_PLURAL),
     api.ENSEMBLE_KIND: (api.API_VERSION, api.ENSEMBLE_PLURAL),
 }
-
-
-class ApiError(Exception):
-    """A non-success answer from the API server; ``status`` is the HTTP status."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        self.status = status
-        self.reason = reason
-        super().__init__(f"{status} {reason}: {message}")
-
-
-class Api(Protocol):
-    """What the reconciler needs from the cluster."""
-
-    async def apply(self, obj: Mapping[str, Any]) -> Obj: ...
-    async def get(self, kind: str, namespace: str, name: str) -> Obj | None: ...
-    async def list(self, kind: str, namespace: str) -> list[Obj]: ...
-    async def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool: ...
-    async def patch_status(
-        self, kind: str, namespace: str, name: str, status: Mapping[str, Any],
-    ) -> Obj | None: ...
 
 
 def path(kind: str, namespace: str, name: str | None = None) -> str:

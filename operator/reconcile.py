@@ -6,7 +6,8 @@ puts it back. Status is computed from what the API returned and written in one p
 differs from what is stored. A spec the builders cannot satisfy becomes a Degraded condition (and a
 Warning event) instead of an exception, and the children of the last good spec are left running.
 
-Callers: ``handlers`` (kopf). Depends on ``kube.Api`` for I/O, an injected clock and event sink.
+Callers: ``handlers`` (kopf). I/O goes through the :class:`Api` protocol (``kube.Kube`` implements it),
+with an injected clock and event sink.
 """
 
 from __future__ import annotations
@@ -19,11 +20,35 @@ from typing import Any, Protocol
 
 from sluice.operator import api, builders, conditions
 from sluice.operator.conditions import FALSE, TRUE, Condition
-from sluice.operator.kube import Api
 from sluice.operator.settings import Settings
 
 Obj = dict[str, Any]
 Clock = Callable[[], datetime.datetime]
+
+# Answers to an apply that retrying cannot fix: reported as Degraded with the server's message.
+REJECTIONS = {400: "ApplyRejected", 403: "Forbidden", 422: "ApplyRejected"}
+
+
+class ApiError(Exception):
+    """A non-success answer from the API server; ``status`` is the HTTP status."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        self.status = status
+        self.reason = reason
+        self.message = message
+        super().__init__(f"{status} {reason}: {message}")
+
+
+class Api(Protocol):
+    """What the reconciler needs from the cluster (``kube.Kube`` in production)."""
+
+    async def apply(self, obj: Mapping[str, Any]) -> Obj: ...
+    async def get(self, kind: str, namespace: str, name: str) -> Obj | None: ...
+    async def list(self, kind: str, namespace: str) -> list[Obj]: ...
+    async def delete(self, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool: ...
+    async def patch_status(
+        self, kind: str, namespace: str, name: str, status: Mapping[str, Any],
+    ) -> Obj | None: ...
 
 
 class EventSink(Protocol):
@@ -127,7 +152,14 @@ class Reconciler:
             applied = deleted = 0
             deployment: Obj | None = None
             for obj in desired.objects:
-                result = await self._kube.apply(obj)
+                try:
+                    result = await self._kube.apply(obj)
+                except ApiError as exc:
+                    if exc.status not in REJECTIONS:
+                        raise  # transient (5xx, 409, 429): kopf retries with backoff
+                    problem = (f"the API server rejected {obj['kind']} {obj['metadata']['name']!r} "
+                               f"({exc.status} {exc.reason}): {exc.message}")
+                    return await self._report_problem(owner, body, REJECTIONS[exc.status], (problem,))
                 applied += 1
                 if obj["kind"] == "Deployment":
                     deployment = result
@@ -184,7 +216,8 @@ class Reconciler:
         deployment = await self._kube.get("Deployment", owner.namespace, owner.name)
         found, replicas, ready = _rollout(deployment)
         found = [c for c in found if c.type == conditions.READY]
-        verb = "The spec is invalid" if reason == "InvalidSpec" else "The spec cannot be served"
+        verb = {"InvalidSpec": "The spec is invalid", "Unsatisfiable": "The spec cannot be served"}.get(
+            reason, "The children could not be applied")
         message = f"{verb}: {'; '.join(problems)}."
         found += [
             Condition(conditions.PROGRESSING, FALSE, reason, "Waiting for a spec that can be served."),

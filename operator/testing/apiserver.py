@@ -138,6 +138,7 @@ class ApiServer(kmock.KubernetesEmulator):
     _counter: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _log: list[tuple[int, Any, Obj]] = attrs.field(factory=list, init=False)
     _last_version: int = attrs.field(default=0, init=False)
+    _rejections: dict[Any, kmock.KubernetesError] = attrs.field(factory=dict, init=False)
     simulate_rollouts: bool = attrs.field(default=False)
     """Act as the Deployment controller: every new Deployment generation becomes fully ready at once."""
 
@@ -167,6 +168,14 @@ class ApiServer(kmock.KubernetesEmulator):
         if key not in self.objects or self.objects[key].deleted:
             return None
         return copy.deepcopy(self.objects[key].raw)
+
+    def reject_writes(self, resource: str, status: int = 403, message: str = "forbidden by the test") -> None:
+        """Answer every write to ``resource`` with ``status`` (e.g. missing RBAC, an admission webhook)."""
+        self._rejections[kmock.resource(resource)] = kmock.KubernetesError(
+            status=status, reason={403: "Forbidden", 422: "Invalid"}.get(status, "Error"), message=message)
+
+    def allow_writes(self, resource: str) -> None:
+        self._rejections.pop(kmock.resource(resource), None)
 
     async def complete_rollout(self, namespace: str, name: str) -> None:
         """Act as the Deployment controller and kubelet: all desired pods exist, run the spec and are ready."""
@@ -241,6 +250,8 @@ class ApiServer(kmock.KubernetesEmulator):
         if request.action != kmock.action.CREATE and request.name is None:
             return await super()._handle(request)
         try:
+            if request.resource in self._rejections:
+                raise self._rejections[request.resource]
             async with self._lock:
                 if request.action == kmock.action.CREATE:
                     result = await self._create(request)

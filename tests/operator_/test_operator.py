@@ -160,3 +160,16 @@ async def test_canary_is_reported_as_not_implemented(client, operator):
     assert degraded["reason"] == "NotImplemented"
     assert "Remove spec.canary" in degraded["message"]
     assert status_of(client)["trafficSummary"] == "v1=100"
+
+
+async def test_a_rejected_apply_is_degraded_then_recovers(client, operator, apiserver):
+    apiserver.reject_writes(DEPLOY, 403, 'deployments.apps is forbidden: User "system:serviceaccount:x" cannot patch')
+    await client.create(client.IM, client.model())
+    degraded = await client.wait(
+        lambda: (c := client.condition(client.read(client.IM, "resnet"), "Degraded")) and c["status"] == "True" and c)
+    assert degraded["reason"] == "Forbidden"
+    assert "rejected Deployment 'resnet' (403 Forbidden): deployments.apps is forbidden" in degraded["message"]
+    apiserver.allow_writes(DEPLOY)
+    await client.patch(client.IM, "resnet", {"metadata": {"labels": {"team": "vision"}}})  # any change retries
+    await client.wait(lambda: client.read(DEPLOY, "resnet"))
+    await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded")["status"] == "False")
