@@ -57,7 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     for field in dataclasses.fields(Limits):
         flag = "--" + field.name.replace("_", "-")
         serve.add_argument(
-            flag, type=type(field.default), default=field.default, help=f"limit (default {field.default})"
+            flag,
+            type=type(field.default),
+            default=field.default,
+            help=f"{field.metadata['help']} (default %(default)s)",
         )
     return parser
 

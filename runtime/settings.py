@@ -8,26 +8,45 @@ from pathlib import Path
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Bounds on what a client may send; each one has a command-line flag of the same name."""
+    """Bounds on what a client may send; each one has a command-line flag of the same name (its help
+    text is the field's ``help`` metadata)."""
 
-    max_body_bytes: int = 64 * 1024 * 1024
-    """Largest HTTP request body (bytes); larger bodies get 413 before they are read."""
-    max_header_bytes: int = 16 * 1024
-    """Largest HTTP request head (request line plus headers, bytes); larger heads get 431."""
-    max_json_depth: int = 16
-    """Deepest nesting of JSON arrays/objects in an HTTP request body."""
-    max_elements: int = 16 * 1024 * 1024
-    """Most tensor elements in one request, summed over its inputs."""
-    max_grpc_message_bytes: int = 64 * 1024 * 1024
-    """Largest gRPC message, received or sent."""
-    header_timeout_s: float = 10.0
-    """Time a connection has to send a complete request head; slower clients are disconnected."""
-    body_timeout_s: float = 30.0
-    """Time a connection has to send the body once the head arrived."""
-    idle_timeout_s: float = 60.0
-    """A keep-alive connection with no request in flight is closed after this long."""
-    max_connections: int = 4096
-    """Open HTTP connections at once; more are accepted and closed at once with 503."""
+    max_body_bytes: int = dataclasses.field(
+        default=64 * 1024 * 1024,
+        metadata={"help": "Largest HTTP request body (bytes); larger bodies get 413 before they are read."},
+    )
+    max_header_bytes: int = dataclasses.field(
+        default=16 * 1024,
+        metadata={"help": "Largest HTTP request head (request line plus headers, bytes); larger heads get 431."},
+    )
+    max_json_depth: int = dataclasses.field(
+        default=16,
+        metadata={"help": "Deepest nesting of JSON arrays/objects in an HTTP request body."},
+    )
+    max_elements: int = dataclasses.field(
+        default=16 * 1024 * 1024,
+        metadata={"help": "Most tensor elements in one request, summed over its inputs."},
+    )
+    max_grpc_message_bytes: int = dataclasses.field(
+        default=64 * 1024 * 1024,
+        metadata={"help": "Largest gRPC message, received or sent."},
+    )
+    header_timeout_s: float = dataclasses.field(
+        default=10.0,
+        metadata={"help": "Time a connection has to send a complete request head; slower clients are disconnected."},
+    )
+    body_timeout_s: float = dataclasses.field(
+        default=30.0,
+        metadata={"help": "Time a connection has to send the body once the head arrived."},
+    )
+    idle_timeout_s: float = dataclasses.field(
+        default=60.0,
+        metadata={"help": "A keep-alive connection with no request in flight is closed after this long."},
+    )
+    max_connections: int = dataclasses.field(
+        default=4096,
+        metadata={"help": "Open HTTP connections at once; more are accepted and closed at once with 503."},
+    )
 
 
 @dataclasses.dataclass(frozen=True)
