@@ -18,6 +18,7 @@ from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import NotFound, SluiceError
 from sluice.runtime.metrics import Metrics
 from sluice.runtime.protocol.grpc import start_grpc
+from sluice.runtime.protocol.grpc_h2 import GrpcServer
 from sluice.runtime.protocol.http import HttpServer, Request, Response, V2Routes
 from sluice.runtime.repository import Repository
 from sluice.runtime.settings import ServerSettings
@@ -43,6 +44,7 @@ class Server:
         self._http: HttpServer | None = None
         self._metrics_http: HttpServer | None = None
         self._grpc: grpc.aio.Server | None = None
+        self._grpc_h2: GrpcServer | None = None
         self._stopped = asyncio.Event()
 
     async def start(self) -> Ports:
@@ -60,9 +62,15 @@ class Server:
             self._http = HttpServer(V2Routes(self.dataplane, settings.limits), settings.limits, loop)
             self.ports.http = await self._http.start(settings.host, settings.http_port)
         if settings.grpc_port >= 0:
-            self._grpc, self.ports.grpc = await start_grpc(
-                self.dataplane, settings.limits, settings.host, settings.grpc_port
-            )
+            if settings.grpc_server == "h2":
+                self._grpc_h2 = GrpcServer(self.dataplane, settings.limits, loop)
+                self.ports.grpc = await self._grpc_h2.start(settings.host, settings.grpc_port)
+            elif settings.grpc_server == "grpcio":
+                self._grpc, self.ports.grpc = await start_grpc(
+                    self.dataplane, settings.limits, settings.host, settings.grpc_port
+                )
+            else:
+                raise SystemExit(f"--grpc-server {settings.grpc_server!r}: allowed values are h2, grpcio")
         if settings.metrics_port >= 0:
             self._metrics_http = HttpServer(self._metrics_route, settings.limits, loop)
             self.ports.metrics = await self._metrics_http.start(settings.host, settings.metrics_port)
@@ -92,10 +100,14 @@ class Server:
         self.dataplane.set_ready(False)
         if self._http is not None:
             await self._http.stop_listening()
+        if self._grpc_h2 is not None:
+            await self._grpc_h2.stop_listening()  # GOAWAY: open calls go on, new ones go elsewhere
         grpc_stop = self._grpc.stop(grace) if self._grpc is not None else None
         # Requests already accepted keep their place; new ones are refused from here on.
         if self._http is not None:
             await self._http.drain(deadline)
+        if self._grpc_h2 is not None:
+            await self._grpc_h2.drain(deadline)
         if grpc_stop is not None:
             await grpc_stop
         self.dataplane.stop_accepting()

@@ -37,7 +37,7 @@ class Unparsable:
         self.message = message
 
 
-def _lenient_parser(message_type: Any) -> Callable[[bytes], Any]:
+def lenient_parser(message_type: Any) -> Callable[[bytes], Any]:
     parse = message_type.FromString
     full_name = message_type.DESCRIPTOR.full_name
 
@@ -214,7 +214,7 @@ def method_handlers(service: InferenceService) -> dict[str, grpc.RpcMethodHandle
     handlers = {}
     for method in _SERVICE.methods:
         behaviour = getattr(service, method.name)
-        parse = _lenient_parser(getattr(pb, method.input_type.name))
+        parse = lenient_parser(getattr(pb, method.input_type.name))
         serialize = getattr(pb, method.output_type.name).SerializeToString
         if method.client_streaming:
             # ModelStreamInfer answers unparsable messages on the stream itself.

@@ -1,0 +1,1237 @@
+"""gRPC front end on a minimal HTTP/2 server of our own: an asyncio protocol, ``hpack`` for header coding.
+
+Serves Triton's ``inference.GRPCInferenceService`` over cleartext HTTP/2 (RFC 9113) as described in
+gRPC's PROTOCOL-HTTP2.md. ``runtime/server.py`` starts ``GrpcServer`` when ``ServerSettings.grpc_server``
+is ``"h2"`` (the default); ``grpc.py`` keeps the ``grpc.aio`` front end as the fallback and supplies the
+servicer whose coroutines answer every method here except ``ModelInfer``.
+
+Why not grpc.aio: it hands each call to the event loop through several layers and a task, ~730 us of
+CPU per call, and the batcher saw batches of ~1.5. Here ``ModelInfer`` goes from bytes to
+``DataPlane.infer_nowait`` and back through callbacks: no task per call, a header block decoded once per
+distinct bytes (gRPC clients repeat them exactly), response header blocks encoded once, and the frames of
+every response finished in one loop iteration written to the socket at once.
+
+HTTP/2 done here: connection preface, SETTINGS both ways (theirs acknowledged and applied), PING
+answers, flow control both ways (a large window advertised and replenished as DATA is consumed; the
+peer's windows respected, response DATA held per stream until WINDOW_UPDATE), HEADERS + CONTINUATION,
+PADDED and PRIORITY flags, RST_STREAM (cancels the request), GOAWAY (sent with the last stream taken on
+shutdown and on connection errors, which carry RFC 9113's error codes), frame-size and header-list-size
+limits, unknown frame types ignored.
+
+Not done: TLS/ALPN (cleartext with prior knowledge only, which is what gRPC's insecure channels speak),
+the HTTP/1.1 Upgrade to h2c, server push, stream priorities (parsed, ignored), response compression
+(gzip/deflate requests are accepted), SETTINGS-ack timeouts, the two-step graceful GOAWAY, keepalive
+policing (PINGs are answered, never limited), idle-connection timeouts, and backpressure within one
+``ModelStreamInfer`` stream (its messages are read as fast as they arrive). Frames on streams that are
+already closed are ignored rather than treated as errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import struct
+import time
+import zlib
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NoReturn
+
+import grpc
+import hpack
+from google.protobuf.message import DecodeError
+from tritonclient.grpc import service_pb2 as pb
+
+from sluice.runtime.dataplane import DataPlane
+from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, SluiceError
+from sluice.runtime.protocol import grpc_codec
+from sluice.runtime.protocol.grpc import InferenceService, Unparsable, lenient_parser
+from sluice.runtime.settings import Limits
+from sluice.runtime.types import InferRequest, InferResponse
+
+log = logging.getLogger("sluice.runtime.grpc_h2")
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+# Frame types (RFC 9113 §6).
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+# Flags.
+END_STREAM = 0x1
+ACK = 0x1
+END_HEADERS = 0x4
+PADDED = 0x8
+PRIORITY_FLAG = 0x20
+# Error codes (RFC 9113 §7).
+NO_ERROR = 0x0
+PROTOCOL_ERROR = 0x1
+INTERNAL_ERROR = 0x2
+FLOW_CONTROL_ERROR = 0x3
+STREAM_CLOSED = 0x5
+FRAME_SIZE_ERROR = 0x6
+REFUSED_STREAM = 0x7
+CANCEL = 0x8
+COMPRESSION_ERROR = 0x9
+ENHANCE_YOUR_CALM = 0xB
+# Settings identifiers.
+SETTINGS_HEADER_TABLE_SIZE = 0x1
+SETTINGS_ENABLE_PUSH = 0x2
+SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
+SETTINGS_INITIAL_WINDOW_SIZE = 0x4
+SETTINGS_MAX_FRAME_SIZE = 0x5
+SETTINGS_MAX_HEADER_LIST_SIZE = 0x6
+
+MAX_WINDOW = 2**31 - 1
+DEFAULT_WINDOW = 65_535
+MAX_FRAME_SIZE = 16_384
+"""The largest frame we accept (the protocol default; we never raise it)."""
+STREAM_WINDOW = 8 << 20
+"""Our SETTINGS_INITIAL_WINDOW_SIZE: what a client may send on one stream before we replenish it."""
+CONNECTION_WINDOW = 64 << 20
+"""Receive window of the whole connection, advertised at start and replenished at half."""
+MAX_CONCURRENT_STREAMS = 1024
+"""Open streams per connection; more are refused with RST_STREAM(REFUSED_STREAM)."""
+MAX_GRPC_MESSAGE_IN_ERRORS = 4096
+"""Longest grpc-message we send, so error trailers stay within clients' metadata limits."""
+HEAD_CACHE_SIZE = 512
+"""Distinct request header blocks remembered per connection."""
+
+_FRAME = struct.Struct(">BHBBL")  # length (24 bits as 8 + 16), type, flags, stream id
+_PREFIX = struct.Struct(">BL")  # gRPC message prefix: compressed flag, length
+_U32 = struct.Struct(">L")
+_SETTING = struct.Struct(">HL")
+_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+_InferRequestMessage = pb.ModelInferRequest
+_CONNECTION_SPECIFIC = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"))
+_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+_ENCODINGS = {b"gzip": 31, b"deflate": 15}  # zlib wbits
+
+
+# -- HPACK encoding of our responses: static-table and literal-without-indexing forms only, so the
+# encoder keeps no dynamic state (RFC 7541 §6.1, §6.2.2).
+
+
+def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes((first | value,))
+    out = bytearray((first | limit,))
+    value -= limit
+    while value >= 128:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _hpack_str(value: bytes) -> bytes:
+    return _hpack_int(len(value), 7) + value
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """Literal header field without indexing, new name."""
+    return b"\x00" + _hpack_str(name) + _hpack_str(value)
+
+
+def _literal_indexed_name(index: int, value: bytes) -> bytes:
+    """Literal header field without indexing, name from the static table."""
+    return _hpack_int(index, 4) + _hpack_str(value)
+
+
+_STATUS_200 = b"\x88"  # static index 8
+_CONTENT_TYPE_GRPC = _literal_indexed_name(31, b"application/grpc")
+RESPONSE_HEADERS = _STATUS_200 + _CONTENT_TYPE_GRPC
+TRAILERS_OK = _literal(b"grpc-status", b"0")
+_TABLE_SIZE_ZERO = b"\x20"  # dynamic table size update to 0: we never use one
+
+
+def percent_encode(message: str) -> bytes:
+    """grpc-message encoding: UTF-8, then %XX for bytes outside 0x20-0x7E and for '%'."""
+    raw = message.encode("utf-8", "replace")
+    if all(0x20 <= b <= 0x7E and b != 0x25 for b in raw):
+        return raw
+    return b"".join(bytes((b,)) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in raw)
+
+
+def status_block(code: grpc.StatusCode, message: str) -> bytes:
+    block = _literal(b"grpc-status", str(code.value[0]).encode())
+    if message:
+        block += _literal(b"grpc-message", percent_encode(message)[:MAX_GRPC_MESSAGE_IN_ERRORS])
+    return block
+
+
+def frame(ftype: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    n = len(payload)
+    return _FRAME.pack(n >> 16, n & 0xFFFF, ftype, flags, sid) + payload
+
+
+_UNARY_HEAD = struct.Struct(f">BHBBL{len(RESPONSE_HEADERS)}sBHBBLBL")  # HEADERS frame, DATA frame header, prefix
+_TRAILER = struct.Struct(f">BHBBL{len(TRAILERS_OK)}s")
+
+
+# -- request heads ---------------------------------------------------------------------------------
+
+_INFER, _UNARY, _STREAM, _UNIMPLEMENTED = range(4)
+
+
+class _Route:
+    __slots__ = ("behaviour", "kind", "name", "parse")
+
+    def __init__(self, kind: int, name: str, behaviour: Any = None, parse: Any = None) -> None:
+        self.kind = kind
+        self.name = name
+        self.behaviour = behaviour
+        self.parse = parse
+
+
+class _Head:
+    """What a request header block says, once parsed; cached per exact block bytes."""
+
+    __slots__ = ("encoding", "reject", "route", "timeout")
+
+    def __init__(
+        self,
+        route: _Route | None = None,
+        timeout: float | None = None,
+        encoding: int = 0,
+        reject: tuple | None = None,
+    ) -> None:
+        self.route = route
+        self.timeout = timeout
+        self.encoding = encoding  # zlib wbits, 0 for identity
+        self.reject = reject  # ("rst", h2 code) | ("http", status, text) | ("grpc", StatusCode, message)
+
+
+def _malformed(why: str) -> _Head:
+    return _Head(reject=("rst", PROTOCOL_ERROR, why))
+
+
+def _grpc_reject(code: grpc.StatusCode, message: str) -> _Head:
+    return _Head(reject=("grpc", code, message))
+
+
+def parse_timeout(value: bytes) -> float | None:
+    """Seconds of a grpc-timeout value (``1*8DIGIT unit``), or None when it is malformed."""
+    digits, unit = value[:-1], value[-1:]
+    if not (1 <= len(digits) <= 8 and digits.isdigit()) or unit not in _TIMEOUT_UNITS:
+        return None
+    return int(digits) * _TIMEOUT_UNITS[unit]
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class CallContext:
+    """The part of ``grpc.aio.ServicerContext`` that ``InferenceService``'s coroutines use."""
+
+    __slots__ = ("_deadline",)
+
+    def __init__(self, deadline: float | None) -> None:
+        self._deadline = deadline
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> NoReturn:
+        raise _Abort(code, details)
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+
+class _H2Error(Exception):
+    """A connection error: answered with GOAWAY(code) and the connection closed."""
+
+    def __init__(self, code: int, debug: str) -> None:
+        super().__init__(debug)
+        self.code = code
+        self.debug = debug
+
+
+# -- streams -------------------------------------------------------------------------------------
+
+
+class _Stream:
+    __slots__ = (
+        "conn",
+        "finished",
+        "headers_sent",
+        "message",
+        "pending",
+        "queue",
+        "rbuf",
+        "recv_window",
+        "remote_closed",
+        "request",
+        "route",
+        "send_window",
+        "sid",
+        "task",
+        "timer",
+        "trailers",
+        "wbits",
+    )
+
+    def __init__(self, conn: GrpcConnection, sid: int, route: _Route | None, send_window: int, wbits: int) -> None:
+        self.conn = conn
+        self.sid = sid
+        self.route = route
+        self.send_window = send_window
+        self.recv_window = STREAM_WINDOW
+        self.wbits = wbits
+        self.remote_closed = False
+        self.finished = False  # answered, reset or abandoned: nothing more is sent
+        self.headers_sent = False
+        self.message: bytes | None = None
+        self.rbuf: bytearray | None = None
+        self.pending: deque | None = None  # response DATA waiting for window
+        self.trailers: bytes | None = None  # trailer frame(s) to send after pending DATA
+        self.request: InferRequest | None = None
+        self.task: asyncio.Task | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.queue: asyncio.Queue | None = None
+
+    def done(self, outcome: InferResponse | SluiceError) -> None:
+        """``DataPlane.infer_nowait`` callback."""
+        self.conn.infer_done(self, outcome)
+
+
+class GrpcConnection(asyncio.Protocol):
+    """One client connection: HTTP/2 framing, streams, and the gRPC calls on them."""
+
+    def __init__(self, server: GrpcServer) -> None:
+        self._server = server
+        self._limits = server.limits
+        self._max_message = server.limits.max_grpc_message_bytes
+        self._loop = server.loop
+        self._routes = server.routes
+        self._transport: asyncio.Transport | None = None
+        self._closed = False
+        self._buf = b""
+        self._preface_ok = False
+        self._settings_seen = False
+        self._preface_timer: asyncio.TimerHandle | None = None
+        self._out: list[bytes | memoryview] = []
+        self._flush_scheduled = False
+        self._streams: dict[int, _Stream] = {}
+        self._blocked: dict[int, _Stream] = {}
+        self._last_sid = 0
+        self._goaway_sid: int | None = None  # set once we sent GOAWAY: streams above it are ignored
+        self._peer_goaway = False
+        self._continuation: tuple[int, list[bytes], int, bool] | None = None
+        self._decoder = hpack.Decoder(max_header_list_size=4 * server.limits.max_header_bytes + 65_536)
+        self._heads: dict[bytes, _Head] = {}
+        self._table_reset_pending = False
+        # Flow control.
+        self._send_window = DEFAULT_WINDOW
+        self._peer_initial_window = DEFAULT_WINDOW
+        self._peer_max_frame = MAX_FRAME_SIZE
+        self._recv_window = CONNECTION_WINDOW
+        self._recv_consumed = 0
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        server = self._server
+        server.connections.add(self)
+        settings = b"".join(
+            _SETTING.pack(ident, value)
+            for ident, value in (
+                (SETTINGS_ENABLE_PUSH, 0),
+                (SETTINGS_MAX_CONCURRENT_STREAMS, MAX_CONCURRENT_STREAMS),
+                (SETTINGS_INITIAL_WINDOW_SIZE, STREAM_WINDOW),
+                (SETTINGS_MAX_FRAME_SIZE, MAX_FRAME_SIZE),
+                (SETTINGS_MAX_HEADER_LIST_SIZE, self._limits.max_header_bytes),
+            )
+        )
+        self._out.append(frame(SETTINGS, 0, 0, settings))
+        self._out.append(frame(WINDOW_UPDATE, 0, 0, _U32.pack(CONNECTION_WINDOW - DEFAULT_WINDOW)))
+        if len(server.connections) > self._limits.max_connections or server.draining:
+            self._fail(ENHANCE_YOUR_CALM if not server.draining else NO_ERROR, "too many connections")
+            return
+        self._flush()
+        self._preface_timer = self._loop.call_later(self._limits.header_timeout_s, self._preface_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._out = []
+        self._server.connections.discard(self)
+        if self._preface_timer is not None:
+            self._preface_timer.cancel()
+        for stream in list(self._streams.values()):
+            self._abandon(stream)
+        self._streams.clear()
+        self._blocked.clear()
+
+    def data_received(self, data: bytes) -> None:
+        if self._closed:
+            return
+        if self._buf:
+            data = self._buf + data
+            self._buf = b""
+        # What this read produces (acks, window updates, immediate answers) is written once, below.
+        scheduled, self._flush_scheduled = self._flush_scheduled, True
+        try:
+            if not self._preface_ok:
+                if len(data) < len(PREFACE):
+                    if not PREFACE.startswith(data):
+                        raise _H2Error(PROTOCOL_ERROR, "expected the HTTP/2 connection preface (h2c, prior knowledge)")
+                    self._buf = data
+                    return
+                if not data.startswith(PREFACE):
+                    raise _H2Error(PROTOCOL_ERROR, "expected the HTTP/2 connection preface (h2c, prior knowledge)")
+                self._preface_ok = True
+                data = data[len(PREFACE) :]
+            pos = self._frames(data)
+        except _H2Error as exc:
+            self._fail(exc.code, exc.debug)
+            return
+        finally:
+            self._flush_scheduled = scheduled
+        if pos < len(data) and not self._closed:
+            self._buf = data[pos:]
+        if self._out:
+            self._flush()
+
+    # -- output ----------------------------------------------------------------------------------
+    def _emit(self, data: bytes | memoryview) -> None:
+        self._out.append(data)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        out = self._out
+        if not out:
+            return
+        self._out = []
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        transport.write(out[0] if len(out) == 1 else b"".join(out))
+        if (self._goaway_sid is not None or self._peer_goaway) and not self._streams:
+            self._close()
+
+    def _close(self) -> None:
+        if self._transport is not None and not self._closed:
+            self._closed = True
+            self._transport.close()
+
+    def _fail(self, code: int, debug: str) -> None:
+        """Connection error: GOAWAY with ``code``, drop every stream, close."""
+        if self._closed:
+            return
+        self._out.append(frame(GOAWAY, 0, 0, _U32.pack(self._last_sid) + _U32.pack(code) + debug.encode()[:256]))
+        self._goaway_sid = self._last_sid
+        for stream in list(self._streams.values()):
+            self._abandon(stream)
+        self._streams.clear()
+        self._blocked.clear()
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.write(b"".join(self._out))
+        self._out = []
+        self._close()
+
+    def _preface_timeout(self) -> None:
+        self._preface_timer = None
+        if not self._settings_seen:
+            self._fail(PROTOCOL_ERROR, "no HTTP/2 preface and SETTINGS in time (--header-timeout-s)")
+
+    def goaway(self) -> None:
+        """Shutdown: take no new streams, finish the open ones, then close."""
+        if self._closed or self._goaway_sid is not None:
+            return
+        self._goaway_sid = self._last_sid
+        self._emit(frame(GOAWAY, 0, 0, _U32.pack(self._last_sid) + _U32.pack(NO_ERROR)))
+
+    def close(self) -> None:
+        for stream in list(self._streams.values()):
+            self._abandon(stream)
+        self._streams.clear()
+        if self._out and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(b"".join(self._out))
+            self._out = []
+        self._close()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._streams)
+
+    # -- frames ----------------------------------------------------------------------------------
+    def _frames(self, data: bytes) -> int:
+        pos = 0
+        end = len(data)
+        unpack = _FRAME.unpack_from
+        while end - pos >= 9:
+            hi, lo, ftype, flags, sid = unpack(data, pos)
+            length = (hi << 16) | lo
+            if length > MAX_FRAME_SIZE:
+                raise _H2Error(FRAME_SIZE_ERROR, f"frame of {length} bytes is over SETTINGS_MAX_FRAME_SIZE")
+            start = pos + 9
+            stop = start + length
+            if stop > end:
+                break
+            pos = stop
+            sid &= 0x7FFFFFFF
+            if self._continuation is not None and ftype != CONTINUATION:
+                raise _H2Error(PROTOCOL_ERROR, "a header block was interrupted by another frame")
+            if not self._settings_seen and ftype != SETTINGS:
+                raise _H2Error(PROTOCOL_ERROR, "the first frame after the preface must be SETTINGS")
+            if ftype == DATA:
+                self._on_data(data, start, stop, flags, sid)
+            elif ftype == HEADERS:
+                self._on_headers(data, start, stop, flags, sid)
+            elif ftype == SETTINGS:
+                self._on_settings(data, start, stop, flags, sid)
+            elif ftype == WINDOW_UPDATE:
+                self._on_window_update(data, start, stop, sid)
+            elif ftype == RST_STREAM:
+                self._on_rst_stream(data, start, stop, sid)
+            elif ftype == PING:
+                if sid:
+                    raise _H2Error(PROTOCOL_ERROR, "PING on a stream")
+                if length != 8:
+                    raise _H2Error(FRAME_SIZE_ERROR, "PING payload must be 8 bytes")
+                if not flags & ACK:
+                    self._emit(frame(PING, ACK, 0, data[start:stop]))
+            elif ftype == CONTINUATION:
+                self._on_continuation(data, start, stop, flags, sid)
+            elif ftype == PRIORITY:
+                if not sid:
+                    raise _H2Error(PROTOCOL_ERROR, "PRIORITY on stream 0")
+                if length != 5:
+                    self._reset_sid(sid, FRAME_SIZE_ERROR)
+            elif ftype == GOAWAY:
+                if sid:
+                    raise _H2Error(PROTOCOL_ERROR, "GOAWAY on a stream")
+                self._peer_goaway = True
+                if not self._streams:
+                    self._emit(b"")  # flush closes the connection
+            elif ftype == PUSH_PROMISE:
+                raise _H2Error(PROTOCOL_ERROR, "clients must not send PUSH_PROMISE")
+            # Unknown frame types are ignored (RFC 9113 §4.1).
+            if self._closed:
+                break
+        return pos
+
+    def _on_settings(self, data: bytes, start: int, stop: int, flags: int, sid: int) -> None:
+        if sid:
+            raise _H2Error(PROTOCOL_ERROR, "SETTINGS on a stream")
+        length = stop - start
+        if flags & ACK:
+            if length:
+                raise _H2Error(FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            return
+        if length % 6:
+            raise _H2Error(FRAME_SIZE_ERROR, "SETTINGS payload is not a multiple of 6 bytes")
+        if not self._settings_seen:
+            self._settings_seen = True
+            if self._preface_timer is not None:
+                self._preface_timer.cancel()
+                self._preface_timer = None
+        opened = False
+        for offset in range(start, stop, 6):
+            ident, value = _SETTING.unpack_from(data, offset)
+            if ident == SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise _H2Error(FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE over 2^31-1")
+                delta = value - self._peer_initial_window
+                self._peer_initial_window = value
+                for stream in self._streams.values():
+                    stream.send_window += delta
+                    if stream.send_window > MAX_WINDOW:
+                        raise _H2Error(FLOW_CONTROL_ERROR, "a stream window grew over 2^31-1")
+                opened = opened or delta > 0
+            elif ident == SETTINGS_MAX_FRAME_SIZE:
+                if not MAX_FRAME_SIZE <= value <= 2**24 - 1:
+                    raise _H2Error(PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value} is outside 16384..2^24-1")
+                self._peer_max_frame = value
+                opened = True
+            elif ident == SETTINGS_ENABLE_PUSH:
+                if value > 1:
+                    raise _H2Error(PROTOCOL_ERROR, "SETTINGS_ENABLE_PUSH must be 0 or 1")
+            elif ident == SETTINGS_HEADER_TABLE_SIZE:
+                # Our encoder uses no dynamic table; say so once, as the peer's decoder may expect
+                # a size update at the start of our next header block.
+                self._table_reset_pending = True
+        self._emit(frame(SETTINGS, ACK, 0))
+        if opened:
+            for stream in list(self._streams.values()):
+                if stream.pending:
+                    self._pump(stream)
+
+    def _on_window_update(self, data: bytes, start: int, stop: int, sid: int) -> None:
+        if stop - start != 4:
+            raise _H2Error(FRAME_SIZE_ERROR, "WINDOW_UPDATE payload must be 4 bytes")
+        increment = _U32.unpack_from(data, start)[0] & 0x7FFFFFFF
+        if sid == 0:
+            if not increment:
+                raise _H2Error(PROTOCOL_ERROR, "WINDOW_UPDATE with a 0 increment")
+            self._send_window += increment
+            if self._send_window > MAX_WINDOW:
+                raise _H2Error(FLOW_CONTROL_ERROR, "connection window grew over 2^31-1")
+            if self._blocked:
+                for stream in list(self._blocked.values()):
+                    self._pump(stream)
+            return
+        stream = self._streams.get(sid)
+        if stream is None:
+            if sid > self._last_sid:
+                raise _H2Error(PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {sid}")
+            return
+        if not increment:
+            self._reset(stream, PROTOCOL_ERROR)
+            return
+        stream.send_window += increment
+        if stream.send_window > MAX_WINDOW:
+            self._reset(stream, FLOW_CONTROL_ERROR)
+            return
+        if stream.pending or stream.trailers is not None:
+            self._pump(stream)
+
+    def _on_rst_stream(self, data: bytes, start: int, stop: int, sid: int) -> None:
+        if stop - start != 4:
+            raise _H2Error(FRAME_SIZE_ERROR, "RST_STREAM payload must be 4 bytes")
+        if not sid:
+            raise _H2Error(PROTOCOL_ERROR, "RST_STREAM on stream 0")
+        stream = self._streams.pop(sid, None)
+        if stream is None:
+            if sid > self._last_sid:
+                raise _H2Error(PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
+            return
+        self._abandon(stream)
+        self._after_stream_closed()
+
+    def _on_data(self, data: bytes, start: int, stop: int, flags: int, sid: int) -> None:
+        if not sid:
+            raise _H2Error(PROTOCOL_ERROR, "DATA on stream 0")
+        length = stop - start
+        # Connection-level flow control counts the whole payload, padding included; all of it is
+        # consumed at once (buffered in the stream or dropped), so it is credited back right away.
+        self._recv_window -= length
+        if self._recv_window < 0:
+            raise _H2Error(FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+        self._recv_consumed += length
+        if self._recv_consumed >= CONNECTION_WINDOW // 2:
+            self._emit(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv_consumed)))
+            self._recv_window += self._recv_consumed
+            self._recv_consumed = 0
+        if flags & PADDED:
+            if not length:
+                raise _H2Error(FRAME_SIZE_ERROR, "PADDED DATA without a pad length")
+            pad = data[start]
+            start += 1
+            if pad > stop - start:
+                raise _H2Error(PROTOCOL_ERROR, "DATA padding longer than the payload")
+            stop -= pad
+        stream = self._streams.get(sid)
+        if stream is None:
+            if sid > self._last_sid:
+                raise _H2Error(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
+            return  # a stream we answered or reset: its late DATA is dropped
+        if stream.remote_closed:
+            self._reset(stream, STREAM_CLOSED)
+            return
+        stream.recv_window -= length
+        if stream.recv_window < 0:
+            self._reset(stream, FLOW_CONTROL_ERROR)
+            return
+        end_stream = flags & END_STREAM
+        if not end_stream and stream.recv_window <= STREAM_WINDOW // 2:
+            self._emit(frame(WINDOW_UPDATE, 0, sid, _U32.pack(STREAM_WINDOW - stream.recv_window)))
+            stream.recv_window = STREAM_WINDOW
+        if stop > start and not stream.finished:
+            self._feed(stream, data, start, stop)
+        if end_stream:
+            stream.remote_closed = True
+            if not stream.finished:
+                self._end_of_input(stream)
+
+    def _on_headers(self, data: bytes, start: int, stop: int, flags: int, sid: int) -> None:
+        if not sid:
+            raise _H2Error(PROTOCOL_ERROR, "HEADERS on stream 0")
+        if flags & PADDED:
+            if start >= stop:
+                raise _H2Error(FRAME_SIZE_ERROR, "PADDED HEADERS without a pad length")
+            pad = data[start]
+            start += 1
+            if pad > stop - start:
+                raise _H2Error(PROTOCOL_ERROR, "HEADERS padding longer than the payload")
+            stop -= pad
+        if flags & PRIORITY_FLAG:
+            if stop - start < 5:
+                raise _H2Error(FRAME_SIZE_ERROR, "HEADERS with PRIORITY shorter than 5 bytes")
+            start += 5
+        fragment = data[start:stop]
+        if flags & END_HEADERS:
+            self._header_block(sid, fragment, bool(flags & END_STREAM))
+        else:
+            self._continuation = (sid, [fragment], len(fragment), bool(flags & END_STREAM))
+
+    def _on_continuation(self, data: bytes, start: int, stop: int, flags: int, sid: int) -> None:
+        pending = self._continuation
+        if pending is None or pending[0] != sid:
+            raise _H2Error(PROTOCOL_ERROR, "CONTINUATION without a HEADERS frame before it on this stream")
+        _, fragments, size, end_stream = pending
+        fragments.append(data[start:stop])
+        size += stop - start
+        if size > 4 * self._limits.max_header_bytes + 65_536:
+            raise _H2Error(ENHANCE_YOUR_CALM, "header block far over SETTINGS_MAX_HEADER_LIST_SIZE")
+        if flags & END_HEADERS:
+            self._continuation = None
+            self._header_block(sid, b"".join(fragments), end_stream)
+        else:
+            self._continuation = (sid, fragments, size, end_stream)
+
+    def _header_block(self, sid: int, block: bytes, end_stream: bool) -> None:
+        head = self._heads.get(block)
+        if head is None:
+            head = self._decode_head(block)  # always decoded: the HPACK state must follow the peer's
+        stream = self._streams.get(sid)
+        if stream is not None:  # trailers from the client: only an end of stream is allowed
+            if not end_stream:
+                self._reset(stream, PROTOCOL_ERROR)
+            elif not stream.remote_closed:
+                stream.remote_closed = True
+                if not stream.finished:
+                    self._end_of_input(stream)
+            return
+        if not sid & 1:
+            raise _H2Error(PROTOCOL_ERROR, f"client opened even-numbered stream {sid}")
+        if sid <= self._last_sid:
+            return  # a stream already closed (answered or reset): ignored
+        self._last_sid = sid
+        if (self._goaway_sid is not None and sid > self._goaway_sid) or self._peer_goaway:
+            return  # after GOAWAY: not taken; the client retries it elsewhere
+        if len(self._streams) >= MAX_CONCURRENT_STREAMS:
+            self._emit(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
+            return
+        stream = _Stream(self, sid, head.route, self._peer_initial_window, head.encoding)
+        self._streams[sid] = stream
+        stream.remote_closed = end_stream
+        reject = head.reject
+        if reject is not None:
+            self._reject(stream, reject)
+            return
+        route = head.route
+        assert route is not None
+        if head.timeout is not None:
+            stream.timer = self._loop.call_later(head.timeout, self._expire, stream)
+        if route.kind == _STREAM:
+            stream.queue = asyncio.Queue()
+            stream.task = self._loop.create_task(self._run_stream(stream, head.timeout))
+            if end_stream:
+                stream.queue.put_nowait(None)
+        elif end_stream:
+            self._end_of_input(stream)
+
+    def _decode_head(self, block: bytes) -> _Head:
+        decoder = self._decoder
+        table = decoder.header_table
+        entries = table.dynamic_entries
+        count, first, maxsize = len(entries), (entries[0] if entries else None), table.maxsize
+        try:
+            headers = decoder.decode(block, raw=True)
+        except hpack.OversizedHeaderListError:
+            raise _H2Error(ENHANCE_YOUR_CALM, "header list far over SETTINGS_MAX_HEADER_LIST_SIZE") from None
+        except hpack.HPACKError as exc:
+            raise _H2Error(COMPRESSION_ERROR, f"undecodable header block: {exc}") from None
+        head = self._server.parse_head(headers)
+        # Identical bytes decode to identical headers only while the dynamic table is unchanged: a
+        # block that changed it is not cached, and the blocks cached so far may now mean otherwise.
+        if len(entries) == count and (entries[0] if entries else None) is first and table.maxsize == maxsize:
+            if len(self._heads) >= HEAD_CACHE_SIZE:
+                self._heads.clear()
+            self._heads[block] = head
+        else:
+            self._heads.clear()
+        return head
+
+    # -- gRPC messages ---------------------------------------------------------------------------
+    def _feed(self, stream: _Stream, data: bytes, start: int, stop: int) -> None:
+        """Split DATA into gRPC messages (5-byte prefix: compressed flag, big-endian length)."""
+        rbuf = stream.rbuf
+        if rbuf is None and stop - start >= 5:
+            flag, n = _PREFIX.unpack_from(data, start)
+            if n + 5 == stop - start and n <= self._max_message:  # the usual case: one message, one frame
+                self._on_message(stream, flag, data[start + 5 : stop])
+                return
+        if rbuf is None:
+            rbuf = stream.rbuf = bytearray()
+        rbuf += memoryview(data)[start:stop]
+        while len(rbuf) >= 5 and not stream.finished:
+            flag, n = _PREFIX.unpack_from(rbuf, 0)
+            if n > self._max_message:
+                self._respond_error(
+                    stream,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"received message larger than max ({n} vs. {self._max_message} bytes; --max-grpc-message-bytes)",
+                )
+                return
+            if len(rbuf) < n + 5:
+                return
+            with memoryview(rbuf) as view:
+                message = bytes(view[5 : n + 5])
+            del rbuf[: n + 5]
+            self._on_message(stream, flag, message)
+
+    def _on_message(self, stream: _Stream, flag: int, message: bytes) -> None:
+        if flag:
+            try:
+                message = self._inflate(stream, message)
+            except SluiceError as exc:
+                self._respond_error(stream, exc.grpc_code, exc.message)
+                return
+        route = stream.route
+        assert route is not None
+        if route.kind == _STREAM:
+            assert stream.queue is not None
+            stream.queue.put_nowait(route.parse(message))
+        elif stream.message is None:
+            stream.message = message
+        else:
+            self._respond_error(
+                stream, grpc.StatusCode.INVALID_ARGUMENT, f"{route.name} takes one request message; a second one came"
+            )
+
+    def _inflate(self, stream: _Stream, message: bytes) -> bytes:
+        if not stream.wbits:
+            raise InvalidArgument("a message is flagged compressed but the call has no grpc-encoding")
+        decompressor = zlib.decompressobj(stream.wbits)
+        try:
+            out = decompressor.decompress(message, self._max_message + 1)
+        except zlib.error as exc:
+            raise InvalidArgument(f"compressed message does not decompress: {exc}") from None
+        if len(out) > self._max_message or decompressor.unconsumed_tail:
+            raise PayloadTooLarge(
+                f"decompressed message larger than max ({self._max_message} bytes; --max-grpc-message-bytes)"
+            )
+        if not decompressor.eof:
+            raise InvalidArgument("compressed message is truncated")
+        return out
+
+    def _end_of_input(self, stream: _Stream) -> None:
+        route = stream.route
+        assert route is not None
+        if stream.rbuf:
+            self._respond_error(
+                stream,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request ended inside a gRPC message ({len(stream.rbuf)} bytes of it came)",
+            )
+            return
+        if route.kind == _STREAM:
+            assert stream.queue is not None
+            stream.queue.put_nowait(None)
+            return
+        message = stream.message
+        if message is None:
+            self._respond_error(stream, grpc.StatusCode.INVALID_ARGUMENT, f"{route.name} needs a request message")
+            return
+        stream.message = None
+        if route.kind == _INFER:
+            self._infer(stream, message)
+        else:
+            stream.task = self._loop.create_task(self._run_unary(stream, route, message))
+
+    # -- ModelInfer: callbacks, no task ------------------------------------------------------------
+    def _infer(self, stream: _Stream, message: bytes) -> None:
+        try:
+            parsed = _InferRequestMessage.FromString(message)
+        except DecodeError as exc:
+            self._respond_error(
+                stream,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request is not a valid protobuf inference.ModelInferRequest message ({len(message)} bytes): {exc}",
+            )
+            return
+        server = self._server
+        try:
+            request = grpc_codec.decode_infer(parsed, server.limits)
+            stream.request = request
+            server.dataplane.infer_nowait(request, stream.done)
+        except SluiceError as exc:
+            stream.request = None
+            self._respond_error(stream, exc.grpc_code, exc.message)
+        except Exception:
+            log.exception("unhandled error in ModelInfer")
+            self._respond_error(stream, grpc.StatusCode.INTERNAL, "internal server error (see server log)")
+
+    def infer_done(self, stream: _Stream, outcome: InferResponse | SluiceError) -> None:
+        if stream.finished:
+            return
+        stream.request = None
+        if isinstance(outcome, SluiceError):
+            self._respond_error(stream, outcome.grpc_code, outcome.message)
+            return
+        try:
+            payload = grpc_codec.encode_infer(outcome).SerializeToString()
+        except SluiceError as exc:
+            self._respond_error(stream, exc.grpc_code, exc.message)
+            return
+        except Exception:
+            log.exception("unhandled error encoding a ModelInfer response")
+            self._respond_error(stream, grpc.StatusCode.INTERNAL, "internal server error (see server log)")
+            return
+        self._respond(stream, payload)
+
+    # -- other methods: InferenceService coroutines on tasks --------------------------------------
+    async def _run_unary(self, stream: _Stream, route: _Route, message: bytes) -> None:
+        request = route.parse(message)
+        try:
+            if type(request) is Unparsable:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            deadline = None if stream.timer is None else time.monotonic() + stream.timer.when() - self._loop.time()
+            response = await route.behaviour(request, CallContext(deadline))
+            payload = response.SerializeToString()
+        except _Abort as exc:
+            self._respond_error(stream, exc.code, exc.message)
+        except SluiceError as exc:
+            self._respond_error(stream, exc.grpc_code, exc.message)
+        except asyncio.CancelledError:
+            return  # the stream was reset, timed out or its connection lost
+        except Exception:
+            log.exception("unhandled error in %s", route.name)
+            self._respond_error(stream, grpc.StatusCode.INTERNAL, "internal server error (see server log)")
+        else:
+            if len(payload) > self._max_message:
+                self._respond_error(
+                    stream,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"response is {len(payload)} bytes, larger than max "
+                    f"({self._max_message}; --max-grpc-message-bytes)",
+                )
+            else:
+                self._respond(stream, payload)
+        finally:
+            stream.task = None
+
+    async def _run_stream(self, stream: _Stream, timeout: float | None) -> None:
+        """ModelStreamInfer: each message one request, run concurrently, answered as they finish."""
+        queue = stream.queue
+        assert queue is not None
+
+        async def requests() -> AsyncIterator[Any]:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                yield item
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            replies = self._server.service.ModelStreamInfer(requests(), CallContext(deadline))
+            async with contextlib.aclosing(replies):
+                async for reply in replies:
+                    if stream.finished:
+                        return
+                    payload = reply.SerializeToString()
+                    self._send_message(stream, payload)
+            self._finish(stream, TRAILERS_OK)
+        except asyncio.CancelledError:
+            return
+        except Exception:
+            log.exception("unhandled error in ModelStreamInfer")
+            self._respond_error(stream, grpc.StatusCode.INTERNAL, "internal server error (see server log)")
+        finally:
+            stream.task = None
+
+    # -- responses -------------------------------------------------------------------------------
+    def _respond(self, stream: _Stream, payload: bytes) -> None:
+        """A unary answer: HEADERS, the message in DATA, OK trailers; one write when windows allow."""
+        if stream.finished:
+            return
+        n = len(payload)
+        total = n + 5
+        sid = stream.sid
+        if (
+            total <= self._send_window
+            and total <= stream.send_window
+            and total <= self._peer_max_frame
+            and not self._table_reset_pending
+        ):
+            self._send_window -= total
+            out = self._out
+            # fmt: off
+            out.append(_UNARY_HEAD.pack(
+                0, len(RESPONSE_HEADERS), HEADERS, END_HEADERS, sid, RESPONSE_HEADERS,
+                total >> 16, total & 0xFFFF, DATA, 0, sid, 0, n,
+            ))
+            # fmt: on
+            out.append(payload)
+            out.append(_TRAILER.pack(0, len(TRAILERS_OK), HEADERS, END_HEADERS | END_STREAM, sid, TRAILERS_OK))
+            self._close_local(stream)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                self._loop.call_soon(self._flush)
+            return
+        self._send_message(stream, payload)
+        self._finish(stream, TRAILERS_OK)
+
+    def _send_message(self, stream: _Stream, payload: bytes) -> None:
+        if stream.finished:
+            return
+        if not stream.headers_sent:
+            self._emit_headers(stream.sid, RESPONSE_HEADERS, end_stream=False)
+            stream.headers_sent = True
+        if stream.pending is None:
+            stream.pending = deque()
+        stream.pending.append(_PREFIX.pack(0, len(payload)))
+        stream.pending.append(payload)
+        self._pump(stream)
+
+    def _finish(self, stream: _Stream, trailer_block: bytes) -> None:
+        """End the stream with trailers, after any DATA still waiting for window."""
+        if stream.finished or stream.trailers is not None:
+            return
+        if not stream.headers_sent:
+            stream.headers_sent = True
+            trailer_block = RESPONSE_HEADERS + trailer_block  # trailers-only response
+        stream.trailers = trailer_block
+        self._pump(stream)
+
+    def _respond_error(self, stream: _Stream, code: grpc.StatusCode, message: str) -> None:
+        if stream.finished:
+            return
+        stream.trailers = None  # an error replaces OK trailers still waiting for window
+        self._finish(stream, status_block(code, message))
+
+    def _reject(self, stream: _Stream, reject: tuple) -> None:
+        kind = reject[0]
+        if kind == "grpc":
+            self._respond_error(stream, reject[1], reject[2])
+        elif kind == "http":
+            status, text = reject[1], reject[2]
+            block = _literal_indexed_name(8, b"%d" % status) + _literal_indexed_name(31, b"text/plain; charset=utf-8")
+            stream.headers_sent = True
+            self._emit_headers(stream.sid, block, end_stream=False)
+            if stream.pending is None:
+                stream.pending = deque()
+            stream.pending.append(text.encode())
+            stream.trailers = b""  # END_STREAM on an empty DATA frame
+            self._pump(stream)
+        else:
+            self._reset(stream, reject[1])
+
+    def _emit_headers(self, sid: int, block: bytes, end_stream: bool) -> None:
+        if self._table_reset_pending:
+            self._table_reset_pending = False
+            block = _TABLE_SIZE_ZERO + block
+        flags = END_STREAM if end_stream else 0
+        size = self._peer_max_frame
+        if len(block) <= size:
+            self._emit(frame(HEADERS, flags | END_HEADERS, sid, block))
+            return
+        self._emit(frame(HEADERS, flags, sid, block[:size]))
+        for offset in range(size, len(block), size):
+            last = offset + size >= len(block)
+            self._emit(frame(CONTINUATION, END_HEADERS if last else 0, sid, block[offset : offset + size]))
+
+    def _pump(self, stream: _Stream) -> None:
+        """Send what the windows allow of the stream's DATA, then its trailers."""
+        pending = stream.pending
+        sid = stream.sid
+        while pending:
+            room = min(stream.send_window, self._send_window, self._peer_max_frame)
+            if room <= 0:
+                self._blocked[sid] = stream
+                return
+            chunk = pending[0]
+            n = len(chunk)
+            if n > room:
+                view = memoryview(chunk)
+                pending[0] = view[room:]
+                chunk = view[:room]
+                n = room
+            else:
+                pending.popleft()
+            self._emit(_FRAME.pack(n >> 16, n & 0xFFFF, DATA, 0, sid))
+            self._emit(chunk)
+            stream.send_window -= n
+            self._send_window -= n
+        self._blocked.pop(sid, None)
+        trailers = stream.trailers
+        if trailers is not None and not stream.finished:
+            if trailers:
+                self._emit_headers(sid, trailers, end_stream=True)
+            else:
+                self._emit(frame(DATA, END_STREAM, sid))
+            self._close_local(stream)
+
+    def _close_local(self, stream: _Stream) -> None:
+        """Our side of the stream is done: forget it (and ask the client to stop if it still sends)."""
+        stream.finished = True
+        if stream.timer is not None:
+            stream.timer.cancel()
+            stream.timer = None
+        if not stream.remote_closed:
+            self._emit(frame(RST_STREAM, 0, stream.sid, _U32.pack(NO_ERROR)))
+        self._blocked.pop(stream.sid, None)
+        if self._streams.pop(stream.sid, None) is not None:
+            self._after_stream_closed()
+
+    def _after_stream_closed(self) -> None:
+        if not self._streams and (self._goaway_sid is not None or self._peer_goaway):
+            self._emit(b"")  # the flush closes the connection once written
+
+    def _reset(self, stream: _Stream, code: int) -> None:
+        self._emit(frame(RST_STREAM, 0, stream.sid, _U32.pack(code)))
+        self._streams.pop(stream.sid, None)
+        self._abandon(stream)
+        self._after_stream_closed()
+
+    def _reset_sid(self, sid: int, code: int) -> None:
+        stream = self._streams.get(sid)
+        if stream is not None:
+            self._reset(stream, code)
+        else:
+            self._emit(frame(RST_STREAM, 0, sid, _U32.pack(code)))
+
+    def _abandon(self, stream: _Stream) -> None:
+        """The client is gone from this stream: cancel its work, send nothing more."""
+        stream.finished = True
+        if stream.timer is not None:
+            stream.timer.cancel()
+            stream.timer = None
+        if stream.request is not None:
+            request, stream.request = stream.request, None
+            request.cancel.cancel()
+        if stream.task is not None:
+            stream.task.cancel()
+        self._blocked.pop(stream.sid, None)
+
+    def _expire(self, stream: _Stream) -> None:
+        """grpc-timeout reached: cancel the work and answer DEADLINE_EXCEEDED."""
+        stream.timer = None
+        if stream.finished:
+            return
+        request, task = stream.request, stream.task
+        stream.request = stream.task = None
+        self._respond_error(stream, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        if request is not None:
+            request.cancel.cancel()
+        if task is not None:
+            task.cancel()
+
+
+class GrpcServer:
+    """The listening socket, its connections, and the routes of GRPCInferenceService."""
+
+    def __init__(self, dataplane: DataPlane, limits: Limits, loop: asyncio.AbstractEventLoop) -> None:
+        self.dataplane = dataplane
+        self.limits = limits
+        self.loop = loop
+        self.service = InferenceService(dataplane, limits)
+        self.routes = self._routes(self.service)
+        self.connections: set[GrpcConnection] = set()
+        self.draining = False
+        self._server: asyncio.Server | None = None
+
+    @staticmethod
+    def _routes(service: InferenceService) -> dict[bytes, _Route]:
+        routes = {}
+        for method in _SERVICE.methods:
+            path = f"/{_SERVICE.full_name}/{method.name}".encode()
+            parse: Callable[[bytes], Any] = lenient_parser(getattr(pb, method.input_type.name))
+            behaviour = getattr(service, method.name)
+            if method.name == "ModelInfer":
+                kind = _INFER
+            elif method.name == "ModelStreamInfer":
+                kind = _STREAM
+            elif method.client_streaming or method.server_streaming or not inspect.iscoroutinefunction(behaviour):
+                kind = _UNIMPLEMENTED
+            else:
+                kind = _UNARY
+            routes[path] = _Route(kind, method.name, behaviour, parse)
+        return routes
+
+    def parse_head(self, headers: list[tuple[bytes, bytes]]) -> _Head:
+        """Check a decoded request header list and resolve its route (pure; the result is cached)."""
+        pseudo: dict[bytes, bytes] = {}
+        regular = False
+        content_type = timeout_value = encoding = None
+        size = 0
+        for name, value in headers:
+            size += len(name) + len(value) + 32
+            if name[:1] == b":":
+                if regular or name in pseudo or name not in (b":method", b":path", b":scheme", b":authority"):
+                    return _malformed(f"bad pseudo-header {name!r}")
+                pseudo[name] = value
+                continue
+            regular = True
+            if name != name.lower() or name in _CONNECTION_SPECIFIC or (name == b"te" and value != b"trailers"):
+                return _malformed(f"header {name!r} is not allowed in HTTP/2")
+            if name == b"content-type":
+                content_type = value
+            elif name == b"grpc-timeout":
+                timeout_value = value
+            elif name == b"grpc-encoding":
+                encoding = value
+        if size > self.limits.max_header_bytes:
+            return _grpc_reject(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request headers are {size} bytes, over the {self.limits.max_header_bytes}-byte limit "
+                "(--max-header-bytes)",
+            )
+        method, path = pseudo.get(b":method"), pseudo.get(b":path")
+        if method is None or path is None or b":scheme" not in pseudo:
+            return _malformed("a request needs :method, :scheme and :path")
+        if method != b"POST":
+            return _Head(reject=("http", 405, f"gRPC calls use POST, not {method.decode(errors='replace')}"))
+        if (
+            content_type is None
+            or not content_type.startswith(b"application/grpc")
+            or content_type[16:17] not in (b"", b"+", b";")
+        ):
+            shown = "none" if content_type is None else repr(content_type.decode(errors="replace"))
+            return _Head(reject=("http", 415, f"content-type must be application/grpc, got {shown}"))
+        route = self.routes.get(path)
+        if route is None or route.kind == _UNIMPLEMENTED:
+            return _grpc_reject(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path.decode(errors='replace')}")
+        timeout = None
+        if timeout_value is not None:
+            timeout = parse_timeout(timeout_value)
+            if timeout is None:
+                return _grpc_reject(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"grpc-timeout {timeout_value.decode(errors='replace')!r} is malformed; "
+                    "expected up to 8 digits and a unit H, M, S, m, u or n",
+                )
+        wbits = 0
+        if encoding is not None and encoding != b"identity":
+            wbits = _ENCODINGS.get(encoding, 0)
+            if not wbits:
+                return _grpc_reject(
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    f"grpc-encoding {encoding.decode(errors='replace')!r} is not supported; "
+                    "use identity, gzip or deflate",
+                )
+        return _Head(route, timeout, wbits)
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await self.loop.create_server(lambda: GrpcConnection(self), host, port, backlog=2048)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def stop_listening(self) -> None:
+        """Refuse new connections and send GOAWAY on the open ones; their open calls go on."""
+        self.draining = True
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.goaway()
+
+    async def drain(self, deadline: float) -> None:
+        """Wait until no call is in flight (or the deadline), then close every connection."""
+        while any(c.busy for c in self.connections) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for conn in list(self.connections):
+            conn.close()
+        if self._server is not None:
+            await self._server.wait_closed()
