@@ -101,6 +101,7 @@ class Connection(asyncio.Protocol):
         self._current: asyncio.Task | None = None
         self._current_request: Request | None = None
         self._closed = False
+        self._write_paused = False
         self._too_large: SluiceError | None = None
         self.phase = _IDLE
         self.since = self._loop.time()
@@ -111,7 +112,8 @@ class Connection(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
         self._server.connections.add(self)
         if len(self._server.connections) > self._limits.max_connections:
-            self._write_simple(503, b"too many connections", close=True)
+            message = b"too many open connections, at most %d (--max-connections)" % self._limits.max_connections
+            self._write_simple(503, message, close=True)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -122,6 +124,17 @@ class Connection(asyncio.Protocol):
         if self._current is not None and not self._current.done():
             self._current.cancel()
         self._pending.clear()
+
+    def pause_writing(self) -> None:
+        # the client is not reading its responses: read no more of its requests until it catches up
+        self._write_paused = True
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._transport is not None and not self._closed and len(self._pending) <= 32:
+            self._transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         if self._closed:
@@ -244,7 +257,7 @@ class Connection(asyncio.Protocol):
         if close:
             return
         if self._pending:
-            if len(self._pending) <= 32:
+            if len(self._pending) <= 32 and not self._write_paused:
                 self._transport.resume_reading()
             self._dispatch(self._pending.popleft())
         else:
@@ -267,6 +280,7 @@ class Connection(asyncio.Protocol):
         self._transport.write(b"".join(head))
         if close:
             self._closed = True
+            self.since = self._loop.time()
             self._transport.close()
 
     def _write_error(self, exc: SluiceError, close: bool) -> None:
@@ -280,7 +294,11 @@ class Connection(asyncio.Protocol):
     # -- sweeper hooks -----------------------------------------------------------------------
     def expire(self, now: float) -> None:
         limits = self._limits
-        if self.phase == _IDLE and now - self.since > limits.idle_timeout_s:
+        if self._closed:
+            # closed by us, but the client does not read what is left to send: drop it and its buffer
+            if now - self.since > limits.idle_timeout_s and self._transport is not None:
+                self._transport.abort()
+        elif self.phase == _IDLE and now - self.since > limits.idle_timeout_s:
             self.close()
         elif self.phase == _HEAD and now - self.since > limits.header_timeout_s:
             self._write_simple(408, b"request head not received in time (--header-timeout-s)", close=True)
@@ -290,6 +308,7 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         if self._transport is not None and not self._closed:
             self._closed = True
+            self.since = self._loop.time()
             self._transport.close()
 
     @property
