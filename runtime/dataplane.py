@@ -13,6 +13,7 @@ from typing import Any
 
 from sluice.runtime import __version__
 from sluice.runtime import config as model_config
+from sluice.runtime.cache import cache_key
 from sluice.runtime.errors import Cancelled, Internal, InvalidArgument, SluiceError, Unavailable
 from sluice.runtime.repository import ModelVersion, Repository
 from sluice.runtime.signature import check_request
@@ -147,30 +148,45 @@ class DataPlane:
         return _int_param(params, "priority") or 0, _int_param(params, "timeout")
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        start = time.monotonic_ns()
-        mv = self._admit(request)
-        stats = mv.stats
+        """Run ``request`` and return its response; raises SluiceError. Cancelling the awaiting
+        task cancels the request (the client went away)."""
+        waiter = asyncio.get_running_loop().create_future()
+
+        def done(outcome: InferResponse | SluiceError) -> None:
+            if not waiter.done():
+                waiter.set_result(outcome)
+
+        self.infer_nowait(request, done)
         try:
-            check_request(request, mv.signature)
-            priority, timeout_us = self._options(request)
-            result = await mv.scheduler.submit(request, priority, timeout_us)
-        except SluiceError as exc:
-            stats.on_request(time.monotonic_ns() - start, exc)
+            outcome = await waiter
+        except asyncio.CancelledError:
+            request.cancel.cancel()
             raise
-        stats.on_request(time.monotonic_ns() - start, None)
-        return _named(result, mv, request)
+        if isinstance(outcome, SluiceError):
+            raise outcome
+        return outcome
 
     def infer_nowait(self, request: InferRequest, done: Callable[[InferResponse | SluiceError], None]) -> None:
-        """Callback form of ``infer``: raises for immediate rejections, else calls ``done`` once.
+        """Callback form of ``infer``: raises for immediate rejections, else calls ``done`` once
+        (at once for a response-cache hit).
 
         The caller cancels through ``request.cancel`` when its client goes away.
         """
         start = time.monotonic_ns()
         mv = self._admit(request)
         stats = mv.stats
+        cache = mv.cache
         try:
             check_request(request, mv.signature)
             priority, timeout_us = self._options(request)
+            if cache is not None:
+                key = cache_key(request)
+                hit = cache.get(key, request)
+                lookup_ns = time.monotonic_ns() - start
+                if hit is not None:
+                    stats.on_cache_hit(lookup_ns)
+                    done(_named(hit, mv, request))
+                    return
             future = mv.scheduler.enqueue(request, priority, timeout_us)
         except SluiceError as exc:
             stats.on_request(time.monotonic_ns() - start, exc)
@@ -184,6 +200,10 @@ class DataPlane:
                 exc = f.exception()
                 if exc is None:
                     outcome = _named(f.result(), mv, request)
+                    if cache is not None:
+                        insert = time.monotonic_ns()
+                        cache.put(key, outcome, len(mv.signature.outputs))
+                        stats.on_cache_miss(lookup_ns + time.monotonic_ns() - insert)
                 elif isinstance(exc, SluiceError):
                     outcome = exc
                 else:

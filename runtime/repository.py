@@ -18,6 +18,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from sluice.runtime import config as model_config
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance
 from sluice.runtime.batching import BATCH_POLICIES, BatchPolicy, OverloadPolicy, QueuePolicy, Scheduler, SchedulerConfig
+from sluice.runtime.cache import ResponseCache
 from sluice.runtime.errors import ConfigError, NotFound, SluiceError, Unavailable, unknown_model
 from sluice.runtime.settings import SchedulingDefaults
 from sluice.runtime.signature import Signature, signature_of
@@ -37,6 +38,7 @@ class ModelVersion:
     backend: ModelBackend
     scheduler: Scheduler
     stats: ModelStats
+    cache: ResponseCache | None = None
 
     @property
     def platform(self) -> str:
@@ -129,6 +131,18 @@ def scheduler_config(config: mc.ModelConfig, defaults: SchedulingDefaults, label
         model_label=label,
         overload=overload,
     )
+
+
+def response_cache(config: mc.ModelConfig, defaults: SchedulingDefaults) -> ResponseCache | None:
+    if not config.response_cache.enable:
+        return None
+    size = defaults.response_cache_bytes
+    if "response_cache_bytes" in config.parameters:
+        raw = config.parameters["response_cache_bytes"].string_value
+        if not raw.isdigit() or int(raw) <= 0:
+            raise ConfigError(f"must be a positive integer, got {raw!r}", field="parameters[response_cache_bytes]")
+        size = int(raw)
+    return ResponseCache(size)
 
 
 def _backend_loader(backend: str) -> Callable[[mc.ModelConfig, LoadContext], ModelBackend]:
@@ -266,7 +280,14 @@ class Repository:
                 )
                 scheduler.start()
                 new_versions[version] = ModelVersion(
-                    name, version, prepared.config, signature_of(prepared.config, label), backend, scheduler, stats
+                    name,
+                    version,
+                    prepared.config,
+                    signature_of(prepared.config, label),
+                    backend,
+                    scheduler,
+                    stats,
+                    response_cache(prepared.config, self._scheduling),
                 )
             old, model.versions = model.versions, new_versions
             for version in new_versions:

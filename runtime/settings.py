@@ -66,6 +66,9 @@ class SchedulingDefaults:
     """How long the queue must stay non-empty before it counts as overloaded."""
     overload_target_ms: float = 5.0
     """Least queue wait that is shed while overloaded (the limit is at least 2x the recent execution time)."""
+    response_cache_bytes: int = 64 * 1024 * 1024
+    """Size bound of each model version's response cache (for models with ``response_cache { enable:
+    true }``); a model may set ``parameters { key: "response_cache_bytes" ... }``."""
     batch_policy: str = "work_conserving"
     """``work_conserving``: dispatch as soon as an instance is idle, the queue delay is only an upper
     bound; ``fixed_wait``: Triton's behaviour, wait up to the delay for a preferred batch size."""

@@ -125,6 +125,17 @@ class ModelStats(Observer):
         stats.compute_infer.add(compute_ns)
         self.last_inference_ms = int(time.time() * 1000)
 
+    # -- response cache (dataplane) ------------------------------------------------------
+    def on_cache_hit(self, lookup_ns: int) -> None:
+        """A hit counts as a success and in the queue, never as an inference or execution (Triton)."""
+        self.success.add(lookup_ns)
+        self.queue.add(0)
+        self.cache_hit.add(lookup_ns)
+        self.last_inference_ms = int(time.time() * 1000)
+
+    def on_cache_miss(self, ns: int) -> None:
+        self.cache_miss.add(ns)
+
     # -- request outcome (dataplane) -----------------------------------------------------
     def on_request(self, ns: int, error: SluiceError | None) -> None:
         if error is None:

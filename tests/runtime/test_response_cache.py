@@ -1,0 +1,116 @@
+"""Response cache through Triton's clients: keys, cross-protocol hits, statistics, bounds, metrics."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from .conftest import write_model  # type: ignore[import-not-found]
+
+COUNTING_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.runs = 0
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            self.runs += 1
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            out.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("DOUBLE", x * 2),
+                pb_utils.Tensor("RUNS", np.full(x.shape, self.runs, dtype=np.float32)),
+            ]))
+        return out
+"""
+
+
+def config(extra: str = "") -> str:
+    return f"""
+    name: "cached"
+    backend: "python"
+    max_batch_size: 4
+    input [ {{ name: "IN", data_type: TYPE_FP32, dims: [ 2 ] }} ]
+    output [
+      {{ name: "DOUBLE", data_type: TYPE_FP32, dims: [ 2 ] }},
+      {{ name: "RUNS", data_type: TYPE_FP32, dims: [ 2 ] }}
+    ]
+    response_cache {{ enable: true }}
+    {extra}
+    """
+
+
+def infer(server, protocol: str, values, outputs=None):
+    mod = httpclient if protocol == "http" else grpcclient
+    client = mod.InferenceServerClient(server.http if protocol == "http" else server.grpc)
+    x = np.array([values], dtype=np.float32)
+    inp = mod.InferInput("IN", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    requested = [mod.InferRequestedOutput(name) for name in outputs] if outputs else None
+    result = client.infer("cached", [inp], outputs=requested)
+    client.close()
+    return result
+
+
+def stats(server) -> dict:
+    client = httpclient.InferenceServerClient(server.http)
+    doc = client.get_inference_statistics("cached")["model_stats"][0]
+    client.close()
+    return doc
+
+
+def test_hits_across_protocols_without_running_the_model(tmp_path, serve):
+    repo = tmp_path / "repo"
+    write_model(repo, "cached", config(), {"model.py": COUNTING_PY})
+    server = serve(repo)
+    first = infer(server, "http", [1.0, 2.0])
+    assert first.as_numpy("RUNS")[0, 0] == 1
+    again = infer(server, "grpc", [1.0, 2.0])  # an entry stored by HTTP serves gRPC
+    np.testing.assert_array_equal(again.as_numpy("DOUBLE"), [[2.0, 4.0]])
+    assert again.as_numpy("RUNS")[0, 0] == 1  # the model did not run again
+    other = infer(server, "grpc", [3.0, 4.0])
+    assert other.as_numpy("RUNS")[0, 0] == 2
+    # requested outputs are not part of the key; a hit returns what was asked for
+    subset = infer(server, "http", [1.0, 2.0], outputs=["DOUBLE"])
+    np.testing.assert_array_equal(subset.as_numpy("DOUBLE"), [[2.0, 4.0]])
+    assert subset.as_numpy("RUNS") is None
+    doc = stats(server)
+    inf = doc["inference_stats"]
+    assert inf["cache_hit"]["count"] == 2
+    assert inf["cache_miss"]["count"] == 2
+    assert inf["success"]["count"] == 4
+    assert doc["inference_count"] == 2  # hits are neither inferences nor executions
+    assert doc["execution_count"] == 2
+    with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    assert 'sluice_cache_hit_count_total{model="cached",version="1"} 2.0' in text
+    assert 'sluice_cache_miss_count_total{model="cached",version="1"} 2.0' in text
+
+
+def test_cache_is_bounded_and_evicts_least_recently_used(tmp_path, serve):
+    repo = tmp_path / "repo"
+    extra = 'parameters { key: "response_cache_bytes" value { string_value: "700" } }'
+    write_model(repo, "cached", config(extra), {"model.py": COUNTING_PY})
+    server = serve(repo)
+    for value in range(5):  # each entry is a few hundred bytes: only about two fit
+        infer(server, "http", [float(value), 0.0])
+    latest = infer(server, "http", [4.0, 0.0])
+    assert latest.as_numpy("RUNS")[0, 0] == 5  # the newest entry is still cached
+    oldest = infer(server, "http", [0.0, 0.0])
+    assert oldest.as_numpy("RUNS")[0, 0] == 6  # the oldest was evicted and ran again
+
+
+def test_disabled_cache_always_runs_the_model(tmp_path, serve):
+    repo = tmp_path / "repo"
+    write_model(repo, "cached", config().replace("response_cache { enable: true }", ""), {"model.py": COUNTING_PY})
+    server = serve(repo)
+    infer(server, "http", [1.0, 2.0])
+    assert infer(server, "http", [1.0, 2.0]).as_numpy("RUNS")[0, 0] == 2
+    assert stats(server)["inference_stats"]["cache_hit"].get("count", 0) == 0
