@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
         default="on" if sched.overload_control else "off",
         help="shed requests that waited too long while the queue cannot drain (default on)",
     )
+    serve.add_argument(
+        "--response-cache-bytes",
+        type=int,
+        default=sched.response_cache_bytes,
+        help="size bound of each cached model version's response cache",
+    )
     serve.add_argument("--overload-interval-ms", type=float, default=sched.overload_interval_ms)
     serve.add_argument("--overload-target-ms", type=float, default=sched.overload_target_ms)
     for field in dataclasses.fields(Limits):
@@ -74,6 +80,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         overload_control=args.overload_control == "on",
         overload_interval_ms=args.overload_interval_ms,
         overload_target_ms=args.overload_target_ms,
+        response_cache_bytes=args.response_cache_bytes,
     )
     return ServerSettings(
         model_repository=args.model_repository,
