@@ -116,7 +116,7 @@ async def cluster_target() -> AsyncIterator[Cluster]:
     try:
         try:
             status, _ = await asyncio.wait_for(cluster.call("GET", "/apis/sluice.dev/v1alpha1"), timeout=5)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             pytest.skip(f"the cluster in {config} is not reachable: {exc!r}")
         if status != 200:
             pytest.skip("the sluice.dev CRDs are not installed: helm install sluice helm/sluice (e2e/README.md)")

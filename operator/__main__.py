@@ -20,7 +20,7 @@ from sluice.operator.settings import Settings
 
 
 def utc_now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 async def run(settings: Settings, *, stop_flag: asyncio.Event | None = None) -> None:

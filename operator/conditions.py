@@ -33,7 +33,7 @@ class Condition:
 
 def format_time(moment: datetime.datetime) -> str:
     """RFC 3339 with second precision, as the API server stores ``metav1.Time``."""
-    return moment.astimezone(datetime.timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return moment.astimezone(datetime.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def merge(

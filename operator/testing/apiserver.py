@@ -52,7 +52,7 @@ class Invalid(kmock.KubernetesError):
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _selector_matches(selector: str, labels: Mapping[str, str]) -> bool:

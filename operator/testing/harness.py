@@ -26,7 +26,7 @@ from sluice.operator.settings import Settings
 class FakeClock:
     """A clock that only moves when told to."""
 
-    now: datetime.datetime = datetime.datetime(2025, 1, 1, tzinfo=datetime.timezone.utc)
+    now: datetime.datetime = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
 
     def __call__(self) -> datetime.datetime:
         return self.now

@@ -7,7 +7,7 @@ import datetime
 from sluice.operator import conditions
 from sluice.operator.conditions import Condition
 
-T0 = datetime.datetime(2025, 1, 1, tzinfo=datetime.timezone.utc)
+T0 = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
 T1 = T0 + datetime.timedelta(minutes=5)
 
 
