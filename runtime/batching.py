@@ -176,12 +176,15 @@ class Observer:
 _QUEUED, _RUNNING, _DONE = 0, 1, 2
 
 
-class _Entry:
-    __slots__ = ("deadline", "enqueued", "future", "level", "request", "state")
+Done = Callable[[Result], None]
 
-    def __init__(self, request: InferRequest, future: asyncio.Future, enqueued: int, deadline: int, level: int):
+
+class _Entry:
+    __slots__ = ("deadline", "done", "enqueued", "level", "request", "state")
+
+    def __init__(self, request: InferRequest, done: Done, enqueued: int, deadline: int, level: int):
         self.request = request
-        self.future = future
+        self.done = done
         self.enqueued = enqueued
         self.deadline = deadline
         self.level = level
@@ -238,7 +241,7 @@ class Scheduler:
         if self._idle is not None and (self._pending or self._running):
             try:
                 await asyncio.wait_for(self._idle.wait(), grace_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         for lane in self._lanes:
             while lane:
@@ -277,8 +280,28 @@ class Scheduler:
     def enqueue(self, request: InferRequest, priority: int = 0, timeout_us: int | None = None) -> asyncio.Future:
         """Queue ``request``; the returned future resolves to its result or a SluiceError.
 
-        The callback form of ``submit`` for protocol layers that avoid a task per request; the
-        caller cancels through ``request.cancel`` when its client goes away.
+        The caller cancels through ``request.cancel`` when its client goes away.
+        """
+        future = asyncio.get_running_loop().create_future()
+
+        def done(outcome: Result) -> None:
+            if not future.done():
+                if isinstance(outcome, SluiceError):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(outcome)
+
+        self.enqueue_callback(request, done, priority, timeout_us)
+        return future
+
+    def enqueue_callback(
+        self, request: InferRequest, done: Done, priority: int = 0, timeout_us: int | None = None
+    ) -> None:
+        """Queue ``request``; ``done`` is called once, on the event loop, with its result or a
+        SluiceError. Raises for immediate rejections (queue full, bad priority, unloading).
+
+        The form for protocol layers that avoid a task and a future per request; the caller
+        cancels through ``request.cancel`` when its client goes away.
         """
         if self._closing or self._loop is None:
             raise Unavailable(f"model '{self._config.model_label}' is not accepting requests (unloading)")
@@ -299,8 +322,7 @@ class Scheduler:
             elif timeout_us > 0:
                 timeout_ns = timeout_us * 1000 if timeout_ns == 0 else min(timeout_ns, timeout_us * 1000)
         deadline = now + timeout_ns if timeout_ns > 0 else 0
-        future = self._loop.create_future()
-        entry = _Entry(request, future, now, deadline, level)
+        entry = _Entry(request, done, now, deadline, level)
         self._lanes[level].append(entry)
         if self._pending == 0:
             self._last_empty = now  # the queue was empty until this request
@@ -315,7 +337,6 @@ class Scheduler:
         request.cancel.on_cancel(lambda: self._cancel(entry))
         if self._free:
             self._pump()
-        return future
 
     def _level(self, priority: int) -> int:
         levels = max(self._config.priority_levels, 1)
@@ -340,13 +361,10 @@ class Scheduler:
             self._maybe_idle()
 
     def _finish(self, entry: _Entry, outcome: Result) -> None:
+        if entry.state == _DONE:
+            return
         entry.state = _DONE
-        future = entry.future
-        if not future.done():
-            if isinstance(outcome, SluiceError):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
+        entry.done(outcome)
 
     def _maybe_idle(self) -> None:
         if self._pending == 0 and self._running == 0 and self._idle is not None:

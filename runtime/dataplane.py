@@ -14,7 +14,7 @@ from typing import Any
 from sluice.runtime import __version__
 from sluice.runtime import config as model_config
 from sluice.runtime.cache import cache_key
-from sluice.runtime.errors import Cancelled, Internal, InvalidArgument, SluiceError, Unavailable
+from sluice.runtime.errors import InvalidArgument, SluiceError, Unavailable
 from sluice.runtime.repository import ModelVersion, Repository
 from sluice.runtime.signature import check_request
 from sluice.runtime.types import InferRequest, InferResponse
@@ -176,6 +176,20 @@ class DataPlane:
         mv = self._admit(request)
         stats = mv.stats
         cache = mv.cache
+        key: object = None
+        lookup_ns = 0
+
+        def finished(result: InferResponse | SluiceError) -> None:
+            outcome = result
+            if not isinstance(result, SluiceError):
+                outcome = _named(result, mv, request)
+                if cache is not None:
+                    insert = time.monotonic_ns()
+                    cache.put(key, outcome, len(mv.signature.outputs))
+                    stats.on_cache_miss(lookup_ns + time.monotonic_ns() - insert)
+            stats.on_request(time.monotonic_ns() - start, outcome if isinstance(outcome, SluiceError) else None)
+            done(outcome)
+
         try:
             check_request(request, mv.signature)
             priority, timeout_us = self._options(request)
@@ -187,31 +201,10 @@ class DataPlane:
                     stats.on_cache_hit(lookup_ns)
                     done(_named(hit, mv, request))
                     return
-            future = mv.scheduler.enqueue(request, priority, timeout_us)
+            mv.scheduler.enqueue_callback(request, finished, priority, timeout_us)
         except SluiceError as exc:
             stats.on_request(time.monotonic_ns() - start, exc)
             raise
-
-        def finished(f: asyncio.Future) -> None:
-            outcome: InferResponse | SluiceError
-            if f.cancelled():
-                outcome = Cancelled("the request was cancelled")
-            else:
-                exc = f.exception()
-                if exc is None:
-                    outcome = _named(f.result(), mv, request)
-                    if cache is not None:
-                        insert = time.monotonic_ns()
-                        cache.put(key, outcome, len(mv.signature.outputs))
-                        stats.on_cache_miss(lookup_ns + time.monotonic_ns() - insert)
-                elif isinstance(exc, SluiceError):
-                    outcome = exc
-                else:
-                    outcome = Internal(f"{type(exc).__name__}: {exc}")
-            stats.on_request(time.monotonic_ns() - start, outcome if isinstance(outcome, SluiceError) else None)
-            done(outcome)
-
-        future.add_done_callback(finished)
 
 
 def _named(result: InferResponse, mv: ModelVersion, request: InferRequest) -> InferResponse:
