@@ -93,6 +93,9 @@ def bytes_request(raw: bytes, shape: list[int]) -> bytes:
     return message.SerializeToString()
 
 
+VALID = good().SerializeToString()
+
+
 @dataclasses.dataclass
 class Case:
     id: str
@@ -231,8 +234,9 @@ def test_unknown_method(channel):
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_message_over_max_grpc_message_bytes(serve, example_repo):
-    server = serve(example_repo, limits=Limits(max_grpc_message_bytes=1 << 20))
+@pytest.mark.parametrize("front_end", ["h2", "grpcio"])
+def test_message_over_max_grpc_message_bytes(serve, example_repo, front_end):
+    server = serve(example_repo, limits=Limits(max_grpc_message_bytes=1 << 20), grpc_server=front_end)
     with grpc.insecure_channel(server.grpc, options=UNLIMITED) as chan:
         with pytest.raises(grpc.RpcError) as info:
             call(chan, "ModelInfer", edit(lambda m: m.raw_input_contents.__setitem__(0, bytes(2 << 20))))
@@ -270,3 +274,23 @@ def test_server_still_answers_after_the_table(channel):
     response = pb.ModelInferResponse.FromString(call(channel, "ModelInfer", good().SerializeToString()))
     assert np.frombuffer(response.raw_output_contents[0], np.float32).tolist() == [2.0] * 16
     assert pb.ServerReadyResponse.FromString(call(channel, "ServerReady", b"")).ready
+
+
+def test_grpcio_front_end_gives_the_same_codes(serve, example_repo):
+    """The fallback front end (``--grpc-server grpcio``) answers the same table the same way."""
+    server = serve(example_repo, grpc_server="grpcio")
+    with grpc.insecure_channel(server.grpc, options=UNLIMITED) as chan:
+        for case in CASES:
+            if b"identity_bytes" in case.payload:
+                continue  # not in example_repo
+            with pytest.raises(grpc.RpcError) as info:
+                call(chan, "ModelInfer", case.payload)
+            assert info.value.code() == case.code, (case.id, info.value.details())
+            assert all(word in info.value.details() for word in case.words), (case.id, info.value.details())
+        for method in ("ServerLive", "ModelMetadata"):
+            with pytest.raises(grpc.RpcError) as info:
+                call(chan, method, b"\xff\xff\xff")
+            assert info.value.code() == INVALID
+        stream = chan.stream_stream(SERVICE + "ModelStreamInfer")
+        replies = [pb.ModelStreamInferResponse.FromString(r) for r in stream(iter([b"\xff", VALID]), timeout=10)]
+        assert sorted(bool(r.error_message) for r in replies) == [False, True]
