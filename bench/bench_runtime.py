@@ -187,7 +187,7 @@ def main() -> int:
                     bs = max(1, round(mean_batch))
                     if bs not in raw_cache:
                         raw_cache[bs] = raw_ort(blob, bs)
-                    raw_tput, raw_ms = raw_cache[bs]
+                    raw_tput, _raw_ms = raw_cache[bs]
                     rows.append((protocol, c, tput, p50, p99, mean_batch, raw_tput, cpu_us))
         finally:
             os.killpg(server.pid, signal.SIGTERM)

@@ -48,10 +48,8 @@ class TritonPythonModel:
         for r in requests:
             self.executed.append((r.request_id(), start))
         time.sleep(COST)
-        return [
-            pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())])
-            for r in requests
-        ]
+        outputs = [pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() for r in requests]
+        return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUT", x)]) for x in outputs]
 
     def finalize(self):
         with open(LOG, "w") as f:
@@ -180,7 +178,10 @@ def main() -> int:
     lat = np.array(ok) * 1000 if ok else np.array([0.0])
     print(f"\nmodel capacity {capacity:.0f} req/s; offered {rate:.0f} req/s for {a.seconds:.0f} s; "
           f"client deadline {a.client_timeout_ms:.0f} ms; server args: {a.server_args or '(defaults)'}\n")  # fmt: skip
-    print("| offered | served ok/s | goodput/s | outcomes | p50 ms | p99 ms | executed | wasted executions | peak RSS MiB |")
+    print(
+        "| offered | served ok/s | goodput/s | outcomes | p50 ms | p99 ms | executed | wasted executions "
+        "| peak RSS MiB |"
+    )
     print("|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     print(
         f"| {len(results) / a.seconds:.0f}/s | {len(ok) / a.seconds:.0f} | {len(good) / a.seconds:.0f} | "

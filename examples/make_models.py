@@ -8,6 +8,7 @@ again only to change them. The same builders are used by the tests.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def mlp_model(sizes: tuple[int, ...] = (16, 64, 64, 4), seed: int = 0) -> bytes:
     nodes = []
     initializers = []
     current = "INPUT0"
-    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+    for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes)):
         w = (rng.standard_normal((n_in, n_out)) / np.sqrt(n_in)).astype(np.float32)
         b = (rng.standard_normal(n_out) * 0.1).astype(np.float32)
         initializers += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(b, f"b{i}")]

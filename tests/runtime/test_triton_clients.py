@@ -24,7 +24,7 @@ def client_for(server, protocol: str):
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_health_and_metadata(shared_server, protocol):
-    mod, client = client_for(shared_server, protocol)
+    _mod, client = client_for(shared_server, protocol)
     assert client.is_server_live()
     assert client.is_server_ready()
     assert client.is_model_ready("mlp")
@@ -213,13 +213,13 @@ def repository_rows(client, protocol):
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_repository_index_load_unload(example_repo, serve, protocol):
     server = serve(example_repo)
-    mod, client = client_for(server, protocol)
+    _mod, client = client_for(server, protocol)
     rows = repository_rows(client, protocol)
     assert {(r["name"], r.get("state")) for r in rows} == {("add_sub", "READY"), ("mlp", "READY")}
     client.unload_model("mlp")
     assert not client.is_model_ready("mlp")
     rows = repository_rows(client, protocol)
-    mlp = [r for r in rows if r["name"] == "mlp"][0]
+    mlp = next(r for r in rows if r["name"] == "mlp")
     assert mlp["state"] == "UNAVAILABLE" and mlp["reason"] == "unloaded"
     client.unload_model("never_existed")  # Triton answers success
     # load with a config override: a different max_batch_size shows in the config
