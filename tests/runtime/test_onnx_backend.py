@@ -1,0 +1,122 @@
+"""ONNX Runtime backend: execution-provider choice (pure), thread parameters, batching through a real server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.utils import InferenceServerException
+
+from sluice.runtime.backends.onnxrt import providers_for
+from sluice.runtime.errors import Unavailable
+
+from .conftest import BUILDERS, write_model  # type: ignore[import-not-found]
+
+CPU = ["CPUExecutionProvider"]
+CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+TRT = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+K = mc.ModelInstanceGroup
+
+
+def cfg(text: str = "") -> mc.ModelConfig:
+    return text_format.Parse(text, mc.ModelConfig())
+
+
+@pytest.mark.parametrize(
+    ("kind", "available", "config", "expected"),
+    [
+        (K.KIND_CPU, CUDA, "", ["CPUExecutionProvider"]),
+        (K.KIND_AUTO, CPU, "", ["CPUExecutionProvider"]),
+        (K.KIND_AUTO, CUDA, "", [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]),
+        (K.KIND_GPU, CUDA, "", [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]),
+        (
+            K.KIND_GPU,
+            TRT,
+            'parameters { key: "execution_accelerator" value { string_value: "tensorrt" } }',
+            [
+                ("TensorrtExecutionProvider", {"device_id": 1}),
+                ("CUDAExecutionProvider", {"device_id": 1}),
+                "CPUExecutionProvider",
+            ],
+        ),
+        (
+            K.KIND_GPU,
+            TRT,
+            "optimization { execution_accelerators { gpu_execution_accelerator { name: 'tensorrt' } } }",
+            [
+                ("TensorrtExecutionProvider", {"device_id": 1}),
+                ("CUDAExecutionProvider", {"device_id": 1}),
+                "CPUExecutionProvider",
+            ],
+        ),
+        # TensorRT asked for but not in this build: CUDA alone
+        (
+            K.KIND_GPU,
+            CUDA,
+            'parameters { key: "execution_accelerator" value { string_value: "tensorrt" } }',
+            [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"],
+        ),
+    ],
+)
+def test_providers_for_instance_kinds(kind, available, config, expected):
+    assert providers_for(kind, 1, cfg(config), available) == expected
+
+
+def test_gpu_instance_without_cuda_build_is_a_clear_error():
+    with pytest.raises(Unavailable, match=r"KIND_GPU needs onnxruntime with the CUDA execution provider.*gpu"):
+        providers_for(K.KIND_GPU, 0, cfg(), CPU)
+
+
+def test_gpu_model_without_cuda_fails_its_load_only(tmp_path, serve):
+    repo = tmp_path / "repo"
+    write_model(
+        repo, "gpu_mlp", 'name: "gpu_mlp"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
+        "instance_group [ { kind: KIND_GPU } ]\n", {"model.onnx": BUILDERS.mlp_model()},
+    )  # fmt: skip
+    write_model(
+        repo, "mlp", 'name: "mlp"\nbackend: "onnxruntime"\nmax_batch_size: 8\n', {"model.onnx": BUILDERS.mlp_model()}
+    )
+    server = serve(repo)
+    client = httpclient.InferenceServerClient(server.http)
+    import onnxruntime
+
+    if "CUDAExecutionProvider" in onnxruntime.get_available_providers():
+        pytest.skip("this machine's onnxruntime has CUDA; the GPU model loads")
+    assert client.is_model_ready("mlp")
+    assert not client.is_model_ready("gpu_mlp")
+    row = {r["name"]: r for r in client.get_model_repository_index()}["gpu_mlp"]
+    assert "CUDA execution provider" in row["reason"]
+
+
+def test_bad_thread_parameter_names_the_field(tmp_path, serve):
+    repo = tmp_path / "repo"
+    write_model(
+        repo, "mlp", 'name: "mlp"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
+        'parameters { key: "intra_op_thread_count" value { string_value: "many" } }\n',
+        {"model.onnx": BUILDERS.mlp_model()},
+    )  # fmt: skip
+    server = serve(repo)
+    client = httpclient.InferenceServerClient(server.http)
+    with pytest.raises(InferenceServerException, match=r"intra_op_thread_count.*integer"):
+        client.load_model("mlp")
+
+
+def test_output_reshape_serves_the_config_dims(tmp_path, serve, mlp_session):
+    """The model produces [-1, 4]; the config serves it as [-1, 2, 2] via reshape."""
+    repo = tmp_path / "repo"
+    write_model(
+        repo, "mlp", 'name: "mlp"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
+        'input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 16 ] } ]\n'
+        'output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 2, 2 ], reshape: { shape: [ 4 ] } } ]\n',
+        {"model.onnx": BUILDERS.mlp_model()},
+    )  # fmt: skip
+    server = serve(repo)
+    client = httpclient.InferenceServerClient(server.http)
+    x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    inp = httpclient.InferInput("INPUT0", [3, 16], "FP32")
+    inp.set_data_from_numpy(x)
+    out = client.infer("mlp", [inp]).as_numpy("OUTPUT0")
+    assert out.shape == (3, 2, 2)
+    np.testing.assert_allclose(out.reshape(3, 4), mlp_session.run(None, {"INPUT0": x})[0], rtol=1e-5, atol=1e-6)
