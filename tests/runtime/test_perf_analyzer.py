@@ -38,7 +38,7 @@ def test_perf_analyzer_measures_the_mlp(shared_server, protocol, tmp_path):
     csv = tmp_path / "pa.csv"
     cmd = [
         PERF_ANALYZER, "-m", "mlp", "-u", url, "-i", protocol, "--concurrency-range", "4",
-        "--measurement-interval", "500", "--stability-percentage", "999", "--max-trials", "3", "-f", str(csv),
+        "--measurement-interval", "500", "--stability-percentage", "999", "--max-trials", "5", "-f", str(csv),
     ]  # fmt: skip
     out = subprocess.run(
         cmd,
