@@ -144,8 +144,9 @@ class SchedulerConfig:
 class OverloadPolicy:
     """CoDel-style shedding: keeps latency bounded when arrivals outpace the model.
 
-    The queue counts as overloaded when it has not been empty, with every instance busy, for
-    ``interval_ns`` (an idle instance means requests wait by the batching policy's choice). While it is,
+    The queue counts as overloaded when it holds more than one full batch per instance and has
+    not been empty, with every instance busy, for ``interval_ns`` (an idle instance means requests
+    wait by the batching policy's choice). While it is,
     a request that has waited longer than ``max(target_ns, exec_multiple * recent execution
     time)`` is answered at once with UNAVAILABLE instead of being run late for a client that
     has most likely given up. Outside overload only the queue timeout applies.
@@ -216,6 +217,9 @@ class Scheduler:
         self._pending = 0
         self._queued = [0] * levels  # per priority level, DELAYed requests included (as Triton counts)
         self._last_empty = clock()
+        # Never shed below one full batch per instance: a backlog that small drains in one round,
+        # and bounded closed-loop clients (concurrency <= max_batch_size) cannot overload at all.
+        self._backlog_floor = max(config.batch.max_batch_size, 1) * len(self._instances)
         self._exec_ewma_ns = 0.0
         self._running = 0
         self._deadlines: list[tuple[int, int, _Entry]] = []
@@ -416,7 +420,7 @@ class Scheduler:
                     lane.popleft()
                     continue
                 waited = now - entry.enqueued
-                if waited <= max_wait_ns:
+                if waited <= max_wait_ns or self._pending <= self._backlog_floor:
                     break
                 lane.popleft()
                 self._pending -= 1
@@ -465,6 +469,7 @@ class Scheduler:
             and self._pending
             and self._exec_ewma_ns  # no execution seen yet: nothing to judge lateness by
             and now - self._last_empty > overload.interval_ns
+            and self._pending > self._backlog_floor
         ):
             self._shed(now, shed_limit(overload, self._exec_ewma_ns))
         batch_policy = self._config.batch

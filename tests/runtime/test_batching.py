@@ -805,7 +805,7 @@ def test_shed_limit_is_the_larger_of_target_and_a_multiple_of_execution_time():
 
 
 async def test_overload_sheds_requests_that_waited_too_long_and_runs_fresh_ones(harness):
-    h = harness(overload_config(max_batch_size=8))
+    h = harness(overload_config(max_batch_size=1))  # more than one batch queued counts as a backlog
     warm = await h.put("warm", 1)
     h.clock.advance(150 * MS)  # the first batch takes 150 ms of fake time
     h.gate.set()
@@ -824,6 +824,22 @@ async def test_overload_sheds_requests_that_waited_too_long_and_runs_fresh_ones(
     assert value_of(await asyncio.wait_for(fresh, 2)) == 4
     assert h.executed == ["warm", "busy", "fresh"]
     assert h.observer.rejected == ["shed"]
+
+
+async def test_no_shedding_while_the_backlog_fits_one_batch_per_instance(harness):
+    h = harness(overload_config(max_batch_size=8))  # bounded clients (<= 8 in flight) cannot overload it
+    warm = await h.put("warm", 1)
+    h.clock.advance(10 * MS)
+    h.gate.set()
+    await asyncio.wait_for(warm, 2)
+    h.gate.clear()
+    await h.busy()
+    waiting = [await h.put(f"w{i}", i) for i in range(8)]
+    h.clock.advance(500 * MS)  # a long stall (GC pause, CPU steal): far past interval and limit
+    h.gate.set()
+    results = await asyncio.wait_for(asyncio.gather(*waiting), 2)
+    assert [value_of(r) for r in results] == [2 * i for i in range(8)]
+    assert h.observer.rejected == []
 
 
 async def test_no_shedding_before_any_execution_time_is_known(harness):
