@@ -1071,6 +1071,9 @@ class GrpcConnection(asyncio.Protocol):
         if stream.timer is not None:
             stream.timer.cancel()
             stream.timer = None
+        task = stream.task
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()  # a stream answered from the reading side (an error): its handler stops
         if not stream.remote_closed:
             self._emit(frame(RST_STREAM, 0, stream.sid, _U32.pack(NO_ERROR)))
         self._blocked.pop(stream.sid, None)

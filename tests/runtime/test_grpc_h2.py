@@ -628,3 +628,26 @@ def test_tritonclient_smoke_on_both_front_ends(serve, repo, grpc_server):
         assert int(stats["model_stats"][0]["inference_stats"]["success"]["count"]) == 1
     finally:
         client.close()
+
+
+def test_stream_infer_answers_each_message_then_ok_trailers_after_half_close(serve, repo, connect):
+    server = serve(repo, limits=Limits(max_grpc_message_bytes=64 * 1024))
+    client = connect(server.grpc)
+    client.send(HeadersFrame(1, client.block(SERVICE + "ModelStreamInfer"), flags=["END_HEADERS"]))
+    client.send_data(1, grpc_frame(add_sub_request("a")) + grpc_frame(b"\xff\xff"), end_stream=False)
+    frames = client.drain(0.5)
+    response = client.responses[1]
+    assert not response.ended and len(response.messages()) == 2  # answered before the client half-closes
+    client.send_data(1, grpc_frame(add_sub_request("b")))
+    response = client.response(1)
+    assert response.status == OK
+    replies = [pb.ModelStreamInferResponse.FromString(m) for m in response.messages()]
+    assert sorted(r.infer_response.id for r in replies if not r.error_message) == ["a", "b"]
+    assert ["not a valid protobuf" in r.error_message for r in replies].count(True) == 1
+    assert not any(isinstance(f, RstStreamFrame) for f in frames)
+    # A message over the limit ends the stream with RESOURCE_EXHAUSTED; the connection goes on.
+    client.send(HeadersFrame(3, client.block(SERVICE + "ModelStreamInfer"), flags=["END_HEADERS"]))
+    client.send_data(3, (1 << 20).to_bytes(5, "big"), end_stream=False)
+    assert client.response(3).status == RESOURCE_EXHAUSTED
+    client.request(5, SERVICE + "ModelInfer", add_sub_request())
+    assert_add_sub_ok(client.response(5))
