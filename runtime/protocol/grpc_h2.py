@@ -647,11 +647,13 @@ class GrpcConnection(asyncio.Protocol):
         if not end_stream and stream.recv_window <= STREAM_WINDOW // 2:
             self._emit(frame(WINDOW_UPDATE, 0, sid, _U32.pack(STREAM_WINDOW - stream.recv_window)))
             stream.recv_window = STREAM_WINDOW
-        if stop > start and not stream.finished:
+        # Input matters only until the answer is decided (trailers set, e.g. a 415 waiting for window).
+        answering = not stream.finished and stream.trailers is None
+        if stop > start and answering:
             self._feed(stream, data, start, stop)
         if end_stream:
             stream.remote_closed = True
-            if not stream.finished:
+            if answering and not stream.finished:
                 self._end_of_input(stream)
 
     def _on_headers(self, data: bytes, start: int, stop: int, flags: int, sid: int) -> None:
@@ -700,7 +702,7 @@ class GrpcConnection(asyncio.Protocol):
                 self._reset(stream, PROTOCOL_ERROR)
             elif not stream.remote_closed:
                 stream.remote_closed = True
-                if not stream.finished:
+                if not stream.finished and stream.trailers is None:
                     self._end_of_input(stream)
             return
         if not sid & 1:

@@ -521,6 +521,18 @@ def test_wrong_content_type_is_http_415(serve, repo, connect):
     assert b"application/grpc" in response.data
 
 
+def test_input_after_an_answer_waiting_for_window_is_ignored(serve, repo, connect):
+    client = connect(serve(repo).grpc, settings={INITIAL_WINDOW_SIZE: 0}, auto_window=False)
+    client.send(HeadersFrame(1, client.block(SERVICE + "ModelInfer", content_type="text/plain"), flags=["END_HEADERS"]))
+    client.send(DataFrame(1, grpc_frame(add_sub_request())), DataFrame(1, b"", flags=["END_STREAM"]))
+    client.drain(0.3)
+    assert (":status", "415") in client.responses[1].headers and not client.responses[1].ended
+    client.send(SettingsFrame(0, {INITIAL_WINDOW_SIZE: 1 << 16}))
+    assert b"application/grpc" in client.response(1).data
+    client.request(3, SERVICE + "ModelInfer", add_sub_request())
+    assert_add_sub_ok(client.response(3))
+
+
 def test_unparsable_protobuf_is_invalid_argument(serve, repo, connect):
     client = connect(serve(repo).grpc)
     client.request(1, SERVICE + "ModelInfer", b"\xff\xff\xff")
