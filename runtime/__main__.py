@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import logging
 import signal
 import sys
@@ -101,6 +102,12 @@ async def serve(settings: ServerSettings) -> int:
 
     server = Server(settings)
     await server.start()
+    # The request path allocates many short-lived objects that reference counting frees; the
+    # cyclic collector scanning every loaded module, model and session each 700 allocations was
+    # ~10% of server CPU (perf). Freeze what startup made and collect young objects less often.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -22,10 +22,10 @@ import collections
 import dataclasses
 import heapq
 import itertools
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from sluice.runtime.backends.base import ModelInstance, Result
 from sluice.runtime.errors import (
@@ -192,6 +192,61 @@ class _Entry:
         self.state = _QUEUED
 
 
+class _Worker:
+    """One thread bound to one model instance (an instance is used by one thread at a time).
+
+    Cheaper than a thread pool plus futures: a SimpleQueue hand-off in, one call_soon_threadsafe out.
+    """
+
+    def __init__(
+        self,
+        instance: ModelInstance,
+        name: str,
+        loop: asyncio.AbstractEventLoop,
+        done: Callable[..., None],
+        clock: Clock,
+    ) -> None:
+        self.instance = instance
+        self.jobs: queue.SimpleQueue[tuple[list[_Entry], list[int]] | None] = queue.SimpleQueue()
+        self._loop = loop
+        self._done = done
+        self._clock = clock
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            batch, queue_ns = job
+            requests = [entry.request for entry in batch]
+            start = self._clock()
+            try:
+                results = self.instance.execute(requests)
+            except SluiceError as exc:
+                results = [exc] * len(requests)
+            except Exception as exc:  # a backend bug must reach the clients, not kill the worker
+                results = [Internal(f"backend failed: {type(exc).__name__}: {exc}")] * len(requests)
+            if len(results) != len(requests):
+                results = [Internal(f"backend returned {len(results)} results for {len(requests)} requests")] * len(
+                    requests
+                )
+            compute_ns = self._clock() - start
+            try:
+                self._loop.call_soon_threadsafe(self._done, self, batch, queue_ns, results, compute_ns)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                return
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+
+def _join_all(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.thread.join()
+
+
 class Scheduler:
     """Queues requests for one model version and runs them in batches on its instances."""
 
@@ -207,7 +262,7 @@ class Scheduler:
             raise ValueError("a scheduler needs at least one instance")
         self._config = config
         self._instances = list(instances)
-        self._free = list(instances)
+        self._free: list[_Worker] = []  # filled by start()
         self._clock = clock
         self._observer = observer or Observer()
         levels = max(config.priority_levels, 1)
@@ -226,7 +281,7 @@ class Scheduler:
         self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: int | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._workers: list[_Worker] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self._idle: asyncio.Event | None = None
@@ -235,7 +290,11 @@ class Scheduler:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         label = self._config.model_label or "model"
-        self._executor = ThreadPoolExecutor(len(self._instances), thread_name_prefix=f"sluice-{label}")
+        self._workers = [
+            _Worker(instance, f"sluice-{label}-{index}", self._loop, self._done, self._clock)
+            for index, instance in enumerate(self._instances)
+        ]
+        self._free = list(self._workers)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -254,9 +313,11 @@ class Scheduler:
         self._queued = [0] * len(self._queued)
         if self._timer is not None:
             self._timer.cancel()
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.stop()
+        if workers:
+            await asyncio.get_running_loop().run_in_executor(None, _join_all, workers)
         for instance in self._instances:
             try:
                 instance.close()
@@ -506,36 +567,13 @@ class Scheduler:
             if self._deadlines and (self._timer_at is None or self._deadlines[0][0] < self._timer_at):
                 self._arm(self._deadlines[0][0])
 
-    def _run(self, instance: ModelInstance, batch: list[_Entry], now: int) -> None:
-        assert self._loop is not None and self._executor is not None
-        requests = [entry.request for entry in batch]
-        queue_ns = [now - entry.enqueued for entry in batch]
-        clock = self._clock
+    def _run(self, worker: _Worker, batch: list[_Entry], now: int) -> None:
+        worker.jobs.put((batch, [now - entry.enqueued for entry in batch]))
 
-        def work() -> tuple[list[Result], int]:
-            start = clock()
-            try:
-                results = instance.execute(requests)
-            except SluiceError as exc:
-                results = [exc] * len(requests)
-            except Exception as exc:  # a backend bug must reach the clients, not the loop
-                results = [Internal(f"backend failed: {type(exc).__name__}: {exc}")] * len(requests)
-            if len(results) != len(requests):
-                results = [Internal(f"backend returned {len(results)} results for {len(requests)} requests")] * len(
-                    requests
-                )
-            return results, clock() - start
-
-        future = self._loop.run_in_executor(self._executor, work)
-        future.add_done_callback(lambda f: self._done(instance, batch, queue_ns, f))
-
-    def _done(self, instance: ModelInstance, batch: list[_Entry], queue_ns: list[int], f: Any) -> None:
-        self._free.append(instance)
+    def _done(self, worker: _Worker, batch: list[_Entry], queue_ns: list[int], results: list[Result], compute_ns: int):
+        """Called on the loop (call_soon_threadsafe) when a worker finished a batch."""
+        self._free.append(worker)
         self._running -= len(batch)
-        try:
-            results, compute_ns = f.result()
-        except BaseException as exc:  # executor shut down under us
-            results, compute_ns = [Internal(f"execution failed: {exc!r}")] * len(batch), 0
         for entry, result in zip(batch, results, strict=True):
             self._finish(entry, result)
         self._exec_ewma_ns = compute_ns if not self._exec_ewma_ns else 0.8 * self._exec_ewma_ns + 0.2 * compute_ns
