@@ -560,6 +560,11 @@ class Scheduler:
         if self._free:
             # An instance is idle: whatever still waits does so by the batching policy, not overload.
             self._last_empty = now
+        if len(self._deadlines) > 2 * self._pending + 64:
+            # Dispatched entries leave the deadline heap lazily; compact it so it (and the requests
+            # it references) stays proportional to the queue, not to the traffic of the last timeout.
+            self._deadlines = [item for item in self._deadlines if item[2].state == _QUEUED]
+            heapq.heapify(self._deadlines)
         if self._deadlines and (self._timer_at is None or self._deadlines[0][0] < self._timer_at):
             # lazily drop dead heads so the timer tracks a live deadline
             while self._deadlines and self._deadlines[0][2].state != _QUEUED:

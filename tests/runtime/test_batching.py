@@ -883,3 +883,20 @@ def test_overload_control_follows_server_default_model_parameter_and_explicit_qu
     bad = 'dynamic_batching { } parameters { key: "overload_control" value { string_value: "maybe" } }'
     with pytest.raises(ConfigError, match=r"parameters\[overload_control\].*'on' or 'off'"):
         parse(bad)
+
+
+async def test_finished_requests_are_not_kept_alive_by_their_queue_deadlines(harness):
+    """A dispatched request must not stay referenced until its (30 s) queue deadline passes."""
+    import gc
+    import weakref
+
+    h = harness(config(8, queue=QueuePolicy(timeout_ns=30_000 * MS)))
+    h.gate.set()
+    alive = []
+    for i in range(1000):
+        req = request(f"r{i}", i)
+        alive.append(weakref.ref(req.inputs[0].data))  # the tensor a leaked request would pin
+        await asyncio.wait_for(h.scheduler.submit(req), 2)
+        del req
+    gc.collect()
+    assert sum(1 for ref in alive if ref() is not None) < 100
