@@ -807,6 +807,7 @@ def test_shed_limit_is_the_larger_of_target_and_a_multiple_of_execution_time():
 async def test_overload_sheds_requests_that_waited_too_long_and_runs_fresh_ones(harness):
     h = harness(overload_config(max_batch_size=1))  # more than one batch queued counts as a backlog
     warm = await h.put("warm", 1)
+    await h.started(1)  # its worker has read the clock: what follows is execution time
     h.clock.advance(150 * MS)  # the first batch takes 150 ms of fake time
     h.gate.set()
     await asyncio.wait_for(warm, 2)
@@ -829,6 +830,7 @@ async def test_overload_sheds_requests_that_waited_too_long_and_runs_fresh_ones(
 async def test_no_shedding_while_the_backlog_fits_one_batch_per_instance(harness):
     h = harness(overload_config(max_batch_size=8))  # bounded clients (<= 8 in flight) cannot overload it
     warm = await h.put("warm", 1)
+    await h.started(1)
     h.clock.advance(10 * MS)
     h.gate.set()
     await asyncio.wait_for(warm, 2)
