@@ -275,6 +275,8 @@ class Scheduler:
         # Never shed below one full batch per instance: a backlog that small drains in one round,
         # and bounded closed-loop clients (concurrency <= max_batch_size) cannot overload at all.
         self._backlog_floor = max(config.batch.max_batch_size, 1) * len(self._instances)
+        batch = config.batch
+        self._dispatch_alone = batch.mode == WORK_CONSERVING or not batch.dynamic or batch.max_batch_size <= 0
         self._exec_ewma_ns = 0.0
         self._running = 0
         self._deadlines: list[tuple[int, int, _Entry]] = []
@@ -380,6 +382,16 @@ class Scheduler:
                 f"max_queue_size is {policy.max_queue_size}"
             )
         now = self._clock()
+        if self._free and self._pending == 0 and self._dispatch_alone and not request.cancel.cancelled:
+            # Idle instance, empty queue, a policy that would dispatch at once: skip the queue.
+            entry = _Entry(request, done, now, 0, level)
+            entry.state = _RUNNING
+            self._running += 1
+            self._last_empty = now
+            if self._idle is not None:
+                self._idle.clear()
+            self._run(self._free.pop(), [entry], now)
+            return
         timeout_ns = policy.timeout_ns
         if timeout_us is not None:
             if not policy.allow_timeout_override:

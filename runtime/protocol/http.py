@@ -88,6 +88,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, server: HttpServer) -> None:
         self._server = server
         self._limits = server.limits
+        self._max_head = server.limits.max_header_bytes
         self._loop = server.loop
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
@@ -166,7 +167,9 @@ class Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers[name.lower()] = value
-        self._count_head(len(name) + len(value) + 4)
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > self._max_head:
+            self._count_head(0)
 
     def _count_head(self, n: int) -> None:
         self._head_bytes += n
@@ -388,8 +391,13 @@ class V2Routes:
         self.dp = dataplane
         self.limits = limits
         self.codec = InferCodec(limits)
+        self._infer_paths: dict[bytes, tuple[str, str]] = {}
 
-    def __call__(self, request: Request) -> Response | Awaitable[Response]:
+    def __call__(self, request: Request) -> Response | Awaitable[Response] | object:
+        if request.method == b"POST":
+            target = self._infer_paths.get(request.path)
+            if target is not None:
+                return self._infer(request, *target)
         parts = request.path.split(b"/")
         # parts[0] is "" (leading slash)
         if len(parts) < 2 or parts[1] != b"v2":
@@ -434,6 +442,9 @@ class V2Routes:
             if action == b"infer":
                 if request.method != b"POST":
                     return json_response({"error": "use POST for /infer"}, 405)
+                if len(self._infer_paths) >= 1024:
+                    self._infer_paths.clear()
+                self._infer_paths[request.path] = (name, version)  # routing is pure: remember it
                 return self._infer(request, name, version)
             if action == b"ready":
                 return self._get(
