@@ -108,6 +108,9 @@ async def serve(settings: ServerSettings) -> int:
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
+    # A model worker that finished its native call waits for the GIL while the event loop runs
+    # Python; the default 5 ms switch interval let that wait stretch every batch's completion.
+    sys.setswitchinterval(0.0001)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
