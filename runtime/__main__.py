@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
         default=sched.response_cache_bytes,
         help="size bound of each cached model version's response cache",
     )
+    serve.add_argument(
+        "--worker-spin-us",
+        type=int,
+        default=sched.worker_spin_us,
+        help="how long a model worker polls for the next batch before sleeping (0 = never poll)",
+    )
     serve.add_argument("--overload-interval-ms", type=float, default=sched.overload_interval_ms)
     serve.add_argument("--overload-target-ms", type=float, default=sched.overload_target_ms)
     for field in dataclasses.fields(Limits):
@@ -82,6 +88,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         overload_interval_ms=args.overload_interval_ms,
         overload_target_ms=args.overload_target_ms,
         response_cache_bytes=args.response_cache_bytes,
+        worker_spin_us=args.worker_spin_us,
     )
     return ServerSettings(
         model_repository=args.model_repository,

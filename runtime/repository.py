@@ -130,6 +130,7 @@ def scheduler_config(config: mc.ModelConfig, defaults: SchedulingDefaults, label
         queue_by_priority=by_priority,
         model_label=label,
         overload=overload,
+        worker_spin_us=defaults.worker_spin_us,
     )
 
 

@@ -69,6 +69,10 @@ class SchedulingDefaults:
     response_cache_bytes: int = 64 * 1024 * 1024
     """Size bound of each model version's response cache (for models with ``response_cache { enable:
     true }``); a model may set ``parameters { key: "response_cache_bytes" ... }``."""
+    worker_spin_us: int = 1000
+    """After each batch a model worker polls this long for the next one before sleeping: keeps
+    low-concurrency latency down (no wake-up, no idle-state slow-down of the next model call) at
+    the cost of up to this much CPU per batch. 0 turns it off."""
     batch_policy: str = "work_conserving"
     """``work_conserving``: dispatch as soon as an instance is idle, the queue delay is only an upper
     bound; ``fixed_wait``: Triton's behaviour, wait up to the delay for a preferred batch size."""
