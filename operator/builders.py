@@ -283,7 +283,9 @@ def deployment(
         {"name": "model-config", "configMap": {"name": config_map_name}},
     ]
     mounts: list[Obj] = [
-        {"name": "model-repository", "mountPath": MODEL_REPOSITORY, "readOnly": True},
+        # Not readOnly: the config files and pvc:// versions are mounted inside it, and the container
+        # runtime must create those mount points in it (EROFS under a read-only parent mount).
+        {"name": "model-repository", "mountPath": MODEL_REPOSITORY},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
     for index, served in enumerate(models):
@@ -313,7 +315,8 @@ def deployment(
         "image": settings.runtime_gpu_image if gpu_limits else settings.runtime_image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["sluice"],
-        "args": ["serve", "--model-repository", MODEL_REPOSITORY, "--http-port", str(http),
+        # The runtime listens on loopback unless told otherwise; probes and the Service reach the pod IP.
+        "args": ["serve", "--model-repository", MODEL_REPOSITORY, "--host", "0.0.0.0", "--http-port", str(http),
                  "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
         "ports": [
             {"name": "http", "containerPort": http, "protocol": "TCP"},

@@ -1,0 +1,151 @@
+"""The runtime contract: the real ``sluice serve`` started exactly as a rendered Deployment starts it.
+
+The operator and the runtime never import each other, so nothing but this test checks that what the
+builders render is what the runtime understands. The pod is laid out on disk the way kubelet would:
+the ConfigMap's keys at the Deployment's ``subPath`` mounts, the model files where the fetch init
+container puts them (its ``args`` name the destination). Then the container's own command and args
+run, with only the paths and port numbers mapped, and the test does what kubelet and the HPA's
+metrics adapter do: probe readiness and liveness on an address other than the one the runtime would
+default to, and scrape the queue-depth gauge the HPA names.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from sluice.operator import api, builders
+from sluice.operator.settings import Settings
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ADD_SUB = ROOT / "examples" / "model_repository" / "add_sub"
+# Linux routes all of 127/8 to loopback: a server bound to 127.0.0.1 only refuses 127.0.0.2, one
+# bound to 0.0.0.0 (as a pod must be, for kubelet probes and the Service) accepts it.
+POD_IP = "127.0.0.2"
+Pod = tuple[tuple[dict[str, Any], ...], dict[str, int], "subprocess.Popen[str]"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rendered(name: str, spec: dict[str, Any], settings: Settings) -> tuple[dict[str, Any], ...]:
+    owner = builders.Owner(kind=api.INFERENCE_MODEL_KIND, name=name, namespace="models", uid="uid-1")
+    return builders.inference_model(owner, api.parse_inference_model(name, spec), settings).objects
+
+
+def lay_out_pod(objects: tuple[dict[str, Any], ...], root: pathlib.Path, model_files: pathlib.Path) -> list[str]:
+    """Materialize the pod's /models on disk; return the runtime container's command line."""
+    [config_map] = [o for o in objects if o["kind"] == "ConfigMap"]
+    [deployment] = [o for o in objects if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+
+    def host_path(path: str) -> pathlib.Path:
+        assert path.startswith(builders.MODEL_REPOSITORY), path
+        return root / path[len(builders.MODEL_REPOSITORY):].lstrip("/")
+
+    for init in pod.get("initContainers", []):  # the storage-initializer: <uri> <destination>
+        _, destination = init["args"]
+        shutil.copytree(model_files, host_path(destination))
+    for mount in container["volumeMounts"]:
+        if mount["name"] == "model-config":
+            target = host_path(mount["mountPath"])
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(config_map["data"][mount["subPath"]])
+    executable = shutil.which(container["command"][0], path=os.path.dirname(sys.executable))
+    assert executable, f"{container['command'][0]!r} is not installed next to {sys.executable}"
+    return [executable, *container["args"]]
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+SPECS = {
+    # config.json rendered from spec.runtime (Triton field names); inputs auto-completed from model.onnx
+    "rendered-config": {"storageUri": "s3://bucket/add_sub", "format": "onnx"},
+    # an inline config.pbtxt, used verbatim
+    "inline-pbtxt": {"storageUri": "s3://bucket/add_sub", "format": "onnx",
+                     "config": (ADD_SUB / "config.pbtxt").read_text().replace('"add_sub"', '"addsub"')},
+}
+
+
+@pytest.fixture(params=sorted(SPECS))
+def pod(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Pod]:
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    settings = Settings(http_port=ports["http"], grpc_port=ports["grpc"], metrics_port=ports["metrics"])
+    spec = {"model": SPECS[request.param],
+            "scaling": {"minReplicas": 1, "maxReplicas": 2}}
+    objects = rendered("addsub", spec, settings)
+    repository = tmp_path / "models"
+    argv = lay_out_pod(objects, repository, ADD_SUB / "1")
+    argv = [str(repository) if arg == builders.MODEL_REPOSITORY else arg for arg in argv]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield objects, ports, process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def test_the_rendered_pod_serves_probes_and_the_hpa_metric(pod):
+    objects, ports, process = pod
+    [deployment] = [o for o in objects if o["kind"] == "Deployment"]
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert named == ports
+
+    def probe_url(probe: dict[str, Any]) -> str:
+        return f"http://{POD_IP}:{named[probe['httpGet']['port']]}{probe['httpGet']['path']}"
+
+    readiness = probe_url(container["readinessProbe"])
+    deadline = time.monotonic() + 30
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"the runtime exited with {process.returncode}:\n{process.stdout.read()}")
+        try:
+            status, _ = get(readiness)
+        except OSError:  # not listening yet (or, the bug this catches, only on 127.0.0.1)
+            status = 0
+        if status == 200:
+            break
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"{readiness} never answered 200 (last {status}):\n{process.communicate()[0]}")
+        time.sleep(0.05)
+    assert readiness.endswith("/v2/health/ready")
+    assert get(probe_url(container["livenessProbe"]))[0] == 200
+    assert get(probe_url(container["startupProbe"]))[0] == 200
+
+    # The model is served under the name and version the status URL names, with the rendered config.
+    status, body = get(f"http://{POD_IP}:{ports['http']}/v2/models/addsub/versions/1/ready")
+    assert status == 200, body
+
+    [hpa] = [o for o in objects if o["kind"] == "HorizontalPodAutoscaler"]
+    metric = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    _, exposition = get(f"http://{POD_IP}:{named['metrics']}/metrics")
+    samples = [line for line in exposition.splitlines() if line.startswith(metric + "{")]
+    assert any('model="addsub"' in line and 'version="1"' in line for line in samples), exposition[:2000]
