@@ -29,17 +29,24 @@ async def run(settings: Settings, *, stop_flag: asyncio.Event | None = None) -> 
     metrics = OperatorMetrics()
     reconciler = Reconciler(kube=kube, settings=settings, clock=utc_now, events=handlers.kopf_event)
     handlers.register(registry, settings=settings, kube=kube, reconciler=reconciler, metrics=metrics)
+    metrics_server = None
     if settings.operator_metrics_port:
-        prometheus_client.start_http_server(settings.operator_metrics_port, registry=metrics.registry)
-    await kopf.operator(
-        registry=registry,
-        clusterwide=not settings.namespaces,
-        namespaces=settings.namespaces,
-        standalone=settings.peering_name is None,
-        peering_name=settings.peering_name,
-        liveness_endpoint=f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None,
-        stop_flag=stop_flag,
-    )
+        metrics_server, _ = prometheus_client.start_http_server(settings.operator_metrics_port,
+                                                                registry=metrics.registry)
+    try:
+        await kopf.operator(
+            registry=registry,
+            clusterwide=not settings.namespaces,
+            namespaces=settings.namespaces,
+            standalone=settings.peering_name is None,
+            peering_name=settings.peering_name,
+            liveness_endpoint=f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None,
+            stop_flag=stop_flag,
+        )
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
