@@ -5,6 +5,10 @@ Each test drives the cluster through the HTTP API as kubectl would and asserts o
 
 from __future__ import annotations
 
+import re
+
+from sluice.operator.crd import inference_model_crd
+
 DEPLOY = "apps/v1/deployments"
 HPA = "autoscaling/v2/horizontalpodautoscalers"
 PDB = "policy/v1/poddisruptionbudgets"
@@ -173,3 +177,36 @@ async def test_a_rejected_apply_is_degraded_then_recovers(client, operator, apis
     await client.patch(client.IM, "resnet", {"metadata": {"labels": {"team": "vision"}}})  # any change retries
     await client.wait(lambda: client.read(DEPLOY, "resnet"))
     await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded")["status"] == "False")
+
+
+def json_path(obj, expression):
+    """The subset of kubectl's JSONPath the CRD uses: ``.a.b`` and ``.a[?(@.k=="v")].b``."""
+    value = obj
+    for part in re.findall(r'\.([A-Za-z]+)(?:\[\?\(@\.(\w+)=="(\w+)"\)\])?', expression):
+        key, filter_key, filter_value = part
+        value = value.get(key) if isinstance(value, dict) else None
+        if filter_key:
+            value = next((item for item in value or [] if item.get(filter_key) == filter_value), None)
+    return value
+
+
+async def test_printer_columns_and_scale_paths_read_what_the_operator_writes(client, operator, apiserver):
+    await client.create(client.IM, client.model(scaling={"minReplicas": 2, "maxReplicas": 2}))
+    await client.wait(lambda: client.read(DEPLOY, "resnet"))
+    await apiserver.complete_rollout("models", "resnet")
+    model = await client.wait(
+        lambda: (m := client.read(client.IM, "resnet")) and client.condition(m, "Ready")["status"] == "True" and m)
+    [version] = inference_model_crd()["spec"]["versions"]
+    columns = {c["name"]: json_path(model, c["jsonPath"]) for c in version["additionalPrinterColumns"]}
+    assert columns == {
+        "Ready": "True", "Replicas": 2, "Traffic": "v1=100",
+        "URL": "http://resnet.models.svc.cluster.local:8000/v2/models/resnet",
+        "Age": model["metadata"]["creationTimestamp"],
+    }
+    scale = version["subresources"]["scale"]
+    assert json_path(model, scale["specReplicasPath"]) == 2
+    assert json_path(model, scale["statusReplicasPath"]) == 2
+    # The selector the scale subresource publishes (for `kubectl scale`, HPA on the CR, VPA) selects the pods.
+    selector = json_path(model, scale["labelSelectorPath"])
+    pod_labels = client.read(DEPLOY, "resnet")["spec"]["template"]["metadata"]["labels"]
+    assert selector and all(pod_labels.get(k) == v for k, v in (t.split("=") for t in selector.split(",")))
