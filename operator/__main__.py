@@ -40,6 +40,7 @@ async def run(settings: Settings, *, stop_flag: asyncio.Event | None = None) -> 
             namespaces=settings.namespaces,
             standalone=settings.peering_name is None,
             peering_name=settings.peering_name,
+            priority=settings.peering_priority,
             liveness_endpoint=f"http://0.0.0.0:{settings.health_port}/healthz" if settings.health_port else None,
             stop_flag=stop_flag,
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 from collections.abc import Mapping
 
 FIELD_MANAGER = "sluice-operator"
@@ -63,6 +64,9 @@ class Settings:
     """Pod grace period: the runtime drains open keep-alive connections for up to 30 s, as Triton does."""
     peering_name: str | None = None
     """kopf peering object name for leader election; ``None`` runs standalone (single replica)."""
+    peering_priority: int = 0
+    """This replica's kopf peering priority: the highest live one reconciles, the others pause. Replicas
+    must differ: kopf pauses *every* operator when two of the same priority meet."""
     health_port: int = 8080
     """Port of the operator's own liveness endpoint (``/healthz``)."""
     operator_metrics_port: int = 9090
@@ -78,6 +82,11 @@ class Settings:
             memory=env.get("SLUICE_DEFAULT_MEMORY", defaults.default_resources.memory),
         )
         namespaces = tuple(ns.strip() for ns in env.get("SLUICE_WATCH_NAMESPACES", "").split(",") if ns.strip())
+        peering_name = env.get("SLUICE_PEERING_NAME") or None
+        priority = env.get("SLUICE_PEERING_PRIORITY", "")
+        if peering_name and not priority:
+            # The replicas of one Deployment share their environment: each draws its own priority.
+            priority = str(random.SystemRandom().randrange(1, 2**31))
         return cls(
             namespaces=namespaces,
             runtime_image=env.get("SLUICE_RUNTIME_IMAGE", defaults.runtime_image),
@@ -90,7 +99,8 @@ class Settings:
             cluster_domain=env.get("SLUICE_CLUSTER_DOMAIN", defaults.cluster_domain),
             max_colocated_gpus=int(env.get("SLUICE_MAX_COLOCATED_GPUS", defaults.max_colocated_gpus)),
             resync_seconds=float(env.get("SLUICE_RESYNC_SECONDS", defaults.resync_seconds)),
-            peering_name=env.get("SLUICE_PEERING_NAME") or None,
+            peering_name=peering_name,
+            peering_priority=int(priority) if priority else defaults.peering_priority,
             health_port=int(env.get("SLUICE_HEALTH_PORT", defaults.health_port)),
             operator_metrics_port=int(env.get("SLUICE_METRICS_PORT", defaults.operator_metrics_port)),
         )

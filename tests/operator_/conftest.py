@@ -71,6 +71,9 @@ class Client:
         ns = obj["metadata"]["namespace"]
         return await self._call("POST", PATHS[resource].format(ns=ns), json=obj)
 
+    async def post(self, url: str, obj: dict[str, Any]) -> dict[str, Any]:
+        return await self._call("POST", url, json=obj)
+
     async def create_raw(self, resource: str, obj: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         async with self.server.post(PATHS[resource].format(ns=obj["metadata"]["namespace"]), json=obj) as resp:
             return resp.status, await resp.json(content_type=None)

@@ -8,6 +8,7 @@ everything ``__main__`` wires - not a test harness - is what answers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pathlib
 import shutil
@@ -48,6 +49,10 @@ class Operator:
         self.metrics_port = metrics
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2))
 
+    async def reconciles(self) -> float:
+        _, exposition = await self.wait_get(self.metrics_port, "/metrics")
+        return sample(exposition, "sluice_operator_reconciles_total", {"kind": "InferenceModel", "result": "ok"}) or 0
+
     async def get(self, port: int, path: str) -> tuple[int, str]:
         async with self.session.get(f"http://127.0.0.1:{port}{path}") as resp:
             return resp.status, await resp.text()
@@ -66,9 +71,11 @@ class Operator:
             await asyncio.sleep(0.05)
 
 
-@pytest.fixture()
-async def operator_process(apiserver: ApiServer, tmp_path: pathlib.Path) -> AsyncIterator[Operator]:
-    kubeconfig = tmp_path / "kubeconfig"
+@contextlib.asynccontextmanager
+async def launched(apiserver: ApiServer, directory: pathlib.Path, **env: str) -> AsyncIterator[Operator]:
+    """Run ``sluice-operator`` with a kubeconfig for ``apiserver`` and ``SLUICE_*`` variables ``env``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    kubeconfig = directory / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
         "clusters": [{"name": "emulator", "cluster": {"server": str(apiserver.url).rstrip("/"),
@@ -79,13 +86,14 @@ async def operator_process(apiserver: ApiServer, tmp_path: pathlib.Path) -> Asyn
     health, metrics = free_port(), free_port()
     executable = shutil.which("sluice-operator", path=os.path.dirname(sys.executable))
     assert executable, f"sluice-operator is not installed next to {sys.executable}"
-    env = {
-        "PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "KUBECONFIG": str(kubeconfig),
+    environment = {
+        "PATH": os.environ.get("PATH", ""), "HOME": str(directory), "KUBECONFIG": str(kubeconfig),
         "SLUICE_HEALTH_PORT": str(health), "SLUICE_METRICS_PORT": str(metrics),
-        "SLUICE_RUNTIME_IMAGE": "sluice-runtime:entrypoint-test", "SLUICE_RESYNC_SECONDS": "3600",
+        "SLUICE_RUNTIME_IMAGE": "sluice-runtime:entrypoint-test", "SLUICE_RESYNC_SECONDS": "3600", **env,
     }
     process = await asyncio.create_subprocess_exec(
-        executable, cwd=tmp_path, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        executable, cwd=directory, env=environment, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
     operator = Operator(process, health, metrics)
     try:
         yield operator
@@ -93,7 +101,13 @@ async def operator_process(apiserver: ApiServer, tmp_path: pathlib.Path) -> Asyn
         await operator.session.close()
         if process.returncode is None:
             process.kill()
-        await process.wait()
+        await process.communicate()
+
+
+@pytest.fixture()
+async def operator_process(apiserver: ApiServer, tmp_path: pathlib.Path) -> AsyncIterator[Operator]:
+    async with launched(apiserver, tmp_path) as operator:
+        yield operator
 
 
 async def test_health_metrics_reconcile_and_sigterm(client: Any, operator_process: Operator) -> None:
@@ -118,3 +132,43 @@ async def test_health_metrics_reconcile_and_sigterm(client: Any, operator_proces
     operator_process.process.send_signal(signal.SIGTERM)
     output, _ = await asyncio.wait_for(operator_process.process.communicate(), timeout=20)
     assert operator_process.process.returncode == 0, output.decode()[-3000:]
+
+
+PEERING_CRD = {  # as the chart installs it (manifests/generate.py) when leaderElection.enabled
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "clusterkopfpeerings.kopf.dev"},
+    "spec": {"group": "kopf.dev", "scope": "Cluster",
+             "names": {"kind": "ClusterKopfPeering", "plural": "clusterkopfpeerings"},
+             "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                 "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]},
+}
+
+
+async def test_two_replicas_elect_one_leader_and_fail_over(client: Any, apiserver: ApiServer,
+                                                           tmp_path: pathlib.Path) -> None:
+    apiserver.register_crd(PEERING_CRD)
+    await client.post("/apis/kopf.dev/v1/clusterkopfpeerings", {  # the chart's install hook
+        "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "sluice"}})
+
+    def peers() -> dict[str, Any]:
+        return (apiserver.read("kopf.dev/v1/clusterkopfpeerings", None, "sluice") or {}).get("status") or {}
+
+    # Without SLUICE_PEERING_PRIORITY each replica draws its own; fixed here to know which one leads.
+    async with launched(apiserver, tmp_path / "a", SLUICE_PEERING_NAME="sluice", SLUICE_PEERING_PRIORITY="200") \
+            as leader, launched(apiserver, tmp_path / "b", SLUICE_PEERING_NAME="sluice",
+                                SLUICE_PEERING_PRIORITY="100") as follower:
+        await client.wait(lambda: sorted(p["priority"] for p in peers().values()) == [100, 200], timeout=20)
+        await client.create(client.IM, client.model())
+        await client.wait(lambda: client.read("apps/v1/deployments", "resnet"), timeout=20)
+        await client.wait(lambda: client.read(client.IM, "resnet").get("status", {}).get("conditions"))
+        await client.settle()
+        assert await leader.reconciles() >= 1
+        assert await follower.reconciles() == 0  # paused in favour of the leader
+
+        leader.process.send_signal(signal.SIGTERM)  # the leader leaves the peering on a clean stop
+        await asyncio.wait_for(leader.process.wait(), timeout=20)
+        await client.wait(lambda: [p["priority"] for p in peers().values()] == [100], timeout=20)
+        await client.patch(client.IM, "resnet", {"spec": {"runtime": {"maxBatchSize": 32}}})
+        await client.wait(lambda: client.read("apps/v1/deployments", "resnet")["metadata"]["generation"] == 2,
+                          timeout=20)
+        assert await follower.reconciles() >= 1

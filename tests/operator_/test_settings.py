@@ -26,6 +26,15 @@ def test_from_env_reads_every_documented_variable():
     assert settings.operator_metrics_port == 0
 
 
+def test_peering_replicas_draw_distinct_priorities_unless_one_is_given():
+    # kopf pauses every operator when two of the same priority meet: replicas sharing one environment
+    # (one Deployment) must still differ.
+    drawn = {Settings.from_env({"SLUICE_PEERING_NAME": "sluice"}).peering_priority for _ in range(20)}
+    assert len(drawn) == 20 and min(drawn) > 0
+    given = Settings.from_env({"SLUICE_PEERING_NAME": "sluice", "SLUICE_PEERING_PRIORITY": "7"})
+    assert (given.peering_name, given.peering_priority) == ("sluice", 7)
+
+
 def test_defaults_without_environment():
     assert Settings.from_env({}) == Settings()
 
