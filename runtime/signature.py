@@ -33,6 +33,8 @@ class Signature:
     max_batch_size: int
     inputs: dict[str, IOSpec]
     outputs: dict[str, IOSpec]
+    memo: dict[tuple, tuple[int, tuple, bool]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """Checks already passed, by request shape: (batch size, shape key, needs reshape). Bounded."""
 
     @property
     def batched(self) -> bool:
@@ -60,7 +62,41 @@ def signature_of(config: mc.ModelConfig, label: str) -> Signature:
 
 
 def check_request(request: InferRequest, sig: Signature) -> None:
-    """Validate ``request`` against ``sig`` in place; raises InvalidArgument naming the problem."""
+    """Validate ``request`` against ``sig`` in place; raises InvalidArgument naming the problem.
+
+    Clients repeat the same shapes, so a passed check is remembered per (inputs, datatypes,
+    shapes, requested outputs); a repeat only applies the remembered result.
+    """
+    outputs = request.outputs
+    key = (
+        tuple((t.name, t.datatype, t.data.shape) for t in request.inputs),
+        None if outputs is None else tuple(o.name for o in outputs),
+    )
+    known = sig.memo.get(key)
+    if known is not None:
+        request.batch_size, request.shape_key, reshape = known
+        if reshape:
+            _apply_reshapes(request, sig)
+        return
+    _check(request, sig)
+    if len(sig.memo) >= 256:
+        sig.memo.clear()
+    sig.memo[key] = (
+        request.batch_size,
+        request.shape_key,
+        any(sig.inputs[t.name].reshape is not None for t in request.inputs),
+    )
+
+
+def _apply_reshapes(request: InferRequest, sig: Signature) -> None:
+    for tensor in request.inputs:
+        spec = sig.inputs[tensor.name]
+        if spec.reshape is not None:
+            shape = tensor.data.shape
+            tensor.data = tensor.data.reshape((shape[0], *spec.reshape) if sig.batched else spec.reshape)
+
+
+def _check(request: InferRequest, sig: Signature) -> None:
     inputs = sig.inputs
     seen = 0
     batch: int | None = None
