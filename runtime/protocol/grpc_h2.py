@@ -333,6 +333,7 @@ class GrpcConnection(asyncio.Protocol):
         self._peer_max_frame = MAX_FRAME_SIZE
         self._recv_window = CONNECTION_WINDOW
         self._recv_consumed = 0
+        self.last_activity = self._loop.time()
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -371,6 +372,7 @@ class GrpcConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closed:
             return
+        self.last_activity = self._loop.time()
         if self._buf:
             data = self._buf + data
             self._buf = b""
@@ -463,6 +465,13 @@ class GrpcConnection(asyncio.Protocol):
     @property
     def busy(self) -> bool:
         return bool(self._streams)
+
+    def expire(self, now: float) -> None:
+        """Sweeper hook: a connection with no call open and nothing received for
+        ``--idle-timeout-s`` is told GOAWAY and closed, so idle clients cannot hold slots."""
+        if not self._streams and now - self.last_activity > self._limits.idle_timeout_s:
+            self.goaway()
+            self.close()
 
     # -- frames ----------------------------------------------------------------------------------
     def _frames(self, data: bytes) -> int:
@@ -1138,6 +1147,7 @@ class GrpcServer:
         self.connections: set[GrpcConnection] = set()
         self.draining = False
         self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.Task | None = None
 
     @staticmethod
     def _routes(service: InferenceService) -> dict[bytes, _Route]:
@@ -1222,7 +1232,15 @@ class GrpcServer:
 
     async def start(self, host: str, port: int) -> int:
         self._server = await self.loop.create_server(lambda: GrpcConnection(self), host, port, backlog=2048)
+        self._sweeper = self.loop.create_task(self._sweep())
         return self._server.sockets[0].getsockname()[1]
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = self.loop.time()
+            for conn in list(self.connections):
+                conn.expire(now)
 
     async def stop_listening(self) -> None:
         """Refuse new connections and send GOAWAY on the open ones; their open calls go on."""
@@ -1238,5 +1256,7 @@ class GrpcServer:
             await asyncio.sleep(0.02)
         for conn in list(self.connections):
             conn.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._server is not None:
             await self._server.wait_closed()

@@ -663,3 +663,14 @@ def test_stream_infer_answers_each_message_then_ok_trailers_after_half_close(ser
     assert client.response(3).status == RESOURCE_EXHAUSTED
     client.request(5, SERVICE + "ModelInfer", add_sub_request())
     assert_add_sub_ok(client.response(5))
+
+
+def test_idle_connection_gets_goaway_and_is_closed(serve, repo, connect):
+    server = serve(repo, limits=Limits(idle_timeout_s=0.5))
+    idle = connect(server.grpc)
+    busy = connect(server.grpc)
+    busy.request(1, SERVICE + "ModelInfer", add_sub_request())
+    assert_add_sub_ok(busy.response(1))
+    frames = idle.drain(2.5)  # the sweeper runs every 0.5 s
+    assert any(isinstance(f, GoAwayFrame) for f in frames)
+    assert idle.closed
