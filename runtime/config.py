@@ -51,6 +51,15 @@ BACKEND_BY_PLATFORM: dict[str, str] = {
 }
 PLATFORM_BY_BACKEND: dict[str, str] = {v: k for k, v in BACKEND_BY_PLATFORM.items()}
 
+# Triton's ensemble platform: no backend and no model file; ``ensemble_scheduling`` names the steps.
+# :func:`backend_of` answers this name for it.
+ENSEMBLE = "ensemble"
+
+# ``parameters { key: "sluice.remote.<model>" value { string_value: "<host>:<port>" } }`` in an
+# ensemble config: the step model <model> is called over gRPC at that address instead of locally
+# (the operator writes these for steps it cannot colocate).
+REMOTE_STEP_PREFIX = "sluice.remote."
+
 CONFIG_FORMATS: tuple[str, ...] = ("pbtxt", "yaml", "json")
 
 # Looked up in this order; more than one present is an error.
@@ -82,7 +91,8 @@ UNIMPLEMENTED_FIELDS: dict[str, str] = {
     "batch_output": _NOT_YET,
     "optimization": "optimization settings are not implemented yet; ignored",
     "sequence_batching": _NOT_YET,
-    "ensemble_scheduling": _NOT_YET,
+    "ensemble_scheduling.max_inflight_requests": "not implemented yet; in-flight steps are not limited",
+    "ensemble_scheduling.step[].model_namespace": "model namespaces are not implemented yet; ignored",
     "instance_group[].rate_limiter": "rate limiting is not implemented yet; ignored",
     "instance_group[].secondary_devices": "secondary devices are not implemented yet; ignored",
     "instance_group[].profile": "TensorRT profiles are not implemented yet; ignored",
@@ -105,6 +115,9 @@ _HARMLESS_WHEN_EMPTY: frozenset[str] = frozenset({"optimization", "model_transac
 _IMPLEMENTED_FIELDS: frozenset[str] = frozenset({
     "name", "platform", "backend", "max_batch_size", "parameters", "default_model_filename",
     "response_cache",
+    "ensemble_scheduling", "ensemble_scheduling.step", "ensemble_scheduling.step[].model_name",
+    "ensemble_scheduling.step[].model_version", "ensemble_scheduling.step[].input_map",
+    "ensemble_scheduling.step[].output_map",
     "version_policy", "version_policy.latest", "version_policy.latest.num_versions",
     "version_policy.all", "version_policy.specific", "version_policy.specific.versions",
     "input", "input[].name", "input[].data_type", "input[].dims", "input[].reshape",
@@ -625,6 +638,8 @@ def load_model_config(model_dir: Path, *, override: str | None = None) -> Loaded
     try:
         _normalize(config, model_dir)
         warnings = validate(config, source=source)
+        if config.platform == ENSEMBLE:
+            _check_step_models_exist(config, model_dir.parent)
     except ConfigError as exc:
         if exc.line is not None:
             raise
@@ -653,6 +668,8 @@ def _normalize(config: mc.ModelConfig, model_dir: Path) -> None:
             )
         config.backend = inferred
     backend = backend_of(config)
+    if backend == ENSEMBLE:
+        return  # no backend, no instances: its steps run the requests
     config.backend = backend
     if not config.platform and backend in PLATFORM_BY_BACKEND:
         config.platform = PLATFORM_BY_BACKEND[backend]
@@ -695,9 +712,11 @@ def backend_of(config: mc.ModelConfig) -> str:
             )
         return config.backend
     if config.platform:
+        if config.platform == ENSEMBLE:
+            return ENSEMBLE
         if config.platform not in BACKEND_BY_PLATFORM:
             raise ConfigError(
-                f"unknown platform '{config.platform}'; allowed: {', '.join(BACKEND_BY_PLATFORM)} "
+                f"unknown platform '{config.platform}'; allowed: {', '.join(BACKEND_BY_PLATFORM)}, {ENSEMBLE} "
                 f"(or backend: {', '.join(KNOWN_BACKENDS)})",
                 field="platform",
             )
@@ -717,7 +736,7 @@ def validate(config: mc.ModelConfig, *, source: str) -> list[str]:
         return ConfigError(message, file=source, field=field)
 
     try:
-        backend_of(config)
+        backend = backend_of(config)
     except ConfigError as exc:
         raise fail(exc.detail, exc.field or "backend") from None
     max_batch = config.max_batch_size
@@ -764,8 +783,146 @@ def validate(config: mc.ModelConfig, *, source: str) -> list[str]:
             kind = mc.ModelInstanceGroup.Kind.Name(group.kind)
             raise fail(f"gpus are listed for kind {kind}; allowed: gpus only with KIND_GPU", f"{where}.gpus")
     warnings: list[str] = []
+    if backend == ENSEMBLE:
+        warnings += _check_ensemble(config, fail)
+    elif config.HasField("ensemble_scheduling"):
+        raise fail(
+            f"ensemble_scheduling is set but the model's platform is '{config.platform or config.backend}'; "
+            f'allowed: ensemble_scheduling only with platform: "{ENSEMBLE}"',
+            "ensemble_scheduling",
+        )
     _collect_unimplemented(config, "", "", warnings)
     return warnings
+
+
+def remote_steps(config: mc.ModelConfig) -> dict[str, str]:
+    """Step model name -> ``host:port`` for the steps an ensemble calls over gRPC."""
+    return {
+        key[len(REMOTE_STEP_PREFIX) :]: value.string_value
+        for key, value in config.parameters.items()
+        if key.startswith(REMOTE_STEP_PREFIX)
+    }
+
+
+def _check_ensemble(config: mc.ModelConfig, fail: _Fail) -> list[str]:
+    """Triton's ensemble rules: the steps form a DAG over tensor names from the ensemble inputs to
+    every ensemble output (``dynamic_batching`` cannot be set with it: they share a oneof). Step
+    models themselves are checked when the ensemble loads."""
+    steps = config.ensemble_scheduling.step
+    if not steps:
+        raise fail(
+            "an ensemble needs at least one step; allowed: ensemble_scheduling { step [ { model_name, "
+            "model_version, input_map, output_map } ] }",
+            "ensemble_scheduling.step",
+        )
+    for section in ("input", "output"):
+        if not getattr(config, section):
+            raise fail(f"an ensemble must list its {section}s (it has no model file to complete them from)", section)
+    inputs = [t.name for t in config.input]
+    # Every ensemble tensor has exactly one producer: the request (an ensemble input) or one step.
+    producer: dict[str, int | None] = dict.fromkeys(inputs)
+    for index, step in enumerate(steps):
+        where = f"ensemble_scheduling.step[{index}]"
+        if not step.model_name:
+            raise fail("the step names no model; allowed: the name of a model to run", f"{where}.model_name")
+        if step.model_name == config.name:
+            raise fail(f"the ensemble '{config.name}' cannot be a step of itself", f"{where}.model_name")
+        if step.model_version < -1:
+            raise fail(
+                f"model_version is {step.model_version}; allowed: -1 (the latest, also when unset) or a version",
+                f"{where}.model_version",
+            )
+        for section in ("input_map", "output_map"):
+            if not getattr(step, section):
+                raise fail(
+                    f"step '{step.model_name}' has no {section}; allowed: a map from the step model's "
+                    f"{section.split('_')[0]} names to ensemble tensor names",
+                    f"{where}.{section}",
+                )
+        for key, tensor in sorted(step.output_map.items()):
+            if not tensor:
+                raise fail(f"output '{key}' maps to an empty tensor name", f"{where}.output_map[{key}]")
+            if tensor in producer:
+                other = producer[tensor]
+                by = "an ensemble input" if other is None else f"step[{other}] ({steps[other].model_name})"
+                raise fail(
+                    f"ensemble tensor '{tensor}' is already produced by {by}; allowed: one producer per tensor",
+                    f"{where}.output_map[{key}]",
+                )
+            producer[tensor] = index
+    for index, step in enumerate(steps):
+        for key, tensor in sorted(step.input_map.items()):
+            if tensor not in producer:
+                known = ", ".join(f"'{name}'" for name in producer) or "none"
+                raise fail(
+                    f"ensemble tensor '{tensor}' (input '{key}' of step model '{step.model_name}') is produced "
+                    f"by no ensemble input and no step output; allowed: {known}",
+                    f"ensemble_scheduling.step[{index}].input_map[{key}]",
+                )
+    for index, output in enumerate(config.output):
+        if producer.get(output.name) is None:
+            raise fail(
+                f"ensemble output '{output.name}' is produced by no step; allowed: map a step output to it "
+                "in a step's output_map",
+                f"output[{index}].name",
+            )
+    cycle = _step_cycle(steps, producer)
+    if cycle:
+        names = " -> ".join(f"step[{i}] ({steps[i].model_name})" for i in cycle)
+        raise fail(f"the steps form a cycle: {names}; allowed: steps that form a DAG", "ensemble_scheduling.step")
+    step_models = {step.model_name for step in steps}
+    for model in sorted(remote_steps(config)):
+        key = f"parameters[{REMOTE_STEP_PREFIX}{model}]"
+        target = config.parameters[REMOTE_STEP_PREFIX + model].string_value
+        if model not in step_models:
+            raise fail(
+                f"'{model}' is not a step model of this ensemble; allowed: {', '.join(sorted(step_models))}", key
+            )
+        host, _, port = target.rpartition(":")
+        if not host or not port.isdigit():
+            raise fail(f"remote step target is {target!r}; allowed: 'host:port' of a gRPC endpoint", key)
+    used = {tensor for step in steps for tensor in step.input_map.values()}
+    return [
+        f"input '{name}': no step reads this ensemble input; it is accepted and ignored"
+        for name in inputs
+        if name not in used
+    ]
+
+
+def _step_cycle(steps: Sequence[mc.ModelEnsembling.Step], producer: dict[str, int | None]) -> list[int]:
+    """The steps of one cycle (first repeated at the end), or [] when the steps form a DAG."""
+    after = [sorted({p for t in step.input_map.values() if (p := producer.get(t)) is not None}) for step in steps]
+    state = [0] * len(steps)  # 0 unvisited, 1 on the path, 2 done
+    path: list[int] = []
+
+    def visit(node: int) -> list[int]:
+        state[node] = 1
+        path.append(node)
+        for dep in after[node]:
+            if state[dep] == 1:
+                return [*path[path.index(dep) :], dep]
+            if state[dep] == 0 and (found := visit(dep)):
+                return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for start in range(len(steps)):
+        if state[start] == 0 and (found := visit(start)):
+            return found
+    return []
+
+
+def _check_step_models_exist(config: mc.ModelConfig, repository: Path) -> None:
+    remote = remote_steps(config)
+    for index, step in enumerate(config.ensemble_scheduling.step):
+        if step.model_name in remote or (repository / step.model_name).is_dir():
+            continue
+        raise ConfigError(
+            f"step model '{step.model_name}' is not in the model repository {repository}; allowed: a model "
+            f"of the repository, or a remote step named by parameter '{REMOTE_STEP_PREFIX}{step.model_name}'",
+            field=f"ensemble_scheduling.step[{index}].model_name",
+        )
 
 
 def _check_dims(dims: list[int], field: str, fail: _Fail, *, allow_empty: bool) -> None:

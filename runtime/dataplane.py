@@ -44,6 +44,7 @@ def _int_param(parameters: dict[str, Any], key: str) -> int | None:
 class DataPlane:
     def __init__(self, repository: Repository) -> None:
         self.repository = repository
+        repository.route_steps(self.infer_nowait)  # ensembles' steps run through the data plane
         self._accepting = True
         self._ready = False
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime import config as model_config
+from sluice.runtime import ensemble
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance
 from sluice.runtime.batching import BATCH_POLICIES, BatchPolicy, OverloadPolicy, QueuePolicy, Scheduler, SchedulerConfig
 from sluice.runtime.cache import ResponseCache
@@ -36,7 +37,7 @@ class ModelVersion:
     config: mc.ModelConfig
     signature: Signature
     backend: ModelBackend
-    scheduler: Scheduler
+    scheduler: Scheduler | ensemble.EnsembleScheduler
     stats: ModelStats
     cache: ResponseCache | None = None
 
@@ -60,6 +61,9 @@ class _Model:
     reason: str = ""
     history: dict[int, str] = dataclasses.field(default_factory=dict)  # version -> state, for the index
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    plan: ensemble.Plan | None = None  # set for an ensemble
+    # An ensemble's loaded versions while a step model is not ready (Triton: it follows its steps).
+    waiting: dict[int, ModelVersion] = dataclasses.field(default_factory=dict)
 
 
 _PLATFORM_BY_BACKEND = {"onnxruntime": "onnxruntime_onnx", "pytorch": "pytorch_libtorch", "tensorrt": "tensorrt_plan"}
@@ -195,6 +199,9 @@ def prepare(root: Path, name: str, override: str | None) -> _Prepared:
     config = loaded.config
     warnings = list(loaded.warnings)
     available = _available_versions(model_dir)
+    backend = model_config.backend_of(config)
+    if backend == model_config.ENSEMBLE and not available:
+        available = [1]  # Triton wants an empty 1/ for an ensemble; Sluice does not
     chosen = model_config.select_versions(config, available)
     if not chosen:
         raise ConfigError(
@@ -203,7 +210,6 @@ def prepare(root: Path, name: str, override: str | None) -> _Prepared:
             file=str(model_dir),
             field="version_policy",
         )
-    backend = model_config.backend_of(config)
     if backend == "onnxruntime":
         from sluice.runtime.backends import onnxrt
 
@@ -212,6 +218,8 @@ def prepare(root: Path, name: str, override: str | None) -> _Prepared:
         warnings += model_config.complete_io(config, inputs, outputs)
     warnings += model_config.validate(config, source=loaded.source)
     warnings = list(dict.fromkeys(warnings))  # load_model_config validates too; report each once
+    if backend == model_config.ENSEMBLE:
+        return _Prepared(config, [(version, ensemble.Ensemble(config), []) for version in chosen], warnings)
     loader = _backend_loader(backend)
     versions = []
     try:
@@ -240,6 +248,11 @@ class Repository:
         self._scheduling = scheduling
         self._grace_s = grace_s
         self._models: dict[str, _Model] = {}
+        self._dispatch: ensemble.Dispatch | None = None
+
+    def route_steps(self, dispatch: ensemble.Dispatch) -> None:
+        """Where ensembles send their steps' requests: the data plane's ``infer_nowait``."""
+        self._dispatch = dispatch
 
     def names_on_disk(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -276,9 +289,15 @@ class Repository:
             for version, backend, instances in prepared.versions:
                 label = f"{name}:{version}"
                 stats = ModelStats(name, str(version))
-                scheduler = Scheduler(
-                    scheduler_config(prepared.config, self._scheduling, label), instances, observer=stats
-                )
+                scheduler: Scheduler | ensemble.EnsembleScheduler
+                if isinstance(backend, ensemble.Ensemble):
+                    if self._dispatch is None:
+                        raise Unavailable(f"failed to load '{name}': ensembles need a data plane to run steps")
+                    scheduler = ensemble.EnsembleScheduler(backend, self._dispatch, observer=stats)
+                else:
+                    scheduler = Scheduler(
+                        scheduler_config(prepared.config, self._scheduling, label), instances, observer=stats
+                    )
                 scheduler.start()
                 new_versions[version] = ModelVersion(
                     name,
@@ -290,7 +309,9 @@ class Repository:
                     stats,
                     response_cache(prepared.config, self._scheduling),
                 )
-            old, model.versions = model.versions, new_versions
+            old, model.versions, model.waiting = {**model.waiting, **model.versions}, new_versions, {}
+            first = next(iter(new_versions.values()), None)
+            model.plan = first.backend.plan if first and isinstance(first.backend, ensemble.Ensemble) else None
             for version in new_versions:
                 model.history[version] = READY
             for version in old:
@@ -299,6 +320,7 @@ class Repository:
             model.state = READY
             model.reason = ""
             log.info("model %s ready, versions %s", name, sorted(new_versions))
+            self._follow_steps()
         if old:
             await self._close_versions(old.values())
 
@@ -307,12 +329,49 @@ class Repository:
         if model is None:
             return  # Triton answers success for an unknown model
         async with model.lock:
-            old, model.versions = model.versions, {}
+            old, model.versions, model.waiting = {**model.waiting, **model.versions}, {}, {}
             model.state = UNAVAILABLE
             model.reason = "unloaded"
             for version in old:
                 model.history[version] = UNAVAILABLE
+            self._follow_steps()
         await self._close_versions(old.values())
+
+    def _step_ready(self, name: str, version: str) -> bool:
+        model = self._models.get(name)
+        if model is None or not model.versions:
+            return False
+        return not version or int(version) in model.versions
+
+    def _follow_steps(self) -> None:
+        """Ensembles follow their steps (Triton): one whose local step model has no ready version
+        waits, unserved and not ready, and serves again when the step is back, without a reload.
+        Called on the event loop after every load and unload; the request path pays nothing."""
+        changed = True
+        while changed:  # an ensemble can be the step of another
+            changed = False
+            for name, model in self._models.items():
+                if model.plan is None or not (model.versions or model.waiting):
+                    continue
+                missing = ensemble.missing_local_step(model.plan, self._step_ready)
+                if missing is not None and model.versions:
+                    model.waiting, model.versions = model.versions, {}
+                    model.state = UNAVAILABLE
+                    model.reason = (
+                        f"step model '{missing.model}'"
+                        + (f" version {missing.version}" if missing.version else "")
+                        + " is not ready; the ensemble serves again once it is loaded"
+                    )
+                    log.warning("ensemble %s is not ready: %s", name, model.reason)
+                elif missing is None and model.waiting:
+                    model.versions, model.waiting = model.waiting, {}
+                    model.state, model.reason = READY, ""
+                    log.info("ensemble %s is ready again: its step models are ready", name)
+                else:
+                    continue
+                for version in {**model.versions, **model.waiting}:
+                    model.history[version] = model.state
+                changed = True
 
     async def _close_versions(self, versions: object) -> None:
         closing = list(versions)  # type: ignore[call-overload]
@@ -329,6 +388,8 @@ class Repository:
         if model is None or not model.versions:
             if model is not None and model.state == LOADING:
                 raise Unavailable(f"model '{name}' is loading; retry when it is ready")
+            if model is not None and model.waiting:
+                raise Unavailable(f"Request for unknown model: '{name}' has no available versions: {model.reason}")
             raise unknown_model(name, version or None)
         if not version:
             return model.versions[max(model.versions)]

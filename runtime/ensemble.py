@@ -1,0 +1,424 @@
+"""Triton ensembles: a DAG of step models run as one model.
+
+The repository builds an :class:`Ensemble` (the plan) for a ``platform: "ensemble"`` config and an
+:class:`EnsembleScheduler` in place of a batching scheduler, so the data plane runs an ensemble like
+any model version (``enqueue_callback`` / ``aclose``) and pays nothing extra for other models.
+
+Planning is pure (:func:`plan_of`, :func:`runnable`, :func:`step_request`, :func:`ensemble_outputs`,
+:func:`missing_local_step`) and tested without I/O. Execution is thin: each local step is an inner
+``InferRequest`` sent through the data plane's ``infer_nowait`` (the *dispatch* the repository was
+given), so steps get their own batching, queue policies and statistics, as in Triton; a step runs
+as soon as all its input tensors exist, so independent steps run concurrently. Steps named by a
+``sluice.remote.<model>`` parameter are called over gRPC with ``tritonclient.grpc.aio`` (one client
+per target, reused, closed when the ensemble unloads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+
+from sluice.runtime import config as model_config
+from sluice.runtime.backends.base import ModelBackend, ModelInstance, Result
+from sluice.runtime.batching import Observer
+from sluice.runtime.errors import (
+    Cancelled,
+    Internal,
+    InvalidArgument,
+    ModelError,
+    NotFound,
+    PayloadTooLarge,
+    SluiceError,
+    Unavailable,
+    Unsupported,
+)
+from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, InferRequest, InferResponse, RequestedOutput, Tensor
+
+if TYPE_CHECKING:
+    from tritonclient.grpc import aio as grpc_aio
+
+Done = Callable[[Result], None]
+Dispatch = Callable[[InferRequest, Done], None]
+"""The data plane's ``infer_nowait``: raises for immediate rejections, else calls ``done`` once."""
+
+
+# --- the plan (pure) -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    index: int
+    model: str
+    version: str  # "" for the latest (model_version -1, or unset)
+    inputs: tuple[tuple[str, str], ...]  # (step model input, ensemble tensor)
+    outputs: tuple[tuple[str, str], ...]  # (step model output, ensemble tensor)
+    remote: str | None = None  # "host:port" when the step is called over gRPC
+
+    @property
+    def label(self) -> str:
+        return f"step model '{self.model}'" + (f" (remote, at {self.remote})" if self.remote else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    name: str
+    outputs: tuple[str, ...]  # the ensemble's outputs, in config order
+    output_types: Mapping[str, str]  # ensemble output -> V2 datatype the config declares
+    steps: tuple[Step, ...]
+    producer: Mapping[str, int]  # ensemble tensor -> index of the step that produces it
+
+
+def plan_of(config: mc.ModelConfig) -> Plan:
+    """The execution plan of a validated ensemble config (``config.validate`` checked the DAG)."""
+    remote = model_config.remote_steps(config)
+    steps = tuple(
+        Step(
+            index,
+            step.model_name,
+            "" if step.model_version <= 0 else str(step.model_version),  # -1 or unset: the latest
+            tuple(sorted(step.input_map.items())),
+            tuple(sorted(step.output_map.items())),
+            remote.get(step.model_name),
+        )
+        for index, step in enumerate(config.ensemble_scheduling.step)
+    )
+    return Plan(
+        config.name,
+        tuple(o.name for o in config.output),
+        {o.name: DATATYPE_BY_CONFIG_TYPE.get(mc.DataType.Name(o.data_type), "BYTES") for o in config.output},
+        steps,
+        {tensor: step.index for step in steps for _, tensor in step.outputs},
+    )
+
+
+def runnable(plan: Plan, available: Collection[str], started: Collection[int]) -> list[Step]:
+    """Steps not started yet whose input tensors all exist."""
+    return [
+        step
+        for step in plan.steps
+        if step.index not in started and all(tensor in available for _, tensor in step.inputs)
+    ]
+
+
+def step_request(step: Step, tensors: Mapping[str, Tensor], outer: InferRequest) -> InferRequest:
+    """The inner request of ``step``: its inputs renamed from the ensemble tensors, only the outputs
+    the ensemble maps, and the caller's id and parameters (priority, timeout) passed on."""
+    inputs = []
+    for name, tensor in step.inputs:
+        source = tensors[tensor]
+        inputs.append(Tensor(name, source.datatype, source.data))
+    return InferRequest(
+        step.model,
+        step.version,
+        inputs,
+        [RequestedOutput(name) for name, _ in step.outputs],
+        outer.id,
+        dict(outer.parameters) if outer.parameters else {},
+    )
+
+
+def step_outputs(step: Step, response: InferResponse) -> list[Tensor]:
+    """The step's response as ensemble tensors; raises ModelError when a mapped output is missing."""
+    by_name = {t.name: t for t in response.outputs}
+    tensors = []
+    for name, tensor in step.outputs:
+        produced = by_name.get(name)
+        if produced is None:
+            raise ModelError(
+                f"{step.label} returned no output '{name}' (mapped to ensemble tensor '{tensor}'); "
+                f"it returned: {', '.join(by_name) or 'none'}"
+            )
+        tensors.append(Tensor(tensor, produced.datatype, produced.data))
+    return tensors
+
+
+def ensemble_outputs(plan: Plan, tensors: Mapping[str, Tensor], requested: Iterable[str] | None) -> list[Tensor]:
+    """The response tensors: the requested outputs (all outputs when none were named)."""
+    out = []
+    for name in plan.outputs if requested is None else requested:
+        tensor = tensors[name]
+        declared = plan.output_types[name]
+        if tensor.datatype != declared:
+            step = plan.steps[plan.producer[name]]
+            raise ModelError(
+                f"ensemble '{plan.name}' declares output '{name}' as {declared} but {step.label} produced it "
+                f"as {tensor.datatype}; allowed: the step model's datatype in the ensemble config"
+            )
+        out.append(tensor)
+    return out
+
+
+def missing_local_step(plan: Plan, ready: Callable[[str, str], bool]) -> Step | None:
+    """The first local step whose model (version) is not ready, or None; remote steps are not checked."""
+    for step in plan.steps:
+        if step.remote is None and not ready(step.model, step.version):
+            return step
+    return None
+
+
+def step_error(plan: Plan, step: Step, error: SluiceError) -> SluiceError:
+    """``error`` of a step as the ensemble's client sees it: same status, the step named."""
+    if isinstance(error, NotFound) and step.remote is None:
+        # The step was unloaded while the ensemble ran: the ensemble is unavailable, not unknown.
+        error = Unavailable(error.message)
+    wrapped = copy.copy(error)
+    wrapped.message = f"ensemble '{plan.name}' {step.label}: {error.message}"
+    wrapped.args = (wrapped.message,)
+    return wrapped
+
+
+# --- execution -----------------------------------------------------------------------------------
+
+
+class Ensemble(ModelBackend):
+    """What the repository holds as an ensemble version's backend: its plan. It has no instances."""
+
+    def __init__(self, config: mc.ModelConfig) -> None:
+        self.config = config
+        self.plan = plan_of(config)
+
+    def new_instance(self, index: int, kind: int, device_id: int) -> ModelInstance:
+        raise Internal(f"ensemble '{self.plan.name}' has no instances; its steps run the requests")
+
+
+class _Run:
+    """One ensemble request in flight."""
+
+    def __init__(self, scheduler: EnsembleScheduler, request: InferRequest, done: Done) -> None:
+        self.scheduler = scheduler
+        self.plan = scheduler.plan
+        self.request = request
+        self.done = done
+        self.tensors: dict[str, Tensor] = {t.name: t for t in request.inputs}
+        self.started: set[int] = set()
+        self.pending: dict[int, InferRequest] = {}
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.finished = False
+        self.start_ns = time.monotonic_ns()
+
+    def advance(self) -> None:
+        """Start every step whose inputs exist; answer when nothing is left to run."""
+        batch = []
+        for step in runnable(self.plan, self.tensors, self.started):
+            # All of them are pending before any is sent: a step may answer at once (a cache hit).
+            self.started.add(step.index)
+            inner = self.pending[step.index] = step_request(step, self.tensors, self.request)
+            batch.append((step, inner))
+        for step, inner in batch:
+            if self.finished:
+                return
+            if step.remote is not None:
+                self.tasks[step.index] = asyncio.ensure_future(self.scheduler.remote.call(step, inner, self.step_done))
+                continue
+            try:
+                self.scheduler.dispatch(inner, lambda outcome, step=step: self.step_done(step, outcome))
+            except SluiceError as exc:
+                self.step_done(step, exc)
+        if not self.pending and not self.finished:
+            self.complete()
+
+    def step_done(self, step: Step, outcome: Result) -> None:
+        if self.finished:
+            return
+        self.pending.pop(step.index, None)
+        self.tasks.pop(step.index, None)
+        if isinstance(outcome, SluiceError):
+            self.finish(step_error(self.plan, step, outcome))
+            return
+        try:
+            for tensor in step_outputs(step, outcome):
+                self.tensors[tensor.name] = tensor
+        except SluiceError as exc:
+            self.finish(step_error(self.plan, step, exc))
+            return
+        self.advance()
+
+    def complete(self) -> None:
+        requested = None if self.request.outputs is None else [o.name for o in self.request.outputs]
+        try:
+            outputs = ensemble_outputs(self.plan, self.tensors, requested)
+        except KeyError as exc:  # a step input was optional and not sent: nothing produced the output
+            self.finish(InvalidArgument(f"ensemble '{self.plan.name}' produced no output {exc}"))
+            return
+        except SluiceError as exc:
+            self.finish(exc)
+            return
+        response = InferResponse(self.plan.name, "", outputs, self.request.id)
+        self.scheduler.observer.on_batch([self.request], [0], time.monotonic_ns() - self.start_ns, [response])
+        self.finish(response)
+
+    def finish(self, outcome: Result) -> None:
+        """Answer once; steps still in flight are cancelled (their results are not needed)."""
+        if self.finished:
+            return
+        self.finished = True
+        self.scheduler.on_finished(self)
+        for inner in self.pending.values():
+            inner.cancel.cancel()
+        for task in self.tasks.values():
+            task.cancel()
+        self.done(outcome)
+
+
+class EnsembleScheduler:
+    """Runs requests of one ensemble version; the data plane calls it like a batching scheduler."""
+
+    def __init__(self, ensemble: Ensemble, dispatch: Dispatch, *, observer: Observer | None = None) -> None:
+        self.plan = ensemble.plan
+        self.dispatch = dispatch
+        self.observer = observer or Observer()
+        self.remote = RemoteSteps()
+        self._runs: set[_Run] = set()
+        self._closing = False
+        self._idle: asyncio.Event | None = None
+
+    def start(self) -> None:
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def queue_depth(self) -> int:
+        return 0  # an ensemble queues nothing itself; its steps do
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._runs)
+
+    def enqueue_callback(
+        self, request: InferRequest, done: Done, priority: int = 0, timeout_us: int | None = None
+    ) -> None:
+        """Start ``request``; ``done`` is called once with the ensemble's response or error. Priority
+        and timeout travel to the steps in the request's parameters."""
+        if self._closing or self._idle is None:
+            raise Unavailable(f"ensemble '{self.plan.name}' is not accepting requests (unloading)")
+        run = _Run(self, request, done)
+        self._runs.add(run)
+        self._idle.clear()
+        request.cancel.on_cancel(lambda: self._cancelled(run))
+        run.advance()
+
+    def _cancelled(self, run: _Run) -> None:
+        if not run.finished:
+            self.observer.on_rejected("cancelled")
+            run.finish(Cancelled(f"the request to ensemble '{self.plan.name}' was cancelled by the client"))
+
+    def on_finished(self, run: _Run) -> None:
+        self._runs.discard(run)
+        if not self._runs and self._idle is not None:
+            self._idle.set()
+
+    async def aclose(self, grace_s: float = 30.0) -> None:
+        """Stop taking requests, let running ones finish within ``grace_s``, close remote clients."""
+        self._closing = True
+        if self._idle is not None and self._runs:
+            try:
+                await asyncio.wait_for(self._idle.wait(), grace_s)
+            except TimeoutError:
+                pass
+        for run in list(self._runs):
+            run.finish(Unavailable(f"ensemble '{self.plan.name}' is being unloaded"))
+        await self.remote.aclose()
+
+
+# --- remote steps --------------------------------------------------------------------------------
+
+_ERRORS_BY_STATUS: dict[str, type[SluiceError]] = {
+    "INVALID_ARGUMENT": InvalidArgument,
+    "RESOURCE_EXHAUSTED": PayloadTooLarge,
+    "UNIMPLEMENTED": Unsupported,
+    "NOT_FOUND": NotFound,
+    "UNAVAILABLE": Unavailable,
+    "DEADLINE_EXCEEDED": Unavailable,
+    "CANCELLED": Cancelled,
+    "INTERNAL": ModelError,
+}
+
+
+def remote_error(status: str | None, message: str, target: str) -> SluiceError:
+    """A tritonclient error (status like ``StatusCode.UNAVAILABLE``) as a SluiceError of the same code."""
+    code = (status or "").rsplit(".", 1)[-1]
+    kind = _ERRORS_BY_STATUS.get(code, Internal)
+    if kind is Unavailable:
+        return Unavailable(f"cannot reach {target} or it cannot serve now: {message}")
+    return kind(message)
+
+
+def _bf16_as_float(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _float_as_bf16(values: np.ndarray) -> np.ndarray:
+    return (np.ascontiguousarray(values, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+class RemoteSteps:
+    """gRPC clients of the remote steps, one per target, created on first use."""
+
+    def __init__(self) -> None:
+        self._clients: dict[str, grpc_aio.InferenceServerClient] = {}
+
+    def _client(self, target: str) -> grpc_aio.InferenceServerClient:
+        client = self._clients.get(target)
+        if client is None:
+            from tritonclient.grpc import aio as grpc_aio
+
+            client = self._clients[target] = grpc_aio.InferenceServerClient(target)
+        return client
+
+    async def call(self, step: Step, request: InferRequest, done: Callable[[Step, Result], None]) -> None:
+        """Run ``request`` on the remote step and report to ``done`` (not called when cancelled)."""
+        outcome: Result
+        try:
+            outcome = await self.infer(step, request)
+        except SluiceError as exc:
+            outcome = exc
+        except Exception as exc:  # whatever the client raises, the ensemble request must be answered
+            outcome = Internal(f"calling {step.remote}: {type(exc).__name__}: {exc}")
+        done(step, outcome)
+
+    async def infer(self, step: Step, request: InferRequest) -> InferResponse:
+        from tritonclient.grpc import InferInput, InferRequestedOutput
+        from tritonclient.utils import InferenceServerException
+
+        target = step.remote or ""
+        inputs = []
+        for tensor in request.inputs:
+            entry = InferInput(tensor.name, list(tensor.data.shape), tensor.datatype)
+            entry.set_data_from_numpy(_bf16_as_float(tensor.data) if tensor.datatype == "BF16" else tensor.data)
+            inputs.append(entry)
+        outputs = [InferRequestedOutput(o.name) for o in request.outputs or ()]
+        params: dict[str, Any] = request.parameters
+        try:
+            result = await self._client(target).infer(
+                step.model,
+                inputs,
+                model_version=step.version,
+                outputs=outputs,
+                request_id=request.id,
+                priority=int(params.get("priority", 0) or 0),
+                timeout=params.get("timeout"),
+            )
+        except InferenceServerException as exc:
+            raise remote_error(exc.status(), exc.message() or str(exc), target) from None
+        tensors = []
+        for output in result.get_response().outputs:
+            data = result.as_numpy(output.name)
+            if output.datatype == "BF16":
+                data = _float_as_bf16(data)
+            tensors.append(Tensor(output.name, output.datatype, data))
+        return InferResponse(step.model, step.version, tensors, request.id)
+
+    async def aclose(self) -> None:
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            try:
+                await client.close()
+            except Exception:  # closing a broken channel must not stop the unload
+                pass
