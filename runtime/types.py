@@ -55,6 +55,9 @@ CONFIG_TYPE_BY_DATATYPE: dict[str, str] = {v: k for k, v in DATATYPE_BY_CONFIG_T
 # Bytes per element on the wire for fixed-size types.
 ELEMENT_SIZE: dict[str, int] = {k: v.itemsize for k, v in _NUMPY_BY_DATATYPE.items() if k != "BYTES"}
 
+# Fixed-size datatypes as laid out on the wire (binary extension, raw gRPC contents): little-endian.
+WIRE_DTYPE: dict[str, np.dtype] = {k: _NUMPY_BY_DATATYPE[k].newbyteorder("<") for k in ELEMENT_SIZE}
+
 
 def numpy_dtype(datatype: str) -> np.dtype:
     """The in-memory numpy dtype of a V2 datatype (KeyError for unknown names)."""

@@ -17,6 +17,7 @@ from sluice.runtime.settings import Limits
 from sluice.runtime.types import (
     DATATYPES,
     ELEMENT_SIZE,
+    WIRE_DTYPE,
     InferRequest,
     InferResponse,
     RequestedOutput,
@@ -24,7 +25,6 @@ from sluice.runtime.types import (
     numpy_dtype,
 )
 
-_LE = {k: numpy_dtype(k).newbyteorder("<") for k in ELEMENT_SIZE}
 _TYPED_FIELD = {
     "BOOL": "bool_contents",
     "INT8": "int_contents",
@@ -123,7 +123,7 @@ def decode_infer(message: pb.ModelInferRequest, limits: Limits) -> InferRequest:
                         f"input '{name}': raw content is {len(data)} bytes, but shape {list(shape)} of {datatype} "
                         f"needs {expected}"
                     )
-                array = np.frombuffer(data, dtype=_LE[datatype]).reshape(shape)
+                array = np.frombuffer(data, dtype=WIRE_DTYPE[datatype]).reshape(shape)
         else:
             field = _TYPED_FIELD.get(datatype)
             if field is None:
@@ -177,7 +177,7 @@ def encode_infer(response: InferResponse) -> pb.ModelInferResponse:
         if tensor.datatype == "BYTES":
             raw.append(encode_bytes_elements(tensor.data))
         else:
-            raw.append(np.ascontiguousarray(tensor.data, dtype=_LE[tensor.datatype]).tobytes())
+            raw.append(np.ascontiguousarray(tensor.data, dtype=WIRE_DTYPE[tensor.datatype]).tobytes())
     if response.parameters:
         dict_to_parameters(response.parameters, message.parameters)
     return message

@@ -48,6 +48,7 @@ from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, SluiceError
 from sluice.runtime.protocol import grpc_codec
 from sluice.runtime.protocol.grpc import InferenceService, Unparsable, lenient_parser
+from sluice.runtime.protocol.listener import Listener
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import InferRequest, InferResponse
 
@@ -1135,19 +1136,21 @@ class GrpcConnection(asyncio.Protocol):
             task.cancel()
 
 
-class GrpcServer:
+class GrpcServer(Listener):
     """The listening socket, its connections, and the routes of GRPCInferenceService."""
 
     def __init__(self, dataplane: DataPlane, limits: Limits, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
         self.dataplane = dataplane
         self.limits = limits
-        self.loop = loop
         self.service = InferenceService(dataplane, limits)
         self.routes = self._routes(self.service)
-        self.connections: set[GrpcConnection] = set()
-        self.draining = False
-        self._server: asyncio.Server | None = None
-        self._sweeper: asyncio.Task | None = None
+
+    def make_connection(self) -> GrpcConnection:
+        return GrpcConnection(self)
+
+    def on_stop(self, connection: GrpcConnection) -> None:  # type: ignore[override]
+        connection.goaway()  # no new streams; the open calls go on
 
     @staticmethod
     def _routes(service: InferenceService) -> dict[bytes, _Route]:
@@ -1229,34 +1232,3 @@ class GrpcServer:
                     "use identity, gzip or deflate",
                 )
         return _Head(route, timeout, wbits)
-
-    async def start(self, host: str, port: int) -> int:
-        self._server = await self.loop.create_server(lambda: GrpcConnection(self), host, port, backlog=2048)
-        self._sweeper = self.loop.create_task(self._sweep())
-        return self._server.sockets[0].getsockname()[1]
-
-    async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            now = self.loop.time()
-            for conn in list(self.connections):
-                conn.expire(now)
-
-    async def stop_listening(self) -> None:
-        """Refuse new connections and send GOAWAY on the open ones; their open calls go on."""
-        self.draining = True
-        if self._server is not None:
-            self._server.close()
-        for conn in list(self.connections):
-            conn.goaway()
-
-    async def drain(self, deadline: float) -> None:
-        """Wait until no call is in flight (or the deadline), then close every connection."""
-        while any(c.busy for c in self.connections) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        for conn in list(self.connections):
-            conn.close()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        if self._server is not None:
-            await self._server.wait_closed()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -26,6 +25,7 @@ from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import InvalidArgument, NotFound, PayloadTooLarge, SluiceError, Unavailable
 from sluice.runtime.protocol import http_codec
 from sluice.runtime.protocol.http_plan import InferCodec
+from sluice.runtime.protocol.listener import Listener
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import InferRequest, InferResponse
 
@@ -319,45 +319,16 @@ class Connection(asyncio.Protocol):
         return self._current_request is not None or bool(self._pending)
 
 
-class HttpServer:
-    """A listening socket, its connections and a router."""
+class HttpServer(Listener):
+    """A listening socket, its HTTP/1.1 connections and a router."""
 
     def __init__(self, router: Callable[[Request], Any], limits: Limits, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
         self.route = router
         self.limits = limits
-        self.loop = loop
-        self.connections: set[Connection] = set()
-        self.draining = False
-        self._server: asyncio.Server | None = None
-        self._sweeper: asyncio.Task | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        self._server = await self.loop.create_server(lambda: Connection(self), host, port, backlog=2048)
-        self._sweeper = self.loop.create_task(self._sweep())
-        return self._server.sockets[0].getsockname()[1]
-
-    async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            now = self.loop.time()
-            for conn in list(self.connections):
-                conn.expire(now)
-
-    async def stop_listening(self) -> None:
-        self.draining = True
-        if self._server is not None:
-            self._server.close()
-
-    async def drain(self, deadline: float) -> None:
-        """Wait until no connection has a request in flight (or the deadline), then close all."""
-        while any(c.busy for c in self.connections) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        for conn in list(self.connections):
-            conn.close()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        if self._server is not None:
-            await self._server.wait_closed()
+    def make_connection(self) -> Connection:
+        return Connection(self)
 
 
 # -- KServe V2 routes ---------------------------------------------------------------------------

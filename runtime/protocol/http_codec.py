@@ -17,6 +17,7 @@ from sluice.runtime.settings import Limits
 from sluice.runtime.types import (
     DATATYPES,
     ELEMENT_SIZE,
+    WIRE_DTYPE,
     InferRequest,
     InferResponse,
     RequestedOutput,
@@ -24,7 +25,6 @@ from sluice.runtime.types import (
     numpy_dtype,
 )
 
-_LE = {k: numpy_dtype(k).newbyteorder("<") for k in ELEMENT_SIZE}
 _INT_KINDS = frozenset("iu")
 _ACCEPTED_KINDS = {
     "BOOL": frozenset("b"),
@@ -280,7 +280,7 @@ def decode_infer(
                         f"input '{name}': binary_data_size is {size} bytes, but shape {list(shape)} of "
                         f"{datatype} needs {expected}"
                     )
-                array = np.frombuffer(raw, dtype=_LE[datatype]).reshape(shape)
+                array = np.frombuffer(raw, dtype=WIRE_DTYPE[datatype]).reshape(shape)
         else:
             if "data" not in item:
                 raise _bad(f"input '{name}' has neither 'data' nor parameters.binary_data_size")
@@ -344,7 +344,7 @@ def encode_infer(request: InferRequest, response: InferResponse) -> tuple[bytes,
             if tensor.datatype == "BYTES":
                 blob = encode_bytes_elements(tensor.data)
             else:
-                blob = np.ascontiguousarray(tensor.data, dtype=_LE[tensor.datatype]).tobytes()
+                blob = np.ascontiguousarray(tensor.data, dtype=WIRE_DTYPE[tensor.datatype]).tobytes()
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:

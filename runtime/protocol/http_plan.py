@@ -16,9 +16,15 @@ import numpy as np
 
 from sluice.runtime.protocol import http_codec
 from sluice.runtime.settings import Limits
-from sluice.runtime.types import ELEMENT_SIZE, InferRequest, InferResponse, RequestedOutput, Tensor, numpy_dtype
+from sluice.runtime.types import (
+    ELEMENT_SIZE,
+    WIRE_DTYPE,
+    InferRequest,
+    InferResponse,
+    RequestedOutput,
+    Tensor,
+)
 
-_LE = {k: numpy_dtype(k).newbyteorder("<") for k in ELEMENT_SIZE}
 _MAX_HEADER = 4096
 _MAX_ENTRIES = 512
 
@@ -84,7 +90,7 @@ class InferCodec:
         inputs = []
         offset = 0
         for name, datatype, shape, _count, size, params in plan.inputs:
-            array = np.frombuffer(binary[offset : offset + size], dtype=_LE[datatype]).reshape(shape)
+            array = np.frombuffer(binary[offset : offset + size], dtype=WIRE_DTYPE[datatype]).reshape(shape)
             offset += size
             inputs.append(Tensor(name, datatype, array, dict(params) if params else {}))
         outputs = None
@@ -110,5 +116,5 @@ class InferCodec:
                     self._headers.clear()
                 self._headers[key] = body[:header_length]
             return body, header_length
-        blobs = [np.ascontiguousarray(t.data, dtype=_LE[t.datatype]).tobytes() for t in response.outputs]
+        blobs = [np.ascontiguousarray(t.data, dtype=WIRE_DTYPE[t.datatype]).tobytes() for t in response.outputs]
         return b"".join([header, *blobs]), len(header)
