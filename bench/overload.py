@@ -89,7 +89,7 @@ async def drive(url: str, rate: float, seconds: float, timeout_s: float) -> tupl
             start = time.time()
             try:
                 async with asyncio.timeout(timeout_s):
-                    async with session.post(f"http://{url}/v2/models/work/infer", json=payload) as resp:
+                    async with session.post(f"http://{url}/v2/models/costly/infer", json=payload) as resp:
                         await resp.read()
                         outcome = "ok" if resp.status == 200 else f"http{resp.status}"
             except TimeoutError:
@@ -126,10 +126,10 @@ def main() -> int:
     rate = capacity * a.overload
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
-        (repo / "work" / "1").mkdir(parents=True)
-        (repo / "work" / "1" / "model.py").write_text(MODEL_PY)
-        (repo / "work" / "config.pbtxt").write_text(
-            f'name: "work"\nbackend: "python"\nmax_batch_size: {a.max_batch}\n'
+        (repo / "costly" / "1").mkdir(parents=True)
+        (repo / "costly" / "1" / "model.py").write_text(MODEL_PY)
+        (repo / "costly" / "config.pbtxt").write_text(
+            f'name: "costly"\nbackend: "python"\nmax_batch_size: {a.max_batch}\n'
             'input [ { name: "IN", data_type: TYPE_FP32, dims: [ 4 ] } ]\n'
             'output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 4 ] } ]\n'
             "dynamic_batching { }\n"
