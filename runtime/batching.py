@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import heapq
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -38,6 +39,8 @@ from sluice.runtime.errors import (
     Unavailable,
 )
 from sluice.runtime.types import InferRequest
+
+log = logging.getLogger("sluice.runtime.batching")
 
 WORK_CONSERVING = "work_conserving"
 FIXED_WAIT = "fixed_wait"
@@ -472,7 +475,10 @@ class Scheduler:
         if entry.state == _DONE:
             return
         entry.state = _DONE
-        entry.done(outcome)
+        try:
+            entry.done(outcome)
+        except Exception:  # a failing caller must not leave the rest of its batch unanswered
+            log.exception("completion callback failed for a request of model '%s'", self._config.model_label)
 
     def _maybe_idle(self) -> None:
         if self._pending == 0 and self._running == 0 and self._idle is not None:

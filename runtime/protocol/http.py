@@ -36,6 +36,7 @@ _REASONS[499] = "Client Closed Request"
 _JSON = b"application/json"
 _OCTETS = b"application/octet-stream"
 _IDLE, _HEAD, _BODY, _BUSY = 0, 1, 2, 3
+_BURST = 64  # pipelined requests answered per read or turn before other connections get the loop
 
 
 class Request:
@@ -103,6 +104,8 @@ class Connection(asyncio.Protocol):
         self._current_request: Request | None = None
         self._closed = False
         self._write_paused = False
+        self._burst = 0
+        self._in_drain = False
         self._too_large: SluiceError | None = None
         self.phase = _IDLE
         self.since = self._loop.time()
@@ -140,6 +143,7 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closed:
             return
+        self._burst = 0
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -149,6 +153,8 @@ class Connection(asyncio.Protocol):
                 self._write_error(self._too_large, close=True)
             else:
                 self._write_simple(400, f"malformed HTTP request: {exc}".encode(), close=True)
+        if self._pending and self._current_request is None and not self._closed:
+            self._loop.call_soon(self._drain_pending)  # requests held back by the burst limit
 
     # -- httptools callbacks -----------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -210,7 +216,8 @@ class Connection(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(self, self._parser.get_method(), self._url, self._headers, body)
         request.keep_alive = self._parser.should_keep_alive()
-        if self._current_request is None:
+        self._burst += 1
+        if self._current_request is None and self._burst <= _BURST:
             self._dispatch(request)
         else:
             self._pending.append(request)
@@ -260,12 +267,33 @@ class Connection(asyncio.Protocol):
         if close:
             return
         if self._pending:
-            if len(self._pending) <= 32 and not self._write_paused:
-                self._transport.resume_reading()
-            self._dispatch(self._pending.popleft())
+            if not self._in_drain:
+                self._drain_pending()
         else:
             self.phase = _IDLE
             self.since = self._loop.time()
+
+    def _drain_pending(self) -> None:
+        """Answer pipelined requests in order: a loop, not recursion through ``_respond``, and at
+        most ``_BURST`` before other connections get a turn."""
+        if self._in_drain:
+            return
+        self._in_drain = True
+        try:
+            handled = 0
+            while self._pending and self._current_request is None and not self._closed:
+                if handled >= _BURST:
+                    self._loop.call_soon(self._drain_pending)
+                    return
+                self._dispatch(self._pending.popleft())
+                handled += 1
+        finally:
+            self._in_drain = False
+        if not self._pending and self._current_request is None:
+            self.phase = _IDLE
+            self.since = self._loop.time()
+        if self._transport is not None and len(self._pending) <= 32 and not self._write_paused and not self._closed:
+            self._transport.resume_reading()
 
     def _write(self, response: Response, close: bool) -> None:
         assert self._transport is not None
