@@ -147,7 +147,9 @@ class Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._write_simple(400, b"protocol upgrade is not supported", close=True)
+            # The upgrade request itself was already answered by its route (CONNECT: 405, others as
+            # plain HTTP/1.1); what follows it on the wire is another protocol: close.
+            self.close()
         except httptools.HttpParserError as exc:
             if self._too_large is not None:
                 self._write_error(self._too_large, close=True)
@@ -393,6 +395,8 @@ class V2Routes:
         self._infer_paths: dict[bytes, tuple[str, str]] = {}
 
     def __call__(self, request: Request) -> Response | Awaitable[Response] | object:
+        if request.method == b"CONNECT":
+            return json_response({"error": "CONNECT is not supported: this is an inference server, not a proxy"}, 405)
         if request.method == b"POST":
             target = self._infer_paths.get(request.path)
             if target is not None:
@@ -467,7 +471,7 @@ class V2Routes:
             except ValueError:
                 raise InvalidArgument(
                     "Inference-Header-Content-Length must be an integer, got "
-                    f"{header_length.decode(errors='replace')!r}"
+                    f"{header_length[:64].decode(errors='replace')!r}"
                 ) from None
         body = _decode_body(request, self.limits)
         infer_request = self.codec.decode(body, length, name, version)
