@@ -487,6 +487,11 @@ class V2Routes:
             except SluiceError as exc:
                 conn.complete(request, error_response(exc))
                 return
+            except Exception:  # e.g. a model output numpy cannot serialize: answer, never hang
+                log.exception("cannot encode the response of model '%s'", name)
+                failure = {"error": "internal error encoding the response (see the server log)"}
+                conn.complete(request, json_response(failure, 500))
+                return
             if header_length is None:
                 conn.complete(request, Response(200, body))
             else:
