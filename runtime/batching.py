@@ -214,6 +214,7 @@ class _Worker:
     ) -> None:
         self.instance = instance
         self.jobs: queue.SimpleQueue[tuple[list[_Entry], list[int]] | None] = queue.SimpleQueue()
+        self.batch: list[_Entry] | None = None  # what it runs now (set and cleared on the loop)
         self._loop = loop
         self._done = done
         self._clock = clock
@@ -269,9 +270,11 @@ class _Worker:
         self.jobs.put(None)
 
 
-def _join_all(workers: list[_Worker]) -> None:
+def _join_all(workers: list[_Worker], stuck: list[_Worker], timeout_s: float) -> None:
+    """Join idle workers (they exit at once) and busy ones for at most ``timeout_s`` in all."""
+    end = time.monotonic() + timeout_s
     for worker in workers:
-        worker.thread.join()
+        worker.thread.join(max(end - time.monotonic(), 0.0) if worker in stuck else None)
 
 
 class Scheduler:
@@ -335,13 +338,33 @@ class Scheduler:
         self._idle.set()
 
     async def aclose(self, grace_s: float = 30.0) -> None:
-        """Stop taking requests, let queued and running ones finish within ``grace_s``, close."""
+        """Stop taking requests, let queued and running ones finish within ``grace_s``, close.
+
+        Returns within about ``grace_s`` even when a model hangs in ``execute``: what is still
+        queued or running then is answered UNAVAILABLE (running requests are also cancelled, for a
+        model that checks), and an instance still executing is left to its thread, never closed
+        under it.
+        """
         self._closing = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(grace_s, 0.0)
         if self._idle is not None and (self._pending or self._running):
             try:
-                await asyncio.wait_for(self._idle.wait(), grace_s)
+                await asyncio.wait_for(self._idle.wait(), max(deadline - loop.time(), 0.0))
             except TimeoutError:
                 pass
+        workers, self._workers = self._workers, []
+        stuck = [worker for worker in workers if worker.batch is not None]
+        for worker in stuck:
+            for entry in worker.batch or ():
+                entry.request.cancel.cancel()
+                self._finish(
+                    entry,
+                    Unavailable(
+                        f"model '{self._config.model_label}' was unloaded while this request was still executing: "
+                        f"it did not finish within the {grace_s:g} s grace period"
+                    ),
+                )
         for lane in self._lanes:
             while lane:
                 self._finish(lane.popleft(), Unavailable("the model is being unloaded"))
@@ -349,12 +372,18 @@ class Scheduler:
         self._queued = [0] * len(self._queued)
         if self._timer is not None:
             self._timer.cancel()
-        workers, self._workers = self._workers, []
         for worker in workers:
             worker.stop()
         if workers:
-            await asyncio.get_running_loop().run_in_executor(None, _join_all, workers)
+            await loop.run_in_executor(None, _join_all, workers, stuck, max(deadline - loop.time(), 0.0))
+        running = [worker.instance for worker in workers if worker.thread.is_alive()]
         for instance in self._instances:
+            if any(instance is other for other in running):
+                log.warning(
+                    "model '%s': an instance is still executing after the grace period; left running, not closed",
+                    self._config.model_label,
+                )
+                continue
             try:
                 instance.close()
             except Exception:  # a failing finalize must not stop the others
@@ -622,10 +651,12 @@ class Scheduler:
                 self._arm(self._deadlines[0][0])
 
     def _run(self, worker: _Worker, batch: list[_Entry], now: int) -> None:
+        worker.batch = batch
         worker.jobs.put((batch, [now - entry.enqueued for entry in batch]))
 
     def _done(self, worker: _Worker, batch: list[_Entry], queue_ns: list[int], results: list[Result], compute_ns: int):
         """Called on the loop (call_soon_threadsafe) when a worker finished a batch."""
+        worker.batch = None
         self._free.append(worker)
         self._running -= len(batch)
         for entry, result in zip(batch, results, strict=True):

@@ -324,7 +324,9 @@ class Repository:
         if old:
             await self._close_versions(old.values())
 
-    async def unload(self, name: str) -> None:
+    async def unload(self, name: str, grace_s: float | None = None) -> None:
+        """Unload every version of ``name``; in-flight requests get ``grace_s`` (default: the
+        repository's grace) to finish."""
         model = self._models.get(name)
         if model is None:
             return  # Triton answers success for an unknown model
@@ -335,7 +337,7 @@ class Repository:
             for version in old:
                 model.history[version] = UNAVAILABLE
             self._follow_steps()
-        await self._close_versions(old.values())
+        await self._close_versions(old.values(), grace_s)
 
     def _step_ready(self, name: str, version: str) -> bool:
         model = self._models.get(name)
@@ -373,14 +375,16 @@ class Repository:
                     model.history[version] = model.state
                 changed = True
 
-    async def _close_versions(self, versions: object) -> None:
+    async def _close_versions(self, versions: object, grace_s: float | None = None) -> None:
         closing = list(versions)  # type: ignore[call-overload]
-        await asyncio.gather(*(v.scheduler.aclose(self._grace_s) for v in closing))
+        grace = self._grace_s if grace_s is None else grace_s
+        await asyncio.gather(*(v.scheduler.aclose(grace) for v in closing))
         for v in closing:
             v.backend.close()
 
-    async def aclose(self) -> None:
-        await asyncio.gather(*(self.unload(name) for name in list(self._models)), return_exceptions=True)
+    async def aclose(self, grace_s: float | None = None) -> None:
+        """Unload everything; in-flight requests get ``grace_s`` (default: the repository's grace)."""
+        await asyncio.gather(*(self.unload(name, grace_s) for name in list(self._models)), return_exceptions=True)
 
     # -- lookups (event loop, hot path) ------------------------------------------------------
     def get(self, name: str, version: str = "") -> ModelVersion:

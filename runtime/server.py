@@ -111,7 +111,7 @@ class Server:
         if grpc_stop is not None:
             await grpc_stop
         self.dataplane.stop_accepting()
-        await self.repository.aclose()
+        await self.repository.aclose(max(deadline - time.monotonic(), 0.0))  # one grace for the whole stop
         if self._metrics_http is not None:
             await self._metrics_http.stop_listening()
             await self._metrics_http.drain(time.monotonic())
