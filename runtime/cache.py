@@ -24,8 +24,16 @@ def cache_key(request: InferRequest) -> Hashable:
     return tuple(parts)
 
 
-def _size(response: InferResponse) -> int:
-    return sum(int(t.data.nbytes) + 64 for t in response.outputs) + 128
+def _size(key: Hashable, response: InferResponse) -> int:
+    """Bytes an entry holds: its outputs and its key, which carries every input's bytes (a large
+    input with a small output would otherwise slip past the bound)."""
+    size = sum(int(t.data.nbytes) + 64 for t in response.outputs) + 128
+    for _, _, _, raw in key:  # type: ignore[attr-defined]
+        if isinstance(raw, bytes):
+            size += len(raw) + 64
+        else:  # BYTES elements
+            size += sum(len(item) + 40 if isinstance(item, bytes | str) else 40 for item in raw) + 64
+    return size
 
 
 class ResponseCache:
@@ -57,7 +65,7 @@ class ResponseCache:
     def put(self, key: Hashable, response: InferResponse, all_outputs: int) -> None:
         if len(response.outputs) != all_outputs or key in self._entries:
             return
-        size = _size(response)
+        size = _size(key, response)
         if size > self.max_bytes:
             return
         self._entries[key] = (response, size)

@@ -114,3 +114,50 @@ def test_disabled_cache_always_runs_the_model(tmp_path, serve):
     infer(server, "http", [1.0, 2.0])
     assert infer(server, "http", [1.0, 2.0]).as_numpy("RUNS")[0, 0] == 2
     assert stats(server)["inference_stats"]["cache_hit"].get("count", 0) == 0
+
+
+LARGE_IN_CONFIG = """
+name: "cached"
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN", data_type: TYPE_FP32, dims: [ 16384 ] } ]
+output [ { name: "RUNS", data_type: TYPE_FP32, dims: [ 1 ] } ]
+response_cache { enable: true }
+parameters { key: "response_cache_bytes" value { string_value: "100000" } }
+"""
+
+LARGE_IN_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.runs = 0
+
+    def execute(self, requests):
+        self.runs += len(requests)
+        return [
+            pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("RUNS", np.array([self.runs], np.float32))])
+            for _ in requests
+        ]
+"""
+
+
+def test_the_bound_counts_the_inputs_a_cached_entry_keeps(tmp_path, serve):
+    # Entries are keyed by their inputs' bytes: 64 KiB inputs with a 4-byte output must not let
+    # a 100 KB cache keep many of them (it kept them all, growing without bound).
+    repo = tmp_path / "repo"
+    write_model(repo, "cached", LARGE_IN_CONFIG, {"model.py": LARGE_IN_PY})
+    server = serve(repo)
+    client = httpclient.InferenceServerClient(server.http)
+
+    def runs(value: float) -> float:
+        inp = httpclient.InferInput("IN", [16384], "FP32")
+        inp.set_data_from_numpy(np.full(16384, value, np.float32), binary_data=True)
+        return float(client.infer("cached", [inp]).as_numpy("RUNS")[0])
+
+    assert [runs(float(v)) for v in range(4)] == [1.0, 2.0, 3.0, 4.0]
+    assert runs(3.0) == 4.0  # the newest entry is a hit
+    assert runs(0.0) == 5.0  # the oldest did not fit beside it: evicted, the model runs again
+    client.close()
