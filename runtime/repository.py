@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -240,6 +241,19 @@ def prepare(root: Path, name: str, override: str | None) -> _Prepared:
     return _Prepared(config, versions, warnings)
 
 
+async def _unless_cancelled(work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` to the end even if the awaiting caller is cancelled (its outcome is then
+    only logged)."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(_retrieve)
+    await asyncio.shield(task)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # already logged by the load; keeps asyncio from reporting it again
+
+
 class Repository:
     """Loaded models of one repository directory."""
 
@@ -264,6 +278,12 @@ class Repository:
         return model
 
     async def load(self, name: str, override: str | None = None) -> None:
+        """Load (or reload) ``name``. It goes on when the caller is cancelled (a client that timed
+        out or hung up), as in Triton: cut short, it left the model LOADING and its new instances
+        initialized but never served or finalized."""
+        await _unless_cancelled(self._load(name, override))
+
+    async def _load(self, name: str, override: str | None) -> None:
         model = self._entry(name)
         async with model.lock:
             previous_state = model.state
@@ -326,7 +346,10 @@ class Repository:
 
     async def unload(self, name: str, grace_s: float | None = None) -> None:
         """Unload every version of ``name``; in-flight requests get ``grace_s`` (default: the
-        repository's grace) to finish."""
+        repository's grace) to finish. Like a load, it goes on when the caller is cancelled."""
+        await _unless_cancelled(self._unload(name, grace_s))
+
+    async def _unload(self, name: str, grace_s: float | None) -> None:
         model = self._models.get(name)
         if model is None:
             return  # Triton answers success for an unknown model
