@@ -498,7 +498,23 @@ class Scheduler:
             self._queued[entry.level] -= 1
             self._observer.on_rejected("cancelled")
             self._finish(entry, Cancelled("the request was cancelled by the client before it ran"))
+            self._drop_dead()
             self._maybe_idle()
+
+    def _drop_dead(self) -> None:
+        """Answered entries leave the lanes and the deadline heap lazily, at their heads, when an
+        instance takes work. While every instance is busy they pile up behind a live one (with their
+        inputs) as clients give up and retry; past twice the live queue, sweep them out (amortized
+        O(1) per request)."""
+        bound = 2 * self._pending + 64
+        for lane in self._lanes:
+            if len(lane) > bound:
+                live = [entry for entry in lane if entry.state == _QUEUED]
+                lane.clear()
+                lane.extend(live)
+        if len(self._deadlines) > bound:
+            self._deadlines = [item for item in self._deadlines if item[2].state == _QUEUED]
+            heapq.heapify(self._deadlines)
 
     def _finish(self, entry: _Entry, outcome: Result) -> None:
         if entry.state == _DONE:
@@ -549,6 +565,7 @@ class Scheduler:
                     "it was not executed"
                 ),
             )
+        self._drop_dead()
 
     def _shed(self, now: int, max_wait_ns: int) -> None:
         """Answer queued requests older than ``max_wait_ns`` with UNAVAILABLE (oldest are at lane heads)."""
@@ -641,8 +658,7 @@ class Scheduler:
         if len(self._deadlines) > 2 * self._pending + 64:
             # Dispatched entries leave the deadline heap lazily; compact it so it (and the requests
             # it references) stays proportional to the queue, not to the traffic of the last timeout.
-            self._deadlines = [item for item in self._deadlines if item[2].state == _QUEUED]
-            heapq.heapify(self._deadlines)
+            self._drop_dead()
         if self._deadlines and (self._timer_at is None or self._deadlines[0][0] < self._timer_at):
             # lazily drop dead heads so the timer tracks a live deadline
             while self._deadlines and self._deadlines[0][2].state != _QUEUED:
