@@ -128,6 +128,12 @@ class Connection(asyncio.Protocol):
         if self._current is not None and not self._current.done():
             self._current.cancel()
         self._pending.clear()
+        # Break the cycles (parser <-> connection, request <-> connection) so the last request and
+        # its body go with the connection, not at the next full collection, which `serve` makes rare.
+        self._current_request = None
+        self._body = []
+        self._headers = {}
+        self._parser = None  # type: ignore[assignment]
 
     def pause_writing(self) -> None:
         # the client is not reading its responses: read no more of its requests until it catches up
