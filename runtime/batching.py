@@ -254,7 +254,8 @@ class _Worker:
                 results = self.instance.execute(requests)
             except SluiceError as exc:
                 results = [exc] * len(requests)
-            except Exception as exc:  # a backend bug must reach the clients, not kill the worker
+            except BaseException as exc:  # a backend bug (even SystemExit from model code) must reach
+                # the clients, not kill the worker and strand the batch
                 results = [Internal(f"backend failed: {type(exc).__name__}: {exc}")] * len(requests)
             if len(results) != len(requests):
                 results = [Internal(f"backend returned {len(results)} results for {len(requests)} requests")] * len(

@@ -304,7 +304,7 @@ class PythonInstance(ModelInstance):
         wrapped = [self._to_model_request(request) for request in requests]
         try:
             returned = self._resolve(self._model.execute(wrapped))
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit from model code too: the instance must keep serving
             message = f"Failed to process the request(s) for model '{model_name}', message: {type(exc).__name__}: {exc}"
             _log.debug("execute() of model instance '%s' raised", self._instance_name, exc_info=True)
             return [ModelError(message) for _ in requests]

@@ -25,6 +25,8 @@ class TritonPythonModel:
                 continue
             if x[0, 0] == 13:
                 raise ValueError("unlucky number")
+            if x[0, 0] == 99:
+                raise SystemExit("model code called exit")
             out.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUT", x * 2)]))
         return out
 """
@@ -70,4 +72,6 @@ def test_model_errors_reach_the_client_and_the_model_keeps_serving(server, proto
         call(server, protocol, 13.0)
     assert "Failed to process the request(s) for model 'fragile'" in str(info.value)
     assert "ValueError: unlucky number" in str(info.value)
+    with pytest.raises(InferenceServerException, match="SystemExit: model code called exit"):
+        call(server, protocol, 99.0)
     np.testing.assert_array_equal(call(server, protocol, 3.0), [[6.0]])
