@@ -981,8 +981,13 @@ class GrpcConnection(asyncio.Protocol):
             out.append(_TRAILER.pack(0, len(TRAILERS_OK), HEADERS, END_HEADERS | END_STREAM, sid, TRAILERS_OK))
             self._close_local(stream)
             if not self._flush_scheduled:
-                self._flush_scheduled = True
-                self._loop.call_soon(self._flush)
+                if self._streams:
+                    # more calls are open on this connection and likely finish in this same loop
+                    # pass (one batch): coalesce their answers into one write
+                    self._flush_scheduled = True
+                    self._loop.call_soon(self._flush)
+                else:
+                    self._flush()  # the only call: answer now, not a loop pass later
             return
         self._send_message(stream, payload)
         self._finish(stream, TRAILERS_OK)
