@@ -521,6 +521,7 @@ class Scheduler:
         if entry.state == _DONE:
             return
         entry.state = _DONE
+        entry.request.cancel.clear()
         try:
             entry.done(outcome)
         except Exception:  # a failing caller must not leave the rest of its batch unanswered

@@ -115,6 +115,11 @@ class CancelToken:
         for callback in callbacks or ():
             callback()
 
+    def clear(self) -> None:
+        """Forget the callbacks once the request is answered: they reference what references this
+        token, and the cycle would leave every request for the cyclic garbage collector."""
+        self._callbacks = None
+
     def on_cancel(self, callback: Callable[[], None]) -> None:
         if self.cancelled:
             callback()
