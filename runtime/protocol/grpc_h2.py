@@ -48,6 +48,7 @@ from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, SluiceError
 from sluice.runtime.protocol import grpc_codec
 from sluice.runtime.protocol.grpc import InferenceService, Unparsable, lenient_parser
+from sluice.runtime.protocol.grpc_plan import InferDecoder
 from sluice.runtime.protocol.listener import Listener
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import InferRequest, InferResponse
@@ -103,7 +104,6 @@ _PREFIX = struct.Struct(">BL")  # gRPC message prefix: compressed flag, length
 _U32 = struct.Struct(">L")
 _SETTING = struct.Struct(">HL")
 _SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-_InferRequestMessage = pb.ModelInferRequest
 _CONNECTION_SPECIFIC = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"))
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _ENCODINGS = {b"gzip": 31, b"deflate": 15}  # zlib wbits
@@ -855,18 +855,18 @@ class GrpcConnection(asyncio.Protocol):
 
     # -- ModelInfer: callbacks, no task ------------------------------------------------------------
     def _infer(self, stream: _Stream, message: bytes) -> None:
-        try:
-            parsed = _InferRequestMessage.FromString(message)
-        except DecodeError as exc:
-            self._respond_error(
-                stream,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"request is not a valid protobuf inference.ModelInferRequest message ({len(message)} bytes): {exc}",
-            )
-            return
         server = self._server
         try:
-            request = grpc_codec.decode_infer(parsed, server.limits)
+            try:
+                request = server.infer_decoder.decode(message)
+            except DecodeError as exc:
+                self._respond_error(
+                    stream,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"request is not a valid protobuf inference.ModelInferRequest message ({len(message)} bytes): "
+                    f"{exc}",
+                )
+                return
             stream.request = request
             server.dataplane.infer_nowait(request, stream.done)
         except SluiceError as exc:
@@ -1150,6 +1150,7 @@ class GrpcServer(Listener):
         self.limits = limits
         self.service = InferenceService(dataplane, limits)
         self.routes = self._routes(self.service)
+        self.infer_decoder = InferDecoder(limits)
 
     def make_connection(self) -> GrpcConnection:
         return GrpcConnection(self)
