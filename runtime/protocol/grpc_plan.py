@@ -26,6 +26,20 @@ _MAX_PREFIX = 4096
 _MAX_ENTRIES = 512
 
 
+def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
+    """(value, position after it); (-1, pos) for a truncated or over-long varint."""
+    value = 0
+    shift = 0
+    while pos < end and shift <= 35:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    return -1, pos
+
+
 def split_raw(message: bytes) -> tuple[int, list[tuple[int, int]]] | None:
     """(offset where raw_input_contents starts, (start, end) of each entry), or None when the
     message is not laid out as prefix + raw entries (the full decoder then decides)."""
@@ -35,33 +49,13 @@ def split_raw(message: bytes) -> tuple[int, list[tuple[int, int]]] | None:
     spans: list[tuple[int, int]] = []
     while pos < end:
         tag_start = pos
-        tag = 0
-        shift = 0
-        while True:  # varint tag
-            if pos >= end or shift > 28:
-                return None
-            byte = message[pos]
-            pos += 1
-            tag |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                break
-            shift += 7
+        tag, pos = _varint(message, pos, end)
         field = tag >> 3
-        if tag & 7 != 2 or not 1 <= field <= _RAW_FIELD:  # every ModelInferRequest field is length-delimited
+        if tag < 0 or tag & 7 != 2 or not 1 <= field <= _RAW_FIELD:  # every field is length-delimited
             return None
-        length = 0
-        shift = 0
-        while True:  # varint length
-            if pos >= end or shift > 35:
-                return None
-            byte = message[pos]
-            pos += 1
-            length |= (byte & 0x7F) << shift
-            if byte < 0x80:
-                break
-            shift += 7
+        length, pos = _varint(message, pos, end)
         stop = pos + length
-        if stop > end:
+        if length < 0 or stop > end:
             return None
         if field == _RAW_FIELD:
             if raw_start < 0:
