@@ -55,12 +55,16 @@ _BINARY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2*
 _DECIMAL_SUFFIXES = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
 
 
-class SpecError(ValueError):
-    """A spec the operator cannot serve; ``problems`` lists each one as ``field: what is wrong, what to do``."""
+class ProblemsError(ValueError):
+    """Base of the operator's spec errors: ``problems`` lists each as ``field: what is wrong, what to do``."""
 
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = tuple(problems)
         super().__init__("; ".join(self.problems))
+
+
+class SpecError(ProblemsError):
+    """A spec the operator cannot serve."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,12 +31,8 @@ GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
 RUNTIME_UID = 10001
 
 
-class UnsatisfiableError(ValueError):
+class UnsatisfiableError(api.ProblemsError):
     """The spec is valid on its own but cannot be rendered (e.g. an ensemble that fits nowhere)."""
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = tuple(problems)
-        super().__init__("; ".join(self.problems))
 
 
 @dataclasses.dataclass(frozen=True)

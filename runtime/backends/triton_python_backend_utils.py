@@ -157,6 +157,15 @@ def deserialize_bytes_tensor(encoded_tensor: bytes) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 
+
+def _parameters_json(parameters: Any) -> str:
+    """Triton keeps request/response parameters as a JSON string; accept a dict or that string."""
+    if parameters is None:
+        return "{}"
+    if isinstance(parameters, str):
+        return parameters
+    return json.dumps(parameters, default=str)
+
 class TritonError:
     """An error a model puts in an :class:`InferenceResponse`; not an exception, as in Triton."""
 
@@ -308,12 +317,7 @@ class InferenceRequest:
         self._timeout = timeout
         self._preferred_memory = preferred_memory or PreferredMemory()
         self._trace = trace
-        if parameters is None:
-            self._parameters = "{}"
-        elif isinstance(parameters, str):
-            self._parameters = parameters
-        else:
-            self._parameters = json.dumps(parameters, default=str)
+        self._parameters = _parameters_json(parameters)
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -378,12 +382,7 @@ class InferenceResponse:
             raise TritonModelException(f'"error" must be a TritonError, got {type(error).__name__}')
         self._output_tensors = list(output_tensors or ())
         self._error = error
-        if parameters is None:
-            self._parameters = "{}"
-        elif isinstance(parameters, str):
-            self._parameters = parameters
-        else:
-            self._parameters = json.dumps(parameters, default=str)
+        self._parameters = _parameters_json(parameters)
 
     def output_tensors(self) -> list[Tensor]:
         return self._output_tensors
