@@ -16,28 +16,87 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from sluice.runtime import __version__
 from sluice.runtime.batching import BATCH_POLICIES
 from sluice.runtime.settings import GRPC_SERVERS, Limits, SchedulingDefaults, ServerSettings
 
 
+def _bool(value: str) -> bool:
+    lowered = value.lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{value!r} is not a boolean; allowed: true, false")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every flag's default, except for required flags (which have none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice inference server")
+    parser.add_argument("--version", action="version", version=f"sluice {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a Triton-style model repository over KServe V2 HTTP and gRPC")
+    serve = sub.add_parser(
+        "serve",
+        help="serve a Triton-style model repository over KServe V2 HTTP and gRPC",
+        description="Serve a Triton-style model repository over KServe V2 HTTP and gRPC.",
+        formatter_class=_HelpFormatter,
+    )
+    defaults = ServerSettings(model_repository=Path())
     serve.add_argument("--model-repository", required=True, type=Path, help="directory of <model>/config.pbtxt")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
-    serve.add_argument("--http-port", type=int, default=8000, help="HTTP port; 0 picks a free one, -1 disables")
-    serve.add_argument("--grpc-port", type=int, default=8001, help="gRPC port; 0 picks a free one, -1 disables")
-    serve.add_argument("--metrics-port", type=int, default=8002, help="Prometheus port; -1 disables")
-    serve.add_argument("--model", action="append", default=[], help="load only this model (repeatable)")
-    serve.add_argument("--shutdown-grace-s", type=float, default=30.0, help="time in-flight requests get on stop")
+    serve.add_argument("--host", default=defaults.host, help="address to listen on (0.0.0.0 for all)")
+    ports = (
+        ("http", "HTTP", defaults.http_port),
+        ("grpc", "gRPC", defaults.grpc_port),
+        ("metrics", "Prometheus metrics", defaults.metrics_port),
+    )
+    for flag, what, default in ports:
+        serve.add_argument(
+            f"--{flag}-port", type=int, default=default, help=f"{what} port; 0 picks a free one, -1 disables"
+        )
+    serve.add_argument("--model", action="append", default=[], help="load only this model (repeatable); default: all")
+    serve.add_argument(
+        "--strict-readiness",
+        type=_bool,
+        default=defaults.strict_readiness,
+        metavar="{true,false}",
+        help="ready only when every model asked for (or found at start) is ready; false: ready once startup "
+        "loads are done",
+    )
+    serve.add_argument(
+        "--drain-period-s",
+        type=float,
+        default=defaults.drain_period_s,
+        help="on SIGTERM, report not-ready but keep serving this long before closing the listeners (Ctrl-C and a "
+        "second signal skip it)",
+    )
+    serve.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=defaults.shutdown_grace_s,
+        help="time in-flight requests get to finish once the listeners are closed",
+    )
+    serve.add_argument(
+        "--server-name",
+        default=defaults.server_name,
+        help="name reported in the server metadata (GET /v2); 'triton' for tools that check for Triton",
+    )
     serve.add_argument(
         "--grpc-server",
         choices=GRPC_SERVERS,
         default=ServerSettings.grpc_server,
         help="gRPC front end: h2 (Sluice's own HTTP/2 server, default) or grpcio (grpc.aio fallback)",
     )
-    serve.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity"
+    )
     sched = SchedulingDefaults()
     serve.add_argument(
         "--queue-timeout-us",
@@ -45,8 +104,16 @@ def _parser() -> argparse.ArgumentParser:
         default=sched.queue_timeout_us,
         help="server-side queue timeout for models whose config names none (0 disables)",
     )
-    serve.add_argument("--max-queue-size", type=int, default=sched.max_queue_size, help="default queue bound per model")
-    serve.add_argument("--batch-policy", choices=BATCH_POLICIES, default=sched.batch_policy)
+    serve.add_argument(
+        "--max-queue-size", type=int, default=sched.max_queue_size, help="default queue bound per model (0: unbounded)"
+    )
+    serve.add_argument(
+        "--batch-policy",
+        choices=BATCH_POLICIES,
+        default=sched.batch_policy,
+        help="work_conserving: dispatch as soon as an instance is idle; fixed_wait: Triton's, wait up to the queue "
+        "delay for a preferred batch size",
+    )
     serve.add_argument(
         "--overload-control",
         choices=["on", "off"],
@@ -65,15 +132,25 @@ def _parser() -> argparse.ArgumentParser:
         default=sched.worker_spin_us,
         help="how long a model worker polls for the next batch before sleeping (0 = never poll)",
     )
-    serve.add_argument("--overload-interval-ms", type=float, default=sched.overload_interval_ms)
-    serve.add_argument("--overload-target-ms", type=float, default=sched.overload_target_ms)
+    serve.add_argument(
+        "--overload-interval-ms",
+        type=float,
+        default=sched.overload_interval_ms,
+        help="how long the queue must stay non-empty before it counts as overloaded",
+    )
+    serve.add_argument(
+        "--overload-target-ms",
+        type=float,
+        default=sched.overload_target_ms,
+        help="least queue wait that is shed while overloaded (at least 2x the recent execution time)",
+    )
     for field in dataclasses.fields(Limits):
         flag = "--" + field.name.replace("_", "-")
         serve.add_argument(
             flag,
             type=type(field.default),
             default=field.default,
-            help=f"{field.metadata['help']} (default %(default)s)",
+            help=field.metadata["help"],
         )
     return parser
 
@@ -100,15 +177,22 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         scheduling=scheduling,
         shutdown_grace_s=args.shutdown_grace_s,
         models=tuple(args.model),
+        strict_readiness=args.strict_readiness,
+        drain_period_s=args.drain_period_s,
+        server_name=args.server_name,
         grpc_server=args.grpc_server,
     )
 
 
 async def serve(settings: ServerSettings) -> int:
-    from sluice.runtime.server import Server
+    from sluice.runtime.server import Server, StartupError
 
     server = Server(settings)
-    await server.start()
+    try:
+        await server.start()
+    except StartupError as exc:
+        print(f"sluice: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     # The request path allocates many short-lived objects that reference counting frees; the
     # cyclic collector scanning every loaded module, model and session each 700 allocations was
     # ~10% of server CPU (perf). Freeze what startup made and collect young objects less often.
@@ -118,18 +202,28 @@ async def serve(settings: ServerSettings) -> int:
     # A model worker that finished its native call waits for the GIL while the event loop runs
     # Python; the default 5 ms switch interval let that wait stretch every batch's completion.
     sys.setswitchinterval(0.0001)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    stop = loop.create_future()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.done():
+            server.cut_drain()  # a second signal: stop draining now
+        else:
+            stop.set_result(sig)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
+    failed = f"  ({len(server.failed_models)} model(s) failed to load)" if server.failed_models else ""
     print(
         f"sluice ready: HTTP {settings.host}:{server.ports.http}  gRPC {settings.host}:{server.ports.grpc}  "
-        f"metrics {settings.host}:{server.ports.metrics}",
+        f"metrics {settings.host}:{server.ports.metrics}{failed}",
         flush=True,
     )
-    await stop.wait()
-    logging.getLogger("sluice.runtime").info("stopping: finishing in-flight requests")
-    await server.stop()
+    received = await stop
+    # SIGTERM comes from an orchestrator: drain. Ctrl-C comes from a person: stop now.
+    drain = settings.drain_period_s if received == signal.SIGTERM else 0.0
+    logging.getLogger("sluice.runtime").info("stopping on %s: finishing in-flight requests", received.name)
+    await server.stop(drain_s=drain)
     return 0
 
 

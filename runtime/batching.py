@@ -278,6 +278,14 @@ def _join_all(workers: list[_Worker], stuck: list[_Worker], timeout_s: float) ->
         worker.thread.join(max(end - time.monotonic(), 0.0) if worker in stuck else None)
 
 
+def _close_all(instances: Sequence[ModelInstance], label: str) -> None:
+    for instance in instances:
+        try:
+            instance.close()
+        except Exception:  # a failing finalize must not stop the others
+            log.exception("model '%s': closing an instance failed", label)
+
+
 class Scheduler:
     """Queues requests for one model version and runs them in batches on its instances."""
 
@@ -378,6 +386,7 @@ class Scheduler:
         if workers:
             await loop.run_in_executor(None, _join_all, workers, stuck, max(deadline - loop.time(), 0.0))
         running = [worker.instance for worker in workers if worker.thread.is_alive()]
+        closing = []
         for instance in self._instances:
             if any(instance is other for other in running):
                 log.warning(
@@ -385,10 +394,9 @@ class Scheduler:
                     self._config.model_label,
                 )
                 continue
-            try:
-                instance.close()
-            except Exception:  # a failing finalize must not stop the others
-                pass
+            closing.append(instance)
+        if closing:  # off the loop: a Python model's finalize may block
+            await loop.run_in_executor(None, _close_all, closing, self._config.model_label)
 
     @property
     def queue_depth(self) -> int:

@@ -37,6 +37,7 @@ from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescript
 from google.protobuf.message import Message
 from tritonclient.grpc import model_config_pb2 as mc
 
+from sluice.runtime import names
 from sluice.runtime.backends.base import TensorSpec
 from sluice.runtime.errors import ConfigError
 from sluice.runtime.types import CONFIG_TYPE_BY_DATATYPE
@@ -650,6 +651,13 @@ def load_model_config(model_dir: Path, *, override: str | None = None) -> Loaded
 
 def _normalize(config: mc.ModelConfig, model_dir: Path) -> None:
     """Fill what Triton fills before validation: the name, backend and platform, instance counts."""
+    problem = names.file_name_problem(config.default_model_filename) if config.default_model_filename else None
+    if problem is not None:
+        raise ConfigError(
+            f"default_model_filename {names.shown(config.default_model_filename)!r}: {problem}; "
+            "allowed: the name of a file in the version directory, such as model.onnx",
+            field="default_model_filename",
+        )
     if not config.name:
         config.name = model_dir.name
     elif config.name != model_dir.name:
@@ -916,10 +924,19 @@ def _step_cycle(steps: Sequence[mc.ModelEnsembling.Step], producer: dict[str, in
 def _check_step_models_exist(config: mc.ModelConfig, repository: Path) -> None:
     remote = remote_steps(config)
     for index, step in enumerate(config.ensemble_scheduling.step):
-        if step.model_name in remote or (repository / step.model_name).is_dir():
+        if step.model_name in remote:
+            continue
+        problem = names.name_problem(step.model_name)
+        if problem is not None:
+            raise ConfigError(
+                f"step model '{names.shown(step.model_name)}' is not a valid model name: {problem}; "
+                f"allowed: {names.ALLOWED}",
+                field=f"ensemble_scheduling.step[{index}].model_name",
+            )
+        if names.model_directory(repository, step.model_name) is not None and (repository / step.model_name).is_dir():
             continue
         raise ConfigError(
-            f"step model '{step.model_name}' is not in the model repository {repository}; allowed: a model "
+            f"step model '{step.model_name}' is not in the model repository; allowed: a model "
             f"of the repository, or a remote step named by parameter '{REMOTE_STEP_PREFIX}{step.model_name}'",
             field=f"ensemble_scheduling.step[{index}].model_name",
         )

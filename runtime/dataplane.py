@@ -42,27 +42,38 @@ def _int_param(parameters: dict[str, Any], key: str) -> int | None:
 
 
 class DataPlane:
-    def __init__(self, repository: Repository) -> None:
+    def __init__(self, repository: Repository, *, strict_readiness: bool = True, server_name: str = "sluice") -> None:
         self.repository = repository
         repository.route_steps(self.infer_nowait)  # ensembles' steps run through the data plane
+        self._strict = strict_readiness
+        self._server_name = server_name
+        self._started = False
+        self._draining = False
         self._accepting = True
-        self._ready = False
 
     # -- server ------------------------------------------------------------------------------
     def live(self) -> bool:
         return True
 
     def ready(self) -> bool:
-        return self._ready and self._accepting
+        """Started, not draining, and (strict readiness) every expected model has a ready version."""
+        if not (self._started and self._accepting) or self._draining:
+            return False
+        return not self._strict or self.repository.expected_ready()
 
-    def set_ready(self, ready: bool) -> None:
-        self._ready = ready
+    def set_started(self) -> None:
+        """Startup loads are done (whatever their outcome)."""
+        self._started = True
+
+    def drain(self) -> None:
+        """Report not-ready from now on while still serving (the start of a graceful stop)."""
+        self._draining = True
 
     def stop_accepting(self) -> None:
         self._accepting = False
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": "sluice", "version": __version__, "extensions": EXTENSIONS}
+        return {"name": self._server_name, "version": __version__, "extensions": EXTENSIONS}
 
     # -- models ------------------------------------------------------------------------------
     def model_ready(self, name: str, version: str = "") -> bool:

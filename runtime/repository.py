@@ -10,18 +10,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime import config as model_config
-from sluice.runtime import ensemble
+from sluice.runtime import ensemble, names
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance
-from sluice.runtime.batching import BATCH_POLICIES, BatchPolicy, OverloadPolicy, QueuePolicy, Scheduler, SchedulerConfig
+from sluice.runtime.batching import (
+    BATCH_POLICIES,
+    BatchPolicy,
+    Clock,
+    OverloadPolicy,
+    QueuePolicy,
+    Scheduler,
+    SchedulerConfig,
+)
 from sluice.runtime.cache import ResponseCache
-from sluice.runtime.errors import ConfigError, NotFound, SluiceError, Unavailable, unknown_model
+from sluice.runtime.errors import ConfigError, InvalidArgument, NotFound, SluiceError, Unavailable, unknown_model
 from sluice.runtime.settings import SchedulingDefaults
 from sluice.runtime.signature import Signature, signature_of
 from sluice.runtime.stats import ModelStats
@@ -65,6 +73,8 @@ class _Model:
     plan: ensemble.Plan | None = None  # set for an ensemble
     # An ensemble's loaded versions while a step model is not ready (Triton: it follows its steps).
     waiting: dict[int, ModelVersion] = dataclasses.field(default_factory=dict)
+    # Why the last load failed while nothing serves: requests get 503 with it, not 404 "unknown".
+    load_error: str = ""
 
 
 _PLATFORM_BY_BACKEND = {"onnxruntime": "onnxruntime_onnx", "pytorch": "pytorch_libtorch", "tensorrt": "tensorrt_plan"}
@@ -175,6 +185,25 @@ class _Prepared:
     config: mc.ModelConfig
     versions: list[tuple[int, ModelBackend, list[ModelInstance]]]
     warnings: list[str]
+    scheduling: SchedulerConfig | None  # None for an ensemble
+    cache: Callable[[], ResponseCache | None]
+
+    def close(self, started: Collection[int] = ()) -> None:
+        """Release what ``prepare`` opened (instances, then backends), except the instances of the
+        ``started`` versions, which their schedulers closed; never raises. Blocking: runs on a
+        worker thread (a Python model's ``finalize`` runs here)."""
+        for version, backend, instances in self.versions:
+            if version not in started:
+                for instance in instances:
+                    _quietly(instance.close)
+            _quietly(backend.close)
+
+
+def _quietly(close: Callable[[], object]) -> None:
+    try:
+        close()
+    except Exception:  # one failing finalize must not stop the others
+        log.exception("closing a model instance failed")
 
 
 def _instance_plan(config: mc.ModelConfig) -> list[tuple[int, int]]:
@@ -188,14 +217,20 @@ def _instance_plan(config: mc.ModelConfig) -> list[tuple[int, int]]:
     return plan
 
 
-def prepare(root: Path, name: str, override: str | None) -> _Prepared:
-    """Blocking part of a load: parse, complete, validate, open sessions. Runs on a worker thread."""
-    model_dir = root / name
-    if not model_dir.is_dir():
-        raise NotFound(
-            f"failed to load '{name}': no directory '{name}' in the model repository {root} "
-            "(failed to poll from model repository)"
+def prepare(root: Path, name: str, override: str | None, defaults: SchedulingDefaults) -> _Prepared:
+    """Blocking part of a load: parse, complete, validate, open sessions. Runs on a worker thread.
+
+    Everything that can be refused is checked before the first backend or instance is created, so
+    a refused load opens nothing; what it opened is closed again if a later step fails.
+    """
+    model_dir = names.model_directory(root, name)
+    if model_dir is None:
+        raise InvalidArgument(
+            f"model directory '{name}' is a symbolic link that leads outside the model repository; "
+            "allowed: model directories inside the repository"
         )
+    if not model_dir.is_dir():
+        raise NotFound(f"failed to poll from model repository: no directory '{name}' in the model repository")
     loaded = model_config.load_model_config(model_dir, override=override)
     config = loaded.config
     warnings = list(loaded.warnings)
@@ -206,9 +241,9 @@ def prepare(root: Path, name: str, override: str | None) -> _Prepared:
     chosen = model_config.select_versions(config, available)
     if not chosen:
         raise ConfigError(
-            f"no version directories to serve under {model_dir} (found {available or 'none'}); "
+            f"no version directories to serve (found {available or 'none'}); "
             "versions are numbered directories like 1/, 2/",
-            file=str(model_dir),
+            file=name,
             field="version_policy",
         )
     if backend == "onnxruntime":
@@ -219,26 +254,29 @@ def prepare(root: Path, name: str, override: str | None) -> _Prepared:
         warnings += model_config.complete_io(config, inputs, outputs)
     warnings += model_config.validate(config, source=loaded.source)
     warnings = list(dict.fromkeys(warnings))  # load_model_config validates too; report each once
+    response_cache(config, defaults)  # raises for a bad size parameter
+
+    def cache() -> ResponseCache | None:
+        return response_cache(config, defaults)
+
     if backend == model_config.ENSEMBLE:
-        return _Prepared(config, [(version, ensemble.Ensemble(config), []) for version in chosen], warnings)
+        versions = [(version, ensemble.Ensemble(config), []) for version in chosen]
+        return _Prepared(config, versions, warnings, None, cache)
+    scheduling = scheduler_config(config, defaults, name)
     loader = _backend_loader(backend)
-    versions = []
+    prepared = _Prepared(config, [], warnings, scheduling, cache)
     try:
         for version in chosen:
             ctx = LoadContext(name, version, model_dir, model_dir / str(version), root)
             instance_backend = loader(config, ctx)
-            instances = [
-                instance_backend.new_instance(index, kind, device)
-                for index, (kind, device) in enumerate(_instance_plan(config))
-            ]
-            versions.append((version, instance_backend, instances))
+            instances: list[ModelInstance] = []
+            prepared.versions.append((version, instance_backend, instances))
+            for index, (kind, device) in enumerate(_instance_plan(config)):
+                instances.append(instance_backend.new_instance(index, kind, device))
     except BaseException:
-        for _, created, instances in versions:
-            for instance in instances:
-                instance.close()
-            created.close()
+        prepared.close()
         raise
-    return _Prepared(config, versions, warnings)
+    return prepared
 
 
 async def _unless_cancelled(work: Coroutine[Any, Any, None]) -> None:
@@ -257,19 +295,42 @@ def _retrieve(task: asyncio.Future) -> None:
 class Repository:
     """Loaded models of one repository directory."""
 
-    def __init__(self, root: Path, scheduling: SchedulingDefaults, *, grace_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        root: Path,
+        scheduling: SchedulingDefaults,
+        *,
+        grace_s: float = 30.0,
+        clock: Clock | None = None,
+    ) -> None:
         self.root = root
         self._scheduling = scheduling
         self._grace_s = grace_s
+        self._clock = clock
         self._models: dict[str, _Model] = {}
         self._dispatch: ensemble.Dispatch | None = None
+        # Models the server is expected to serve (strict readiness): those asked for at start,
+        # and those loaded since; an unload removes one.
+        self._expected: set[str] = set()
 
     def route_steps(self, dispatch: ensemble.Dispatch) -> None:
         """Where ensembles send their steps' requests: the data plane's ``infer_nowait``."""
         self._dispatch = dispatch
 
     def names_on_disk(self) -> list[str]:
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and names.name_problem(p.name) is None)
+
+    def expect(self, names_: list[str]) -> None:
+        """Count ``names_`` as models the server must serve to be ready (called at start)."""
+        self._expected.update(names_)
+
+    def expected_ready(self) -> bool:
+        """Every expected model has a ready version."""
+        return all(self._models.get(name) is not None and self._models[name].versions for name in self._expected)
+
+    def failed(self) -> dict[str, str]:
+        """Models with nothing serving because their last load failed: name -> why."""
+        return {name: model.load_error for name, model in self._models.items() if model.load_error}
 
     def _entry(self, name: str) -> _Model:
         model = self._models.get(name)
@@ -277,58 +338,53 @@ class Repository:
             model = self._models[name] = _Model()
         return model
 
+    def _checked(self, name: str, action: str) -> None:
+        problem = names.name_problem(name)
+        if problem is not None:
+            raise InvalidArgument(
+                f"failed to {action} '{names.shown(name)}': invalid model name: {problem}; allowed: {names.ALLOWED}"
+            )
+
+    def _client_message(self, name: str, message: str) -> str:
+        """A load error as clients read it: Triton's "failed to load '<m>'" wording, and no path of
+        the server's file system (paths are shown relative to the repository)."""
+        for root in {str(self.root.resolve()), str(self.root)}:
+            message = message.replace(root + "/", "").replace(root, "the model repository")
+        if not message.startswith(f"failed to load '{name}'"):
+            message = f"failed to load '{name}': {message}"
+        return message
+
     async def load(self, name: str, override: str | None = None) -> None:
         """Load (or reload) ``name``. It goes on when the caller is cancelled (a client that timed
         out or hung up), as in Triton: cut short, it left the model LOADING and its new instances
         initialized but never served or finalized."""
+        self._checked(name, "load")
         await _unless_cancelled(self._load(name, override))
 
     async def _load(self, name: str, override: str | None) -> None:
         model = self._entry(name)
+        loop = asyncio.get_running_loop()
+        old: dict[int, ModelVersion] = {}
         async with model.lock:
-            previous_state = model.state
             model.state = LOADING
-            loop = asyncio.get_running_loop()
             try:
-                prepared = await loop.run_in_executor(None, prepare, self.root, name, override)
-            except SluiceError as exc:
-                model.state = READY if model.versions else UNAVAILABLE
-                model.reason = exc.message
-                log.error("model %s failed to load: %s", name, exc.message)
-                if previous_state == READY and model.versions:
-                    model.reason = f"reload failed, previous versions still serving: {exc.message}"
-                raise
+                prepared = await loop.run_in_executor(
+                    None, prepare, self.root, name, override, self._scheduling
+                )
             except Exception as exc:
-                model.state = READY if model.versions else UNAVAILABLE
-                model.reason = f"{type(exc).__name__}: {exc}"
-                log.exception("model %s failed to load", name)
-                raise Unavailable(f"failed to load '{name}': {type(exc).__name__}: {exc}") from exc
+                self._load_failed(name, model, exc)
+                raise exc if isinstance(exc, SluiceError) else Unavailable(model.reason) from exc
+            new_versions: dict[int, ModelVersion] = {}
+            try:
+                self._start(name, prepared, new_versions)
+            except Exception as exc:
+                # Started schedulers close their own instances; the rest is closed here.
+                await asyncio.gather(*(v.scheduler.aclose(0.0) for v in new_versions.values()))
+                await loop.run_in_executor(None, prepared.close, set(new_versions))
+                self._load_failed(name, model, exc)
+                raise exc if isinstance(exc, SluiceError) else Unavailable(model.reason) from exc
             for warning in prepared.warnings:
                 log.warning("model %s: %s", name, warning)
-            new_versions: dict[int, ModelVersion] = {}
-            for version, backend, instances in prepared.versions:
-                label = f"{name}:{version}"
-                stats = ModelStats(name, str(version))
-                scheduler: Scheduler | ensemble.EnsembleScheduler
-                if isinstance(backend, ensemble.Ensemble):
-                    if self._dispatch is None:
-                        raise Unavailable(f"failed to load '{name}': ensembles need a data plane to run steps")
-                    scheduler = ensemble.EnsembleScheduler(backend, self._dispatch, observer=stats)
-                else:
-                    scheduler = Scheduler(
-                        scheduler_config(prepared.config, self._scheduling, label), instances, observer=stats
-                    )
-                scheduler.start()
-                new_versions[version] = ModelVersion(
-                    name,
-                    version,
-                    prepared.config,
-                    signature_of(prepared.config, label),
-                    backend,
-                    scheduler,
-                    stats,
-                    response_cache(prepared.config, self._scheduling),
-                )
             old, model.versions, model.waiting = {**model.waiting, **model.versions}, new_versions, {}
             first = next(iter(new_versions.values()), None)
             model.plan = first.backend.plan if first and isinstance(first.backend, ensemble.Ensemble) else None
@@ -338,18 +394,73 @@ class Repository:
                 if version not in new_versions:
                     model.history[version] = UNAVAILABLE
             model.state = READY
-            model.reason = ""
+            model.reason = model.load_error = ""
+            self._expected.add(name)
             log.info("model %s ready, versions %s", name, sorted(new_versions))
             self._follow_steps()
         if old:
             await self._close_versions(old.values())
 
+    def _load_failed(self, name: str, model: _Model, exc: Exception) -> None:
+        """Record a failed load: the versions that were serving go on serving; one log line."""
+        if isinstance(exc, SluiceError):
+            exc.message = self._client_message(name, exc.message)
+            exc.args = (exc.message,)
+            message = exc.message
+            log.error("%s", message)
+        else:  # a bug or an unexpected OSError: keep the traceback in the log
+            message = self._client_message(name, f"{type(exc).__name__}: {exc}")
+            log.error("%s", message, exc_info=exc)
+        if model.versions:
+            model.state = READY
+            model.reason = f"reload failed, previous versions still serving: {message}"
+        elif isinstance(exc, NotFound) and not model.history and not model.waiting:
+            del self._models[name]  # not in the repository and never served: no index row
+        else:
+            model.state = UNAVAILABLE
+            model.reason = model.load_error = message
+
+    def _start(self, name: str, prepared: _Prepared, new_versions: dict[int, ModelVersion]) -> None:
+        """Start a scheduler for each prepared version, into ``new_versions``; reads no file."""
+        for version, backend, instances in prepared.versions:
+            label = f"{name}:{version}"
+            stats = ModelStats(name, str(version))
+            scheduler: Scheduler | ensemble.EnsembleScheduler
+            if isinstance(backend, ensemble.Ensemble):
+                if self._dispatch is None:
+                    raise Unavailable("ensembles need a data plane to run steps")
+                scheduler = ensemble.EnsembleScheduler(backend, self._dispatch, observer=stats)
+            else:
+                assert prepared.scheduling is not None
+                config = dataclasses.replace(prepared.scheduling, model_label=label)
+                if self._clock is None:
+                    scheduler = Scheduler(config, instances, observer=stats)
+                else:
+                    scheduler = Scheduler(config, instances, observer=stats, clock=self._clock)
+            new_versions[version] = ModelVersion(
+                name,
+                version,
+                prepared.config,
+                signature_of(prepared.config, label),
+                backend,
+                scheduler,
+                stats,
+                prepared.cache(),
+            )
+            scheduler.start()
+
     async def unload(self, name: str, grace_s: float | None = None) -> None:
         """Unload every version of ``name``; in-flight requests get ``grace_s`` (default: the
         repository's grace) to finish. Like a load, it goes on when the caller is cancelled."""
+        problem = names.name_problem(name)
+        if problem is not None:
+            raise InvalidArgument(
+                f"failed to unload '{names.shown(name)}': invalid model name: {problem}; allowed: {names.ALLOWED}"
+            )
         await _unless_cancelled(self._unload(name, grace_s))
 
     async def _unload(self, name: str, grace_s: float | None) -> None:
+        self._expected.discard(name)
         model = self._models.get(name)
         if model is None:
             return  # Triton answers success for an unknown model
@@ -357,6 +468,7 @@ class Repository:
             old, model.versions, model.waiting = {**model.waiting, **model.versions}, {}, {}
             model.state = UNAVAILABLE
             model.reason = "unloaded"
+            model.load_error = ""
             for version in old:
                 model.history[version] = UNAVAILABLE
             self._follow_steps()
@@ -398,12 +510,15 @@ class Repository:
                     model.history[version] = model.state
                 changed = True
 
-    async def _close_versions(self, versions: object, grace_s: float | None = None) -> None:
-        closing = list(versions)  # type: ignore[call-overload]
+    async def _close_versions(self, versions: Iterable[ModelVersion], grace_s: float | None = None) -> None:
+        """Drain and close ``versions``: schedulers first (they close their instances off the
+        loop), then each backend on a worker thread (a Python model's ``finalize`` may block)."""
+        closing = list(versions)
         grace = self._grace_s if grace_s is None else grace_s
         await asyncio.gather(*(v.scheduler.aclose(grace) for v in closing))
+        loop = asyncio.get_running_loop()
         for v in closing:
-            v.backend.close()
+            await loop.run_in_executor(None, _quietly, v.backend.close)
 
     async def aclose(self, grace_s: float | None = None) -> None:
         """Unload everything; in-flight requests get ``grace_s`` (default: the repository's grace)."""
@@ -415,6 +530,8 @@ class Repository:
         if model is None or not model.versions:
             if model is not None and model.state == LOADING:
                 raise Unavailable(f"model '{name}' is loading; retry when it is ready")
+            if model is not None and model.load_error:
+                raise Unavailable(f"model '{name}' is not ready: {model.load_error}")
             if model is not None and model.waiting:
                 raise Unavailable(f"Request for unknown model: '{name}' has no available versions: {model.reason}")
             raise unknown_model(name, version or None)

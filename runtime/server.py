@@ -1,7 +1,10 @@
 """Assembles the runtime: repository, data plane, HTTP, gRPC and metrics listeners, and shutdown.
 
 ``Server`` is used by ``__main__`` and by the tests (which start it on free ports on 127.0.0.1).
-Shutdown: stop listening and report not-ready, let in-flight requests finish within the grace
+Start: bind every listener first (a port in use fails at once, before models load), then load the
+models; the server is ready once they are (with strict readiness, only when all of them are).
+Shutdown: report not-ready and keep serving for the drain period (load balancers and Kubernetes
+endpoints stop sending meanwhile), stop listening, let in-flight requests finish within the grace
 period, then unload models (calling Python models' ``finalize``) and return.
 """
 
@@ -9,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import logging
 import time
 
 import grpc
 
+from sluice.runtime import names
+from sluice.runtime.batching import Clock
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import NotFound, SluiceError
 from sluice.runtime.metrics import Metrics
@@ -33,11 +39,19 @@ class Ports:
     metrics: int = -1
 
 
+class StartupError(Exception):
+    """The server cannot start (a port in use, no repository): the message is one line for the user."""
+
+
 class Server:
-    def __init__(self, settings: ServerSettings) -> None:
+    def __init__(self, settings: ServerSettings, *, clock: Clock | None = None) -> None:
         self.settings = settings
-        self.repository = Repository(settings.model_repository, settings.scheduling, grace_s=settings.shutdown_grace_s)
-        self.dataplane = DataPlane(self.repository)
+        self.repository = Repository(
+            settings.model_repository, settings.scheduling, grace_s=settings.shutdown_grace_s, clock=clock
+        )
+        self.dataplane = DataPlane(
+            self.repository, strict_readiness=settings.strict_readiness, server_name=settings.server_name
+        )
         self.metrics = Metrics(self.repository.all_versions)
         self.ports = Ports()
         self.failed_models: dict[str, str] = {}
@@ -46,58 +60,111 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._grpc_h2: GrpcServer | None = None
         self._stopped = asyncio.Event()
+        self._drain_cut = asyncio.Event()
 
     async def start(self) -> Ports:
         loop = asyncio.get_running_loop()
         settings = self.settings
         if not settings.model_repository.is_dir():
-            raise SystemExit(f"--model-repository {settings.model_repository} is not a directory")
-        names = list(settings.models) or self.repository.names_on_disk()
-        results = await asyncio.gather(*(self.repository.load(name) for name in names), return_exceptions=True)
-        for name, result in zip(names, results, strict=True):
+            raise StartupError(f"--model-repository {settings.model_repository} is not a directory")
+        for name in settings.models:
+            problem = names.name_problem(name)
+            if problem is not None:
+                raise StartupError(f"--model {names.shown(name)!r}: {problem}; allowed: {names.ALLOWED}")
+        try:
+            await self._listen(loop)
+        except BaseException:
+            await self._close_listeners()
+            raise
+        names_ = list(settings.models) or self.repository.names_on_disk()
+        self.repository.expect(names_)
+        results = await asyncio.gather(*(self.repository.load(name) for name in names_), return_exceptions=True)
+        for name, result in zip(names_, results, strict=True):
             if isinstance(result, BaseException):
-                message = result.message if isinstance(result, SluiceError) else repr(result)
-                self.failed_models[name] = message
-        if settings.http_port >= 0:
-            self._http = HttpServer(V2Routes(self.dataplane, settings.limits), settings.limits, loop)
-            self.ports.http = await self._http.start(settings.host, settings.http_port)
-        if settings.grpc_port >= 0:
-            if settings.grpc_server == "h2":
-                self._grpc_h2 = GrpcServer(self.dataplane, settings.limits, loop)
-                self.ports.grpc = await self._grpc_h2.start(settings.host, settings.grpc_port)
-            elif settings.grpc_server == "grpcio":
-                self._grpc, self.ports.grpc = await start_grpc(
-                    self.dataplane, settings.limits, settings.host, settings.grpc_port
-                )
-            else:
-                raise SystemExit(f"--grpc-server {settings.grpc_server!r}: allowed values are h2, grpcio")
-        if settings.metrics_port >= 0:
-            self._metrics_http = HttpServer(self._metrics_route, settings.limits, loop)
-            self.ports.metrics = await self._metrics_http.start(settings.host, settings.metrics_port)
-        self.dataplane.set_ready(not (settings.strict_readiness and settings.models and self.failed_models))
+                self.failed_models[name] = result.message if isinstance(result, SluiceError) else repr(result)
+        self.dataplane.set_started()
+        serving = len(names_) - len(self.failed_models)
         log.info(
-            "sluice serving %d model(s) from %s: HTTP %s, gRPC %s, metrics %s",
-            len(self.repository.all_versions()),
+            "sluice serving %d of %d model(s) from %s: HTTP %s, gRPC %s, metrics %s%s",
+            serving,
+            len(names_),
             settings.model_repository,
             self.ports.http,
             self.ports.grpc,
             self.ports.metrics,
+            "" if self.dataplane.ready() else " (NOT READY: strict readiness needs every model)",
         )
+        if self.failed_models:
+            log.error(
+                "%d model(s) failed to load: %s",
+                len(self.failed_models),
+                "; ".join(why for _, why in sorted(self.failed_models.items())),
+            )
         return self.ports
+
+    async def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
+        settings = self.settings
+        try:
+            if settings.http_port >= 0:
+                self._http = HttpServer(V2Routes(self.dataplane, settings.limits), settings.limits, loop)
+                self.ports.http = await self._http.start(settings.host, settings.http_port)
+            if settings.grpc_port >= 0:
+                if settings.grpc_server == "h2":
+                    self._grpc_h2 = GrpcServer(self.dataplane, settings.limits, loop)
+                    self.ports.grpc = await self._grpc_h2.start(settings.host, settings.grpc_port)
+                elif settings.grpc_server == "grpcio":
+                    self._grpc, self.ports.grpc = await start_grpc(
+                        self.dataplane, settings.limits, settings.host, settings.grpc_port
+                    )
+                else:
+                    raise StartupError(f"--grpc-server {settings.grpc_server!r}: allowed values are h2, grpcio")
+            if settings.metrics_port >= 0:
+                self._metrics_http = HttpServer(self._metrics_route, settings.limits, loop)
+                self.ports.metrics = await self._metrics_http.start(settings.host, settings.metrics_port)
+        except OSError as exc:
+            ports = {"HTTP": settings.http_port, "gRPC": settings.grpc_port, "metrics": settings.metrics_port}
+            which = ", ".join(f"{k} {v}" for k, v in ports.items() if v > 0)
+            if exc.errno == errno.EADDRINUSE:
+                raise StartupError(
+                    f"cannot listen on {settings.host}: a port is already in use ({which}); "
+                    "stop the other server or pick other ports (--http-port, --grpc-port, --metrics-port; 0 picks "
+                    "a free one, -1 disables)"
+                ) from exc
+            raise StartupError(f"cannot listen on {settings.host} ({which}): {exc.strerror or exc}") from exc
+
+    async def _close_listeners(self) -> None:
+        for listener in (self._http, self._grpc_h2, self._metrics_http):
+            if listener is not None:
+                await listener.stop_listening()
+                await listener.drain(time.monotonic())
+        if self._grpc is not None:
+            await self._grpc.stop(0)
 
     def _metrics_route(self, request: Request) -> Response:
         if request.path != b"/metrics":
             raise NotFound("metrics are served at /metrics")
         return Response(200, self.metrics.exposition(), b"text/plain; version=0.0.4; charset=utf-8")
 
-    async def stop(self, grace_s: float | None = None) -> None:
-        """Graceful stop; safe to call twice."""
+    def cut_drain(self) -> None:
+        """End the drain period of a ``stop`` in progress now (a second signal)."""
+        self._drain_cut.set()
+
+    async def stop(self, grace_s: float | None = None, drain_s: float = 0.0) -> None:
+        """Graceful stop; safe to call twice. Not ready at once; for ``drain_s`` seconds everything
+        is still served (clients are steered away meanwhile), then listeners close and in-flight
+        requests get ``grace_s`` (default: the settings' grace) to finish."""
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.dataplane.drain()
+        if drain_s > 0:
+            log.info("draining for %g s: not ready, still serving", drain_s)
+            try:
+                await asyncio.wait_for(self._drain_cut.wait(), drain_s)
+            except TimeoutError:
+                pass
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
         deadline = time.monotonic() + grace
-        self.dataplane.set_ready(False)
         if self._http is not None:
             await self._http.stop_listening()
         if self._grpc_h2 is not None:

@@ -97,7 +97,14 @@ class ServerSettings:
     models: tuple[str, ...] = ()
     """Models to load at start; empty loads every model in the repository."""
     strict_readiness: bool = True
-    """Server readiness requires every model that was asked for to be ready."""
+    """Ready only when every model asked for with ``models`` (or, without it, found in the
+    repository at start), and every model loaded since, has a ready version (Triton's
+    ``--strict-readiness``). False: ready once startup loads are done, whatever their outcome."""
+    drain_period_s: float = 5.0
+    """On SIGTERM: how long the server reports not-ready while still serving everything, so that
+    load balancers and Kubernetes endpoints stop sending before it stops listening."""
+    server_name: str = "sluice"
+    """``name`` in the server metadata (``GET /v2``); ``triton`` for tools that check for Triton's."""
     grpc_server: str = "h2"
     """gRPC front end: ``h2``, Sluice's own HTTP/2 server (protocol/grpc_h2.py), or ``grpcio``,
     the ``grpc.aio`` server kept as a fallback (protocol/grpc.py)."""

@@ -79,7 +79,7 @@ def start(repo, tmp_path, *extra: str) -> tuple[subprocess.Popen, int]:
 def test_graceful_stop_finishes_in_flight_requests(tmp_path, sig):
     repo = tmp_path / "repo"
     model_dir = write_model(repo, "slow", SLOW_CONFIG, {"model.py": SLOW_PY})
-    proc, http = start(repo, tmp_path)
+    proc, http = start(repo, tmp_path, "--drain-period-s", "0.2")
     result: dict = {}
 
     def call() -> None:
@@ -108,7 +108,7 @@ def test_bad_model_does_not_stop_the_others(tmp_path):
     repo = tmp_path / "repo"
     write_model(repo, "slow", SLOW_CONFIG, {"model.py": SLOW_PY})
     write_model(repo, "broken", 'name: "broken"\nbackend: "python"\nmax_batch_size: -1\n', {"model.py": SLOW_PY})
-    proc, http = start(repo, tmp_path)
+    proc, http = start(repo, tmp_path, "--strict-readiness", "false", "--drain-period-s", "0")
     try:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{http}")
         assert client.is_model_ready("slow")

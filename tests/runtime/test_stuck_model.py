@@ -90,7 +90,7 @@ def test_unload_of_a_model_stuck_in_execute_returns_and_answers_the_request(tmp_
 def test_sigterm_with_a_model_stuck_in_execute_exits_within_the_grace_period(tmp_path):
     repo = tmp_path / "repo"
     version_dir = write_model(repo, "stuck", STUCK_CONFIG, {"model.py": STUCK_PY}) / "1"
-    proc, http = start(repo, tmp_path, "--shutdown-grace-s", "1")
+    proc, http = start(repo, tmp_path, "--shutdown-grace-s", "1", "--drain-period-s", "0")
     try:
         outcome: dict = {}
         _infer_in_thread(f"127.0.0.1:{http}", outcome)
