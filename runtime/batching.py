@@ -46,7 +46,10 @@ WORK_CONSERVING = "work_conserving"
 FIXED_WAIT = "fixed_wait"
 BATCH_POLICIES = (WORK_CONSERVING, FIXED_WAIT)
 
-Clock = Callable[[], int]  # monotonic nanoseconds
+Clock = Callable[[], int]
+"""Monotonic nanoseconds. The scheduler arms loop timers computed from it; a clock that can jump
+(a manual clock in tests) may also offer ``watch(callback) -> unwatch``: the scheduler then asks to
+be told of every jump (the callback may come from any thread) and re-checks its deadlines at once."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,6 +328,7 @@ class Scheduler:
         self._workers: list[_Worker] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self._unwatch: Callable[[], None] | None = None
         self._idle: asyncio.Event | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -345,6 +349,10 @@ class Scheduler:
         self._free = list(self._workers)
         self._idle = asyncio.Event()
         self._idle.set()
+        watch = getattr(self._clock, "watch", None)
+        if watch is not None:
+            loop = self._loop
+            self._unwatch = watch(lambda: loop.call_soon_threadsafe(self._on_clock_jump))
 
     async def aclose(self, grace_s: float = 30.0) -> None:
         """Stop taking requests, let queued and running ones finish within ``grace_s``, close.
@@ -355,6 +363,8 @@ class Scheduler:
         under it.
         """
         self._closing = True
+        if self._unwatch is not None:
+            self._unwatch()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(grace_s, 0.0)
         if self._idle is not None and (self._pending or self._running):
@@ -552,6 +562,11 @@ class Scheduler:
         self._timer_at = None
         self._pump()
 
+    def _on_clock_jump(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._on_timer()
+
     def _expire(self, now: int) -> None:
         heap = self._deadlines
         while heap and heap[0][0] <= now:
@@ -570,7 +585,8 @@ class Scheduler:
             self._finish(
                 entry,
                 QueueTimeout(
-                    f"request for model '{self._config.model_label}' timed out in the queue after "
+                    f"Request timeout expired: request for model '{self._config.model_label}' timed out in the "
+                    "queue after "
                     f"{waited_us} us (queue timeout {(entry.deadline - entry.enqueued) // 1000} us); "
                     "it was not executed"
                 ),

@@ -92,6 +92,37 @@ def write_model(repo: Path, name: str, config: str, files: dict[str, bytes | str
     return model_dir
 
 
+class ManualClock:
+    """A monotonic clock that moves only when a test says so: ``Server(..., clock=...)`` passes it
+    to every model's scheduler, whose queue delays and timeouts then follow it, not the wall.
+    ``advance`` tells the schedulers (``watch``), so a deadline it passes is acted on at once."""
+
+    def __init__(self) -> None:
+        self._now = 1_000_000_000
+        self._lock = threading.Lock()
+        self._watchers: list[Callable[[], None]] = []
+
+    def __call__(self) -> int:
+        return self._now
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
+        with self._lock:
+            self._watchers.append(callback)
+        return lambda: self._unwatch(callback)
+
+    def _unwatch(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if callback in self._watchers:
+                self._watchers.remove(callback)
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._now += int(seconds * 1e9)
+            watchers = list(self._watchers)
+        for callback in watchers:
+            callback()
+
+
 @dataclasses.dataclass
 class Running:
     server: Server
@@ -114,6 +145,10 @@ class Running:
         """Run a coroutine on the server's loop (e.g. to inspect it) and return its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def settle(self) -> None:
+        """Return once the server's loop has run what was handed to it before (a clock jump)."""
+        self.call(asyncio.sleep(0))
+
     def stop(self, grace_s: float = 5.0) -> None:
         if self.thread.is_alive():
             self.call(self.server.stop(grace_s), timeout=grace_s + 30)
@@ -124,6 +159,7 @@ class Running:
 def start_server(repo: Path, **overrides: Any) -> Running:
     limits = overrides.pop("limits", Limits())
     scheduling = overrides.pop("scheduling", SchedulingDefaults())
+    clock = overrides.pop("clock", None)
     settings = ServerSettings(
         model_repository=repo,
         http_port=0,
@@ -133,7 +169,7 @@ def start_server(repo: Path, **overrides: Any) -> Running:
         scheduling=scheduling,
         **overrides,
     )
-    server = Server(settings)
+    server = Server(settings, clock=clock)
     loop = asyncio.new_event_loop()
     started = threading.Event()
     errors: list[BaseException] = []
