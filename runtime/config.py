@@ -1143,6 +1143,8 @@ def _check_against_model(
             file=where,
             field=f"{field}.data_type",
         )
+    if not spec.rank_known:
+        return  # the file declares no shape (or a scalar, ORT cannot tell): the config's dims stand
     model_shape = _batchless_shape(spec, section, max_batch, where)
     config_shape = list(entry.reshape.shape) if entry.HasField("reshape") else list(entry.dims)
     shown = f"dims {list(entry.dims)}" + (f" (reshape {config_shape})" if entry.HasField("reshape") else "")

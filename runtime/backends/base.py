@@ -29,6 +29,8 @@ class TensorSpec:
     name: str
     datatype: str  # V2 name, e.g. "FP32"
     shape: tuple[int, ...]  # -1 for dynamic dims, including the batch dim if the model has one
+    rank_known: bool = True
+    """False when the file declares no shape at all (not even a rank): the config's dims decide."""
 
 
 @dataclasses.dataclass(frozen=True)

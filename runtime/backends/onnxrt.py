@@ -65,7 +65,9 @@ def _specs(args: Sequence[Any]) -> list[TensorSpec]:
         if datatype is None:
             raise ConfigError(f"tensor '{arg.name}' has ONNX type {arg.type}, which Sluice cannot serve")
         shape = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in (arg.shape or ()))
-        specs.append(TensorSpec(arg.name, datatype, shape))
+        # ORT reports [] both for a scalar and for a tensor whose shape the file does not declare;
+        # the config's dims (when it lists the tensor) decide which it is, as in Triton.
+        specs.append(TensorSpec(arg.name, datatype, shape, rank_known=bool(shape)))
     return specs
 
 

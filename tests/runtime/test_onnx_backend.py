@@ -120,3 +120,45 @@ def test_output_reshape_serves_the_config_dims(tmp_path, serve, mlp_session):
     out = client.infer("mlp", [inp]).as_numpy("OUTPUT0")
     assert out.shape == (3, 2, 2)
     np.testing.assert_allclose(out.reshape(3, 4), mlp_session.run(None, {"INPUT0": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def _shapeless_identity() -> bytes:
+    """An ONNX Identity whose input and output declare a type but no shape at all."""
+    import onnx
+    from onnx import helper
+
+    x = helper.make_tensor_value_info("X", onnx.TensorProto.FLOAT, None)
+    y = helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, None)
+    graph = helper.make_graph([helper.make_node("Identity", ["X"], ["Y"])], "shapeless", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize(("max_batch_size", "dims", "shape"), [(8, [4], [3, 4]), (0, [2, 3], [2, 3])])
+def test_an_onnx_tensor_without_a_declared_shape_takes_the_configs_dims(tmp_path, serve, max_batch_size, dims, shape):
+    """It used to be read as a scalar, so a config with dims (and batching) failed to load."""
+    repo = tmp_path / "repo"
+    write_model(
+        repo,
+        "shapeless",
+        f"""
+        backend: "onnxruntime"
+        max_batch_size: {max_batch_size}
+        input [ {{ name: "X", data_type: TYPE_FP32, dims: {dims} }} ]
+        output [ {{ name: "Y", data_type: TYPE_FP32, dims: {dims} }} ]
+        """,
+        {"model.onnx": _shapeless_identity()},
+    )
+    server = serve(repo)
+    client = httpclient.InferenceServerClient(server.http)
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    inp = httpclient.InferInput("X", shape, "FP32")
+    inp.set_data_from_numpy(x)
+    np.testing.assert_array_equal(client.infer("shapeless", [inp]).as_numpy("Y"), x)
+    # the config's dims are enforced like any other model's
+    bad = httpclient.InferInput("X", [*shape[:-1], 5], "FP32")
+    bad.set_data_from_numpy(np.zeros([*shape[:-1], 5], dtype=np.float32))
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("shapeless", [bad])
+    assert info.value.status() == "400"
