@@ -415,7 +415,9 @@ class Repository:
             model.state = READY
             model.reason = f"reload failed, previous versions still serving: {message}"
         elif isinstance(exc, NotFound) and not model.history and not model.waiting:
-            del self._models[name]  # not in the repository and never served: no index row
+            model.state, model.reason = UNAVAILABLE, ""
+            if self._models.get(name) is model:
+                del self._models[name]  # not in the repository and never served: no index row
         else:
             model.state = UNAVAILABLE
             model.reason = model.load_error = message
