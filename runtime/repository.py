@@ -415,9 +415,8 @@ class Repository:
             model.state = READY
             model.reason = f"reload failed, previous versions still serving: {message}"
         elif isinstance(exc, NotFound) and not model.history and not model.waiting:
-            model.state, model.reason = UNAVAILABLE, ""
-            if self._models.get(name) is model:
-                del self._models[name]  # not in the repository and never served: no index row
+            # not in the repository and never served: unknown (404), and no index row (see index)
+            model.state, model.reason, model.load_error = UNAVAILABLE, "", ""
         else:
             model.state = UNAVAILABLE
             model.reason = model.load_error = message
@@ -553,14 +552,16 @@ class Repository:
 
     def index(self, ready_only: bool = False) -> list[IndexEntry]:
         entries = []
-        names = set(self._models)
         try:
-            names.update(self.names_on_disk())
+            on_disk = set(self.names_on_disk())
         except OSError:
-            pass
-        for name in sorted(names):
+            on_disk = set()
+        for name in sorted(on_disk | set(self._models)):
             model = self._models.get(name)
             if model is None or not model.history:
+                unknown = model is None or (model.state != LOADING and not model.reason)
+                if name not in on_disk and unknown:
+                    continue  # a failed load of a name the repository does not hold
                 if not ready_only:
                     state = model.state if model else ""
                     entries.append(IndexEntry(name, "", state, model.reason if model else ""))
