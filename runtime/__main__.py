@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
         "--overload-control",
         choices=["on", "off"],
         default="on" if sched.overload_control else "off",
-        help="shed requests that waited too long while the queue cannot drain (default on)",
+        help="shed requests that waited too long while the queue cannot drain",
     )
     serve.add_argument(
         "--response-cache-bytes",
