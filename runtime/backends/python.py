@@ -15,6 +15,7 @@ supported is listed in ``docs/python-backend.md``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import importlib.util
 import inspect
@@ -274,6 +275,11 @@ class PythonInstance(ModelInstance):
             self._resolve(initialize(args))
 
     def close(self) -> None:
+        """Call ``finalize`` (awaited when it is ``async def``), then drop the model and its loop.
+
+        The repository calls this on a worker thread, so a slow ``finalize`` blocks only that
+        thread; :meth:`_resolve` still copes with a caller that has a loop running.
+        """
         finalize = getattr(self._model, "finalize", None)
         try:
             if callable(finalize):
@@ -285,17 +291,40 @@ class PythonInstance(ModelInstance):
             self.close_loop()
 
     def close_loop(self) -> None:
-        if self._loop is not None:
-            self._loop.close()
-            self._loop = None
+        """Close the instance's loop as ``asyncio.run`` would: tasks the model left behind are
+        cancelled and async generators closed first, so nothing warns about a destroyed task."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        try:
+            if not _loop_running_here():
+                leftover = asyncio.all_tasks(loop)
+                for task in leftover:
+                    task.cancel()
+                if leftover:
+                    loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
+                loop.run_until_complete(loop.shutdown_asyncgens())
+        except Exception:
+            _log.exception("closing the event loop of model instance '%s' failed", self._instance_name)
+        finally:
+            loop.close()
 
     def _resolve(self, result: Any) -> Any:
-        """Run a coroutine (``async def execute``/``initialize``) to completion on this instance's loop."""
+        """Run a coroutine (``async def execute``/``initialize``/``finalize``) to completion on
+        this instance's loop."""
         if not inspect.isawaitable(result):
             return result
+        if _loop_running_here():
+            # A loop cannot be run inside a thread whose own loop is running; drive the
+            # coroutine from a helper thread instead of leaving it never awaited.
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-python-model") as helper:
+                return helper.submit(self._run_until_complete, result).result()
+        return self._run_until_complete(result)
+
+    def _run_until_complete(self, awaitable: Any) -> Any:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(result)
+        return self._loop.run_until_complete(awaitable)
 
     # -- execution ------------------------------------------------------------------------------
 
@@ -392,6 +421,14 @@ class PythonInstance(ModelInstance):
             )
         datatype, data = convert_output(name, np.asarray(tensor.as_numpy()), declared.get(name))
         return Tensor(name, datatype, data)
+
+
+def _loop_running_here() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 class ServedRequest(pb_utils.InferenceRequest):

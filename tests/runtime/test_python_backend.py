@@ -6,6 +6,7 @@ Model files are written into ``tmp_path``; the backend is driven through its pub
 
 from __future__ import annotations
 
+import asyncio
 import json
 import textwrap
 import threading
@@ -552,6 +553,48 @@ def test_finalize_is_called_on_close(tmp_path):
     backend.close()
 
     assert (ctx.model_dir / "events.log").read_text() == "finalized\nfinalized\n"
+
+
+ASYNC_FINALIZE_MODEL = """
+import asyncio
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.log = args["model_repository"] + "/events.log"
+
+    async def execute(self, requests):
+        return [pb_utils.InferenceResponse([]) for _ in requests]
+
+    async def finalize(self):
+        asyncio.get_running_loop().create_task(asyncio.sleep(3600))  # left behind: cancelled on close
+        await asyncio.sleep(0)
+        with open(self.log, "a") as f:
+            f.write("finalized\\n")
+"""
+
+
+@pytest.mark.parametrize("caller", ["worker thread", "running event loop"])
+def test_async_finalize_is_awaited_whoever_closes(tmp_path, caller):
+    config_text = ECHO_CONFIG_TEMPLATE.format(name="afin", dtype="TYPE_INT32")
+    ctx = write_model(tmp_path, "afin", ASYNC_FINALIZE_MODEL, config_text)
+    instance = python_backend.load(parse_config(config_text), ctx).new_instance(0, mc.ModelInstanceGroup.KIND_CPU, 0)
+    only(instance.execute([request("afin")]))  # the instance's own loop now exists
+
+    if caller == "worker thread":
+        closer = threading.Thread(target=instance.close)
+        closer.start()
+        closer.join(30)
+    else:
+
+        async def close_on_the_loop() -> None:
+            instance.close()
+
+        asyncio.run(close_on_the_loop())
+
+    assert (ctx.model_dir / "events.log").read_text() == "finalized\n"
 
 
 def test_two_models_with_model_py_and_same_sibling_names_do_not_collide(tmp_path):

@@ -1,0 +1,125 @@
+"""A Python model's lifecycle through the real server: ``finalize`` on unload, instance names.
+
+The server runs in this process, so a model file can reach a gate the test holds
+(``sys.modules[GATE]``): a slow ``finalize`` waits on it, which shows what else the server does
+meanwhile without any sleep or timing window.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from .conftest import ADD_SUB_CONFIG, BUILDERS, write_model  # type: ignore[import-not-found]
+
+GATE = "sluice_test_finalize_gate"
+
+ASYNC_FINALIZE_PY = """
+import asyncio
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.marker = os.path.join(args["model_repository"], "FINALIZED")
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([1.0], np.float32))]) for _ in requests]
+
+    async def finalize(self):
+        await asyncio.sleep(0)  # a real suspension: the coroutine must be driven, not just created
+        with open(self.marker, "a") as f:
+            f.write("async finalize ran\\n")
+"""
+
+SLOW_FINALIZE_PY = """
+import sys
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([1.0], np.float32))]) for _ in requests]
+
+    def finalize(self):
+        gate = sys.modules["GATE_NAME"]
+        gate.started.set()
+        gate.release.wait(60)
+""".replace("GATE_NAME", GATE)
+
+ONE_OUTPUT_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "IN", data_type: TYPE_FP32, dims: [ 1 ] }} ]
+output [ {{ name: "OUT", data_type: TYPE_FP32, dims: [ 1 ] }} ]
+"""
+
+
+@pytest.fixture
+def gate() -> Iterator[types.SimpleNamespace]:
+    namespace = types.SimpleNamespace(started=threading.Event(), release=threading.Event())
+    module = types.ModuleType(GATE)
+    module.__dict__.update(vars(namespace))
+    sys.modules[GATE] = module
+    try:
+        yield namespace
+    finally:
+        namespace.release.set()
+        sys.modules.pop(GATE, None)
+
+
+def add_sub_inputs(module: types.ModuleType) -> list:
+    inputs = [module.InferInput("INPUT0", [16], "FP32"), module.InferInput("INPUT1", [16], "FP32")]
+    for tensor in inputs:
+        tensor.set_data_from_numpy(np.arange(16, dtype=np.float32))
+    return inputs
+
+
+def test_async_finalize_runs_to_completion_on_unload(tmp_path: Path, serve) -> None:
+    repo = tmp_path / "repo"
+    model_dir = write_model(repo, "afin", ONE_OUTPUT_CONFIG.format(name="afin"), {"model.py": ASYNC_FINALIZE_PY})
+    server = serve(repo)
+    client = httpclient.InferenceServerClient(server.http)
+
+    client.unload_model("afin")
+
+    assert not client.is_model_ready("afin")
+    assert (model_dir / "FINALIZED").read_text() == "async finalize ran\n"
+
+
+def test_slow_finalize_does_not_block_other_models(tmp_path: Path, serve, gate) -> None:
+    repo = tmp_path / "repo"
+    write_model(repo, "slowfin", ONE_OUTPUT_CONFIG.format(name="slowfin"), {"model.py": SLOW_FINALIZE_PY})
+    write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    server = serve(repo)
+    unloading = threading.Thread(target=httpclient.InferenceServerClient(server.http).unload_model, args=("slowfin",))
+    unloading.start()
+    try:
+        assert gate.started.wait(30), "finalize() was never called"
+        # finalize() is blocked right now; the server still answers, over both protocols
+        http = httpclient.InferenceServerClient(server.http)
+        answer = http.infer("add_sub", add_sub_inputs(httpclient))
+        assert answer.as_numpy("OUTPUT0").tolist() == (2 * np.arange(16)).tolist()
+        grpc = grpcclient.InferenceServerClient(server.grpc)
+        answer = grpc.infer("add_sub", add_sub_inputs(grpcclient))
+        assert answer.as_numpy("OUTPUT1").tolist() == [0.0] * 16
+        assert unloading.is_alive()  # the unload waits for finalize()
+    finally:
+        gate.release.set()
+        unloading.join(30)
+    assert not unloading.is_alive()
+    assert not httpclient.InferenceServerClient(server.http).is_model_ready("slowfin")
