@@ -254,10 +254,19 @@ class Tensor:
         return True
 
     def to_dlpack(self) -> Any:
-        """A DLPack capsule of the data (numeric dtypes only; BYTES has no DLPack form)."""
-        if self._array.dtype == np.object_ or self._array.dtype.kind in ("S", "U"):
+        """A DLPack capsule of the data (numeric dtypes only; BYTES has no DLPack form).
+
+        Zero-copy for a writeable C-contiguous array. Request inputs are read-only views of the
+        request's bytes, and a (legacy, unversioned) DLPack capsule cannot say read-only, so numpy
+        refuses to export them: those are exported from a private copy, which the consumer may
+        also write to, as it may in Triton.
+        """
+        array = self._array
+        if array.dtype == np.object_ or array.dtype.kind in ("S", "U"):
             raise TritonModelException(f"Tensor '{self._name}': BYTES tensors cannot be converted to DLPack")
-        return np.ascontiguousarray(self._array).__dlpack__()
+        if not (array.flags.writeable and array.flags.c_contiguous):
+            array = np.array(array, order="C", copy=True)
+        return array.__dlpack__()
 
     @staticmethod
     def from_dlpack(name: str, dlpack_tensor: Any) -> Tensor:
