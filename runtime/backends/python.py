@@ -205,6 +205,22 @@ def _int64_strings_to_numbers(message_type: pb_descriptor.Descriptor, data: dict
             data[field.name] = [int(v) for v in value] if isinstance(value, list) else int(value)
 
 
+def instance_name_of(config: mc.ModelConfig, model_name: str, index: int) -> str:
+    """Triton's name for the ``index``-th instance the instance groups ask for, counted as the
+    repository creates them (group by group, ``count`` each; no groups means one group of one):
+    ``<group name>_<position in its group>``, the group name defaulting to
+    ``<model>_<group index>``, so a model with no ``instance_group`` has one instance ``<model>_0_0``."""
+    groups = list(config.instance_group) or [mc.ModelInstanceGroup(count=1)]
+    remaining = index
+    for group_index, group in enumerate(groups):
+        count = max(group.count, 1)
+        last = group_index == len(groups) - 1
+        if remaining < count or last:
+            return f"{group.name or f'{config.name or model_name}_{group_index}'}_{remaining}"
+        remaining -= count
+    raise AssertionError("unreachable: the last group takes any index")
+
+
 # ---------------------------------------------------------------------------------------------
 # Backend and instances
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +244,7 @@ class PythonBackend(ModelBackend):
 
     def new_instance(self, index: int, kind: int, device_id: int) -> ModelInstance:
         name = self._ctx.model_name
-        instance_name = f"{name}_{index}"
+        instance_name = instance_name_of(self.config, name, index)
         try:
             kind_name = mc.ModelInstanceGroup.Kind.Name(kind).removeprefix("KIND_")
         except ValueError:

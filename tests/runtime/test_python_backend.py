@@ -171,7 +171,9 @@ def test_initialize_receives_triton_args(tmp_path):
         import numpy as np
         return np.array([blob], dtype=np.object_)
     """
-    config_text = ECHO_CONFIG_TEMPLATE.format(name="args_model", dtype="TYPE_STRING")
+    config_text = ECHO_CONFIG_TEMPLATE.format(name="args_model", dtype="TYPE_STRING") + (
+        "instance_group [ { count: 2, kind: KIND_CPU }, { count: 1, kind: KIND_GPU, gpus: [ 1 ] } ]"
+    )
     ctx = write_model(tmp_path, "args_model", source, config_text, version=3)
     backend = python_backend.load(parse_config(config_text), ctx)
     instance = backend.new_instance(2, mc.ModelInstanceGroup.KIND_GPU, 1)
@@ -180,7 +182,7 @@ def test_initialize_receives_triton_args(tmp_path):
     args = json.loads(response.outputs[0].data[0])
 
     assert args["model_instance_kind"] == "GPU"
-    assert args["model_instance_name"] == "args_model_2"
+    assert args["model_instance_name"] == "args_model_1_0"  # second group, its first instance
     assert args["model_instance_device_id"] == "1"
     assert args["model_repository"] == str(tmp_path / "args_model")
     assert args["model_version"] == "3"
@@ -679,7 +681,7 @@ def test_initialize_error_fails_new_instance(tmp_path):
     ctx = write_model(tmp_path, "noinit", source, config_text)
     backend = python_backend.load(parse_config(config_text), ctx)
 
-    with pytest.raises(SluiceError, match=r"model instance 'noinit_0' .* RuntimeError: weights missing"):
+    with pytest.raises(SluiceError, match=r"model instance 'noinit_0_0' .* RuntimeError: weights missing"):
         backend.new_instance(0, mc.ModelInstanceGroup.KIND_CPU, 0)
 
 
@@ -695,6 +697,22 @@ def test_byte_tensor_serialization_round_trips():
 
     assert encoded[:5] == b"\x01\x00\x00\x00a"
     assert pb_utils.deserialize_bytes_tensor(encoded).tolist() == data.tolist()
+
+
+@pytest.mark.parametrize(
+    ("groups", "names"),
+    [
+        ("", ["m_0_0"]),
+        ("instance_group [ { count: 2 } ]", ["m_0_0", "m_0_1"]),
+        ("instance_group [ { count: 1 }, { count: 2, kind: KIND_GPU, gpus: [ 0, 1 ] } ]", ["m_0_0", "m_1_0", "m_1_1"]),
+        ('instance_group [ { name: "fast", count: 2 }, { count: 1 } ]', ["fast_0", "fast_1", "m_1_0"]),
+        ("instance_group [ { count: 0 } ]", ["m_0_0"]),  # the repository creates one instance
+    ],
+)
+def test_instance_names_follow_triton(groups, names):
+    config = parse_config(f'name: "m" backend: "python" {groups}')
+
+    assert [python_backend.instance_name_of(config, "m", index) for index in range(len(names))] == names
 
 
 def test_type_helpers_match_triton():

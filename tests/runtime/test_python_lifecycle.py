@@ -123,3 +123,52 @@ def test_slow_finalize_does_not_block_other_models(tmp_path: Path, serve, gate) 
         unloading.join(30)
     assert not unloading.is_alive()
     assert not httpclient.InferenceServerClient(server.http).is_model_ready("slowfin")
+
+
+WHOAMI_PY = """
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.name = args["model_instance_name"]
+        with open(os.path.join(args["model_repository"], "INSTANCES"), "a") as f:
+            f.write(self.name + "\\n")
+
+    def execute(self, requests):
+        name = np.array([self.name.encode()], dtype=np.object_)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("NAME", name)]) for _ in requests]
+"""
+
+WHOAMI_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "IN", data_type: TYPE_FP32, dims: [ 1 ] }} ]
+output [ {{ name: "NAME", data_type: TYPE_STRING, dims: [ 1 ] }} ]
+{groups}
+"""
+
+
+@pytest.mark.parametrize("client_module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_instance_name_is_tritons(tmp_path: Path, serve, client_module) -> None:
+    repo = tmp_path / "repo"
+    write_model(repo, "whoami", WHOAMI_CONFIG.format(name="whoami", groups=""), {"model.py": WHOAMI_PY})
+    grouped = write_model(
+        repo,
+        "grouped",
+        WHOAMI_CONFIG.format(
+            name="grouped", groups='instance_group [ { count: 2, kind: KIND_CPU }, { name: "solo", count: 1 } ]'
+        ),
+        {"model.py": WHOAMI_PY},
+    )
+    server = serve(repo)
+    client = client_module.InferenceServerClient(server.http if client_module is httpclient else server.grpc)
+    tensor = client_module.InferInput("IN", [1], "FP32")
+    tensor.set_data_from_numpy(np.zeros(1, np.float32))
+
+    assert client.infer("whoami", [tensor]).as_numpy("NAME").tolist() == [b"whoami_0_0"]
+    assert sorted((grouped / "INSTANCES").read_text().split()) == ["grouped_0_0", "grouped_0_1", "solo_0"]
