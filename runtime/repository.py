@@ -252,6 +252,10 @@ def prepare(root: Path, name: str, override: str | None, defaults: SchedulingDef
         ctx = LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root)
         inputs, outputs = onnxrt.probe(onnxrt.model_path(config, ctx))
         warnings += model_config.complete_io(config, inputs, outputs)
+    if backend == "python":  # TritonPythonModel.auto_complete_config, before validation
+        from sluice.runtime.backends import python
+
+        python.auto_complete(config, LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root))
     warnings += model_config.validate(config, source=loaded.source)
     warnings = list(dict.fromkeys(warnings))  # load_model_config validates too; report each once
     response_cache(config, defaults)  # raises for a bad size parameter

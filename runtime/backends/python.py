@@ -122,6 +122,41 @@ def load(config: mc.ModelConfig, ctx: LoadContext) -> ModelBackend:
     return PythonBackend(config, ctx, module, model_class)
 
 
+def auto_complete(config: mc.ModelConfig, ctx: LoadContext) -> None:
+    """Let ``TritonPythonModel.auto_complete_config`` complete ``config`` in place, as Triton does
+    before it validates the config; nothing happens when the class does not define it.
+
+    The model file is imported for this call alone (Triton runs it in a stub process of its own):
+    nothing it creates here reaches ``initialize``. Runs before validation, so the completed config
+    is checked like a written one.
+    """
+    path = ctx.version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
+    if not path.is_file():
+        return  # load() reports the missing file
+    module = _import_model_file(path, ctx)
+    try:
+        hook = getattr(getattr(module, "TritonPythonModel", None), "auto_complete_config", None)
+        if not callable(hook):
+            return
+        where = f"failed to load '{ctx.model_name}': auto_complete_config"
+        try:
+            completed = hook(pb_utils.ModelConfig(model_config_json(config)))
+        except Exception as exc:
+            raise ModelError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(completed, pb_utils.ModelConfig):
+            raise ModelError(
+                f"{where} returned {type(completed).__name__}; it must return the "
+                "triton_python_backend_utils.ModelConfig it was given"
+            )
+        try:
+            parsed = json_format.ParseDict(completed.as_dict(), mc.ModelConfig())
+        except (json_format.ParseError, TypeError, ValueError) as exc:
+            raise ModelError(f"{where} produced a config that is not a valid ModelConfig: {exc}") from exc
+        config.CopyFrom(parsed)
+    finally:
+        _forget_module(module)
+
+
 def _import_model_file(path: Path, ctx: LoadContext) -> ModuleType:
     """Import ``path`` as a fresh module; sibling files of ``path`` are importable while it runs.
 

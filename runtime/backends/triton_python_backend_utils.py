@@ -407,6 +407,114 @@ class InferenceResponse:
 
 
 # ---------------------------------------------------------------------------------------------
+# auto_complete_config
+# ---------------------------------------------------------------------------------------------
+
+
+class ModelConfig:
+    """The config handed to ``TritonPythonModel.auto_complete_config`` and returned from it.
+
+    Holds the config as the dict ``initialize`` sees (JSON field names, defaults included); the
+    setters check what Triton's do and raise ``ValueError`` in Triton's words, which fails the load.
+    """
+
+    _INPUT_PROPERTIES = ("name", "data_type", "dims", "optional")
+    _OUTPUT_PROPERTIES = ("name", "data_type", "dims")
+
+    def __init__(self, model_config: str | dict[str, Any]) -> None:
+        self._model_config: dict[str, Any] = (
+            json.loads(model_config) if isinstance(model_config, str) else model_config
+        )
+        self._model_config.setdefault("input", [])
+        self._model_config.setdefault("output", [])
+        self._model_config.setdefault("max_batch_size", 0)
+
+    @property
+    def _model(self) -> str:
+        return str(self._model_config.get("name", ""))
+
+    def as_dict(self) -> dict[str, Any]:
+        return self._model_config
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        configured = self._model_config["max_batch_size"]
+        if configured > max_batch_size:
+            raise ValueError(
+                f"configuration specified max_batch_size {configured}, but in auto-complete-config function "
+                f"for model '{self._model}' specified max_batch_size {max_batch_size}"
+            )
+        self._model_config["max_batch_size"] = max_batch_size
+
+    def set_dynamic_batching(self) -> None:
+        for scheduler in ("sequence_batching", "ensemble_scheduling"):
+            if scheduler in self._model_config:
+                raise ValueError(
+                    f"Configuration specified scheduling_choice as '{scheduler}', but auto-complete-config "
+                    f"function for model '{self._model}' tries to set scheduling_choice as 'dynamic_batching'"
+                )
+        self._model_config.setdefault("dynamic_batching", {})
+
+    def add_input(self, input: dict[str, Any]) -> None:  # "input" as in Triton, for keyword callers
+        self._add_tensor("input", input, self._INPUT_PROPERTIES)
+
+    def add_output(self, output: dict[str, Any]) -> None:
+        self._add_tensor("output", output, self._OUTPUT_PROPERTIES)
+
+    def _add_tensor(self, section: str, tensor: dict[str, Any], allowed: tuple[str, ...]) -> None:
+        """Append ``tensor`` to ``input``/``output``, or fill in the entry of the same name; an entry
+        the config already gives a datatype or dims for must agree with the model."""
+        where = f"in auto-complete-config function for model '{self._model}'"
+        label = f"{section} '{tensor.get('name', '')}'"
+        unknown = [key for key in tensor if key not in allowed]
+        if unknown:
+            names = ", ".join(f"'{key}'" for key in allowed[:-1]) + f" and '{allowed[-1]}'"
+            raise ValueError(f"{label} {where} contains property other than {names}.")
+        if "name" not in tensor:
+            raise ValueError(f"{section} {where} is missing 'name' property.")
+        for required in ("data_type", "dims"):
+            if required not in tensor:
+                raise ValueError(f"{label} {where} is missing '{required}' property.")
+        for current in self._model_config[section]:
+            if current.get("name") != tensor["name"]:
+                continue
+            configured_type = current.get("data_type", "TYPE_INVALID")
+            if configured_type != "TYPE_INVALID" and configured_type != tensor["data_type"]:
+                raise ValueError(
+                    f"unable to load model '{self._model}', configuration expects datatype {configured_type} "
+                    f"for {section} '{tensor['name']}', model provides {tensor['data_type']}"
+                )
+            if current.get("dims") and list(current["dims"]) != list(tensor["dims"]):
+                raise ValueError(
+                    f"model '{self._model}', tensor '{tensor['name']}': the model expects dims "
+                    f"{list(tensor['dims'])} but the model configuration specifies dims {list(current['dims'])}"
+                )
+            if "optional" in current and "optional" in tensor and current["optional"] != tensor["optional"]:
+                raise ValueError(
+                    f"model '{self._model}', tensor '{tensor['name']}': the model expects optional "
+                    f"{tensor['optional']} but the model configuration specifies optional {current['optional']}"
+                )
+            current.update(tensor)
+            return
+        self._model_config[section].append(dict(tensor))
+
+    def set_model_transaction_policy(self, transaction_policy_dict: dict[str, Any]) -> None:
+        if any(key != "decoupled" for key in transaction_policy_dict):
+            raise ValueError(
+                f"model transaction property in auto-complete-config function for model '{self._model}' "
+                "contains property other than 'decoupled'."
+            )
+        policy = self._model_config.setdefault("model_transaction_policy", {})
+        if "decoupled" in transaction_policy_dict:
+            wanted = transaction_policy_dict["decoupled"]
+            if "decoupled" in policy and policy["decoupled"] != wanted:
+                raise ValueError(
+                    f"trying to change decoupled property in auto-complete-config for model '{self._model}', "
+                    f"which is already set to '{policy['decoupled']}'."
+                )
+            policy["decoupled"] = wanted
+
+
+# ---------------------------------------------------------------------------------------------
 # Lookup helpers
 # ---------------------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import textwrap
 import threading
 from pathlib import Path
@@ -713,6 +714,54 @@ def test_instance_names_follow_triton(groups, names):
     config = parse_config(f'name: "m" backend: "python" {groups}')
 
     assert [python_backend.instance_name_of(config, "m", index) for index in range(len(names))] == names
+
+
+BASE_CONFIG = {
+    "name": "m",
+    "max_batch_size": 4,
+    "input": [{"name": "X", "data_type": "TYPE_FP32", "dims": [2]}],
+    "output": [{"name": "Y", "data_type": "TYPE_INVALID", "dims": []}],
+    "sequence_batching": {},
+    "model_transaction_policy": {"decoupled": False},
+}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: c.set_max_batch_size(2), "configuration specified max_batch_size 4, but in auto-complete-config"),
+        (lambda c: c.set_dynamic_batching(), "Configuration specified scheduling_choice as 'sequence_batching'"),
+        (lambda c: c.add_input({"name": "X", "data_type": "TYPE_INT8", "dims": [2]}), "expects datatype TYPE_FP32"),
+        (lambda c: c.add_input({"name": "X", "data_type": "TYPE_FP32", "dims": [3]}), "the model expects dims [3]"),
+        (lambda c: c.add_input({"name": "Z", "data_type": "TYPE_FP32"}), "input 'Z' in auto-complete-config function"),
+        (lambda c: c.add_output({"name": "Z", "dims": [1], "data_type": "TYPE_FP32", "optional": True}), "other than"),
+        (lambda c: c.add_output({"dims": [1], "data_type": "TYPE_FP32"}), "is missing 'name' property"),
+        (lambda c: c.set_model_transaction_policy({"decoupled": True}), "trying to change decoupled property"),
+        (lambda c: c.set_model_transaction_policy({"sticky": True}), "contains property other than 'decoupled'"),
+    ],
+)
+def test_model_config_refuses_what_triton_refuses(change, message):
+    config = pb_utils.ModelConfig(json.dumps(BASE_CONFIG))
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        change(config)
+
+
+def test_model_config_fills_in_and_appends():
+    config = pb_utils.ModelConfig(json.dumps(BASE_CONFIG))
+
+    config.set_max_batch_size(8)
+    config.add_input({"name": "X", "data_type": "TYPE_FP32", "dims": [2], "optional": True})
+    config.add_output({"name": "Y", "data_type": "TYPE_INT32", "dims": [1]})  # TYPE_INVALID: filled in
+    config.add_output({"name": "Z", "data_type": "TYPE_FP32", "dims": [-1]})
+
+    result = config.as_dict()
+    assert result["max_batch_size"] == 8
+    assert result["input"] == [{"name": "X", "data_type": "TYPE_FP32", "dims": [2], "optional": True}]
+    assert [(o["name"], o["data_type"], o["dims"]) for o in result["output"]] == [
+        ("Y", "TYPE_INT32", [1]),
+        ("Z", "TYPE_FP32", [-1]),
+    ]
 
 
 def test_type_helpers_match_triton():
