@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sluice.runtime import __version__
+from sluice.runtime import __version__, classification
 from sluice.runtime import config as model_config
 from sluice.runtime.cache import cache_key
 from sluice.runtime.errors import InvalidArgument, SluiceError, Unavailable
@@ -20,7 +20,7 @@ from sluice.runtime.signature import check_request
 from sluice.runtime.types import InferRequest, InferResponse
 
 EXTENSIONS = [
-    "classification",  # refused with a clear error, listed so clients can discover the refusal
+    "classification",
     "binary_tensor_data",
     "model_repository",
     "model_repository(unload_dependents)",
@@ -199,6 +199,7 @@ class DataPlane:
                     insert = time.monotonic_ns()
                     cache.put(key, outcome, len(mv.signature.outputs))
                     stats.on_cache_miss(lookup_ns + time.monotonic_ns() - insert)
+                outcome = _classified(outcome, mv, request)
             stats.on_request(time.monotonic_ns() - start, outcome if isinstance(outcome, SluiceError) else None)
             done(outcome)
 
@@ -211,7 +212,7 @@ class DataPlane:
                 lookup_ns = time.monotonic_ns() - start
                 if hit is not None:
                     stats.on_cache_hit(lookup_ns)
-                    done(_named(hit, mv, request))
+                    done(_classified(_named(hit, mv, request), mv, request))
                     return
             mv.scheduler.enqueue_callback(request, finished, priority, timeout_us)
         except SluiceError as exc:
@@ -224,3 +225,12 @@ def _named(result: InferResponse, mv: ModelVersion, request: InferRequest) -> In
     result.model_version = str(mv.version)
     result.id = request.id
     return result
+
+
+def _classified(result: InferResponse, mv: ModelVersion, request: InferRequest) -> InferResponse | SluiceError:
+    """Outputs requested with ``classification: k`` become their top k (after the response cache
+    stored the raw response, so a cached entry serves both kinds of request)."""
+    outputs = request.outputs
+    if not outputs or not any(output.parameters for output in outputs):
+        return result
+    return classification.apply(result, outputs, batched=mv.config.max_batch_size > 0, labels=mv.labels)

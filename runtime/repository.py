@@ -16,8 +16,8 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from sluice.runtime import classification, ensemble, names
 from sluice.runtime import config as model_config
-from sluice.runtime import ensemble, names
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance
 from sluice.runtime.batching import (
     BATCH_POLICIES,
@@ -49,6 +49,7 @@ class ModelVersion:
     scheduler: Scheduler | ensemble.EnsembleScheduler
     stats: ModelStats
     cache: ResponseCache | None = None
+    labels: classification.Labels = dataclasses.field(default_factory=dict)  # output -> label_filename lines
 
     @property
     def platform(self) -> str:
@@ -187,6 +188,7 @@ class _Prepared:
     warnings: list[str]
     scheduling: SchedulerConfig | None  # None for an ensemble
     cache: Callable[[], ResponseCache | None]
+    labels: classification.Labels = dataclasses.field(default_factory=dict)
 
     def close(self, started: Collection[int] = ()) -> None:
         """Release what ``prepare`` opened (instances, then backends), except the instances of the
@@ -257,6 +259,7 @@ def prepare(root: Path, name: str, override: str | None, defaults: SchedulingDef
 
         python.auto_complete(config, LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root))
     warnings += model_config.validate(config, source=loaded.source)
+    labels = classification.read_labels(config, model_dir)  # raises for a missing label file
     warnings = list(dict.fromkeys(warnings))  # load_model_config validates too; report each once
     response_cache(config, defaults)  # raises for a bad size parameter
 
@@ -265,10 +268,10 @@ def prepare(root: Path, name: str, override: str | None, defaults: SchedulingDef
 
     if backend == model_config.ENSEMBLE:
         versions = [(version, ensemble.Ensemble(config), []) for version in chosen]
-        return _Prepared(config, versions, warnings, None, cache)
+        return _Prepared(config, versions, warnings, None, cache, labels)
     scheduling = scheduler_config(config, defaults, name)
     loader = _backend_loader(backend)
-    prepared = _Prepared(config, [], warnings, scheduling, cache)
+    prepared = _Prepared(config, [], warnings, scheduling, cache, labels)
     try:
         for version in chosen:
             ctx = LoadContext(name, version, model_dir, model_dir / str(version), root)
@@ -451,6 +454,7 @@ class Repository:
                 scheduler,
                 stats,
                 prepared.cache(),
+                prepared.labels,
             )
             scheduler.start()
 

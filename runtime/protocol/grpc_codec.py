@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, Unsupported
+from sluice.runtime import classification
+from sluice.runtime.errors import InvalidArgument, PayloadTooLarge
 from sluice.runtime.protocol.http_codec import bytes_elements, encode_bytes_elements
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import (
@@ -154,11 +155,8 @@ def decode_infer(message: pb.ModelInferRequest, limits: Limits) -> InferRequest:
         outputs = []
         for out in message.outputs:
             params = parameters_to_dict(out.parameters) if out.parameters else {}
-            if params.get("classification"):
-                raise Unsupported(
-                    f"output '{out.name}': the classification extension is not supported by Sluice; "
-                    "request the raw output and take the top-k on the client"
-                )
+            if classification.PARAMETER in params:
+                classification.requested_count(out.name, params[classification.PARAMETER])
             outputs.append(RequestedOutput(out.name, None, params))
     params = parameters_to_dict(message.parameters) if message.parameters else {}
     return InferRequest(message.model_name, message.model_version, inputs, outputs, message.id, params)

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, Unsupported
+from sluice.runtime import classification
+from sluice.runtime.errors import InvalidArgument, PayloadTooLarge
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import (
     DATATYPES,
@@ -305,11 +306,8 @@ def decode_infer(
             if not isinstance(item, dict) or not isinstance(item.get("name"), str):
                 raise _bad(f"outputs[{index}] must be an object with a string 'name'")
             out_params = _parameters(item, f"output '{item['name']}'")
-            if out_params.get("classification"):
-                raise Unsupported(
-                    f"output '{item['name']}': the classification extension is not supported by Sluice; "
-                    "request the raw output and take the top-k on the client"
-                )
+            if classification.PARAMETER in out_params:
+                classification.requested_count(item["name"], out_params[classification.PARAMETER])
             binary_flag = out_params.get("binary_data")
             if binary_flag is not None and not isinstance(binary_flag, bool):
                 raise _bad(f"output '{item['name']}': binary_data must be true or false")

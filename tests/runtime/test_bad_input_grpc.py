@@ -171,9 +171,9 @@ CASES = [
     Case("unknown-output", edit(with_output("OUTPUT9")), INVALID, ("OUTPUT9",)),
     Case("bad-priority", edit(with_param("priority", "high")), INVALID, ("priority",)),
     Case(
-        "classification",
-        edit(with_output("OUTPUT0", classification=3)),
-        grpc.StatusCode.UNIMPLEMENTED,
+        "classification-count",
+        edit(with_output("OUTPUT0", classification=-3)),
+        INVALID,
         ("OUTPUT0", "classification"),
     ),
     Case("unknown-model", edit(lambda m: setattr(m, "model_name", "nope")), grpc.StatusCode.NOT_FOUND, ("'nope'",)),
@@ -256,8 +256,8 @@ def test_tritonclient_sees_the_codes(shared_server):
             client.infer("nope", inputs)
         assert info.value.status() == "StatusCode.NOT_FOUND"
         with pytest.raises(InferenceServerException, match="classification") as info:
-            client.infer("add_sub", inputs, outputs=[grpcclient.InferRequestedOutput("OUTPUT0", class_count=2)])
-        assert info.value.status() in ("StatusCode.UNIMPLEMENTED", "StatusCode.INVALID_ARGUMENT")
+            client.infer("add_sub", inputs, outputs=[grpcclient.InferRequestedOutput("OUTPUT0", class_count=-2)])
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
         wrong = grpcclient.InferInput("INPUT0", [16], "INT32")
         wrong.set_data_from_numpy(np.ones(16, np.int32))
         with pytest.raises(InferenceServerException, match="INT32") as info:

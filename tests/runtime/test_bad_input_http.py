@@ -307,8 +307,8 @@ CASES = [
         "OUTPUT0, OUTPUT1",
     ),
     case(
-        "classification",
-        infer("add_sub", {**GOOD, "outputs": [{"name": "OUTPUT0", "parameters": {"classification": 3}}]}),
+        "classification-count",
+        infer("add_sub", {**GOOD, "outputs": [{"name": "OUTPUT0", "parameters": {"classification": -3}}]}),
         400,
         "OUTPUT0",
         "classification",

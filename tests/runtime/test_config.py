@@ -663,7 +663,7 @@ WARNINGS = [
         ' { name: "s" data_type: TYPE_INT32 dims: [ 1 ] is_shape_tensor: true allow_ragged_batch: true } ]',
         ["input[1].is_shape_tensor: shape tensors", "input[1].allow_ragged_batch: ragged"],
     ),
-    ('output [ { name: "o" data_type: TYPE_FP32 dims: [ 2 ] label_filename: "l.txt" } ]', ["output[0].label_filename"]),
+    ('output [ { name: "o" data_type: TYPE_FP32 dims: [ 2 ] label_filename: "l.txt" } ]', []),  # implemented
     ("instance_group [ { count: 1 }, { count: 1 passive: true rate_limiter { priority: 2 } } ]",
      ["instance_group[1].rate_limiter", "instance_group[1].passive"]),
     ('batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "n" } ]', ["batch_input: not implemented yet"]),
