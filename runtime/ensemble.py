@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 Done = Callable[[Result], None]
 Dispatch = Callable[[InferRequest, Done], None]
 """The data plane's ``infer_nowait``: raises for immediate rejections, else calls ``done`` once."""
+StepConfig = Callable[[str, str], "mc.ModelConfig | None"]
+"""The config of a ready step model (name, version; "" for the latest), or None."""
 
 
 # --- the plan (pure) -----------------------------------------------------------------------------
@@ -73,6 +75,8 @@ class Plan:
     output_types: Mapping[str, str]  # ensemble output -> V2 datatype the config declares
     steps: tuple[Step, ...]
     producer: Mapping[str, int]  # ensemble tensor -> index of the step that produces it
+    batched: bool = False  # the ensemble's max_batch_size > 0
+    output_dims: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # without batch dim
 
 
 def plan_of(config: mc.ModelConfig) -> Plan:
@@ -95,7 +99,52 @@ def plan_of(config: mc.ModelConfig) -> Plan:
         {o.name: DATATYPE_BY_CONFIG_TYPE.get(mc.DataType.Name(o.data_type), "BYTES") for o in config.output},
         steps,
         {tensor: step.index for step in steps for _, tensor in step.outputs},
+        config.max_batch_size > 0,
+        {o.name: tuple(o.reshape.shape if o.HasField("reshape") else o.dims) for o in config.output},
     )
+
+
+def _dims_match(config_dims: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    if len(config_dims) != len(shape):
+        return False
+    return all(c == d or c == -1 or d == -1 for c, d in zip(config_dims, shape, strict=True))
+
+
+def reshape_dims(
+    config_dims: tuple[int, ...], batching: bool, tensor_batch: int, shape: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The shape an ensemble tensor takes where a model (a step input, or the ensemble's own output)
+    wants it, as Triton's ensemble scheduler reshapes between batching and non-batching models.
+
+    ``tensor_batch`` is the batch size of the request that produced the tensor (0 when that model,
+    or the ensemble for its inputs, does not batch). Towards a batching model, an unbatched tensor
+    that matches the dims gets a batch dim of 1 (one that does not match is taken as batched
+    already); towards a non-batching model, a batch-of-1 tensor that does not match loses its batch
+    dim. Anything else is left alone.
+    """
+    if batching == (tensor_batch != 0):
+        return shape
+    if batching:
+        return (1, *shape) if _dims_match(config_dims, shape) else shape
+    if tensor_batch == 1 and not _dims_match(config_dims, shape):
+        return shape[1:]
+    return shape
+
+
+def _batch_of(batching: bool, inputs: Iterable[Tensor]) -> int:
+    """Triton's request batch size: the first dim of the inputs for a batching model, else 0."""
+    if not batching:
+        return 0
+    for tensor in inputs:
+        if tensor.data.ndim:
+            return int(tensor.data.shape[0])
+    return 0
+
+
+def _reshaped(tensor: Tensor, shape: tuple[int, ...]) -> Tensor:
+    if shape == tensor.data.shape:
+        return tensor
+    return Tensor(tensor.name, tensor.datatype, tensor.data.reshape(shape), tensor.parameters)
 
 
 def runnable(plan: Plan, available: Collection[str], started: Collection[int]) -> list[Step]:
@@ -107,13 +156,29 @@ def runnable(plan: Plan, available: Collection[str], started: Collection[int]) -
     ]
 
 
-def step_request(step: Step, tensors: Mapping[str, Tensor], outer: InferRequest) -> InferRequest:
+def step_request(
+    step: Step,
+    tensors: Mapping[str, Tensor],
+    outer: InferRequest,
+    batches: Mapping[str, int] | None = None,
+    config: mc.ModelConfig | None = None,
+) -> InferRequest:
     """The inner request of ``step``: its inputs renamed from the ensemble tensors, only the outputs
-    the ensemble maps, and the caller's id and parameters (priority, timeout) passed on."""
+    the ensemble maps, and the caller's id and parameters (priority, timeout) passed on.
+
+    With the step model's ``config`` and the tensors' ``batches`` (see :func:`reshape_dims`), each
+    input is reshaped (a view, no copy) where the step's batching differs from its producer's."""
     inputs = []
+    wanted = {i.name: tuple(i.dims) for i in config.input} if config is not None else {}
+    batching = config is not None and config.max_batch_size > 0
     for name, tensor in step.inputs:
         source = tensors[tensor]
-        inputs.append(Tensor(name, source.datatype, source.data))
+        data = source.data
+        if config is not None and batches is not None and name in wanted:
+            shape = reshape_dims(wanted[name], batching, batches.get(tensor, 0), data.shape)
+            if shape != data.shape:
+                data = data.reshape(shape)
+        inputs.append(Tensor(name, source.datatype, data))
     return InferRequest(
         step.model,
         step.version,
@@ -153,6 +218,16 @@ def ensemble_outputs(plan: Plan, tensors: Mapping[str, Tensor], requested: Itera
             )
         out.append(tensor)
     return out
+
+
+def ensemble_outputs_reshaped(plan: Plan, outputs: list[Tensor], batches: Mapping[str, int]) -> list[Tensor]:
+    """The response tensors in the shape the ensemble declares (see :func:`reshape_dims`)."""
+    return [
+        _reshaped(t, reshape_dims(plan.output_dims.get(t.name, ()), plan.batched, batches.get(t.name, 0), t.data.shape))
+        if t.name in plan.output_dims
+        else t
+        for t in outputs
+    ]
 
 
 def missing_local_step(plan: Plan, ready: Callable[[str, str], bool]) -> Step | None:
@@ -197,6 +272,8 @@ class _Run:
         self.request = request
         self.done = done
         self.tensors: dict[str, Tensor] = {t.name: t for t in request.inputs}
+        # ensemble tensor -> batch size of the request that produced it (0: not batched)
+        self.batches: dict[str, int] = dict.fromkeys(self.tensors, _batch_of(self.plan.batched, request.inputs))
         self.started: set[int] = set()
         self.pending: dict[int, InferRequest] = {}
         self.tasks: dict[int, asyncio.Task[None]] = {}
@@ -209,7 +286,11 @@ class _Run:
         for step in runnable(self.plan, self.tensors, self.started):
             # All of them are pending before any is sent: a step may answer at once (a cache hit).
             self.started.add(step.index)
-            inner = self.pending[step.index] = step_request(step, self.tensors, self.request)
+            config = None if step.remote is not None else self.scheduler.step_config(step.model, step.version)
+            inner = self.pending[step.index] = step_request(step, self.tensors, self.request, self.batches, config)
+            batch_size = _batch_of(config is not None and config.max_batch_size > 0, inner.inputs)
+            for _, tensor in step.outputs:
+                self.batches[tensor] = batch_size
             batch.append((step, inner))
         for step, inner in batch:
             if self.finished:
@@ -243,7 +324,9 @@ class _Run:
     def complete(self) -> None:
         requested = None if self.request.outputs is None else [o.name for o in self.request.outputs]
         try:
-            outputs = ensemble_outputs(self.plan, self.tensors, requested)
+            outputs = ensemble_outputs_reshaped(
+                self.plan, ensemble_outputs(self.plan, self.tensors, requested), self.batches
+            )
         except KeyError as exc:  # a step input was optional and not sent: nothing produced the output
             self.finish(InvalidArgument(f"ensemble '{self.plan.name}' produced no output {exc}"))
             return
@@ -270,9 +353,18 @@ class _Run:
 class EnsembleScheduler:
     """Runs requests of one ensemble version; the data plane calls it like a batching scheduler."""
 
-    def __init__(self, ensemble: Ensemble, dispatch: Dispatch, *, observer: Observer | None = None) -> None:
+    def __init__(
+        self,
+        ensemble: Ensemble,
+        dispatch: Dispatch,
+        *,
+        observer: Observer | None = None,
+        step_config: StepConfig | None = None,
+    ) -> None:
         self.plan = ensemble.plan
         self.dispatch = dispatch
+        # Without it (or for remote steps) tensors pass between steps in the shape they have.
+        self.step_config: StepConfig = step_config or (lambda model, version: None)
         self.observer = observer or Observer()
         self.remote = RemoteSteps()
         self._runs: set[_Run] = set()

@@ -437,7 +437,9 @@ class Repository:
             if isinstance(backend, ensemble.Ensemble):
                 if self._dispatch is None:
                     raise Unavailable("ensembles need a data plane to run steps")
-                scheduler = ensemble.EnsembleScheduler(backend, self._dispatch, observer=stats)
+                scheduler = ensemble.EnsembleScheduler(
+                    backend, self._dispatch, observer=stats, step_config=self._step_config
+                )
             else:
                 assert prepared.scheduling is not None
                 config = dataclasses.replace(prepared.scheduling, model_label=label)
@@ -482,6 +484,13 @@ class Repository:
                 model.history[version] = UNAVAILABLE
             self._follow_steps()
         await self._close_versions(old.values(), grace_s)
+
+    def _step_config(self, name: str, version: str) -> mc.ModelConfig | None:
+        """The config of a ready step model, for the ensemble's reshaping between steps."""
+        try:
+            return self.get(name, version).config
+        except SluiceError:
+            return None
 
     def _step_ready(self, name: str, version: str) -> bool:
         model = self._models.get(name)

@@ -643,3 +643,124 @@ def test_ensemble_config_validation_directly() -> None:
         "ensemble_scheduling.max_inflight_requests: not implemented yet; in-flight steps are not limited"
     ]
     assert isinstance(config, mc.ModelConfig)
+
+
+# --- a non-batching ensemble over batching steps (Triton's reshaping between steps) --------------
+
+
+@pytest.mark.parametrize(
+    ("config_dims", "batching", "tensor_batch", "shape", "expected"),
+    [
+        ((4,), True, 0, (4,), (1, 4)),  # unbatched tensor into a batching model: batch of 1
+        ((4,), True, 0, (2, 4), (2, 4)),  # does not match the dims: taken as batched already
+        ((-1,), True, 0, (7,), (1, 7)),  # wildcards match
+        ((4,), False, 1, (1, 4), (4,)),  # batch of 1 out to a non-batching model: batch dim dropped
+        ((1, 4), False, 1, (1, 4), (1, 4)),  # ... unless the shape already matches
+        ((4,), False, 2, (2, 4), (2, 4)),  # a real batch is left alone
+        ((4,), True, 3, (3, 4), (3, 4)),  # both batch: nothing to do
+        ((4,), False, 0, (4,), (4,)),  # neither batches: nothing to do
+    ],
+)
+def test_reshape_dims_follows_triton(config_dims, batching, tensor_batch, shape, expected) -> None:
+    assert ensemble.reshape_dims(config_dims, batching, tensor_batch, shape) == expected
+
+
+def double_onnx() -> bytes:
+    """X (FP32 [batch, 4]) -> Y = 2 X."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["X", "X"], ["Y"])],
+        "double",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["N", 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+DOUBLE_CONFIG = """
+name: "double"
+backend: "onnxruntime"
+max_batch_size: 8
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 4 ] } ]
+"""
+
+# A batching Python step that records the shape it was given next to the model.
+PLUS_ONE_CONFIG = """
+name: "plus_one"
+backend: "python"
+max_batch_size: 4
+input [ { name: "Y", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "Z", data_type: TYPE_FP32, dims: [ 4 ] } ]
+"""
+
+PLUS_ONE_PY = """
+import os
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.log = os.path.join(args["model_repository"], "shapes.log")
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            y = pb_utils.get_input_tensor_by_name(request, "Y").as_numpy()
+            with open(self.log, "a") as f:
+                f.write(f"{list(y.shape)}\\n")
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Z", y + 1)]))
+        return out
+"""
+
+
+def _unbatched_ensemble(name: str, dims: str) -> str:
+    return f"""
+name: "{name}"
+platform: "ensemble"
+max_batch_size: 0
+input [ {{ name: "IN", data_type: TYPE_FP32, dims: [ {dims} ] }} ]
+output [ {{ name: "OUT", data_type: TYPE_FP32, dims: [ {dims} ] }} ]
+ensemble_scheduling {{
+  step [
+    {_step("double", {"X": "IN"}, {"Y": "DOUBLED"})},
+    {_step("plus_one", {"Y": "DOUBLED"}, {"Z": "OUT"})}
+  ]
+}}
+"""
+
+
+@pytest.fixture
+def batching_steps_repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    write_model(repo, "double", DOUBLE_CONFIG, {"model.onnx": double_onnx()})
+    write_model(repo, "plus_one", PLUS_ONE_CONFIG, {"model.py": PLUS_ONE_PY})
+    write_ensemble(repo, "one_row", _unbatched_ensemble("one_row", "4"))
+    write_ensemble(repo, "two_rows", _unbatched_ensemble("two_rows", "2, 4"))
+    return repo
+
+
+@pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_unbatched_ensemble_feeds_batching_steps_as_triton_does(batching_steps_repo: Path, serve, module) -> None:
+    server = serve(batching_steps_repo)
+    client = module.InferenceServerClient(server.http if module is httpclient else server.grpc)
+    row = np.array([1, 2, 3, 4], np.float32)
+
+    # [4] matches the steps' dims: they see a batch of 1, the client gets [4] back
+    one = module.InferInput("IN", [4], "FP32")
+    one.set_data_from_numpy(row)
+    result = client.infer("one_row", [one])
+    assert result.as_numpy("OUT").shape == (4,)
+    assert result.as_numpy("OUT").tolist() == (row * 2 + 1).tolist()
+
+    # [2, 4] does not match [4]: the steps take it as a batch of 2, and so does the answer
+    two = module.InferInput("IN", [2, 4], "FP32")
+    two.set_data_from_numpy(np.stack([row, -row]))
+    result = client.infer("two_rows", [two])
+    assert result.as_numpy("OUT").tolist() == [(row * 2 + 1).tolist(), (-row * 2 + 1).tolist()]
+
+    assert (batching_steps_repo / "plus_one" / "shapes.log").read_text().split("\n")[:2] == ["[1, 4]", "[2, 4]"]
