@@ -22,6 +22,7 @@ import inspect
 import itertools
 import json
 import logging
+import os
 import re
 import sys
 import threading
@@ -99,9 +100,10 @@ def load(config: mc.ModelConfig, ctx: LoadContext) -> ModelBackend:
             "remove it and return one InferenceResponse per request from execute()"
         )
     path = ctx.version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
+    shown = _shown(path, ctx)
     if not path.is_file():
         raise ModelError(
-            f"failed to load '{ctx.model_name}' version {ctx.version}: model file {path} does not exist "
+            f"failed to load '{ctx.model_name}' version {ctx.version}: model file {shown} does not exist "
             f"(the Python backend loads '{config.default_model_filename or DEFAULT_MODEL_FILENAME}' "
             "from the version directory; set default_model_filename to use another name)"
         )
@@ -110,13 +112,13 @@ def load(config: mc.ModelConfig, ctx: LoadContext) -> ModelBackend:
     if not inspect.isclass(model_class):
         _forget_module(module)
         raise ModelError(
-            f"failed to load '{ctx.model_name}' version {ctx.version}: {path} does not define "
+            f"failed to load '{ctx.model_name}' version {ctx.version}: {shown} does not define "
             "a class named 'TritonPythonModel'"
         )
     if not callable(getattr(model_class, "execute", None)):
         _forget_module(module)
         raise ModelError(
-            f"failed to load '{ctx.model_name}' version {ctx.version}: class TritonPythonModel in {path} "
+            f"failed to load '{ctx.model_name}' version {ctx.version}: class TritonPythonModel in {shown} "
             "has no execute(self, requests) method"
         )
     return PythonBackend(config, ctx, module, model_class)
@@ -131,7 +133,12 @@ def auto_complete(config: mc.ModelConfig, ctx: LoadContext) -> None:
     is checked like a written one.
     """
     path = ctx.version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
-    if not path.is_file():
+    try:
+        # Most models do not define it: spare them a second import of their file (and of
+        # whatever it does at import time).
+        if "auto_complete_config" not in path.read_text(encoding="utf-8", errors="replace"):
+            return
+    except OSError:
         return  # load() reports the missing file
     module = _import_model_file(path, ctx)
     try:
@@ -142,7 +149,7 @@ def auto_complete(config: mc.ModelConfig, ctx: LoadContext) -> None:
         try:
             completed = hook(pb_utils.ModelConfig(model_config_json(config)))
         except Exception as exc:
-            raise ModelError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+            raise ModelError(f"{where} raised {type(exc).__name__}: {_without_repository(str(exc), ctx)}") from exc
         if not isinstance(completed, pb_utils.ModelConfig):
             raise ModelError(
                 f"{where} returned {type(completed).__name__}; it must return the "
@@ -167,7 +174,7 @@ def _import_model_file(path: Path, ctx: LoadContext) -> ModuleType:
     module_name = f"sluice_python_model_{next(_module_numbers)}_{safe_name}_v{ctx.version}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise ModelError(f"failed to load '{ctx.model_name}' version {ctx.version}: cannot import {path}")
+        raise ModelError(f"failed to load '{ctx.model_name}' version {ctx.version}: cannot import {_shown(path, ctx)}")
     module = importlib.util.module_from_spec(spec)
     sibling_dir = str(path.parent)
     with _import_lock:
@@ -180,14 +187,30 @@ def _import_model_file(path: Path, ctx: LoadContext) -> ModuleType:
         except Exception as exc:
             sys.modules.pop(module_name, None)
             raise ModelError(
-                f"failed to load '{ctx.model_name}' version {ctx.version}: importing {path} raised "
-                f"{type(exc).__name__}: {exc}"
+                f"failed to load '{ctx.model_name}' version {ctx.version}: importing {_shown(path, ctx)} raised "
+                f"{type(exc).__name__}: {_without_repository(str(exc), ctx)}"
             ) from exc
         finally:
             with contextlib.suppress(ValueError):
                 sys.path.remove(sibling_dir)
             _forget_siblings(path.parent, set(sys.modules) - already_imported - {module_name})
     return module
+
+
+def _shown(path: Path, ctx: LoadContext) -> str:
+    """``path`` as clients may see it: relative to the model repository (``<model>/1/model.py``)."""
+    try:
+        return str(path.relative_to(ctx.repository))
+    except ValueError:
+        return path.name
+
+
+def _without_repository(text: str, ctx: LoadContext) -> str:
+    """``text`` (an exception's message, e.g. a SyntaxError naming its file) with the server's
+    repository path cut off, so load errors never show clients where the repository lives."""
+    for root in {str(ctx.repository), str(ctx.repository.resolve())}:
+        text = text.replace(root + os.sep, "")
+    return text
 
 
 def _forget_siblings(directory: Path, names: set[str]) -> None:
@@ -300,7 +323,7 @@ class PythonBackend(ModelBackend):
             instance.close_loop()
             raise ModelError(
                 f"failed to initialize model instance '{instance_name}' of model '{name}' "
-                f"version {self._ctx.version}: {type(exc).__name__}: {exc}"
+                f"version {self._ctx.version}: {type(exc).__name__}: {_without_repository(str(exc), self._ctx)}"
             ) from exc
         return instance
 
