@@ -169,6 +169,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         model_dir = write_model(repo, name, _model_config(name, max_batch_size), {"model.py": ECHO_PY})
         (model_dir / "labels.txt").write_text(LABELS)
     write_model(repo, "unlabelled", _model_config("unlabelled", 0, labels=False), {"model.py": ECHO_PY})
+    cached = _model_config("cached", 0, labels=False) + "response_cache { enable: true }"
+    write_model(repo, "cached", cached, {"model.py": ECHO_PY})
     handle = start_server(repo)
     yield handle
     handle.stop()
@@ -194,7 +196,8 @@ def test_batched_model_returns_top_k_per_row_with_labels(server, protocol: str) 
     module, client = _client(server, protocol)
     outputs = [module.InferRequestedOutput("PROB", class_count=3), module.InferRequestedOutput("RANK")]
 
-    result = client.infer("batched", [_scores(module, SCORES)], outputs=outputs)
+    for _ in range(2):  # the second request is the same prefix: the protocol's request-plan path
+        result = client.infer("batched", [_scores(module, SCORES)], outputs=outputs)
 
     output = result.get_output("PROB")
     assert (output["datatype"] if protocol == "http" else output.datatype) == "BYTES"
@@ -283,3 +286,20 @@ def test_missing_label_file_fails_the_load_naming_the_file(tmp_path: Path, serve
 
     assert "label file 'labels.txt' does not exist in the model directory 'nolabels/'" in str(caught.value)
     assert str(tmp_path) not in str(caught.value)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_one_cached_response_serves_raw_and_classified_requests(server, protocol: str) -> None:
+    module, client = _client(server, protocol)
+    scores = SCORES[1] + (0.25 if protocol == "http" else 0.5)  # one cache entry per protocol's test
+    raw = client.infer("cached", [_scores(module, scores)])  # all outputs: the response is cached
+
+    top = client.infer(
+        "cached", [_scores(module, scores)], outputs=[module.InferRequestedOutput("PROB", class_count=1)]
+    )
+    again = client.infer("cached", [_scores(module, scores)], outputs=[module.InferRequestedOutput("PROB")])
+
+    assert raw.as_numpy("PROB").tolist() == again.as_numpy("PROB").tolist() == scores.tolist()
+    assert top.as_numpy("PROB").tolist() == [f"{scores[2]:f}:2".encode()]
+    stats = httpclient.InferenceServerClient(server.http).get_inference_statistics("cached")["model_stats"][0]
+    assert stats["inference_stats"]["cache_hit"]["count"] >= 2
