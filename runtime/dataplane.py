@@ -231,6 +231,6 @@ def _classified(result: InferResponse, mv: ModelVersion, request: InferRequest) 
     """Outputs requested with ``classification: k`` become their top k (after the response cache
     stored the raw response, so a cached entry serves both kinds of request)."""
     outputs = request.outputs
-    if not outputs or not any(output.parameters for output in outputs):
+    if not outputs or not any(classification.PARAMETER in output.parameters for output in outputs):
         return result
     return classification.apply(result, outputs, batched=mv.config.max_batch_size > 0, labels=mv.labels)
