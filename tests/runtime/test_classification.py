@@ -303,3 +303,17 @@ def test_one_cached_response_serves_raw_and_classified_requests(server, protocol
     assert top.as_numpy("PROB").tolist() == [f"{scores[2]:f}:2".encode()]
     stats = httpclient.InferenceServerClient(server.http).get_inference_statistics("cached")["model_stats"][0]
     assert stats["inference_stats"]["cache_hit"]["count"] >= 2
+
+
+def test_json_response_carries_the_strings(server) -> None:
+    body = {
+        "inputs": [{"name": "SCORES", "datatype": "FP32", "shape": [5], "data": SCORES[0].tolist()}],
+        "outputs": [{"name": "PROB", "parameters": {"classification": 2}}],
+    }
+    request = urllib.request.Request(
+        f"http://{server.http}/v2/models/single/infer", data=json.dumps(body).encode(), method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        output = json.loads(answer.read())["outputs"][0]
+
+    assert output == {"name": "PROB", "datatype": "BYTES", "shape": [2], "data": ["0.600000:1:dog", "0.200000:3:fox"]}
