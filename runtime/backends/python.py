@@ -128,17 +128,13 @@ def auto_complete(config: mc.ModelConfig, ctx: LoadContext) -> None:
     """Let ``TritonPythonModel.auto_complete_config`` complete ``config`` in place, as Triton does
     before it validates the config; nothing happens when the class does not define it.
 
-    The model file is imported for this call alone (Triton runs it in a stub process of its own):
-    nothing it creates here reaches ``initialize``. Runs before validation, so the completed config
-    is checked like a written one.
+    The model file is imported for this call alone, as Triton runs it in a stub process of its own
+    (so, as there, the file's top level runs twice per load); nothing it creates here reaches
+    ``initialize``. The method may come from a base class in another file. Runs before validation,
+    so the completed config is checked like a written one.
     """
     path = ctx.version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
-    try:
-        # Most models do not define it: spare them a second import of their file (and of
-        # whatever it does at import time).
-        if "auto_complete_config" not in path.read_text(encoding="utf-8", errors="replace"):
-            return
-    except OSError:
+    if not path.is_file():
         return  # load() reports the missing file
     module = _import_model_file(path, ctx)
     try:
