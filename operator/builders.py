@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sluice.operator import api
-from sluice.operator.settings import Settings
+from sluice.operator.settings import FIELD_MANAGER, Settings
 
 Obj = dict[str, Any]
 
@@ -268,9 +268,10 @@ def _fetch(
 
 def deployment(
     owner: Owner, *, name: str, models: Sequence[ServedModel], config_map_name: str, files: Mapping[str, str],
-    resources: api.Resources, gpus: Sequence[api.Gpu], scaling: api.Scaling, storage: api.Storage,
+    resources: api.Resources, gpus: Sequence[api.Gpu], replicas: int | None, storage: api.Storage,
     settings: Settings,
 ) -> Obj:
+    """The runtime Deployment; ``replicas`` ``None`` leaves the count to its owner (the HPA)."""
     labels = common_labels(owner)
     init_containers: list[Obj] = []
     volumes: list[Obj] = [
@@ -369,9 +370,8 @@ def deployment(
             "spec": pod_spec,
         },
     }
-    if not scaling.autoscaled:
-        # With an HPA the replica count is its field; applying one here would fight it.
-        spec["replicas"] = scaling.min_replicas
+    if replicas is not None:
+        spec["replicas"] = replicas
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(owner, name, labels), "spec": spec,
@@ -424,6 +424,35 @@ def horizontal_pod_autoscaler(owner: Owner, name: str, scaling: api.Scaling) -> 
     }
 
 
+def owns_replicas(deployment: Mapping[str, Any], manager: str = FIELD_MANAGER) -> bool:
+    """Whether ``manager``'s server-side apply still owns ``spec.replicas`` (per ``managedFields``)."""
+    for entry in deployment.get("metadata", {}).get("managedFields") or []:
+        if entry.get("manager") == manager and entry.get("operation") == "Apply":
+            fields = entry.get("fieldsV1") or {}
+            if "f:replicas" in (fields.get("f:spec") or {}):
+                return True
+    return False
+
+
+def deployment_replicas(scaling: api.Scaling, live: Mapping[str, Any] | None) -> int | None:
+    """The replica count to apply, or ``None`` to leave ``spec.replicas`` to the HPA.
+
+    Fixed scaling applies its count. Autoscaled, the count is the HPA's, but dropping the field from
+    the apply while this operator is still its only owner makes the API server reset it to the
+    default, 1 replica, before the HPA acts. So while the live Deployment shows the operator's apply
+    owning ``spec.replicas``, keep applying the live count clamped to min..max (what the HPA would
+    settle on first); the HPA's first scale is an update that takes the field, and from then on the
+    operator leaves it out. A new autoscaled Deployment gets no count (the default, then the HPA).
+    """
+    if not scaling.autoscaled:
+        return scaling.min_replicas
+    if live is None or not owns_replicas(live):
+        return None
+    current = live.get("spec", {}).get("replicas", 1)
+    current = current if isinstance(current, int) and not isinstance(current, bool) else 1
+    return min(max(current, scaling.min_replicas), scaling.max_replicas)
+
+
 def _config_key(served: ServedModel) -> str:
     return f"{served.source.name}.{served.config_name}"
 
@@ -432,6 +461,7 @@ def _workload(
     owner: Owner, models: Sequence[ServedModel], *, model_name: str, resources: api.Resources,
     gpus: Sequence[api.Gpu], scaling: api.Scaling, storage: api.Storage, settings: Settings,
     traffic: tuple[Obj, ...], notes: tuple[str, ...] = (), placement: str | None = None,
+    live: Mapping[str, Any] | None = None,
 ) -> Desired:
     name = owner.name
     cm_name = f"{name}-config"
@@ -439,7 +469,7 @@ def _workload(
     objects: list[Obj] = [
         config_map(owner, cm_name, files),
         deployment(owner, name=name, models=models, config_map_name=cm_name, files=files, resources=resources,
-                   gpus=gpus, scaling=scaling, storage=storage, settings=settings),
+                   gpus=gpus, replicas=deployment_replicas(scaling, live), storage=storage, settings=settings),
         service(owner, name, settings),
     ]
     absent: list[tuple[str, str, str]] = []
@@ -461,8 +491,14 @@ def _workload(
     )
 
 
-def inference_model(owner: Owner, spec: api.InferenceModelSpec, settings: Settings) -> Desired:
-    """Children of an InferenceModel: ConfigMap, Deployment, Service, and PDB/HPA when scaling asks."""
+def inference_model(
+    owner: Owner, spec: api.InferenceModelSpec, settings: Settings, *, live: Mapping[str, Any] | None = None,
+) -> Desired:
+    """Children of an InferenceModel: ConfigMap, Deployment, Service, and PDB/HPA when scaling asks.
+
+    ``live`` is the Deployment as the API server has it now (``None`` if absent); it only decides the
+    replica count during an HPA handover (:func:`deployment_replicas`).
+    """
     gpus = [spec.resources.gpu] if spec.resources.gpu else []
     served = served_model(spec.model, spec.runtime, gpu=bool(gpus))
     notes: tuple[str, ...] = ()
@@ -474,7 +510,7 @@ def inference_model(owner: Owner, spec: api.InferenceModelSpec, settings: Settin
         )
     return _workload(
         owner, [served], model_name=spec.model.name, resources=spec.resources, gpus=gpus,
-        scaling=spec.scaling, storage=spec.storage, settings=settings, traffic=traffic, notes=notes,
+        scaling=spec.scaling, storage=spec.storage, settings=settings, traffic=traffic, notes=notes, live=live,
     )
 
 
@@ -486,6 +522,7 @@ def _fits_one_pod(gpus: Sequence[api.Gpu], settings: Settings) -> bool:
 
 def ensemble(
     owner: Owner, spec: api.EnsembleSpec, referenced: Mapping[str, api.InferenceModelSpec], settings: Settings,
+    *, live: Mapping[str, Any] | None = None,
 ) -> Desired:
     """Children of an Ensemble: one runtime Deployment serving the ensemble config.
 
@@ -558,5 +595,5 @@ def ensemble(
         owner, models, model_name=ensemble_name, resources=spec.resources, gpus=gpus,
         scaling=spec.scaling, storage=spec.storage, settings=settings,
         traffic=({"revision": "stable", "version": 1, "percent": 100},),
-        placement="Colocated" if colocate else "Remote",
+        placement="Colocated" if colocate else "Remote", live=live,
     )

@@ -190,8 +190,11 @@ class Reconciler:
 
     async def _decide(self, owner: builders.Owner, body: Mapping[str, Any]) -> builders.Desired:
         spec = body.get("spec") or {}
+        # The live Deployment decides the replica count while an HPA takes the field over.
+        live = await self._kube.get("Deployment", owner.namespace, owner.name)
         if owner.kind == api.INFERENCE_MODEL_KIND:
-            return builders.inference_model(owner, api.parse_inference_model(owner.name, spec), self._settings)
+            return builders.inference_model(owner, api.parse_inference_model(owner.name, spec), self._settings,
+                                            live=live)
         parsed = api.parse_ensemble(owner.name, spec)
         referenced: dict[str, api.InferenceModelSpec] = {}
         problems: list[str] = []
@@ -207,7 +210,7 @@ class Reconciler:
                 problems.append(f"InferenceModel {step.model_ref!r} is invalid ({exc}); fix it first")
         if problems:
             raise builders.UnsatisfiableError(problems)
-        return builders.ensemble(owner, parsed, referenced, self._settings)
+        return builders.ensemble(owner, parsed, referenced, self._settings, live=live)
 
     async def _report_problem(
         self, owner: builders.Owner, body: Mapping[str, Any], reason: str, problems: tuple[str, ...],

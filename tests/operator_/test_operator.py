@@ -30,7 +30,10 @@ async def test_create_makes_children_with_owner_refs_and_status(client, operator
                        "uid": uid, "controller": True, "blockOwnerDeletion": True}
         assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "sluice-operator"
     deployment = client.read(DEPLOY, "resnet")
-    assert "replicas" not in deployment["spec"]  # min 2 < max 4: the HPA owns the replica count
+    # min 2 < max 4: the HPA owns the replica count; the operator applies none (the server defaults 1)
+    assert deployment["spec"]["replicas"] == 1
+    assert not any("f:replicas" in entry["fieldsV1"].get("f:spec", {})
+                   for entry in deployment["metadata"]["managedFields"])
     status = await client.wait(lambda: status_of(client).get("conditions") and status_of(client))
     assert status["observedGeneration"] == 1
     assert status["url"] == "http://resnet.models.svc.cluster.local:8000/v2/models/resnet"
