@@ -27,6 +27,9 @@ ENSEMBLE_PLURAL = "ensembles"
 FORMATS = ("onnx", "torchscript", "tensorrt", "python")
 """Model formats, mapped to the Triton backend the runtime loads them with (see ``BACKEND_BY_FORMAT``)."""
 BACKEND_BY_FORMAT = {"onnx": "onnxruntime", "torchscript": "pytorch", "tensorrt": "tensorrt", "python": "python"}
+SERVED_FORMATS = ("onnx", "python")
+"""Formats the runtime image can load today. The API accepts the others so specs written for the GPU
+backends stay valid; until those backends land such a model is Degraded (NotImplemented), not deployed."""
 STORAGE_SCHEMES = ("s3", "gs", "https", "pvc")
 CONFIG_FORMATS = ("pbtxt", "yaml", "json")
 TIMEOUT_ACTIONS = ("REJECT", "DELAY")

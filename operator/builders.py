@@ -35,6 +35,20 @@ class UnsatisfiableError(api.ProblemsError):
     """The spec is valid on its own but cannot be rendered (e.g. an ensemble that fits nowhere)."""
 
 
+class NotServedError(UnsatisfiableError):
+    """The spec asks for something the runtime cannot do yet (a model format without a backend)."""
+
+
+def unserved_formats(sources: Sequence[tuple[str, api.ModelSource]]) -> list[str]:
+    """A problem for each ``(field path, model)`` whose format the runtime cannot load yet."""
+    return [
+        f"{path}.format: {source.format} models are not served by this runtime version yet "
+        f"(served: {', '.join(api.SERVED_FORMATS)}); nothing is deployed for it. Convert the model "
+        "(e.g. export it to ONNX) or wait for the GPU backends"
+        for path, source in sources if source.format not in api.SERVED_FORMATS
+    ]
+
+
 @dataclasses.dataclass(frozen=True)
 class Owner:
     """The custom resource the children belong to (their ownerReference)."""
@@ -499,6 +513,9 @@ def inference_model(
     ``live`` is the Deployment as the API server has it now (``None`` if absent); it only decides the
     replica count during an HPA handover (:func:`deployment_replicas`).
     """
+    # A runtime that cannot load the model would crash-loop: render nothing instead.
+    if problems := unserved_formats([("spec.model", spec.model)]):
+        raise NotServedError(problems)
     gpus = [spec.resources.gpu] if spec.resources.gpu else []
     served = served_model(spec.model, spec.runtime, gpu=bool(gpus))
     notes: tuple[str, ...] = ()
@@ -537,6 +554,12 @@ def ensemble(
     ]
     if problems:
         raise UnsatisfiableError(problems)
+    if problems := unserved_formats(
+        [(f"spec.steps[{i}].model", step.model) for i, step in enumerate(spec.steps) if step.model is not None]
+        + [(f"InferenceModel {step.model_ref!r} spec.model", referenced[step.model_ref].model)
+           for step in spec.steps if step.model_ref is not None]
+    ):
+        raise NotServedError(problems)
     step_models: dict[str, str] = {}
     step_gpus: list[api.Gpu] = []
     for step in spec.steps:

@@ -147,7 +147,8 @@ class Reconciler:
             try:
                 desired = await self._decide(owner, body)
             except (api.SpecError, builders.UnsatisfiableError) as exc:
-                reason = "InvalidSpec" if isinstance(exc, api.SpecError) else "Unsatisfiable"
+                reason = ("InvalidSpec" if isinstance(exc, api.SpecError)
+                          else "NotImplemented" if isinstance(exc, builders.NotServedError) else "Unsatisfiable")
                 return await self._report_problem(owner, body, reason, exc.problems)
             applied = deleted = 0
             deployment: Obj | None = None
@@ -219,7 +220,8 @@ class Reconciler:
         deployment = await self._kube.get("Deployment", owner.namespace, owner.name)
         found, replicas, ready = _rollout(deployment)
         found = [c for c in found if c.type == conditions.READY]
-        verb = {"InvalidSpec": "The spec is invalid", "Unsatisfiable": "The spec cannot be served"}.get(
+        verb = {"InvalidSpec": "The spec is invalid", "Unsatisfiable": "The spec cannot be served",
+                "NotImplemented": "The spec cannot be served yet"}.get(
             reason, "The children could not be applied")
         message = f"{verb}: {'; '.join(problems)}."
         found += [

@@ -36,7 +36,7 @@ MODELS = {
         "storage": {"serviceAccountName": "model-reader", "secretRef": {"name": "s3-credentials"}},
     },
     "mig-slice": {
-        "model": {"storageUri": "gs://bucket/bert", "format": "tensorrt"},
+        "model": {"storageUri": "gs://bucket/bert", "format": "onnx"},
         "resources": {"gpu": {"migProfile": "1g.10gb"}},
     },
     "gpu-memory-pvc-inline-config": {
@@ -63,6 +63,16 @@ def check_golden(name: str, objects: object) -> None:
 def test_inference_model_children_match_golden(case):
     desired = builders.inference_model(owner(), api.parse_inference_model("resnet", MODELS[case]), SETTINGS)
     check_golden(f"inferencemodel-{case}", [*desired.objects, {"absent": [list(a) for a in desired.absent]}])
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "tensorrt"])
+def test_formats_without_a_backend_render_nothing(fmt):
+    spec = api.parse_inference_model("resnet", {"model": {"storageUri": "s3://b/m", "format": fmt}})
+    with pytest.raises(builders.NotServedError) as caught:
+        builders.inference_model(owner(), spec, SETTINGS)
+    [problem] = caught.value.problems
+    assert problem.startswith(f"spec.model.format: {fmt} models are not served")
+    assert "(served: onnx, python)" in problem
 
 
 def test_builders_are_deterministic():

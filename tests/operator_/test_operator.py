@@ -171,6 +171,23 @@ async def test_canary_is_reported_as_not_implemented(client, operator):
     assert status_of(client)["trafficSummary"] == "v1=100"
 
 
+async def test_a_format_without_a_backend_is_degraded_and_deploys_nothing(client, operator, apiserver):
+    await client.create(client.IM, client.model(model={"storageUri": "s3://models/bert", "format": "tensorrt"}))
+    degraded = await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded"))
+    assert degraded["status"] == "True"
+    assert degraded["reason"] == "NotImplemented"
+    assert "tensorrt models are not served by this runtime version yet (served: onnx, python)" in \
+        degraded["message"]
+    await client.settle()
+    for resource, name in CHILDREN:  # no Deployment to crash-loop, nothing else either
+        assert client.read(resource, name) is None, resource
+    assert client.condition(client.read(client.IM, "resnet"), "Ready")["status"] == "False"
+    # Switching to a served format deploys it.
+    await client.patch(client.IM, "resnet", {"spec": {"model": {"format": "onnx"}}})
+    await client.wait(lambda: client.read(DEPLOY, "resnet"))
+    await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded")["status"] == "False")
+
+
 async def test_a_rejected_apply_is_degraded_then_recovers(client, operator, apiserver):
     apiserver.reject_writes(DEPLOY, 403, 'deployments.apps is forbidden: User "system:serviceaccount:x" cannot patch')
     await client.create(client.IM, client.model())
