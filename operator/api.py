@@ -44,6 +44,10 @@ DEFAULT_MIN_REPLICAS = 1
 DEFAULT_MAX_REPLICAS = 1
 DEFAULT_TARGET_QUEUE_DEPTH = 8
 DEFAULT_CANARY_PERCENT = 10
+DEFAULT_DRAIN_SECONDS = 5
+DEFAULT_SHUTDOWN_GRACE_SECONDS = 30
+MAX_DRAIN_SECONDS = 600
+MAX_SHUTDOWN_GRACE_SECONDS = 3600
 MAX_REPLICAS = 100
 MAX_BATCH_SIZE = 4096
 MAX_INSTANCES = 64
@@ -135,6 +139,17 @@ class Scaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class Shutdown:
+    """How a runtime pod stops: serve on while endpoints drop it, then let in-flight requests finish."""
+
+    drain_seconds: int = DEFAULT_DRAIN_SECONDS
+    """The preStop hook sleeps this long: the pod keeps serving while it leaves the Service's endpoints."""
+    grace_seconds: int = DEFAULT_SHUTDOWN_GRACE_SECONDS
+    """After SIGTERM the runtime stops accepting and gives in-flight requests this long
+    (``--shutdown-grace-s``)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Canary:
     storage_uri: str
     version: int
@@ -158,6 +173,7 @@ class InferenceModelSpec:
     scaling: Scaling = Scaling()
     canary: Canary | None = None
     storage: Storage = Storage()
+    shutdown: Shutdown = Shutdown()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +207,7 @@ class EnsembleSpec:
     resources: Resources = Resources()
     scaling: Scaling = Scaling()
     storage: Storage = Storage()
+    shutdown: Shutdown = Shutdown()
 
 
 def quantity_to_float(text: str) -> float:
@@ -344,6 +361,16 @@ class _Reader:
         depth = self.int(data, "targetQueueDepth", path, DEFAULT_TARGET_QUEUE_DEPTH, 1, 100_000)
         return Scaling(min_replicas=lo, max_replicas=hi, target_queue_depth=depth)
 
+    def shutdown(self, data: Mapping[str, Any] | None, path: str) -> Shutdown:
+        if data is None:
+            return Shutdown()
+        return Shutdown(
+            drain_seconds=self.int(data, "drainSeconds", path, DEFAULT_DRAIN_SECONDS, 0, MAX_DRAIN_SECONDS),
+            grace_seconds=self.int(
+                data, "graceSeconds", path, DEFAULT_SHUTDOWN_GRACE_SECONDS, 1, MAX_SHUTDOWN_GRACE_SECONDS,
+            ),
+        )
+
     def storage(self, data: Mapping[str, Any] | None, path: str) -> Storage:
         if data is None:
             return Storage()
@@ -415,6 +442,7 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
         scaling=read.scaling(read.obj(spec, "scaling", "spec"), "spec.scaling"),
         canary=canary,
         storage=read.storage(read.obj(spec, "storage", "spec"), "spec.storage"),
+        shutdown=read.shutdown(read.obj(spec, "shutdown", "spec"), "spec.shutdown"),
     )
     if read.problems:
         raise SpecError(read.problems)
@@ -477,6 +505,7 @@ def parse_ensemble(name: str, spec: Mapping[str, Any]) -> EnsembleSpec:
         resources=read.resources(read.obj(spec, "resources", "spec"), "spec.resources"),
         scaling=read.scaling(read.obj(spec, "scaling", "spec"), "spec.scaling"),
         storage=read.storage(read.obj(spec, "storage", "spec"), "spec.storage"),
+        shutdown=read.shutdown(read.obj(spec, "shutdown", "spec"), "spec.shutdown"),
     )
     if read.problems:
         raise SpecError(read.problems)

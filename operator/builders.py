@@ -283,7 +283,7 @@ def _fetch(
 def deployment(
     owner: Owner, *, name: str, models: Sequence[ServedModel], config_map_name: str, files: Mapping[str, str],
     resources: api.Resources, gpus: Sequence[api.Gpu], replicas: int | None, storage: api.Storage,
-    settings: Settings,
+    shutdown: api.Shutdown, settings: Settings,
 ) -> Obj:
     """The runtime Deployment; ``replicas`` ``None`` leaves the count to its owner (the HPA)."""
     labels = common_labels(owner)
@@ -328,7 +328,11 @@ def deployment(
         "command": ["sluice"],
         # The runtime listens on loopback unless told otherwise; probes and the Service reach the pod IP.
         "args": ["serve", "--model-repository", MODEL_REPOSITORY, "--host", "0.0.0.0", "--http-port", str(http),
-                 "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+                 "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+                 # Not ready until every model in the repository is: a pod with a failed load gets no traffic.
+                 "--strict-readiness", "true",
+                 # The preStop hook below already drains; a second drain after SIGTERM would only add time.
+                 "--drain-period-s", "0", "--shutdown-grace-s", str(shutdown.grace_seconds)],
         "ports": [
             {"name": "http", "containerPort": http, "protocol": "TCP"},
             {"name": "grpc", "containerPort": grpc, "protocol": "TCP"},
@@ -348,12 +352,17 @@ def deployment(
         "securityContext": _restricted_security_context(),
         "volumeMounts": mounts,
     }
+    if shutdown.drain_seconds:
+        # The kubelet runs preStop before SIGTERM, and a terminating pod leaves the Endpoints while it
+        # runs: the runtime keeps serving until kube-proxy and load balancers have caught up.
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(shutdown.drain_seconds)]}}}
     pod_spec: Obj = {
         "securityContext": {
             "runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID, "fsGroup": RUNTIME_UID,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "terminationGracePeriodSeconds": settings.termination_grace_seconds,
+        # Covers the preStop sleep and the runtime's grace, with a margin for finalizing and exit.
+        "terminationGracePeriodSeconds": shutdown.drain_seconds + shutdown.grace_seconds + 5,
         "enableServiceLinks": False,
         "containers": [container],
         "volumes": volumes,
@@ -473,8 +482,8 @@ def _config_key(served: ServedModel) -> str:
 
 def _workload(
     owner: Owner, models: Sequence[ServedModel], *, model_name: str, resources: api.Resources,
-    gpus: Sequence[api.Gpu], scaling: api.Scaling, storage: api.Storage, settings: Settings,
-    traffic: tuple[Obj, ...], notes: tuple[str, ...] = (), placement: str | None = None,
+    gpus: Sequence[api.Gpu], scaling: api.Scaling, storage: api.Storage, shutdown: api.Shutdown,
+    settings: Settings, traffic: tuple[Obj, ...], notes: tuple[str, ...] = (), placement: str | None = None,
     live: Mapping[str, Any] | None = None,
 ) -> Desired:
     name = owner.name
@@ -483,7 +492,8 @@ def _workload(
     objects: list[Obj] = [
         config_map(owner, cm_name, files),
         deployment(owner, name=name, models=models, config_map_name=cm_name, files=files, resources=resources,
-                   gpus=gpus, replicas=deployment_replicas(scaling, live), storage=storage, settings=settings),
+                   gpus=gpus, replicas=deployment_replicas(scaling, live), storage=storage, shutdown=shutdown,
+                   settings=settings),
         service(owner, name, settings),
     ]
     absent: list[tuple[str, str, str]] = []
@@ -527,7 +537,8 @@ def inference_model(
         )
     return _workload(
         owner, [served], model_name=spec.model.name, resources=spec.resources, gpus=gpus,
-        scaling=spec.scaling, storage=spec.storage, settings=settings, traffic=traffic, notes=notes, live=live,
+        scaling=spec.scaling, storage=spec.storage, shutdown=spec.shutdown, settings=settings, traffic=traffic,
+        notes=notes, live=live,
     )
 
 
@@ -616,7 +627,7 @@ def ensemble(
     models.insert(0, ServedModel(source, "config.json", text))
     return _workload(
         owner, models, model_name=ensemble_name, resources=spec.resources, gpus=gpus,
-        scaling=spec.scaling, storage=spec.storage, settings=settings,
+        scaling=spec.scaling, storage=spec.storage, shutdown=spec.shutdown, settings=settings,
         traffic=({"revision": "stable", "version": 1, "percent": 100},),
         placement="Colocated" if colocate else "Remote", live=live,
     )

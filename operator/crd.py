@@ -124,6 +124,27 @@ def _scaling() -> Schema:
     )
 
 
+def _shutdown() -> Schema:
+    return _obj(
+        "How a runtime pod stops (rollouts, scale-down, node drains). A preStop hook keeps the pod serving "
+        "for drainSeconds while it is removed from the Service's endpoints; then the runtime stops accepting "
+        "and finishes in-flight requests within graceSeconds. The pod's terminationGracePeriodSeconds is "
+        "drainSeconds + graceSeconds + 5.",
+        {
+            "drainSeconds": _int(
+                "Seconds the pod keeps serving after it starts terminating, covering endpoint removal "
+                "(kube-proxy and load balancers catching up); 0 turns the preStop hook off.",
+                0, api.MAX_DRAIN_SECONDS, default=api.DEFAULT_DRAIN_SECONDS,
+            ),
+            "graceSeconds": _int(
+                "Seconds in-flight requests get to finish once the runtime stops accepting.",
+                1, api.MAX_SHUTDOWN_GRACE_SECONDS, default=api.DEFAULT_SHUTDOWN_GRACE_SECONDS,
+            ),
+        },
+        default={},
+    )
+
+
 def _storage() -> Schema:
     return _obj(
         "Credentials for fetching model files, by reference only: credentials never go into the spec.",
@@ -331,6 +352,7 @@ def inference_model_crd() -> dict[str, Any]:
             "scaling": _scaling(),
             "canary": _canary(),
             "storage": _storage(),
+            "shutdown": _shutdown(),
         },
         required=("model",),
         **{"x-kubernetes-validations": [
@@ -399,6 +421,7 @@ def ensemble_crd() -> dict[str, Any]:
             "resources": _resources(),
             "scaling": _scaling(),
             "storage": _storage(),
+            "shutdown": _shutdown(),
         },
         required=("steps", "inputs", "outputs"),
     )

@@ -75,6 +75,38 @@ def test_formats_without_a_backend_render_nothing(fmt):
     assert "(served: onnx, python)" in problem
 
 
+def _runtime_pod(spec: dict) -> tuple[dict, dict]:
+    desired = builders.inference_model(owner(), api.parse_inference_model("resnet", spec), SETTINGS)
+    [deployment] = [o for o in desired.objects if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    return pod, pod["containers"][0]
+
+
+def _flag(container: dict, name: str) -> str:
+    args = container["args"]
+    assert args.count(name) == 1, args
+    return args[args.index(name) + 1]
+
+
+def test_shutdown_drains_in_prestop_not_twice_and_the_grace_period_covers_both():
+    pod, container = _runtime_pod({**MODELS["cpu-minimal"], "shutdown": {"drainSeconds": 12, "graceSeconds": 40}})
+    assert container["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "12"]}}}
+    assert _flag(container, "--drain-period-s") == "0"
+    assert _flag(container, "--shutdown-grace-s") == "40"
+    assert _flag(container, "--strict-readiness") == "true"
+    assert pod["terminationGracePeriodSeconds"] == 12 + 40 + 5
+
+
+def test_shutdown_defaults_and_no_drain():
+    pod, container = _runtime_pod(MODELS["cpu-minimal"])
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(api.DEFAULT_DRAIN_SECONDS)]
+    assert pod["terminationGracePeriodSeconds"] == 5 + 30 + 5
+    pod, container = _runtime_pod({**MODELS["cpu-minimal"], "shutdown": {"drainSeconds": 0}})
+    assert "lifecycle" not in container
+    assert _flag(container, "--drain-period-s") == "0"
+    assert pod["terminationGracePeriodSeconds"] == 0 + 30 + 5
+
+
 def test_builders_are_deterministic():
     spec = api.parse_inference_model("resnet", MODELS["gpu-autoscaled"])
     assert builders.inference_model(owner(), spec, SETTINGS) == builders.inference_model(owner(), spec, SETTINGS)

@@ -94,6 +94,23 @@ async def test_spec_update_rolls_the_deployment(client, operator, apiserver):
     await client.wait(lambda: status_of(client).get("observedGeneration") == 2)
 
 
+async def test_runtime_pods_drain_in_prestop_with_a_grace_period_that_covers_it(client, operator, apiserver):
+    created = await client.create(client.IM, client.model(shutdown={"drainSeconds": 10}))
+    assert created["spec"]["shutdown"] == {"drainSeconds": 10, "graceSeconds": 30}  # CRD defaulting
+    pod = (await client.wait(lambda: client.read(DEPLOY, "resnet")))["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "10"]}}
+    args = " ".join(container["args"])
+    assert "--strict-readiness true --drain-period-s 0 --shutdown-grace-s 30" in args
+    assert pod["terminationGracePeriodSeconds"] == 45
+    await client.patch(client.IM, "resnet", {"spec": {"shutdown": {"drainSeconds": 0, "graceSeconds": 90}}})
+    pod = (await client.wait(lambda: "--shutdown-grace-s 90" in " ".join(
+        (d := client.read(DEPLOY, "resnet"))["spec"]["template"]["spec"]["containers"][0]["args"]) and d)
+    )["spec"]["template"]["spec"]
+    assert "lifecycle" not in pod["containers"][0]
+    assert pod["terminationGracePeriodSeconds"] == 95
+
+
 async def test_scaling_change_removes_the_hpa_and_pins_replicas(client, operator, apiserver):
     await client.create(client.IM, client.model())
     await client.wait(lambda: client.read(HPA, "resnet"))
