@@ -291,3 +291,22 @@ def test_shipped_packages_import_nothing_from_the_test_extra():
                 continue
             offenders += [f"{name} imports {m}" for m in imported if m.split(".")[0] in TEST_ONLY_IMPORTS]
     assert not offenders, "test support belongs in tests/support, not in a shipped package: " + "; ".join(offenders)
+
+
+def test_the_readme_helm_install_uses_the_images_it_tells_you_to_build():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## On Kubernetes (Helm)"):]
+    section = section[:section.index("\n## ", 1)]
+    assert "not published yet" in section
+    registry = "registry.test/sluice"
+    text = section.replace("\\\n", " ").replace("$REGISTRY", registry)
+    built = set(re.findall(r"docker build [^\n]*-t (\S+)", text))
+    install = next(line for line in text.splitlines() if line.startswith("helm install"))
+    values = re.findall(r"--set (\S+)", install)
+    docs = template(*[arg for value in values for arg in ("--set", value)])
+    images = {c["image"] for d in docs if d["kind"] == "Deployment"
+              for c in d["spec"]["template"]["spec"]["containers"]}
+    images |= {e["value"] for d in docs if d["kind"] == "Deployment"
+               for c in d["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])
+               if e["name"] in ("SLUICE_RUNTIME_IMAGE", "SLUICE_RUNTIME_GPU_IMAGE")}
+    assert images == built, f"the chart would run {images}, the README builds {built}"
