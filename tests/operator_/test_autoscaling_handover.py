@@ -7,6 +7,8 @@ the same (managedFields tracking), so these tests fail if the operator simply dr
 
 from __future__ import annotations
 
+import copy
+
 from sluice.operator import api, builders
 
 DEPLOY = "apps/v1/deployments"
@@ -97,3 +99,26 @@ async def test_autoscaled_to_fixed_sets_the_fixed_count(client, operator, apiser
     deployment = client.read(DEPLOY, "resnet")
     assert deployment["spec"]["replicas"] == 3
     assert _replica_owners(deployment) == {"sluice-operator"}
+
+
+async def _apply(apiserver, body: dict, manager: str = "sluice-operator") -> dict:
+    url = f"/apis/apps/v1/namespaces/models/deployments/{body['metadata']['name']}"
+    async with apiserver.request("PATCH", url, params={"fieldManager": manager, "force": "true"},
+                                 json=body, headers={"Content-Type": "application/apply-patch+yaml"}) as resp:
+        assert resp.status in (200, 201), await resp.text()
+        return await resp.json()
+
+
+async def test_the_emulator_resets_a_field_dropped_by_its_only_manager(apiserver):
+    body = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "namespace": "models"},
+            "spec": {"replicas": 3, "selector": {"matchLabels": {"a": "b"}}}}
+    await _apply(apiserver, body)
+    dropped = copy.deepcopy(body)
+    del dropped["spec"]["replicas"]
+    assert (await _apply(apiserver, dropped))["spec"]["replicas"] == 1  # removed, then defaulted
+    # Once another manager (the HPA's scale) owns it, dropping it from the apply keeps the value.
+    await _apply(apiserver, body)
+    await apiserver.scale("models", "d", 5)
+    kept = await _apply(apiserver, dropped)
+    assert kept["spec"]["replicas"] == 5
+    assert _replica_owners(kept) == {"kube-controller-manager"}

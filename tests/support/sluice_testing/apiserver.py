@@ -396,9 +396,12 @@ class ApiServer(kmock.KubernetesEmulator):
         self._log.append((version, resource, copy.deepcopy(event)))
         await self._buses[resource].put(event)
 
-    def _apply_ownership(self, key: tuple[Any, str | None, str], old: Obj, patch: Obj, manager: str) -> Obj:
-        """Merge a forced apply by ``manager`` into ``old`` and update field ownership, as a real server does."""
-        owners = self._owners.setdefault(key, {})
+    def _apply_ownership(
+        self, key: tuple[Any, str | None, str], old: Obj, patch: Obj, manager: str,
+    ) -> tuple[Obj, Owners]:
+        """Merge a forced apply by ``manager`` into ``old``: the new object and its field owners, as a real
+        server computes them (the caller stores the owners once the object is admitted)."""
+        owners = {path: set(holders) for path, holders in self._owners.get(key, {}).items()}
         holder = (manager, "Apply")
         applied = _fields(patch)
         previous = self._applied.get((*key, manager))
@@ -414,7 +417,7 @@ class ApiServer(kmock.KubernetesEmulator):
                 owners[path] = {holder}  # force: the other owners lose a field whose value changes
             else:
                 owners.setdefault(path, set()).add(holder)
-        return _merge(new, patch)
+        return _merge(new, patch), owners
 
     def _take_updated(self, key: tuple[Any, str | None, str], old: Obj | None, new: Obj, manager: str) -> None:
         """A non-apply write makes ``manager`` the owner of every field whose value it changed."""
@@ -471,8 +474,7 @@ class ApiServer(kmock.KubernetesEmulator):
                 self._applied[(resource, namespace, name, manager)] = copy.deepcopy(patch)
                 return created
             old = self._current(resource, namespace, name)
-            new = self._apply_ownership(key, old, patch, manager)
-            self._applied[(resource, namespace, name, manager)] = copy.deepcopy(patch)
+            new, applied_owners = self._apply_ownership(key, old, patch, manager)
         else:
             old = self._current(resource, namespace, name)
             expected = patch.get("metadata", {}).get("resourceVersion") if isinstance(patch, dict) else None
@@ -494,7 +496,10 @@ class ApiServer(kmock.KubernetesEmulator):
                 new["metadata"][field] = old["metadata"][field]
         if not status_only:
             new = self._admit(resource, new)
-            if content_type != APPLY:
+            if content_type == APPLY:  # admitted: the apply and its ownership take effect
+                self._owners[key] = applied_owners
+                self._applied[(resource, namespace, name, manager)] = copy.deepcopy(patch)
+            else:
                 self._take_updated(key, old, new, manager)
             new["metadata"]["managedFields"] = _managed_fields(self._owners.get(key, {}))
         meta = new["metadata"]
