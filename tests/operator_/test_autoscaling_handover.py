@@ -35,8 +35,8 @@ def test_autoscaled_keeps_the_live_count_clamped_while_the_operator_owns_it():
     assert builders.deployment_replicas(AUTO, _live(3, ours)) == 3
     assert builders.deployment_replicas(AUTO, _live(1, ours)) == 2
     assert builders.deployment_replicas(AUTO, _live(20, ours)) == 8
-    # Shared with the HPA's update: still ours to keep, or dropping it would leave only the HPA (fine) -
-    # but a real server only shares when the values agree, so keep applying the live value.
+    # Co-owned (rare: an update only takes fields whose value it changes): re-applying the live value is
+    # harmless, and the HPA's next scale makes it the only owner.
     assert builders.deployment_replicas(AUTO, _live(5, ours, ("kube-controller-manager", "Update"))) == 5
 
 
