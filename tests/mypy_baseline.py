@@ -32,9 +32,12 @@ def _link_tree() -> None:
     package_root = LINKS / "sluice"
     package_root.mkdir(parents=True, exist_ok=True)
     for directory in PACKAGES:
-        link = package_root / directory
-        if not link.is_symlink():
-            link.symlink_to(ROOT / directory, target_is_directory=True)
+        link, target = package_root / directory, ROOT / directory
+        if link.is_symlink() and link.readlink() == target:
+            continue
+        if link.is_symlink():
+            link.unlink()  # a cache copied from another checkout: check this one's sources
+        link.symlink_to(target, target_is_directory=True)
 
 
 def normalise(output: str) -> collections.Counter[str]:
