@@ -26,7 +26,7 @@ import pytest
 from sluice.operator.crd import all_crds
 from sluice.operator.kube import path
 from sluice.operator.settings import Settings
-from sluice.operator.testing import ApiServer, OperatorHarness
+from sluice_testing import ApiServer, OperatorHarness
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

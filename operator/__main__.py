@@ -1,4 +1,9 @@
-"""``sluice-operator``: build settings once, wire the handlers, run kopf until stopped."""
+"""``sluice-operator``: build settings once, wire the handlers, run kopf until stopped.
+
+Before anything starts it checks, with a one-line error instead of a traceback, that the ``operator``
+extra is installed and that kopf's login will find credentials (in-cluster service account or a
+kubeconfig). kopf and the modules that need it are imported only after the first check.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +12,95 @@ import asyncio
 import dataclasses
 import datetime
 import logging
-from collections.abc import Sequence
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
 
-import kopf
-import prometheus_client
-
-from sluice.operator import handlers
-from sluice.operator.kube import Kube
-from sluice.operator.metrics import OperatorMetrics
-from sluice.operator.reconcile import Reconciler
 from sluice.operator.settings import Settings
+
+MISSING_EXTRA = "sluice-operator needs the operator extra: pip install 'sluice[operator]'"
+OPERATOR_EXTRA = {"kopf", "kubernetes", "aiohttp"}
+"""Top-level modules the operator extra brings (aiohttp comes with kopf)."""
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 
 
 def utc_now() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
 
+def missing_credentials(
+    env: Mapping[str, str], exists: Callable[[str], bool] = os.path.exists,
+    expanduser: Callable[[str], str] = os.path.expanduser,
+) -> str | None:
+    """``None`` when kopf's login will find credentials, else a one-line message naming what was looked for.
+
+    Mirrors ``handlers.default_login``: the in-cluster service-account token first, then the kubeconfig
+    files in ``KUBECONFIG`` (all must exist, as kopf opens each), else ``~/.kube/config``.
+    """
+    if exists(SERVICE_ACCOUNT_TOKEN):
+        return None
+    in_cluster = f"not in a cluster (no service-account token at {SERVICE_ACCOUNT_TOKEN})"
+    kubeconfig = env.get("KUBECONFIG", "")
+    if kubeconfig:
+        paths = [p.strip() for p in kubeconfig.split(os.pathsep) if p.strip()]
+        missing = [p for p in paths if not exists(expanduser(p))]
+        if paths and not missing:
+            return None
+        return (f"sluice-operator: no Kubernetes credentials: {in_cluster}, and KUBECONFIG names a kubeconfig "
+                f"that does not exist: {', '.join(missing) or repr(kubeconfig)}")
+    default = expanduser("~/.kube/config")
+    if exists(default):
+        return None
+    return (f"sluice-operator: no Kubernetes credentials: {in_cluster}, and no kubeconfig (KUBECONFIG is unset "
+            f"and {default} does not exist)")
+
+
+def _environment_help(defaults: Settings) -> str:
+    resources = defaults.default_resources
+    rows = [
+        ("SLUICE_WATCH_NAMESPACES", "all namespaces", "comma-separated namespaces to watch"),
+        ("SLUICE_RUNTIME_IMAGE", defaults.runtime_image, "CPU runtime image"),
+        ("SLUICE_RUNTIME_GPU_IMAGE", defaults.runtime_gpu_image, "CUDA runtime image"),
+        ("SLUICE_STORAGE_INITIALIZER_IMAGE", defaults.storage_initializer_image, "model fetch init container"),
+        ("SLUICE_IMAGE_PULL_POLICY", defaults.image_pull_policy, "for runtime and fetch containers"),
+        ("SLUICE_DEFAULT_CPU", resources.cpu, "CPU of models that name none"),
+        ("SLUICE_DEFAULT_MEMORY", resources.memory, "memory of models that name none"),
+        ("SLUICE_MAX_COLOCATED_GPUS", str(defaults.max_colocated_gpus), "ensemble colocation bound"),
+        ("SLUICE_CLUSTER_DOMAIN", defaults.cluster_domain, "DNS suffix in status URLs"),
+        ("SLUICE_RESYNC_SECONDS", f"{defaults.resync_seconds:g}", "period of the resync timer"),
+        ("SLUICE_PEERING_NAME", "standalone", "kopf peering object for leader election"),
+        ("SLUICE_PEERING_PRIORITY", "random per process", "this replica's peering priority"),
+        ("SLUICE_HEALTH_PORT", str(defaults.health_port), "liveness endpoint /healthz"),
+        ("SLUICE_METRICS_PORT", str(defaults.operator_metrics_port), "Prometheus /metrics; 0 turns it off"),
+    ]
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"  {name:<{width}}  {what} (default: {default})" for name, default, what in rows]
+    return "environment (see docs/operator.md):\n" + "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    result = argparse.ArgumentParser(
+        prog="sluice-operator",
+        description="Reconcile sluice.dev InferenceModels and Ensembles. Settings come from SLUICE_* "
+        "environment variables (below); flags override them. Credentials: the in-cluster service account, "
+        "else the kubeconfig (KUBECONFIG or ~/.kube/config).",
+        epilog=_environment_help(Settings()), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    result.add_argument("--namespace", action="append", default=None, metavar="NAME",
+                        help="namespace to watch (repeatable) (default: SLUICE_WATCH_NAMESPACES, else all)")
+    result.add_argument("--verbose", action="store_true", help="debug logging (default: off, INFO)")
+    return result
+
+
 async def run(settings: Settings, *, stop_flag: asyncio.Event | None = None) -> None:
+    import kopf
+    import prometheus_client
+
+    from sluice.operator import handlers
+    from sluice.operator.kube import Kube
+    from sluice.operator.metrics import OperatorMetrics
+    from sluice.operator.reconcile import Reconciler
+
     registry = kopf.OperatorRegistry()
     kube = Kube()
     metrics = OperatorMetrics()
@@ -51,15 +128,15 @@ async def run(settings: Settings, *, stop_flag: asyncio.Event | None = None) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="sluice-operator",
-        description="Reconcile sluice.dev InferenceModels and Ensembles. Settings come from SLUICE_* "
-        "environment variables (see docs/operator.md); flags override them.",
-    )
-    parser.add_argument("--namespace", action="append", default=None,
-                        help="Namespace to watch (repeatable); default: SLUICE_WATCH_NAMESPACES or all.")
-    parser.add_argument("--verbose", action="store_true", help="Debug logging.")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
+    try:
+        import kopf  # noqa: F401  (the operator extra; everything that runs below needs it)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in OPERATOR_EXTRA:
+            raise
+        sys.exit(MISSING_EXTRA)
+    if problem := missing_credentials(os.environ):
+        sys.exit(problem)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings.from_env()

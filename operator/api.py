@@ -27,6 +27,9 @@ ENSEMBLE_PLURAL = "ensembles"
 FORMATS = ("onnx", "torchscript", "tensorrt", "python")
 """Model formats, mapped to the Triton backend the runtime loads them with (see ``BACKEND_BY_FORMAT``)."""
 BACKEND_BY_FORMAT = {"onnx": "onnxruntime", "torchscript": "pytorch", "tensorrt": "tensorrt", "python": "python"}
+SERVED_FORMATS = ("onnx", "python")
+"""Formats the runtime image can load today. The API accepts the others so specs written for the GPU
+backends stay valid; until those backends land such a model is Degraded (NotImplemented), not deployed."""
 STORAGE_SCHEMES = ("s3", "gs", "https", "pvc")
 CONFIG_FORMATS = ("pbtxt", "yaml", "json")
 TIMEOUT_ACTIONS = ("REJECT", "DELAY")
@@ -41,6 +44,10 @@ DEFAULT_MIN_REPLICAS = 1
 DEFAULT_MAX_REPLICAS = 1
 DEFAULT_TARGET_QUEUE_DEPTH = 8
 DEFAULT_CANARY_PERCENT = 10
+DEFAULT_DRAIN_SECONDS = 5
+DEFAULT_SHUTDOWN_GRACE_SECONDS = 30
+MAX_DRAIN_SECONDS = 600
+MAX_SHUTDOWN_GRACE_SECONDS = 3600
 MAX_REPLICAS = 100
 MAX_BATCH_SIZE = 4096
 MAX_INSTANCES = 64
@@ -132,6 +139,17 @@ class Scaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class Shutdown:
+    """How a runtime pod stops: serve on while endpoints drop it, then let in-flight requests finish."""
+
+    drain_seconds: int = DEFAULT_DRAIN_SECONDS
+    """The preStop hook sleeps this long: the pod keeps serving while it leaves the Service's endpoints."""
+    grace_seconds: int = DEFAULT_SHUTDOWN_GRACE_SECONDS
+    """After SIGTERM the runtime stops accepting and gives in-flight requests this long
+    (``--shutdown-grace-s``)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Canary:
     storage_uri: str
     version: int
@@ -155,6 +173,7 @@ class InferenceModelSpec:
     scaling: Scaling = Scaling()
     canary: Canary | None = None
     storage: Storage = Storage()
+    shutdown: Shutdown = Shutdown()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +207,7 @@ class EnsembleSpec:
     resources: Resources = Resources()
     scaling: Scaling = Scaling()
     storage: Storage = Storage()
+    shutdown: Shutdown = Shutdown()
 
 
 def quantity_to_float(text: str) -> float:
@@ -220,7 +240,7 @@ class _Reader:
             return None
         return value
 
-    def int(self, data: Mapping[str, Any], key: str, path: str, default: int, lo: int, hi: int) -> int:
+    def integer(self, data: Mapping[str, Any], key: str, path: str, default: int, lo: int, hi: int) -> int:
         value = data.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int):
             self.problem(f"{path}.{key}", f"must be an integer from {lo} to {hi}, got {value!r}")
@@ -229,7 +249,7 @@ class _Reader:
             self.problem(f"{path}.{key}", f"must be from {lo} to {hi}, got {value}")
         return value
 
-    def str(
+    def string(
         self, data: Mapping[str, Any], key: str, path: str, *, required: bool = False,
         pattern: str | None = None, choices: Sequence[str] = (), hint: str = "",
     ) -> str | None:
@@ -250,15 +270,15 @@ class _Reader:
         return value
 
     def model_source(self, data: Mapping[str, Any], path: str, default_name: str) -> ModelSource:
-        name = self.str(data, "name", path, pattern=NAME_PATTERN) or default_name
-        uri = self.str(
+        name = self.string(data, "name", path, pattern=NAME_PATTERN) or default_name
+        uri = self.string(
             data, "storageUri", path, required=True, pattern=STORAGE_URI_PATTERN,
             hint=" (use s3://bucket/path, gs://bucket/path, https://host/path or pvc://claim/path)",
         )
-        fmt = self.str(data, "format", path, required=True, choices=FORMATS)
-        config = self.str(data, "config", path)
-        config_format = self.str(data, "configFormat", path, choices=CONFIG_FORMATS) or "pbtxt"
-        version = self.int(data, "version", path, DEFAULT_MODEL_VERSION, 1, 2**31 - 1)
+        fmt = self.string(data, "format", path, required=True, choices=FORMATS)
+        config = self.string(data, "config", path)
+        config_format = self.string(data, "configFormat", path, choices=CONFIG_FORMATS) or "pbtxt"
+        version = self.integer(data, "version", path, DEFAULT_MODEL_VERSION, 1, 2**31 - 1)
         return ModelSource(
             name=name, storage_uri=uri or "", format=fmt or "onnx", version=version,
             config=config, config_format=config_format,
@@ -267,7 +287,7 @@ class _Reader:
     def runtime(self, data: Mapping[str, Any] | None, path: str) -> RuntimeConfig:
         if data is None:
             return RuntimeConfig()
-        max_batch = self.int(data, "maxBatchSize", path, 0, 0, MAX_BATCH_SIZE)
+        max_batch = self.integer(data, "maxBatchSize", path, 0, 0, MAX_BATCH_SIZE)
         batching = None
         if (raw := self.obj(data, "dynamicBatching", path)) is not None:
             sizes = raw.get("preferredBatchSizes", [])
@@ -286,7 +306,7 @@ class _Reader:
                 )
             batching = DynamicBatching(
                 preferred_batch_sizes=tuple(sizes),
-                max_queue_delay_microseconds=self.int(
+                max_queue_delay_microseconds=self.integer(
                     raw, "maxQueueDelayMicroseconds", f"{path}.dynamicBatching", 100, 0, 10_000_000
                 ),
             )
@@ -294,9 +314,9 @@ class _Reader:
         if (raw := self.obj(data, "queuePolicy", path)) is not None:
             sub = f"{path}.queuePolicy"
             policy = QueuePolicy(
-                max_queue_size=self.int(raw, "maxQueueSize", sub, 0, 0, 1_000_000),
-                timeout_microseconds=self.int(raw, "timeoutMicroseconds", sub, 0, 0, 3_600_000_000),
-                timeout_action=self.str(raw, "timeoutAction", sub, choices=TIMEOUT_ACTIONS) or "REJECT",
+                max_queue_size=self.integer(raw, "maxQueueSize", sub, 0, 0, 1_000_000),
+                timeout_microseconds=self.integer(raw, "timeoutMicroseconds", sub, 0, 0, 3_600_000_000),
+                timeout_action=self.string(raw, "timeoutAction", sub, choices=TIMEOUT_ACTIONS) or "REJECT",
             )
         cache = data.get("responseCache", False)
         if not isinstance(cache, bool):
@@ -304,14 +324,14 @@ class _Reader:
             cache = False
         return RuntimeConfig(
             max_batch_size=max_batch, dynamic_batching=batching, queue_policy=policy,
-            instances=self.int(data, "instances", path, 1, 1, MAX_INSTANCES), response_cache=cache,
+            instances=self.integer(data, "instances", path, 1, 1, MAX_INSTANCES), response_cache=cache,
         )
 
     def resources(self, data: Mapping[str, Any] | None, path: str) -> Resources:
         if data is None:
             return Resources()
-        cpu = self.str(data, "cpu", path, pattern=QUANTITY_PATTERN)
-        memory = self.str(data, "memory", path, pattern=QUANTITY_PATTERN)
+        cpu = self.string(data, "cpu", path, pattern=QUANTITY_PATTERN)
+        memory = self.string(data, "memory", path, pattern=QUANTITY_PATTERN)
         gpu = None
         if (raw := self.obj(data, "gpu", path)) is not None:
             sub = f"{path}.gpu"
@@ -323,31 +343,41 @@ class _Reader:
                     + (f", got {', '.join(forms)}" if forms else ", got none"),
                 )
             gpu = Gpu(
-                count=self.int(raw, "count", sub, 1, 1, MAX_GPUS) if "count" in raw else None,
-                mig_profile=self.str(raw, "migProfile", sub, pattern=MIG_PROFILE_PATTERN),
-                memory=self.str(raw, "memory", sub, pattern=QUANTITY_PATTERN),
+                count=self.integer(raw, "count", sub, 1, 1, MAX_GPUS) if "count" in raw else None,
+                mig_profile=self.string(raw, "migProfile", sub, pattern=MIG_PROFILE_PATTERN),
+                memory=self.string(raw, "memory", sub, pattern=QUANTITY_PATTERN),
             )
         return Resources(cpu=cpu, memory=memory, gpu=gpu)
 
     def scaling(self, data: Mapping[str, Any] | None, path: str) -> Scaling:
         if data is None:
             return Scaling()
-        lo = self.int(data, "minReplicas", path, DEFAULT_MIN_REPLICAS, 1, MAX_REPLICAS)
-        hi = self.int(data, "maxReplicas", path, max(lo, DEFAULT_MAX_REPLICAS), 1, MAX_REPLICAS)
+        lo = self.integer(data, "minReplicas", path, DEFAULT_MIN_REPLICAS, 1, MAX_REPLICAS)
+        hi = self.integer(data, "maxReplicas", path, max(lo, DEFAULT_MAX_REPLICAS), 1, MAX_REPLICAS)
         if lo > hi:
             self.problem(
                 path, f"minReplicas ({lo}) must be <= maxReplicas ({hi}); raise maxReplicas or lower minReplicas"
             )
-        depth = self.int(data, "targetQueueDepth", path, DEFAULT_TARGET_QUEUE_DEPTH, 1, 100_000)
+        depth = self.integer(data, "targetQueueDepth", path, DEFAULT_TARGET_QUEUE_DEPTH, 1, 100_000)
         return Scaling(min_replicas=lo, max_replicas=hi, target_queue_depth=depth)
+
+    def shutdown(self, data: Mapping[str, Any] | None, path: str) -> Shutdown:
+        if data is None:
+            return Shutdown()
+        return Shutdown(
+            drain_seconds=self.integer(data, "drainSeconds", path, DEFAULT_DRAIN_SECONDS, 0, MAX_DRAIN_SECONDS),
+            grace_seconds=self.integer(
+                data, "graceSeconds", path, DEFAULT_SHUTDOWN_GRACE_SECONDS, 1, MAX_SHUTDOWN_GRACE_SECONDS,
+            ),
+        )
 
     def storage(self, data: Mapping[str, Any] | None, path: str) -> Storage:
         if data is None:
             return Storage()
         secret = self.obj(data, "secretRef", path)
         return Storage(
-            service_account_name=self.str(data, "serviceAccountName", path),
-            secret_name=self.str(secret, "name", f"{path}.secretRef", required=True) if secret is not None else None,
+            service_account_name=self.string(data, "serviceAccountName", path),
+            secret_name=self.string(secret, "name", f"{path}.secretRef", required=True) if secret is not None else None,
         )
 
     def tensors(self, data: Any, path: str) -> tuple[Tensor, ...]:
@@ -365,8 +395,8 @@ class _Reader:
                 self.problem(f"{sub}.dims", "must be a list of positive integers or -1 for a variable size")
                 dims = []
             result.append(Tensor(
-                name=self.str(raw, "name", sub, required=True) or "",
-                data_type=self.str(raw, "dataType", sub, required=True, choices=DATA_TYPES) or "TYPE_FP32",
+                name=self.string(raw, "name", sub, required=True) or "",
+                data_type=self.string(raw, "dataType", sub, required=True, choices=DATA_TYPES) or "TYPE_FP32",
                 dims=tuple(dims),
             ))
         return tuple(result)
@@ -396,12 +426,12 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
         )
     canary = None
     if (raw := read.obj(spec, "canary", "spec")) is not None:
-        uri = read.str(raw, "storageUri", "spec.canary", required=True, pattern=STORAGE_URI_PATTERN)
+        uri = read.string(raw, "storageUri", "spec.canary", required=True, pattern=STORAGE_URI_PATTERN)
         canary = Canary(
             storage_uri=uri or "",
-            version=read.int(raw, "version", "spec.canary", model.version + 1, 1, 2**31 - 1),
-            traffic_percent=read.int(raw, "trafficPercent", "spec.canary", DEFAULT_CANARY_PERCENT, 0, 100),
-            config=read.str(raw, "config", "spec.canary"),
+            version=read.integer(raw, "version", "spec.canary", model.version + 1, 1, 2**31 - 1),
+            traffic_percent=read.integer(raw, "trafficPercent", "spec.canary", DEFAULT_CANARY_PERCENT, 0, 100),
+            config=read.string(raw, "config", "spec.canary"),
         )
         if canary.version == model.version and canary.storage_uri == model.storage_uri:
             read.problem("spec.canary", "is identical to spec.model; change its version or storageUri")
@@ -412,6 +442,7 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
         scaling=read.scaling(read.obj(spec, "scaling", "spec"), "spec.scaling"),
         canary=canary,
         storage=read.storage(read.obj(spec, "storage", "spec"), "spec.storage"),
+        shutdown=read.shutdown(read.obj(spec, "shutdown", "spec"), "spec.shutdown"),
     )
     if read.problems:
         raise SpecError(read.problems)
@@ -433,17 +464,17 @@ def parse_ensemble(name: str, spec: Mapping[str, Any]) -> EnsembleSpec:
         if not isinstance(raw, Mapping):
             read.problem(path, "must be an object")
             continue
-        step_name = read.str(raw, "name", path, required=True, pattern=NAME_PATTERN) or f"step{index}"
+        step_name = read.string(raw, "name", path, required=True, pattern=NAME_PATTERN) or f"step{index}"
         ref = read.obj(raw, "modelRef", path)
         inline = read.obj(raw, "model", path)
         if (ref is None) == (inline is None):
             read.problem(path, "set exactly one of modelRef (an InferenceModel's name) or model (inline)")
         steps.append(EnsembleStep(
             name=step_name,
-            model_ref=read.str(ref, "name", f"{path}.modelRef", required=True) if ref is not None else None,
+            model_ref=read.string(ref, "name", f"{path}.modelRef", required=True) if ref is not None else None,
             model=read.model_source(inline, f"{path}.model", default_name=step_name) if inline else None,
             resources=read.resources(read.obj(raw, "resources", path), f"{path}.resources"),
-            version=read.int(raw, "version", path, -1, -1, 2**31 - 1),
+            version=read.integer(raw, "version", path, -1, -1, 2**31 - 1),
             input_map=read.string_map(raw, "inputMap", path),
             output_map=read.string_map(raw, "outputMap", path),
         ))
@@ -461,19 +492,20 @@ def parse_ensemble(name: str, spec: Mapping[str, Any]) -> EnsembleSpec:
                     f"(known: {', '.join(sorted(available)) or 'none'})",
                 )
         available |= set(step.output_map.values())
-    for tensor in outputs:
-        if tensor.name not in available:
+    for output in outputs:
+        if output.name not in available:
             read.problem(
-                "spec.outputs", f"{tensor.name!r} is not written by any step; map it in a step's outputMap"
+                "spec.outputs", f"{output.name!r} is not written by any step; map it in a step's outputMap"
             )
-    placement = read.str(spec, "placement", "spec", choices=PLACEMENTS) or "Auto"
+    placement = read.string(spec, "placement", "spec", choices=PLACEMENTS) or "Auto"
     result = EnsembleSpec(
         steps=tuple(steps), inputs=inputs, outputs=outputs,
-        max_batch_size=read.int(spec, "maxBatchSize", "spec", 0, 0, MAX_BATCH_SIZE),
+        max_batch_size=read.integer(spec, "maxBatchSize", "spec", 0, 0, MAX_BATCH_SIZE),
         placement=placement,
         resources=read.resources(read.obj(spec, "resources", "spec"), "spec.resources"),
         scaling=read.scaling(read.obj(spec, "scaling", "spec"), "spec.scaling"),
         storage=read.storage(read.obj(spec, "storage", "spec"), "spec.storage"),
+        shutdown=read.shutdown(read.obj(spec, "shutdown", "spec"), "spec.shutdown"),
     )
     if read.problems:
         raise SpecError(read.problems)

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sluice.operator import api
-from sluice.operator.settings import Settings
+from sluice.operator.settings import FIELD_MANAGER, Settings
 
 Obj = dict[str, Any]
 
@@ -33,6 +33,20 @@ RUNTIME_UID = 10001
 
 class UnsatisfiableError(api.ProblemsError):
     """The spec is valid on its own but cannot be rendered (e.g. an ensemble that fits nowhere)."""
+
+
+class NotServedError(UnsatisfiableError):
+    """The spec asks for something the runtime cannot do yet (a model format without a backend)."""
+
+
+def unserved_formats(sources: Sequence[tuple[str, api.ModelSource]]) -> list[str]:
+    """A problem for each ``(field path, model)`` whose format the runtime cannot load yet."""
+    return [
+        f"{path}.format: {source.format} models are not served by this runtime version yet "
+        f"(served: {', '.join(api.SERVED_FORMATS)}); nothing is deployed for it. Convert the model "
+        "(e.g. export it to ONNX) or wait for the GPU backends"
+        for path, source in sources if source.format not in api.SERVED_FORMATS
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,9 +282,10 @@ def _fetch(
 
 def deployment(
     owner: Owner, *, name: str, models: Sequence[ServedModel], config_map_name: str, files: Mapping[str, str],
-    resources: api.Resources, gpus: Sequence[api.Gpu], scaling: api.Scaling, storage: api.Storage,
-    settings: Settings,
+    resources: api.Resources, gpus: Sequence[api.Gpu], replicas: int | None, storage: api.Storage,
+    shutdown: api.Shutdown, settings: Settings,
 ) -> Obj:
+    """The runtime Deployment; ``replicas`` ``None`` leaves the count to its owner (the HPA)."""
     labels = common_labels(owner)
     init_containers: list[Obj] = []
     volumes: list[Obj] = [
@@ -313,7 +328,11 @@ def deployment(
         "command": ["sluice"],
         # The runtime listens on loopback unless told otherwise; probes and the Service reach the pod IP.
         "args": ["serve", "--model-repository", MODEL_REPOSITORY, "--host", "0.0.0.0", "--http-port", str(http),
-                 "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+                 "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+                 # Not ready until every model in the repository is: a pod with a failed load gets no traffic.
+                 "--strict-readiness", "true",
+                 # The preStop hook below already drains; a second drain after SIGTERM would only add time.
+                 "--drain-period-s", "0", "--shutdown-grace-s", str(shutdown.grace_seconds)],
         "ports": [
             {"name": "http", "containerPort": http, "protocol": "TCP"},
             {"name": "grpc", "containerPort": grpc, "protocol": "TCP"},
@@ -333,12 +352,17 @@ def deployment(
         "securityContext": _restricted_security_context(),
         "volumeMounts": mounts,
     }
+    if shutdown.drain_seconds:
+        # The kubelet runs preStop before SIGTERM, and a terminating pod leaves the Endpoints while it
+        # runs: the runtime keeps serving until kube-proxy and load balancers have caught up.
+        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(shutdown.drain_seconds)]}}}
     pod_spec: Obj = {
         "securityContext": {
             "runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID, "fsGroup": RUNTIME_UID,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "terminationGracePeriodSeconds": settings.termination_grace_seconds,
+        # Covers the preStop sleep and the runtime's grace, with a margin for finalizing and exit.
+        "terminationGracePeriodSeconds": shutdown.drain_seconds + shutdown.grace_seconds + 5,
         "enableServiceLinks": False,
         "containers": [container],
         "volumes": volumes,
@@ -369,9 +393,8 @@ def deployment(
             "spec": pod_spec,
         },
     }
-    if not scaling.autoscaled:
-        # With an HPA the replica count is its field; applying one here would fight it.
-        spec["replicas"] = scaling.min_replicas
+    if replicas is not None:
+        spec["replicas"] = replicas
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(owner, name, labels), "spec": spec,
@@ -424,14 +447,44 @@ def horizontal_pod_autoscaler(owner: Owner, name: str, scaling: api.Scaling) -> 
     }
 
 
+def owns_replicas(deployment: Mapping[str, Any], manager: str = FIELD_MANAGER) -> bool:
+    """Whether ``manager``'s server-side apply still owns ``spec.replicas`` (per ``managedFields``)."""
+    for entry in deployment.get("metadata", {}).get("managedFields") or []:
+        if entry.get("manager") == manager and entry.get("operation") == "Apply":
+            fields = entry.get("fieldsV1") or {}
+            if "f:replicas" in (fields.get("f:spec") or {}):
+                return True
+    return False
+
+
+def deployment_replicas(scaling: api.Scaling, live: Mapping[str, Any] | None) -> int | None:
+    """The replica count to apply, or ``None`` to leave ``spec.replicas`` to the HPA.
+
+    Fixed scaling applies its count. Autoscaled, the count is the HPA's, but dropping the field from
+    the apply while this operator is still its only owner makes the API server reset it to the
+    default, 1 replica, before the HPA acts. So while the live Deployment shows the operator's apply
+    owning ``spec.replicas``, keep applying the live count clamped to min..max (what the HPA would
+    settle on first); the HPA's first scale is an update that takes the field, and from then on the
+    operator leaves it out. A new autoscaled Deployment gets no count (the default, then the HPA).
+    """
+    if not scaling.autoscaled:
+        return scaling.min_replicas
+    if live is None or not owns_replicas(live):
+        return None
+    current = live.get("spec", {}).get("replicas", 1)
+    current = current if isinstance(current, int) and not isinstance(current, bool) else 1
+    return min(max(current, scaling.min_replicas), scaling.max_replicas)
+
+
 def _config_key(served: ServedModel) -> str:
     return f"{served.source.name}.{served.config_name}"
 
 
 def _workload(
     owner: Owner, models: Sequence[ServedModel], *, model_name: str, resources: api.Resources,
-    gpus: Sequence[api.Gpu], scaling: api.Scaling, storage: api.Storage, settings: Settings,
-    traffic: tuple[Obj, ...], notes: tuple[str, ...] = (), placement: str | None = None,
+    gpus: Sequence[api.Gpu], scaling: api.Scaling, storage: api.Storage, shutdown: api.Shutdown,
+    settings: Settings, traffic: tuple[Obj, ...], notes: tuple[str, ...] = (), placement: str | None = None,
+    live: Mapping[str, Any] | None = None,
 ) -> Desired:
     name = owner.name
     cm_name = f"{name}-config"
@@ -439,7 +492,8 @@ def _workload(
     objects: list[Obj] = [
         config_map(owner, cm_name, files),
         deployment(owner, name=name, models=models, config_map_name=cm_name, files=files, resources=resources,
-                   gpus=gpus, scaling=scaling, storage=storage, settings=settings),
+                   gpus=gpus, replicas=deployment_replicas(scaling, live), storage=storage, shutdown=shutdown,
+                   settings=settings),
         service(owner, name, settings),
     ]
     absent: list[tuple[str, str, str]] = []
@@ -461,8 +515,17 @@ def _workload(
     )
 
 
-def inference_model(owner: Owner, spec: api.InferenceModelSpec, settings: Settings) -> Desired:
-    """Children of an InferenceModel: ConfigMap, Deployment, Service, and PDB/HPA when scaling asks."""
+def inference_model(
+    owner: Owner, spec: api.InferenceModelSpec, settings: Settings, *, live: Mapping[str, Any] | None = None,
+) -> Desired:
+    """Children of an InferenceModel: ConfigMap, Deployment, Service, and PDB/HPA when scaling asks.
+
+    ``live`` is the Deployment as the API server has it now (``None`` if absent); it only decides the
+    replica count during an HPA handover (:func:`deployment_replicas`).
+    """
+    # A runtime that cannot load the model would crash-loop: render nothing instead.
+    if problems := unserved_formats([("spec.model", spec.model)]):
+        raise NotServedError(problems)
     gpus = [spec.resources.gpu] if spec.resources.gpu else []
     served = served_model(spec.model, spec.runtime, gpu=bool(gpus))
     notes: tuple[str, ...] = ()
@@ -474,7 +537,8 @@ def inference_model(owner: Owner, spec: api.InferenceModelSpec, settings: Settin
         )
     return _workload(
         owner, [served], model_name=spec.model.name, resources=spec.resources, gpus=gpus,
-        scaling=spec.scaling, storage=spec.storage, settings=settings, traffic=traffic, notes=notes,
+        scaling=spec.scaling, storage=spec.storage, shutdown=spec.shutdown, settings=settings, traffic=traffic,
+        notes=notes, live=live,
     )
 
 
@@ -486,6 +550,7 @@ def _fits_one_pod(gpus: Sequence[api.Gpu], settings: Settings) -> bool:
 
 def ensemble(
     owner: Owner, spec: api.EnsembleSpec, referenced: Mapping[str, api.InferenceModelSpec], settings: Settings,
+    *, live: Mapping[str, Any] | None = None,
 ) -> Desired:
     """Children of an Ensemble: one runtime Deployment serving the ensemble config.
 
@@ -500,6 +565,12 @@ def ensemble(
     ]
     if problems:
         raise UnsatisfiableError(problems)
+    if problems := unserved_formats(
+        [(f"spec.steps[{i}].model", step.model) for i, step in enumerate(spec.steps) if step.model is not None]
+        + [(f"InferenceModel {step.model_ref!r} spec.model", referenced[step.model_ref].model)
+           for step in spec.steps if step.model_ref is not None]
+    ):
+        raise NotServedError(problems)
     step_models: dict[str, str] = {}
     step_gpus: list[api.Gpu] = []
     for step in spec.steps:
@@ -556,7 +627,7 @@ def ensemble(
     models.insert(0, ServedModel(source, "config.json", text))
     return _workload(
         owner, models, model_name=ensemble_name, resources=spec.resources, gpus=gpus,
-        scaling=spec.scaling, storage=spec.storage, settings=settings,
+        scaling=spec.scaling, storage=spec.storage, shutdown=spec.shutdown, settings=settings,
         traffic=({"revision": "stable", "version": 1, "percent": 100},),
-        placement="Colocated" if colocate else "Remote",
+        placement="Colocated" if colocate else "Remote", live=live,
     )

@@ -15,11 +15,16 @@ from sluice.operator import api
 Schema = dict[str, Any]
 
 
-def _obj(description: str, properties: dict[str, Schema], *, required: tuple[str, ...] = (), **extra: Any) -> Schema:
+def _obj(
+    description: str, properties: dict[str, Schema], *, required: tuple[str, ...] = (),
+    rules: list[dict[str, str]] | None = None, **extra: Any,
+) -> Schema:
     schema: Schema = {"type": "object", "description": description, "properties": properties}
     if required:
         schema["required"] = list(required)
     schema.update(extra)
+    if rules:
+        schema["x-kubernetes-validations"] = rules
     return schema
 
 
@@ -87,10 +92,10 @@ def _resources() -> Schema:
                 "nvidia.com/gpu.memory from GPU feature discovery), e.g. 24Gi."
             ),
         },
-        **{"x-kubernetes-validations": [_rule(
+        rules=[_rule(
             "[has(self.count), has(self.migProfile), has(self.memory)].filter(x, x).size() == 1",
             "set exactly one of gpu.count, gpu.migProfile or gpu.memory",
-        )]},
+        )],
     )
     return _obj(
         "Compute for each runtime pod. Requests equal limits (Guaranteed QoS) so latency is predictable.",
@@ -118,9 +123,30 @@ def _scaling() -> Schema:
             ),
         },
         default={},
-        **{"x-kubernetes-validations": [_rule(
+        rules=[_rule(
             "self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas",
-        )]},
+        )],
+    )
+
+
+def _shutdown() -> Schema:
+    return _obj(
+        "How a runtime pod stops (rollouts, scale-down, node drains). A preStop hook keeps the pod serving "
+        "for drainSeconds while it is removed from the Service's endpoints; then the runtime stops accepting "
+        "and finishes in-flight requests within graceSeconds. The pod's terminationGracePeriodSeconds is "
+        "drainSeconds + graceSeconds + 5.",
+        {
+            "drainSeconds": _int(
+                "Seconds the pod keeps serving after it starts terminating, covering endpoint removal "
+                "(kube-proxy and load balancers catching up); 0 turns the preStop hook off.",
+                0, api.MAX_DRAIN_SECONDS, default=api.DEFAULT_DRAIN_SECONDS,
+            ),
+            "graceSeconds": _int(
+                "Seconds in-flight requests get to finish once the runtime stops accepting.",
+                1, api.MAX_SHUTDOWN_GRACE_SECONDS, default=api.DEFAULT_SHUTDOWN_GRACE_SECONDS,
+            ),
+        },
+        default={},
     )
 
 
@@ -180,7 +206,7 @@ def _runtime() -> Schema:
                 "description": "Cache responses keyed by model, version and inputs (response_cache).",
             },
         },
-        **{"x-kubernetes-validations": [
+        rules=[
             _rule("!has(self.dynamicBatching) || self.maxBatchSize > 0",
                   "dynamicBatching needs maxBatchSize > 0"),
             _rule(
@@ -188,7 +214,7 @@ def _runtime() -> Schema:
                 "self.dynamicBatching.preferredBatchSizes.all(s, s <= self.maxBatchSize)",
                 "every preferredBatchSizes entry must be <= maxBatchSize",
             ),
-        ]},
+        ],
     )
 
 
@@ -331,15 +357,16 @@ def inference_model_crd() -> dict[str, Any]:
             "scaling": _scaling(),
             "canary": _canary(),
             "storage": _storage(),
+            "shutdown": _shutdown(),
         },
         required=("model",),
-        **{"x-kubernetes-validations": [
+        rules=[
             _rule("!has(self.model.config) || !has(self.runtime)",
                   "spec.runtime cannot be combined with an inline spec.model.config"),
             _rule("!has(self.canary) || self.canary.version != self.model.version || "
                   "self.canary.storageUri != self.model.storageUri",
                   "spec.canary must differ from spec.model in version or storageUri"),
-        ]},
+        ],
     )
     return _crd(
         api.INFERENCE_MODEL_KIND, api.INFERENCE_MODEL_PLURAL, ["im", "ims"],
@@ -376,9 +403,9 @@ def ensemble_crd() -> dict[str, Any]:
             "outputMap": {**tensor_map, "description": "Step model output -> ensemble tensor it writes."},
         },
         required=("name",),
-        **{"x-kubernetes-validations": [_rule(
+        rules=[_rule(
             "has(self.modelRef) != has(self.model)", "set exactly one of modelRef or model",
-        )]},
+        )],
     )
     spec = _obj(
         "Desired state: a pipeline of models served as one model endpoint.",
@@ -399,6 +426,7 @@ def ensemble_crd() -> dict[str, Any]:
             "resources": _resources(),
             "scaling": _scaling(),
             "storage": _storage(),
+            "shutdown": _shutdown(),
         },
         required=("steps", "inputs", "outputs"),
     )

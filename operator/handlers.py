@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -41,7 +41,8 @@ async def default_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 def kopf_event(body: Mapping[str, Any], *, type: str, reason: str, message: str) -> None:
     """Post a Kubernetes Event through kopf's poster (outside a kopf context, only log it)."""
     try:
-        kopf.event(body, type=type, reason=reason, message=message[:1024])
+        # kopf types ``body`` as its own Body, but any mapping with apiVersion/kind/metadata works.
+        kopf.event(cast(kopf.Body, body), type=type, reason=reason, message=message[:1024])
     except LookupError:
         logging.getLogger("sluice.operator").info("%s %s: %s", type, reason, message)
 

@@ -147,7 +147,8 @@ class Reconciler:
             try:
                 desired = await self._decide(owner, body)
             except (api.SpecError, builders.UnsatisfiableError) as exc:
-                reason = "InvalidSpec" if isinstance(exc, api.SpecError) else "Unsatisfiable"
+                reason = ("InvalidSpec" if isinstance(exc, api.SpecError)
+                          else "NotImplemented" if isinstance(exc, builders.NotServedError) else "Unsatisfiable")
                 return await self._report_problem(owner, body, reason, exc.problems)
             applied = deleted = 0
             deployment: Obj | None = None
@@ -190,8 +191,11 @@ class Reconciler:
 
     async def _decide(self, owner: builders.Owner, body: Mapping[str, Any]) -> builders.Desired:
         spec = body.get("spec") or {}
+        # The live Deployment decides the replica count while an HPA takes the field over.
+        live = await self._kube.get("Deployment", owner.namespace, owner.name)
         if owner.kind == api.INFERENCE_MODEL_KIND:
-            return builders.inference_model(owner, api.parse_inference_model(owner.name, spec), self._settings)
+            return builders.inference_model(owner, api.parse_inference_model(owner.name, spec), self._settings,
+                                            live=live)
         parsed = api.parse_ensemble(owner.name, spec)
         referenced: dict[str, api.InferenceModelSpec] = {}
         problems: list[str] = []
@@ -207,7 +211,7 @@ class Reconciler:
                 problems.append(f"InferenceModel {step.model_ref!r} is invalid ({exc}); fix it first")
         if problems:
             raise builders.UnsatisfiableError(problems)
-        return builders.ensemble(owner, parsed, referenced, self._settings)
+        return builders.ensemble(owner, parsed, referenced, self._settings, live=live)
 
     async def _report_problem(
         self, owner: builders.Owner, body: Mapping[str, Any], reason: str, problems: tuple[str, ...],
@@ -216,7 +220,8 @@ class Reconciler:
         deployment = await self._kube.get("Deployment", owner.namespace, owner.name)
         found, replicas, ready = _rollout(deployment)
         found = [c for c in found if c.type == conditions.READY]
-        verb = {"InvalidSpec": "The spec is invalid", "Unsatisfiable": "The spec cannot be served"}.get(
+        verb = {"InvalidSpec": "The spec is invalid", "Unsatisfiable": "The spec cannot be served",
+                "NotImplemented": "The spec cannot be served yet"}.get(
             reason, "The children could not be applied")
         message = f"{verb}: {'; '.join(problems)}."
         found += [

@@ -60,8 +60,6 @@ class Settings:
     """Runtime gRPC port (KServe V2 gRPC)."""
     metrics_port: int = 8002
     """Runtime Prometheus port; the HPA reads ``sluice_queue_depth`` from it through an adapter."""
-    termination_grace_seconds: int = 45
-    """Pod grace period: the runtime drains open keep-alive connections for up to 30 s, as Triton does."""
     peering_name: str | None = None
     """kopf peering object name for leader election; ``None`` runs standalone (single replica)."""
     peering_priority: int = 0

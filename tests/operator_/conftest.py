@@ -14,7 +14,7 @@ import pytest
 
 from sluice.operator.crd import all_crds
 from sluice.operator.settings import Settings
-from sluice.operator.testing import ApiServer, FakeClock, OperatorHarness
+from sluice_testing import ApiServer, FakeClock, OperatorHarness
 
 NAMESPACE = "models"
 IM = "sluice.dev/v1alpha1/inferencemodels"

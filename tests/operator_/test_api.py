@@ -21,6 +21,7 @@ def test_defaults_match_the_crd():
     assert spec.model.version == api.DEFAULT_MODEL_VERSION
     assert spec.scaling == api.Scaling(1, 1, api.DEFAULT_TARGET_QUEUE_DEPTH)
     assert spec.runtime == api.RuntimeConfig()
+    assert spec.shutdown == api.Shutdown(drain_seconds=5, grace_seconds=30)
 
 
 @pytest.mark.parametrize(("spec", "expected"), [
@@ -39,6 +40,8 @@ def test_defaults_match_the_crd():
      "cannot be combined with spec.model.config"),
     ({"model": MODEL, "canary": {"storageUri": MODEL["storageUri"], "version": 1}}, "is identical to spec.model"),
     ({"model": MODEL, "storage": {"secretRef": {}}}, "spec.storage.secretRef.name: is required"),
+    ({"model": MODEL, "shutdown": {"drainSeconds": -1}}, "spec.shutdown.drainSeconds: must be from 0 to 600"),
+    ({"model": MODEL, "shutdown": {"graceSeconds": 0}}, "spec.shutdown.graceSeconds: must be from 1 to 3600"),
 ])
 def test_invalid_specs_say_what_to_change(spec, expected):
     assert any(expected in p for p in problems(spec)), problems(spec)

@@ -36,7 +36,7 @@ MODELS = {
         "storage": {"serviceAccountName": "model-reader", "secretRef": {"name": "s3-credentials"}},
     },
     "mig-slice": {
-        "model": {"storageUri": "gs://bucket/bert", "format": "tensorrt"},
+        "model": {"storageUri": "gs://bucket/bert", "format": "onnx"},
         "resources": {"gpu": {"migProfile": "1g.10gb"}},
     },
     "gpu-memory-pvc-inline-config": {
@@ -63,6 +63,48 @@ def check_golden(name: str, objects: object) -> None:
 def test_inference_model_children_match_golden(case):
     desired = builders.inference_model(owner(), api.parse_inference_model("resnet", MODELS[case]), SETTINGS)
     check_golden(f"inferencemodel-{case}", [*desired.objects, {"absent": [list(a) for a in desired.absent]}])
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "tensorrt"])
+def test_formats_without_a_backend_render_nothing(fmt):
+    spec = api.parse_inference_model("resnet", {"model": {"storageUri": "s3://b/m", "format": fmt}})
+    with pytest.raises(builders.NotServedError) as caught:
+        builders.inference_model(owner(), spec, SETTINGS)
+    [problem] = caught.value.problems
+    assert problem.startswith(f"spec.model.format: {fmt} models are not served")
+    assert "(served: onnx, python)" in problem
+
+
+def _runtime_pod(spec: dict) -> tuple[dict, dict]:
+    desired = builders.inference_model(owner(), api.parse_inference_model("resnet", spec), SETTINGS)
+    [deployment] = [o for o in desired.objects if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    return pod, pod["containers"][0]
+
+
+def _flag(container: dict, name: str) -> str:
+    args = container["args"]
+    assert args.count(name) == 1, args
+    return args[args.index(name) + 1]
+
+
+def test_shutdown_drains_in_prestop_not_twice_and_the_grace_period_covers_both():
+    pod, container = _runtime_pod({**MODELS["cpu-minimal"], "shutdown": {"drainSeconds": 12, "graceSeconds": 40}})
+    assert container["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "12"]}}}
+    assert _flag(container, "--drain-period-s") == "0"
+    assert _flag(container, "--shutdown-grace-s") == "40"
+    assert _flag(container, "--strict-readiness") == "true"
+    assert pod["terminationGracePeriodSeconds"] == 12 + 40 + 5
+
+
+def test_shutdown_defaults_and_no_drain():
+    pod, container = _runtime_pod(MODELS["cpu-minimal"])
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(api.DEFAULT_DRAIN_SECONDS)]
+    assert pod["terminationGracePeriodSeconds"] == 5 + 30 + 5
+    pod, container = _runtime_pod({**MODELS["cpu-minimal"], "shutdown": {"drainSeconds": 0}})
+    assert "lifecycle" not in container
+    assert _flag(container, "--drain-period-s") == "0"
+    assert pod["terminationGracePeriodSeconds"] == 0 + 30 + 5
 
 
 def test_builders_are_deterministic():

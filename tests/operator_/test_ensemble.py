@@ -47,6 +47,18 @@ async def test_deleting_the_ensemble_keeps_the_referenced_model(client, operator
     await client.create(client.IM, client.model())
     await client.create(client.ENS, ENSEMBLE)
     await client.wait(lambda: client.read("apps/v1/deployments", "classifier"))
+    await client.wait(lambda: client.read("apps/v1/deployments", "resnet"))  # reconciled concurrently
     await client.delete(client.ENS, "classifier")
     await client.wait(lambda: client.read("apps/v1/deployments", "classifier") is None)
     assert client.read("apps/v1/deployments", "resnet") is not None
+
+
+async def test_an_ensemble_step_in_a_format_without_a_backend_is_not_deployed(client, operator):
+    await client.create(client.IM, client.model(model={"storageUri": "s3://models/r", "format": "torchscript"}))
+    await client.create(client.ENS, ENSEMBLE)
+    degraded = await client.wait(
+        lambda: (c := client.condition(client.read(client.ENS, "classifier"), "Degraded"))
+        and c["reason"] == "NotImplemented" and c)
+    assert "InferenceModel 'resnet' spec.model.format: torchscript models are not served" in degraded["message"]
+    await client.settle()
+    assert client.read("apps/v1/deployments", "classifier") is None

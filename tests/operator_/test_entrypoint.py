@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 import yaml
 
-from sluice.operator.testing import ApiServer
+from sluice_testing import ApiServer
 
 
 def free_port() -> int:

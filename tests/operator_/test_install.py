@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from sluice.operator import api, crd
-from sluice.operator.testing.apiserver import _strip_extensions, _structural
+from sluice_testing.apiserver import _strip_extensions, _structural
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "sluice"
@@ -252,3 +252,61 @@ def test_values_schema_forbids_unknown_keys_everywhere():
     assert all(node.get("additionalProperties") is False for _, node in objects(schema))
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     jsonschema.Draft7Validator(schema).validate(values)
+
+
+# Distributions only the `test` extra installs: no shipped module may import them (the images lack them).
+TEST_ONLY_IMPORTS = {
+    "kmock", "jsonschema", "pytest", "hypothesis", "onnx", "h2", "kubernetes_validate", "sluice_testing",
+}
+
+
+def _shipped_modules() -> dict[str, pathlib.Path]:
+    """Every module the wheel (and so each image) installs, per pyproject's package list."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    modules: dict[str, pathlib.Path] = {}
+    for package in setup["packages"]:
+        root = next(p for p in sorted(setup["package-dir"], key=len, reverse=True)
+                    if package == p or package.startswith(p + "."))
+        directory = ROOT / setup["package-dir"][root] / package[len(root):].lstrip(".").replace(".", "/")
+        for source in directory.glob("*.py"):
+            modules[f"{package}.{source.stem}"] = source
+    return modules
+
+
+def test_shipped_packages_import_nothing_from_the_test_extra():
+    import ast
+
+    modules = _shipped_modules()
+    assert "sluice.operator.handlers" in modules and "sluice.runtime.server" in modules
+    offenders = []
+    for name, source in sorted(modules.items()):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Import):
+                imported = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported = [node.module]
+            else:
+                continue
+            offenders += [f"{name} imports {m}" for m in imported if m.split(".")[0] in TEST_ONLY_IMPORTS]
+    assert not offenders, "test support belongs in tests/support, not in a shipped package: " + "; ".join(offenders)
+
+
+def test_the_readme_helm_install_uses_the_images_it_tells_you_to_build():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## On Kubernetes (Helm)"):]
+    section = section[:section.index("\n## ", 1)]
+    assert "not published yet" in section
+    registry = "registry.test/sluice"
+    text = section.replace("\\\n", " ").replace("$REGISTRY", registry)
+    built = set(re.findall(r"docker build [^\n]*-t (\S+)", text))
+    install = next(line for line in text.splitlines() if line.startswith("helm install"))
+    values = re.findall(r"--set (\S+)", install)
+    docs = template(*[arg for value in values for arg in ("--set", value)])
+    images = {c["image"] for d in docs if d["kind"] == "Deployment"
+              for c in d["spec"]["template"]["spec"]["containers"]}
+    images |= {e["value"] for d in docs if d["kind"] == "Deployment"
+               for c in d["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])
+               if e["name"] in ("SLUICE_RUNTIME_IMAGE", "SLUICE_RUNTIME_GPU_IMAGE")}
+    assert images == built, f"the chart would run {images}, the README builds {built}"

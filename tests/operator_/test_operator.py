@@ -30,7 +30,10 @@ async def test_create_makes_children_with_owner_refs_and_status(client, operator
                        "uid": uid, "controller": True, "blockOwnerDeletion": True}
         assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "sluice-operator"
     deployment = client.read(DEPLOY, "resnet")
-    assert "replicas" not in deployment["spec"]  # min 2 < max 4: the HPA owns the replica count
+    # min 2 < max 4: the HPA owns the replica count; the operator applies none (the server defaults 1)
+    assert deployment["spec"]["replicas"] == 1
+    assert not any("f:replicas" in entry["fieldsV1"].get("f:spec", {})
+                   for entry in deployment["metadata"]["managedFields"])
     status = await client.wait(lambda: status_of(client).get("conditions") and status_of(client))
     assert status["observedGeneration"] == 1
     assert status["url"] == "http://resnet.models.svc.cluster.local:8000/v2/models/resnet"
@@ -89,6 +92,23 @@ async def test_spec_update_rolls_the_deployment(client, operator, apiserver):
     config = client.read("v1/configmaps", "resnet-config")["data"]["resnet.config.json"]
     assert '"max_batch_size": 32' in config
     await client.wait(lambda: status_of(client).get("observedGeneration") == 2)
+
+
+async def test_runtime_pods_drain_in_prestop_with_a_grace_period_that_covers_it(client, operator, apiserver):
+    created = await client.create(client.IM, client.model(shutdown={"drainSeconds": 10}))
+    assert created["spec"]["shutdown"] == {"drainSeconds": 10, "graceSeconds": 30}  # CRD defaulting
+    pod = (await client.wait(lambda: client.read(DEPLOY, "resnet")))["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "10"]}}
+    args = " ".join(container["args"])
+    assert "--strict-readiness true --drain-period-s 0 --shutdown-grace-s 30" in args
+    assert pod["terminationGracePeriodSeconds"] == 45
+    await client.patch(client.IM, "resnet", {"spec": {"shutdown": {"drainSeconds": 0, "graceSeconds": 90}}})
+    pod = (await client.wait(lambda: "--shutdown-grace-s 90" in " ".join(
+        (d := client.read(DEPLOY, "resnet"))["spec"]["template"]["spec"]["containers"][0]["args"]) and d)
+    )["spec"]["template"]["spec"]
+    assert "lifecycle" not in pod["containers"][0]
+    assert pod["terminationGracePeriodSeconds"] == 95
 
 
 async def test_scaling_change_removes_the_hpa_and_pins_replicas(client, operator, apiserver):
@@ -166,6 +186,23 @@ async def test_canary_is_reported_as_not_implemented(client, operator):
     assert degraded["reason"] == "NotImplemented"
     assert "Remove spec.canary" in degraded["message"]
     assert status_of(client)["trafficSummary"] == "v1=100"
+
+
+async def test_a_format_without_a_backend_is_degraded_and_deploys_nothing(client, operator, apiserver):
+    await client.create(client.IM, client.model(model={"storageUri": "s3://models/bert", "format": "tensorrt"}))
+    degraded = await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded"))
+    assert degraded["status"] == "True"
+    assert degraded["reason"] == "NotImplemented"
+    assert "tensorrt models are not served by this runtime version yet (served: onnx, python)" in \
+        degraded["message"]
+    await client.settle()
+    for resource, name in CHILDREN:  # no Deployment to crash-loop, nothing else either
+        assert client.read(resource, name) is None, resource
+    assert client.condition(client.read(client.IM, "resnet"), "Ready")["status"] == "False"
+    # Switching to a served format deploys it.
+    await client.patch(client.IM, "resnet", {"spec": {"model": {"format": "onnx"}}})
+    await client.wait(lambda: client.read(DEPLOY, "resnet"))
+    await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded")["status"] == "False")
 
 
 async def test_a_rejected_apply_is_degraded_then_recovers(client, operator, apiserver):

@@ -111,17 +111,21 @@ def pod(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Pod]
             process.wait()
 
 
-def test_the_rendered_pod_serves_probes_and_the_hpa_metric(pod):
-    objects, ports, process = pod
+def _container(objects: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], dict[str, Any]]:
     [deployment] = [o for o in objects if o["kind"] == "Deployment"]
-    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    pod_spec = deployment["spec"]["template"]["spec"]
+    [container] = pod_spec["containers"]
+    return pod_spec, container
+
+
+def _probe_url(container: dict[str, Any], probe: dict[str, Any]) -> str:
     named = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert named == ports
+    return f"http://{POD_IP}:{named[probe['httpGet']['port']]}{probe['httpGet']['path']}"
 
-    def probe_url(probe: dict[str, Any]) -> str:
-        return f"http://{POD_IP}:{named[probe['httpGet']['port']]}{probe['httpGet']['path']}"
 
-    readiness = probe_url(container["readinessProbe"])
+def _wait_ready(container: dict[str, Any], process: subprocess.Popen[str]) -> str:
+    """Probe readiness as kubelet does until it answers 200; return the probe URL."""
+    readiness = _probe_url(container, container["readinessProbe"])
     deadline = time.monotonic() + 30
     while True:
         if process.poll() is not None:
@@ -136,9 +140,18 @@ def test_the_rendered_pod_serves_probes_and_the_hpa_metric(pod):
             process.kill()
             pytest.fail(f"{readiness} never answered 200 (last {status}):\n{process.communicate()[0]}")
         time.sleep(0.05)
+    return readiness
+
+
+def test_the_rendered_pod_serves_probes_and_the_hpa_metric(pod):
+    objects, ports, process = pod
+    _, container = _container(objects)
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert named == ports
+    readiness = _wait_ready(container, process)
     assert readiness.endswith("/v2/health/ready")
-    assert get(probe_url(container["livenessProbe"]))[0] == 200
-    assert get(probe_url(container["startupProbe"]))[0] == 200
+    assert get(_probe_url(container, container["livenessProbe"]))[0] == 200
+    assert get(_probe_url(container, container["startupProbe"]))[0] == 200
 
     # The model is served under the name and version the status URL names, with the rendered config.
     status, body = get(f"http://{POD_IP}:{ports['http']}/v2/models/addsub/versions/1/ready")
@@ -149,3 +162,20 @@ def test_the_rendered_pod_serves_probes_and_the_hpa_metric(pod):
     _, exposition = get(f"http://{POD_IP}:{named['metrics']}/metrics")
     samples = [line for line in exposition.splitlines() if line.startswith(metric + "{")]
     assert any('model="addsub"' in line and 'version="1"' in line for line in samples), exposition[:2000]
+
+
+def test_the_rendered_pod_stops_cleanly_within_its_grace_period(pod):
+    # kubelet runs the preStop hook (the drain: the pod leaves the endpoints while it still serves),
+    # then sends SIGTERM; what is left of terminationGracePeriodSeconds is the runtime's to exit 0.
+    objects, _, process = pod
+    pod_spec, container = _container(objects)
+    _wait_ready(container, process)
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and shutil.which("sleep"), command
+    left = pod_spec["terminationGracePeriodSeconds"] - int(command[1])
+    process.send_signal(signal.SIGTERM)
+    try:
+        returncode = process.wait(timeout=left)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the runtime was still running {left} s after SIGTERM: kubelet would SIGKILL it")
+    assert returncode == 0, process.stdout.read() if process.stdout else ""

@@ -10,8 +10,15 @@ a real API server does (listed in ``e2e/README.md``):
 * the ``status`` subresource: writes to the main resource ignore ``status``; ``/status`` writes
   change nothing else;
 * server-side apply (``application/apply-patch+yaml``): creates when absent; merges the applied
-  configuration, removes fields the same manager applied before and no longer applies; lists are
-  treated as atomic (a real server merges keyed lists such as containers by name);
+  configuration; lists are treated as atomic (a real server merges keyed lists such as containers by
+  name);
+* field ownership (``metadata.managedFields``, ``fieldsV1`` without timestamps): an apply makes its
+  manager an owner of every field it applies (``force``: the sole owner of a field whose value it
+  changes); any other write (``?fieldManager=``, default ``unknown``) takes the fields it changes.
+  A field a manager applied before and no longer applies loses that owner, and is removed when no
+  owner is left - then defaulting fills it in again (``Deployment.spec.replicas`` defaults to 1), which
+  is the reset the HPA handover has to avoid. :meth:`ApiServer.scale` writes a replica count the way
+  the HPA controller does (the ``scale`` subresource, manager ``kube-controller-manager``);
 * deletion with finalizers (``deletionTimestamp``) and ``preconditions.uid``; owner-reference
   garbage collection (background cascade) when an owner is deleted;
 * CustomResourceDefinitions registered with :meth:`ApiServer.register_crd`: discovery, and on every
@@ -83,18 +90,62 @@ def _merge(base: Any, patch: Any) -> Any:
     return copy.deepcopy(patch)
 
 
-def _remove_dropped(obj: Any, previous: Any, current: Any) -> Any:
-    """Remove from ``obj`` the fields ``previous`` applied that ``current`` no longer applies."""
-    if not (isinstance(obj, dict) and isinstance(previous, dict)):
-        return obj
-    current = current if isinstance(current, dict) else {}
-    result = dict(obj)
-    for key, value in previous.items():
-        if key not in current:
-            result.pop(key, None)
-        elif key in result:
-            result[key] = _remove_dropped(result[key], value, current[key])
-    return result
+Path = tuple[str, ...]
+Owners = dict[Path, set[tuple[str, str]]]
+"""Field path -> the (manager, operation) pairs that own it; operation is ``Apply`` or ``Update``."""
+# Set by the server, never owned by a manager (the real server leaves them out of managedFields too).
+_UNOWNED_META = {"name", "namespace", "uid", "resourceVersion", "generation", "creationTimestamp",
+                 "deletionTimestamp", "managedFields"}
+_MISSING = object()
+
+
+def _fields(value: Any, prefix: Path = ()) -> set[Path]:
+    """The leaf field paths of ``value`` (lists are atomic, as this emulator treats them)."""
+    if isinstance(value, dict) and value:
+        result: set[Path] = set()
+        for key, item in value.items():
+            if prefix == () and key in ("apiVersion", "kind", "status"):
+                continue
+            if prefix == ("metadata",) and key in _UNOWNED_META:
+                continue
+            result |= _fields(item, (*prefix, key))
+        return result
+    return {prefix} if prefix else set()
+
+
+def _at(obj: Any, path: Path) -> Any:
+    for key in path:
+        if not isinstance(obj, dict) or key not in obj:
+            return _MISSING
+        obj = obj[key]
+    return obj
+
+
+def _drop(obj: Obj, path: Path, keep: Any) -> None:
+    """Remove ``path`` from ``obj``, then any parent left empty that ``keep`` (the new apply) does not name."""
+    parents = [obj]
+    for key in path[:-1]:
+        child = parents[-1].get(key)
+        if not isinstance(child, dict):
+            return
+        parents.append(child)
+    parents[-1].pop(path[-1], None)
+    for depth in range(len(path) - 1, 0, -1):
+        if parents[depth] or _at(keep, path[:depth]) is not _MISSING:
+            break
+        parents[depth - 1].pop(path[depth - 1], None)
+
+
+def _managed_fields(owners: Owners) -> list[Obj]:
+    """``metadata.managedFields`` as a real server renders it (``fieldsV1``), minus the timestamps."""
+    trees: dict[tuple[str, str], Obj] = {}
+    for path, holders in owners.items():
+        for holder in holders:
+            node = trees.setdefault(holder, {})
+            for key in path:
+                node = node.setdefault(f"f:{key}", {})
+    return [{"manager": manager, "operation": operation, "fieldsType": "FieldsV1", "fieldsV1": tree}
+            for (manager, operation), tree in sorted(trees.items())]
 
 
 def _structural(schema: Mapping[str, Any], value: Any) -> Any:
@@ -135,6 +186,7 @@ class ApiServer(kmock.KubernetesEmulator):
 
     _schemas: dict[Any, Obj] = attrs.field(factory=dict, init=False)
     _applied: dict[tuple[Any, str | None, str, str], Obj] = attrs.field(factory=dict, init=False)
+    _owners: dict[tuple[Any, str | None, str], Owners] = attrs.field(factory=dict, init=False)
     _counter: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _log: list[tuple[int, Any, Obj]] = attrs.field(factory=list, init=False)
     _last_version: int = attrs.field(default=0, init=False)
@@ -185,6 +237,17 @@ class ApiServer(kmock.KubernetesEmulator):
         status = {"observedGeneration": deployment["metadata"]["generation"], "replicas": replicas,
                   "updatedReplicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas}
         await self.write_status("apps/v1/deployments", namespace, name, status)
+
+    async def scale(self, namespace: str, name: str, replicas: int,
+                    manager: str = "kube-controller-manager") -> None:
+        """Set a Deployment's replica count as the HPA controller does: an update through ``/scale``."""
+        res = kmock.resource("apps/v1/deployments")
+        async with self._lock:
+            old = self._current(res, namespace, name)
+            new = copy.deepcopy(old)
+            new["spec"]["replicas"] = replicas
+            self._take_updated((res, namespace, name), old, new, manager)
+            await self._store(res, namespace, name, old, new)
 
     async def write_status(self, resource: str, namespace: str | None, name: str, status: Obj) -> None:
         """Write ``status`` as a controller would (through the status subresource semantics)."""
@@ -274,6 +337,8 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _admit(self, resource: Any, obj: Obj) -> Obj:
         schema = self._schemas.get(resource)
+        if resource == kmock.resource("apps/v1/deployments") and isinstance(obj.get("spec"), dict):
+            obj["spec"].setdefault("replicas", 1)  # the one built-in default the tests rely on
         if schema is None:
             return obj
         obj = _structural(schema, obj)
@@ -331,7 +396,43 @@ class ApiServer(kmock.KubernetesEmulator):
         self._log.append((version, resource, copy.deepcopy(event)))
         await self._buses[resource].put(event)
 
-    async def _create(self, request: rendering.Request, body: Obj | None = None) -> Obj:
+    def _apply_ownership(
+        self, key: tuple[Any, str | None, str], old: Obj, patch: Obj, manager: str,
+    ) -> tuple[Obj, Owners]:
+        """Merge a forced apply by ``manager`` into ``old``: the new object and its field owners, as a real
+        server computes them (the caller stores the owners once the object is admitted)."""
+        owners = {path: set(holders) for path, holders in self._owners.get(key, {}).items()}
+        holder = (manager, "Apply")
+        applied = _fields(patch)
+        previous = self._applied.get((*key, manager))
+        new = copy.deepcopy(old)
+        for path in (_fields(previous) - applied) if previous is not None else ():
+            holders = owners.get(path, set())
+            holders.discard(holder)
+            if not holders:
+                owners.pop(path, None)
+                _drop(new, path, patch)  # no owner left: the field goes (and defaulting may refill it)
+        for path in applied:
+            if _at(old, path) != _at(patch, path):
+                owners[path] = {holder}  # force: the other owners lose a field whose value changes
+            else:
+                owners.setdefault(path, set()).add(holder)
+        return _merge(new, patch), owners
+
+    def _take_updated(self, key: tuple[Any, str | None, str], old: Obj | None, new: Obj, manager: str) -> None:
+        """A non-apply write makes ``manager`` the owner of every field whose value it changed."""
+        owners = self._owners.setdefault(key, {})
+        for path in _fields(new):
+            if old is None or _at(old, path) != _at(new, path):
+                owners[path] = {(manager, "Update")}
+        for path in [p for p in owners if _at(new, p) is _MISSING]:
+            del owners[path]
+        new.setdefault("metadata", {})["managedFields"] = _managed_fields(owners)
+
+    async def _create(
+        self, request: rendering.Request, body: Obj | None = None, *, manager: str = "",
+        operation: str = "Update",
+    ) -> Obj:
         assert request.resource is not None
         obj = copy.deepcopy(body if body is not None else request.data or {})
         meta = obj.setdefault("metadata", {})
@@ -352,6 +453,10 @@ class ApiServer(kmock.KubernetesEmulator):
         if self._has_status_subresource(request.resource):
             obj.pop("status", None)
         obj = self._admit(request.resource, obj)
+        holder = (manager or request.params.get("fieldManager") or "unknown", operation)
+        owners = self._owners[key] = {path: {holder} for path in _fields(obj)
+                                      if operation == "Update" or _at(body, path) is not _MISSING}
+        obj["metadata"]["managedFields"] = _managed_fields(owners)
         return await self._store(request.resource, namespace, name, None, obj)
 
     async def _update(self, request: rendering.Request) -> Obj:
@@ -362,16 +467,14 @@ class ApiServer(kmock.KubernetesEmulator):
         status_only = request.subresource == "status"
         key = (resource, namespace, name)
         exists = key in self.objects and not self.objects[key].deleted
+        manager = request.params.get("fieldManager") or "unknown"
         if content_type == APPLY:
-            manager = request.params.get("fieldManager", "")
             if not exists:
-                created = await self._create(request, body=patch)
+                created = await self._create(request, body=patch, manager=manager, operation="Apply")
                 self._applied[(resource, namespace, name, manager)] = copy.deepcopy(patch)
                 return created
             old = self._current(resource, namespace, name)
-            previous = self._applied.get((resource, namespace, name, manager))
-            new = _merge(_remove_dropped(old, previous, patch), patch) if previous else _merge(old, patch)
-            self._applied[(resource, namespace, name, manager)] = copy.deepcopy(patch)
+            new, applied_owners = self._apply_ownership(key, old, patch, manager)
         else:
             old = self._current(resource, namespace, name)
             expected = patch.get("metadata", {}).get("resourceVersion") if isinstance(patch, dict) else None
@@ -393,6 +496,12 @@ class ApiServer(kmock.KubernetesEmulator):
                 new["metadata"][field] = old["metadata"][field]
         if not status_only:
             new = self._admit(resource, new)
+            if content_type == APPLY:  # admitted: the apply and its ownership take effect
+                self._owners[key] = applied_owners
+                self._applied[(resource, namespace, name, manager)] = copy.deepcopy(patch)
+            else:
+                self._take_updated(key, old, new, manager)
+            new["metadata"]["managedFields"] = _managed_fields(self._owners.get(key, {}))
         meta = new["metadata"]
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
             await self._store(resource, namespace, name, old, new)
@@ -424,6 +533,7 @@ class ApiServer(kmock.KubernetesEmulator):
         self.objects[key].delete()
         for manager_key in [k for k in self._applied if k[:3] == key]:
             del self._applied[manager_key]
+        self._owners.pop(key, None)
         obj = copy.deepcopy(obj)
         obj["metadata"]["resourceVersion"] = str(next(self._counter))
         await self._publish(resource, {"type": "DELETED", "object": obj})

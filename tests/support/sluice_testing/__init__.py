@@ -1,0 +1,11 @@
+"""Test support for the Sluice operator: a realistic API-server emulator and an in-process operator.
+
+Needs the ``test`` extra (kmock, jsonschema). Used by ``tests/operator_`` and ``e2e/``; never imported
+by the operator itself, and not shipped: it lives in ``tests/support`` (on sys.path through pytest's
+``pythonpath`` setting), outside the ``sluice`` packages that the wheel and the images install.
+"""
+
+from sluice_testing.apiserver import ApiServer
+from sluice_testing.harness import FakeClock, OperatorHarness
+
+__all__ = ["ApiServer", "FakeClock", "OperatorHarness"]
