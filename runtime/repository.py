@@ -184,7 +184,7 @@ def _available_versions(model_dir: Path) -> list[int]:
 @dataclasses.dataclass
 class _Prepared:
     config: mc.ModelConfig
-    versions: list[tuple[int, ModelBackend, list[ModelInstance]]]
+    versions: list[tuple[int, ModelBackend | ensemble.Ensemble, list[ModelInstance]]]
     warnings: list[str]
     scheduling: SchedulerConfig | None  # None for an ensemble
     cache: Callable[[], ResponseCache | None]
@@ -267,8 +267,9 @@ def prepare(root: Path, name: str, override: str | None, defaults: SchedulingDef
         return response_cache(config, defaults)
 
     if backend == model_config.ENSEMBLE:
-        versions = [(version, ensemble.Ensemble(config), []) for version in chosen]
-        return _Prepared(config, versions, warnings, None, cache, labels)
+        plans: list[tuple[int, ModelBackend | ensemble.Ensemble, list[ModelInstance]]]
+        plans = [(version, ensemble.Ensemble(config), []) for version in chosen]
+        return _Prepared(config, plans, warnings, None, cache, labels)
     scheduling = scheduler_config(config, defaults, name)
     loader = _backend_loader(backend)
     prepared = _Prepared(config, [], warnings, scheduling, cache, labels)
