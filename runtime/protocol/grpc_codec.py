@@ -12,7 +12,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, Unsupported
-from sluice.runtime.protocol.http_codec import bytes_elements, encode_bytes_elements
+from sluice.runtime.protocol.tensor_bytes import bytes_elements, encode_bytes_elements
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import (
     DATATYPES,

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, Unsupported
+from sluice.runtime.protocol.tensor_bytes import bytes_elements, encode_bytes_elements
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import (
     DATATYPES,
@@ -71,39 +72,6 @@ def _element_count(name: str, shape: Any, limits: Limits) -> tuple[tuple[int, ..
                 "(the server's --max-elements limit)"
             )
     return tuple(shape), count
-
-
-def bytes_elements(name: str, raw: memoryview, count: int) -> np.ndarray:
-    """Split Triton's length-prefixed BYTES encoding (4-byte little-endian length, then data)."""
-    end = len(raw)
-    if count * 4 > end:  # every element has a 4-byte length: refuse before allocating ``count`` slots
-        raise _bad(
-            f"input '{name}': BYTES data is {end} bytes, too short for {count} elements "
-            "(each needs at least a 4-byte length)"
-        )
-    out = np.empty(count, dtype=object)
-    pos = 0
-    for i in range(count):
-        if pos + 4 > end:
-            raise _bad(f"input '{name}': BYTES data ends after {i} of {count} elements")
-        length = int.from_bytes(raw[pos : pos + 4], "little")
-        pos += 4
-        if pos + length > end:
-            raise _bad(f"input '{name}': BYTES element {i} claims {length} bytes but only {end - pos} remain")
-        out[i] = bytes(raw[pos : pos + length])
-        pos += length
-    if pos != end:
-        raise _bad(f"input '{name}': {end - pos} bytes left over after {count} BYTES elements")
-    return out
-
-
-def encode_bytes_elements(array: np.ndarray) -> bytes:
-    parts = []
-    for item in array.ravel():
-        data = item if isinstance(item, bytes) else str(item).encode()
-        parts.append(len(data).to_bytes(4, "little"))
-        parts.append(data)
-    return b"".join(parts)
 
 
 def _bf16_from_float(values: np.ndarray) -> np.ndarray:

@@ -26,7 +26,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import serialize_byte_tensor
 
 from sluice.runtime.errors import SluiceError
-from sluice.runtime.protocol import grpc_codec, http_codec
+from sluice.runtime.protocol import grpc_codec, http_codec, tensor_bytes
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import DATATYPES, InferRequest, InferResponse, RequestedOutput, Tensor, numpy_dtype
 
@@ -419,6 +419,15 @@ def test_grpc_request_round_trip(datatype, typed, data):
     (decoded,) = request.inputs
     assert decoded.name == "IN" and decoded.datatype == datatype
     assert_same(datatype, array, decoded.data)
+
+
+@ROUND_TRIP
+@given(array=arrays_of("BYTES"))
+def test_bytes_helpers_match_tritonclient(array):
+    """The shared BYTES helpers (used by both codecs) read and write exactly tritonclient's encoding."""
+    wire = serialize_byte_tensor(array).item() if array.size else b""
+    assert tensor_bytes.encode_bytes_elements(array) == wire
+    assert list(tensor_bytes.bytes_elements("IN", memoryview(wire), array.size)) == list(array.ravel())
 
 
 @pytest.mark.parametrize("datatype", ["UINT64", "INT64"])
