@@ -270,7 +270,7 @@ class Connection(asyncio.Protocol):
         if self._closed or self._transport is None:
             return
         close = not request.keep_alive or self._server.draining
-        self._write(response, close)
+        self._write(response, close, head_only=request.method == b"HEAD")
         self._current_request = None
         if close:
             return
@@ -303,7 +303,9 @@ class Connection(asyncio.Protocol):
         if self._transport is not None and len(self._pending) <= 32 and not self._write_paused and not self._closed:
             self._transport.resume_reading()
 
-    def _write(self, response: Response, close: bool) -> None:
+    def _write(self, response: Response, close: bool, head_only: bool = False) -> None:
+        """Send ``response``; ``head_only`` (a HEAD request) sends its headers, Content-Length
+        included, but not its body: a body would be read as the start of the next response."""
         assert self._transport is not None
         status = response.status
         head = [
@@ -315,7 +317,8 @@ class Connection(asyncio.Protocol):
         if close:
             head.append(b"connection: close\r\n")
         head.append(b"\r\n")
-        head.append(response.body)
+        if not head_only:
+            head.append(response.body)
         self._transport.write(b"".join(head))
         if close:
             self._closed = True
