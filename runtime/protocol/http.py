@@ -16,7 +16,7 @@ import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import unquote
 
 import httptools
@@ -106,7 +106,8 @@ class Connection(asyncio.Protocol):
         self._write_paused = False
         self._burst = 0
         self._in_drain = False
-        self._too_large: SluiceError | None = None
+        self._refusal: Response | None = None  # the answer when the parser is stopped on purpose
+        self._owe_continue = False  # a 100 Continue waits for the responses before it to be written
         self.phase = _IDLE
         self.since = self._loop.time()
         self.inflight: InferRequest | None = None  # cancelled if the client goes away
@@ -157,8 +158,8 @@ class Connection(asyncio.Protocol):
             # plain HTTP/1.1); what follows it on the wire is another protocol: close.
             self.close()
         except httptools.HttpParserError as exc:
-            if self._too_large is not None:
-                self._write_error(self._too_large, close=True)
+            if self._refusal is not None:
+                self._write(self._refusal, close=True)
             else:
                 self._write_simple(400, f"malformed HTTP request: {exc}".encode(), close=True)
         if self._pending and self._current_request is None and not self._closed:
@@ -188,11 +189,9 @@ class Connection(asyncio.Protocol):
     def _count_head(self, n: int) -> None:
         self._head_bytes += n
         if self._head_bytes > self._limits.max_header_bytes:
-            self._too_large = PayloadTooLarge(
-                f"request head is over {self._limits.max_header_bytes} bytes (--max-header-bytes)"
-            )
-            self._too_large.http_status = 431
-            raise httptools.HttpParserError("head too large")
+            error = PayloadTooLarge(f"request head is over {self._limits.max_header_bytes} bytes (--max-header-bytes)")
+            error.http_status = 431
+            self._refuse(error_response(error))
 
     def on_headers_complete(self) -> None:
         length = self._headers.get(b"content-length")
@@ -202,25 +201,58 @@ class Connection(asyncio.Protocol):
             except ValueError:
                 size = -1
             if size > self._limits.max_body_bytes:
-                self._too_large = PayloadTooLarge(
-                    f"request body is {size} bytes, over the {self._limits.max_body_bytes}-byte limit "
-                    "(--max-body-bytes)"
+                self._refuse(
+                    error_response(
+                        PayloadTooLarge(
+                            f"request body is {size} bytes, over the {self._limits.max_body_bytes}-byte limit "
+                            "(--max-body-bytes)"
+                        )
+                    )
                 )
-                raise httptools.HttpParserError("body too large")
         if self.phase == _HEAD:
             self.phase = _BODY
             self.since = self._loop.time()
+        expect = self._headers.get(b"expect")
+        if expect is not None and self._parser.get_http_version() != "1.0":  # 1.0 clients: ignore it (RFC 9110)
+            self._expect(expect, length)
+
+    def _expect(self, expect: bytes, length: bytes | None) -> None:
+        """Answer ``Expect``: a request its head already fails gets its final answer now (and the
+        connection closes: the client does not send the body); an acceptable one gets 100 Continue."""
+        if expect.lower() != b"100-continue":
+            message = f"unsupported Expect {expect[:64].decode(errors='replace')!r}; allowed: 100-continue"
+            self._refuse(json_response({"error": message}, 417))
+        if self._server.check_head is not None:
+            refusal = self._server.check_head(self._parser.get_method(), self._url)
+            if refusal is not None:
+                self._refuse(refusal)
+        if length is not None and length.strip() == b"0":
+            return  # no body to wait for
+        if self._current_request is None and not self._pending:
+            self._write_continue()
+        else:
+            self._owe_continue = True  # pipelined: after the responses still owed, in order
+
+    def _write_continue(self) -> None:
+        self._owe_continue = False
+        if self._transport is not None and not self._closed:
+            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _refuse(self, response: Response) -> NoReturn:
+        """Stop parsing; ``data_received`` answers ``response`` and closes the connection."""
+        self._refusal = response
+        raise httptools.HttpParserError("request refused")
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
         if self._body_bytes > self._limits.max_body_bytes:
-            self._too_large = PayloadTooLarge(
-                f"request body is over the {self._limits.max_body_bytes}-byte limit (--max-body-bytes)"
-            )
-            raise httptools.HttpParserError("body too large")
+            limit = self._limits.max_body_bytes
+            error = PayloadTooLarge(f"request body is over the {limit}-byte limit (--max-body-bytes)")
+            self._refuse(error_response(error))
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._owe_continue = False  # the body came without it
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(self, self._parser.get_method(), self._url, self._headers, body)
         request.keep_alive = self._parser.should_keep_alive()
@@ -280,6 +312,8 @@ class Connection(asyncio.Protocol):
         else:
             self.phase = _IDLE
             self.since = self._loop.time()
+            if self._owe_continue:
+                self._write_continue()
 
     def _drain_pending(self) -> None:
         """Answer pipelined requests in order: a loop, not recursion through ``_respond``, and at
@@ -300,6 +334,8 @@ class Connection(asyncio.Protocol):
         if not self._pending and self._current_request is None:
             self.phase = _IDLE
             self.since = self._loop.time()
+            if self._owe_continue:
+                self._write_continue()
         if self._transport is not None and len(self._pending) <= 32 and not self._write_paused and not self._closed:
             self._transport.resume_reading()
 
@@ -324,9 +360,6 @@ class Connection(asyncio.Protocol):
             self._closed = True
             self.since = self._loop.time()
             self._transport.close()
-
-    def _write_error(self, exc: SluiceError, close: bool) -> None:
-        self._write(error_response(exc), close)
 
     def _write_simple(self, status: int, message: bytes, close: bool) -> None:
         if self._transport is None or self._closed:
@@ -365,6 +398,8 @@ class HttpServer(Listener):
         super().__init__(loop)
         self.route = router
         self.limits = limits
+        # ``check_head(method, url)``: the answer a request gets whatever its body, or None (optional)
+        self.check_head: Callable[[bytes, bytes], Response | None] | None = getattr(router, "check_head", None)
 
     def make_connection(self) -> Connection:
         return Connection(self)
@@ -441,12 +476,7 @@ class V2Routes:
             raise NotFound("a model name is needed: /v2/models/<name>")
         if rest == [b"stats"]:
             return self._get(request.method, lambda: json_response({"model_stats": self.dp.model_statistics()}))
-        name = unquote(rest[0].decode("utf-8", "replace"))
-        version = ""
-        tail = rest[1:]
-        if len(tail) >= 2 and tail[0] == b"versions":
-            version = unquote(tail[1].decode("utf-8", "replace"))
-            tail = tail[2:]
+        name, version, tail = _model_path(rest)
         if not tail:
             return self._get(request.method, lambda: json_response(self.dp.model_metadata(name, version)))
         if len(tail) == 1:
@@ -470,6 +500,35 @@ class V2Routes:
                     request.method, lambda: json_response({"model_stats": self.dp.model_statistics(name, version)})
                 )
         raise NotFound(f"no route for {request.path.decode(errors='replace')}")
+
+    def check_head(self, method: bytes, url: bytes) -> Response | None:
+        """The answer a request gets whatever its body, when its head alone decides it (so
+        ``Expect: 100-continue`` is refused before the body is sent); None when the body is needed.
+        Only reads: unknown routes, wrong methods and unknown or unready models of the routes that
+        take a body."""
+        path = url.partition(b"?")[0]
+        parts = path.split(b"/")
+        if len(parts) < 2 or parts[1] != b"v2":
+            return error_response(NotFound(f"no route for {path.decode(errors='replace')}; the API lives under /v2"))
+        section = parts[2] if len(parts) > 2 else b""
+        if section == b"models" and len(parts) > 3:
+            name, version, tail = _model_path(parts[3:])
+            if tail == [b"infer"]:
+                if method != b"POST":
+                    return json_response({"error": "use POST for /infer"}, 405)
+                try:
+                    self.dp.model_config(name, version)
+                except SluiceError as exc:
+                    return error_response(exc)
+        elif section == b"repository":
+            if method != b"POST":
+                return json_response({"error": "repository endpoints take POST"}, 405)
+            rest = parts[3:]
+            if rest != [b"index"] and not (len(rest) == 3 and rest[0] == b"models" and rest[2] in (b"load", b"unload")):
+                return error_response(NotFound(f"no route for {path.decode(errors='replace')}"))
+        elif section not in (b"", b"health", b"models"):
+            return error_response(NotFound(f"no route for {path.decode(errors='replace')}"))
+        return None
 
     def _infer(self, request: Request, name: str, version: str) -> object:
         header_length = request.headers.get(b"inference-header-content-length")
@@ -555,6 +614,17 @@ class V2Routes:
     async def _unload(self, name: str) -> Response:
         await self.dp.unload(name)
         return Response(200)
+
+
+def _model_path(rest: list[bytes]) -> tuple[str, str, list[bytes]]:
+    """``<name>[/versions/<v>][/<action>...]`` (the path after ``/v2/models/``) -> name, version, rest."""
+    name = unquote(rest[0].decode("utf-8", "replace"))
+    version = ""
+    tail = rest[1:]
+    if len(tail) >= 2 and tail[0] == b"versions":
+        version = unquote(tail[1].decode("utf-8", "replace"))
+        tail = tail[2:]
+    return name, version, tail
 
 
 def _not_ready(what: str) -> Response:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 
 import numpy as np
 import pytest
@@ -107,3 +108,95 @@ def test_head_then_infer_on_one_keep_alive_connection(shared_server):
         assert status == 200
         outputs = {o["name"]: o["data"] for o in json.loads(body)["outputs"]}
         np.testing.assert_allclose(outputs["OUTPUT0"], [2.0] * 16)
+
+
+def expect_head(
+    path: str, length: int, expect: str = "100-continue", version: str = "1.1", method: str = "POST"
+) -> bytes:
+    head = f"{method} {path} HTTP/{version}\r\nHost: t\r\nContent-Length: {length}\r\nExpect: {expect}\r\n\r\n"
+    return head.encode()
+
+
+def test_expect_100_continue_is_answered_before_the_body(shared_server):
+    with Wire(shared_server.http) as wire:
+        wire.send(expect_head("/v2/models/add_sub/infer", len(GOOD)))
+        wire.sock.settimeout(5)  # before the fix nothing came until the body was sent
+        assert wire.head() == (100, {})
+        wire.sock.settimeout(10)
+        wire.send(GOOD)
+        status, _, body = wire.response()
+        assert status == 200, body
+        # keep-alive still works, and a second Expect on the connection gets its own 100
+        wire.send(expect_head("/v2/models/add_sub/infer", len(GOOD)))
+        assert wire.head() == (100, {})
+        wire.send(GOOD)
+        assert wire.response()[0] == 200
+
+
+def test_expect_100_continue_after_a_pipelined_request_keeps_order(shared_server):
+    with Wire(shared_server.http) as wire:
+        wire.send(get("GET", "/v2/health/ready") + expect_head("/v2/models/add_sub/infer", len(GOOD)))
+        assert wire.response()[0] == 200
+        assert wire.head() == (100, {})
+        wire.send(GOOD)
+        assert wire.response()[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("head", "status", "words"),
+    [
+        (expect_head("/nope", 10), 404, ["/nope", "/v2"]),
+        (expect_head("/v2/nothing/here", 10), 404, ["/v2/nothing/here"]),
+        (expect_head("/v2/models/missing/infer", 10), 404, ["missing"]),
+        (expect_head("/v2/models/add_sub/versions/7/infer", 10), 404, ["add_sub", "7"]),
+        (expect_head("/v2/models/add_sub/infer", 10, method="PUT"), 405, ["POST"]),
+        (expect_head("/v2/repository/models/add_sub/explode", 10), 404, ["explode"]),
+        (expect_head("/v2/repository/index", 10, method="GET"), 405, ["POST"]),
+        (expect_head("/v2/models/add_sub/infer", 65 * 1024 * 1024), 413, ["67108864", "--max-body-bytes"]),
+        (expect_head("/v2/models/add_sub/infer", 10, expect="200-ok"), 417, ["200-ok", "100-continue"]),
+    ],
+    ids=["outside-v2", "unknown-route", "unknown-model", "unknown-version", "wrong-method", "unknown-repo-action",
+         "repo-get", "too-large", "unknown-expectation"],
+)
+def test_expect_refused_from_the_head_gets_the_final_answer_at_once(shared_server, head, status, words):
+    with Wire(shared_server.http) as wire:
+        wire.send(head)  # and no body: the client waits for the server's word
+        wire.sock.settimeout(5)
+        got, headers, body = wire.response()
+        assert got == status, body
+        message = json.loads(body)["error"]
+        for word in words:
+            assert word in message
+        assert headers.get("connection") == "close"  # the body was never sent: the framing is lost
+        assert wire.closed()
+
+
+def test_expect_ignored_for_http_1_0(shared_server):
+    with Wire(shared_server.http) as wire:
+        wire.send(expect_head("/v2/models/add_sub/infer", len(GOOD), version="1.0") + GOOD)
+        raw = b""
+        while True:
+            chunk = wire.sock.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+        assert raw.startswith(b"HTTP/1.1 200 "), raw[:100]
+        assert b"100 Continue" not in raw
+
+
+def test_curl_large_body_gets_100_continue(shared_server):
+    """curl sends ``Expect: 100-continue`` for bodies over 1 MiB and waits for the answer."""
+    text = "x" * (2 * 1024 * 1024)
+    doc = {"inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [1, 1], "data": [text]}]}
+    body = json.dumps(doc).encode()
+    result = subprocess.run(
+        ["curl", "-sS", "-v", "--data-binary", "@-", "-H", "Content-Type: application/json",
+         f"http://{shared_server.http}/v2/models/identity_bytes/infer"],
+        input=body, capture_output=True, timeout=60, check=True,
+    )
+    trace = result.stderr.decode(errors="replace")
+    assert "> Expect: 100-continue" in trace
+    assert "< HTTP/1.1 100 Continue" in trace
+    assert "< HTTP/1.1 200 OK" in trace
+    (output,) = json.loads(result.stdout)["outputs"]
+    assert output["data"] == [text]
