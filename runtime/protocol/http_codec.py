@@ -74,6 +74,15 @@ def _element_count(name: str, shape: Any, limits: Limits) -> tuple[tuple[int, ..
     return tuple(shape), count
 
 
+def _dims(shape: tuple[int, ...] | list[int]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def _count_mismatch(name: str, given: int, count: int, shape: tuple[int, ...]) -> InvalidArgument:
+    """Triton's words for data that does not fill the shape."""
+    return _bad(f"input '{name}' got unexpected elements count {given}, expected {count} (shape {_dims(shape)})")
+
+
 def _bf16_from_float(values: np.ndarray) -> np.ndarray:
     bits = values.astype(np.float32).view(np.uint32)
     rounded = bits + 0x7FFF + ((bits >> 16) & 1)
@@ -92,7 +101,7 @@ def _from_json_data(
     if datatype == "BYTES":
         flat = _flatten(name, data, limits.max_json_depth)
         if len(flat) != count:
-            raise _bad(f"input '{name}': {len(flat)} elements given, shape {list(shape)} needs {count}")
+            raise _count_mismatch(name, len(flat), count, shape)
         out = np.empty(count, dtype=object)
         try:
             for i, item in enumerate(flat):
@@ -129,7 +138,7 @@ def _from_json_data(
             f"got {kinds.get(array.dtype.kind, array.dtype.name)}"
         )
     if array.size != count:
-        raise _bad(f"input '{name}': {array.size} elements given, shape {list(shape)} needs {count}")
+        raise _count_mismatch(name, array.size, count, shape)
     if datatype == "BF16":
         with np.errstate(over="ignore"):  # out-of-range numbers become +-inf, as IEEE casts do
             return _bf16_from_float(array).reshape(shape)
@@ -244,9 +253,11 @@ def decode_infer(
             else:
                 expected = count * ELEMENT_SIZE[datatype]
                 if size != expected:
+                    if size % ELEMENT_SIZE[datatype] == 0:  # whole elements: say it as Triton's clients do
+                        raise _count_mismatch(name, size // ELEMENT_SIZE[datatype], count, shape)
                     raise _bad(
-                        f"input '{name}': binary_data_size is {size} bytes, but shape {list(shape)} of "
-                        f"{datatype} needs {expected}"
+                        f"input '{name}' got unexpected byte size {size}, expected {expected} "
+                        f"(binary_data_size for shape {_dims(shape)} of {datatype})"
                     )
                 array = np.frombuffer(raw, dtype=WIRE_DTYPE[datatype]).reshape(shape)
         else:

@@ -24,6 +24,8 @@ def bytes_elements(name: str, raw: memoryview, count: int) -> np.ndarray:
     pos = 0
     for i in range(count):
         if pos + 4 > end:
+            if pos == end:  # whole elements, just too few of them
+                raise InvalidArgument(f"input '{name}' got unexpected elements count {i}, expected {count}")
             raise InvalidArgument(f"input '{name}': BYTES data ends after {i} of {count} elements")
         length = int.from_bytes(raw[pos : pos + 4], "little")
         pos += 4
@@ -34,8 +36,23 @@ def bytes_elements(name: str, raw: memoryview, count: int) -> np.ndarray:
         out[i] = bytes(raw[pos : pos + length])
         pos += length
     if pos != end:
+        extra = _whole_elements(raw, pos)
+        if extra:  # more whole elements than the shape holds
+            raise InvalidArgument(f"input '{name}' got unexpected elements count {count + extra}, expected {count}")
         raise InvalidArgument(f"input '{name}': {end - pos} bytes left over after {count} BYTES elements")
     return out
+
+
+def _whole_elements(raw: memoryview, pos: int) -> int:
+    """How many whole length-prefixed elements ``raw[pos:]`` holds exactly (0 when it is not a run of them)."""
+    end = len(raw)
+    n = 0
+    while pos + 4 <= end:
+        if n == 1 << 16:  # only for the message: not worth a long walk
+            return 0
+        pos += 4 + int.from_bytes(raw[pos : pos + 4], "little")
+        n += 1
+    return n if pos == end else 0
 
 
 def encode_bytes_elements(array: np.ndarray) -> bytes:

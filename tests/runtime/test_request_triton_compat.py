@@ -73,6 +73,18 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         """,
         {"model.py": IDENTITY_PY},
     )
+    write_model(
+        repo,
+        "simple_identity",
+        """
+        name: "simple_identity"
+        backend: "python"
+        max_batch_size: 8
+        input [ { name: "INPUT0", data_type: TYPE_STRING, dims: [ -1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_STRING, dims: [ -1 ] } ]
+        """,
+        {"model.py": IDENTITY_PY},
+    )
     for name, optional in [
         ("input_all_required", [False] * 3),
         ("input_optional", [False, False, False, True]),
@@ -202,3 +214,32 @@ def test_shape_and_datatype_errors_use_tritons_words(server, protocol):
     assert "inference input 'INPUT0' data-type is 'FP32', but model 'simple' expects 'INT32'" in message
     message = error_of(client, "simple", [*simple_inputs(mod)[:1], *simple_inputs(mod)[:1]])
     assert "input 'INPUT0' already exists in request" in message
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_element_count_errors_use_tritons_words(server, protocol, binary):
+    """Data for 16 elements sent with a shape of 8 (Triton's QA: fixed-size and BYTES inputs)."""
+    if protocol == "grpc" and not binary:
+        pytest.skip("gRPC has no JSON form")
+    mod, client = client_for(server, protocol)
+    ints = simple_inputs(mod)
+    for tensor in ints:
+        if protocol == "http":
+            tensor.set_data_from_numpy(np.arange(16, dtype=np.int32)[None], binary_data=binary)
+        tensor.set_shape([1, 8])
+    if protocol == "http":  # the gRPC codec's raw-content message is the gRPC side's
+        assert "input 'INPUT0' got unexpected elements count 16, expected 8" in error_of(client, "simple", ints)
+    for data in ([b"he\x00llo"] * 16, [b"\x00\x01\x02\x03"] * 16):
+        tensor = mod.InferInput("INPUT0", [1, 16], "BYTES")
+        array = np.array(data, dtype=np.object_).reshape(1, 16)
+        if protocol == "http":
+            tensor.set_data_from_numpy(array, binary_data=binary)
+        else:
+            tensor.set_data_from_numpy(array)
+        tensor.set_shape([2, 8])  # the same 16 elements in another shape: fine
+        result = client.infer("simple_identity", [tensor], outputs=[mod.InferRequestedOutput("OUTPUT0")])
+        assert result.as_numpy("OUTPUT0").reshape(-1).tolist() == data
+        tensor.set_shape([1, 8])
+        message = error_of(client, "simple_identity", [tensor])
+        assert "input 'INPUT0' got unexpected elements count 16, expected 8" in message
