@@ -300,11 +300,30 @@ def decode_infer(
 def _json_values(tensor: Tensor) -> list:
     data = tensor.data
     if tensor.datatype == "BYTES":
-        return [(v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)) for v in data.ravel().tolist()]
+        return _json_strings(tensor.name, data.ravel().tolist())
     if tensor.datatype == "BF16":
         data = _float_from_bf16(data)
     values = data.ravel().tolist()
     return values
+
+
+def _json_strings(name: str, values: list) -> list[str]:
+    """BYTES elements as JSON strings; bytes that are not UTF-8 text cannot be one (replacing them would
+    hand the client different data than the model produced), so that is an error naming the way out."""
+    out = []
+    for index, value in enumerate(values):
+        if not isinstance(value, bytes):
+            out.append(str(value))
+            continue
+        try:
+            out.append(value.decode())
+        except UnicodeDecodeError as exc:
+            raise _bad(
+                f"output '{name}': BYTES element {index} is not valid UTF-8 ({exc.reason} at byte {exc.start}), "
+                "so it cannot be sent as JSON; request this output with binary_data: true "
+                "(per output in 'outputs', or the request parameter binary_data_output)"
+            ) from None
+    return out
 
 
 def encode_infer(request: InferRequest, response: InferResponse) -> tuple[bytes, int | None]:

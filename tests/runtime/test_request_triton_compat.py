@@ -36,6 +36,22 @@ class TritonPythonModel:
 """
 
 
+RAW_BYTES_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        raw = np.array([b"text", b"\\xff\\xfe not utf-8"], dtype=np.object_)
+        text = np.array([b"caf\\xc3\\xa9", b"ok"], dtype=np.object_)
+        return [
+            pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("RAW", raw), pb_utils.Tensor("TEXT", text)])
+            for _ in requests
+        ]
+"""
+
+
 def io_config(name: str, optional: list[bool]) -> str:
     inputs = ",\n".join(
         f'  {{ name: "INPUT{i}", data_type: TYPE_FP32, dims: [ 1 ], optional: {str(o).lower()} }}'
@@ -84,6 +100,21 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         output [ { name: "OUTPUT0", data_type: TYPE_STRING, dims: [ -1 ] } ]
         """,
         {"model.py": IDENTITY_PY},
+    )
+    write_model(
+        repo,
+        "raw_bytes",
+        """
+        name: "raw_bytes"
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+        output [
+          { name: "RAW", data_type: TYPE_STRING, dims: [ 2 ] },
+          { name: "TEXT", data_type: TYPE_STRING, dims: [ 2 ] }
+        ]
+        """,
+        {"model.py": RAW_BYTES_PY},
     )
     for name, optional in [
         ("input_all_required", [False] * 3),
@@ -243,3 +274,19 @@ def test_element_count_errors_use_tritons_words(server, protocol, binary):
         tensor.set_shape([1, 8])
         message = error_of(client, "simple_identity", [tensor])
         assert "input 'INPUT0' got unexpected elements count 16, expected 8" in message
+
+
+def test_non_utf8_bytes_asked_for_as_json_are_an_error_not_altered(server):
+    client = httpclient.InferenceServerClient(server.http)
+    inputs = fp32_inputs(httpclient, ["INPUT0"])
+    as_json = [httpclient.InferRequestedOutput("RAW", binary_data=False)]
+    message = error_of(client, "raw_bytes", inputs, outputs=as_json)
+    assert "output 'RAW'" in message and "not valid UTF-8" in message and "binary_data" in message
+    # asked for in binary form, the bytes come back exactly; valid text still comes back as JSON
+    outputs = [
+        httpclient.InferRequestedOutput("RAW", binary_data=True),
+        httpclient.InferRequestedOutput("TEXT", binary_data=False),
+    ]
+    result = client.infer("raw_bytes", inputs, outputs=outputs)
+    assert result.as_numpy("RAW").tolist() == [b"text", b"\xff\xfe not utf-8"]
+    assert result.get_output("TEXT")["data"] == ["caf\u00e9", "ok"]
