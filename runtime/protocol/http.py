@@ -27,6 +27,7 @@ from sluice.runtime.protocol import http_codec
 from sluice.runtime.protocol.http_plan import InferCodec
 from sluice.runtime.protocol.listener import Listener
 from sluice.runtime.settings import Limits
+from sluice.runtime.signature import signature_of
 from sluice.runtime.types import InferRequest, InferResponse
 
 log = logging.getLogger("sluice.runtime.http")
@@ -542,7 +543,11 @@ class V2Routes:
                     f"{header_length[:64].decode(errors='replace')!r}"
                 ) from None
         body = _decode_body(request, self.limits)
-        infer_request = self.codec.decode(body, length, name, version)
+        if length == 0:  # Triton's raw binary request: the body is the only input's tensor
+            sig = signature_of(self.dp.model_config(name, version), name)
+            infer_request = http_codec.decode_raw(body, sig, name, version, self.limits)
+        else:
+            infer_request = self.codec.decode(body, length, name, version)
         conn = request.conn
         codec = self.codec
 

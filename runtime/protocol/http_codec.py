@@ -15,6 +15,7 @@ import numpy as np
 from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, Unsupported
 from sluice.runtime.protocol.tensor_bytes import bytes_elements, encode_bytes_elements
 from sluice.runtime.settings import Limits
+from sluice.runtime.signature import Signature
 from sluice.runtime.types import (
     DATATYPES,
     ELEMENT_SIZE,
@@ -295,6 +296,57 @@ def decode_infer(
             outputs.append(RequestedOutput(item["name"], binary_flag, out_params))
     request = InferRequest(model_name, model_version, inputs, outputs, request_id, params)
     return request
+
+
+def decode_raw(
+    body: bytes | memoryview, sig: Signature, model_name: str, model_version: str, limits: Limits
+) -> InferRequest:
+    """Triton's raw binary request (``Inference-Header-Content-Length: 0``): no JSON header, the whole body
+    is the tensor of the model's only input, its datatype and shape taken from the model config (batch
+    size 1 for a batching model; one variable dimension is deduced from the size). A BYTES input must
+    have shape [1]: the body is its one element. Every output is answered in binary form."""
+    if len(sig.inputs) != 1:
+        raise _bad(
+            f"Raw request must only have 1 input (found 1) to be deduced but got {len(sig.inputs)} inputs in "
+            f"'{sig.name}' model configuration"
+        )
+    (spec,) = sig.inputs.values()
+    shape = [1, *spec.dims] if sig.batched else list(spec.dims)
+    if spec.datatype == "BYTES":
+        if any(d != 1 for d in spec.dims) or not spec.dims:
+            raise _bad("For BYTE datatype raw input, the model must have input shape [1]")
+        array = np.empty(1, dtype=object)
+        array[0] = bytes(body)
+        data = array.reshape(shape)
+    else:
+        variable = [i for i, d in enumerate(shape) if d == -1]
+        if len(variable) > 1:
+            raise _bad(
+                f"The shape of the raw input '{spec.name}' can not be deduced because there are more than one "
+                "variable-sized dimension"
+            )
+        size = ELEMENT_SIZE[spec.datatype]
+        fixed = size
+        for d in shape:
+            fixed *= d if d != -1 else 1
+        if variable:
+            shape[variable[0]] = len(body) // fixed if fixed else 0
+        count = 1
+        for d in shape:
+            count *= d
+        if count > limits.max_elements:
+            raise PayloadTooLarge(
+                f"raw input '{spec.name}' holds more than {limits.max_elements} elements (--max-elements)"
+            )
+        if count * size != len(body):
+            allowed = f"a multiple of {fixed}" if variable else str(count * size)
+            raise _bad(
+                f"raw input '{spec.name}' got unexpected byte size {len(body)}, expected {allowed} "
+                f"(shape {_dims(spec.dims)} of {spec.datatype} in the model config)"
+            )
+        data = np.frombuffer(body, dtype=WIRE_DTYPE[spec.datatype]).reshape(shape)
+    tensor = Tensor(spec.name, spec.datatype, data, {})
+    return InferRequest(model_name, model_version, [tensor], None, "", {"binary_data_output": True})
 
 
 def _json_values(tensor: Tensor) -> list:

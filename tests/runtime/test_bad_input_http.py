@@ -424,7 +424,12 @@ CASES = [
         "integer",
         "12abc",
     ),
-    case("header-length-zero", binary_infer("add_sub", GOOD, b"", header_length=0), 400, "not valid JSON"),
+    case(
+        "header-length-zero-two-inputs",  # a raw binary request, for a model it cannot describe
+        binary_infer("add_sub", GOOD, b"", header_length=0),
+        400,
+        "Raw request must only have 1 input",
+    ),
     case("header-length-splits-json", binary_infer("add_sub", GOOD, b"", header_length=10), 400, "not valid JSON"),
     case(
         "binary-size-past-end",
