@@ -430,6 +430,15 @@ def _decode_body(request: Request, limits: Limits) -> bytes:
     return out
 
 
+def _large_json(request: Request, header_length: int | None, threshold: int) -> bool:
+    """Whether decoding this infer body is worth a worker thread: its JSON part is over ``threshold``
+    bytes, or it is compressed (its size unknown until inflated) and not tiny."""
+    body = len(request.body)
+    if request.headers.get(b"content-encoding", b"identity").lower() not in (b"identity", b""):
+        return body >= 4096
+    return (body if header_length is None else header_length) >= threshold
+
+
 class V2Routes:
     """Maps V2 paths to the data plane."""
 
@@ -542,40 +551,84 @@ class V2Routes:
                     "Inference-Header-Content-Length must be an integer, got "
                     f"{header_length[:64].decode(errors='replace')!r}"
                 ) from None
-        body = _decode_body(request, self.limits)
         if length == 0:  # Triton's raw binary request: the body is the only input's tensor
             sig = signature_of(self.dp.model_config(name, version), name)
-            infer_request = http_codec.decode_raw(body, sig, name, version, self.limits)
+            infer_request = http_codec.decode_raw(_decode_body(request, self.limits), sig, name, version, self.limits)
+        elif _large_json(request, length, self.limits.json_offload_bytes):
+            return self._infer_off_loop(request, name, version, length)
         else:
-            infer_request = self.codec.decode(body, length, name, version)
+            infer_request = self.codec.decode(_decode_body(request, self.limits), length, name, version)
         conn = request.conn
+        self._submit(infer_request, name, lambda response: conn.complete(request, response))
+        conn.inflight = infer_request
+        return DEFERRED
+
+    async def _infer_off_loop(self, request: Request, name: str, version: str, length: int | None) -> Response:
+        """A large JSON body: decompressed and decoded on a worker thread, so other connections are
+        served meanwhile (CPython's json holds the GIL within one call, but the loop runs between steps)."""
+        loop = asyncio.get_running_loop()
+        limits = self.limits
+
+        def decode() -> InferRequest:  # the plain codec: the plan cache is the event loop's alone
+            return http_codec.decode_infer(_decode_body(request, limits), length, name, version, limits)
+
+        infer_request = await loop.run_in_executor(None, decode)
+        answered: asyncio.Future[Response] = loop.create_future()
+        conn = request.conn
+
+        def respond(response: Response) -> None:
+            conn.inflight = None
+            if not answered.done():
+                answered.set_result(response)
+
+        self._submit(infer_request, name, respond)
+        conn.inflight = infer_request
+        return await answered
+
+    def _submit(self, infer_request: InferRequest, name: str, respond: Callable[[Response], None]) -> None:
+        """Hand ``infer_request`` to the data plane; ``respond`` gets the HTTP response (on the loop)."""
         codec = self.codec
+        offload = self.limits.json_offload_bytes
+
+        def answer(encoded: tuple[bytes, int | None]) -> None:
+            body, header_length = encoded
+            if header_length is None:
+                respond(Response(200, body))
+            else:
+                respond(Response(200, body, _OCTETS, [(b"inference-header-content-length", b"%d" % header_length)]))
+
+        def encode_failed(exc: BaseException) -> None:
+            if isinstance(exc, SluiceError):
+                respond(error_response(exc))
+                return
+            # e.g. a model output numpy cannot serialize: answer, never hang
+            log.error("cannot encode the response of model '%s'", name, exc_info=exc)
+            respond(json_response({"error": "internal error encoding the response (see the server log)"}, 500))
+
+        def encoded_off_loop(future: asyncio.Future[tuple[bytes, int | None]]) -> None:
+            exc = future.exception()
+            if exc is not None:
+                encode_failed(exc)
+            else:
+                answer(future.result())
 
         def done(outcome: InferResponse | SluiceError) -> None:
             if isinstance(outcome, SluiceError):
-                conn.complete(request, error_response(outcome))
+                respond(error_response(outcome))
+                return
+            if http_codec.json_elements(infer_request, outcome) * 8 >= offload:  # ~8+ bytes per JSON value
+                loop = asyncio.get_running_loop()  # ``done`` runs on the event loop
+                future = loop.run_in_executor(None, http_codec.encode_infer, infer_request, outcome)
+                future.add_done_callback(encoded_off_loop)
                 return
             try:
-                body, header_length = codec.encode(infer_request, outcome)
-            except SluiceError as exc:
-                conn.complete(request, error_response(exc))
+                encoded = codec.encode(infer_request, outcome)
+            except Exception as exc:
+                encode_failed(exc)
                 return
-            except Exception:  # e.g. a model output numpy cannot serialize: answer, never hang
-                log.exception("cannot encode the response of model '%s'", name)
-                failure = {"error": "internal error encoding the response (see the server log)"}
-                conn.complete(request, json_response(failure, 500))
-                return
-            if header_length is None:
-                conn.complete(request, Response(200, body))
-            else:
-                conn.complete(
-                    request,
-                    Response(200, body, _OCTETS, [(b"inference-header-content-length", b"%d" % header_length)]),
-                )
+            answer(encoded)
 
-        conn.inflight = infer_request
         self.dp.infer_nowait(infer_request, done)
-        return DEFERRED
 
     def _repository(self, request: Request, rest: list[bytes]) -> Response | Awaitable[Response]:
         if request.method != b"POST":

@@ -378,6 +378,19 @@ def _json_strings(name: str, values: list) -> list[str]:
     return out
 
 
+def json_elements(request: InferRequest, response: InferResponse) -> int:
+    """How many values ``encode_infer`` will write as JSON (what its time grows with); binary outputs cost
+    a copy, not this."""
+    default = bool(request.parameters.get("binary_data_output", False)) if request.parameters else False
+    wanted = {o.name: o.binary for o in request.outputs} if request.outputs is not None else None
+    count = 0
+    for tensor in response.outputs:
+        binary = wanted.get(tensor.name) if wanted is not None else None
+        if not (default if binary is None else binary):
+            count += tensor.data.size
+    return count
+
+
 def encode_infer(request: InferRequest, response: InferResponse) -> tuple[bytes, int | None]:
     """Response body, and the JSON header length when binary data follows (None for pure JSON)."""
     wanted: dict[str, RequestedOutput] | None = None
