@@ -10,6 +10,7 @@ sweeper per server, no timer per request), and cancellation of queued work when 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import zlib
@@ -430,6 +431,35 @@ def _decode_body(request: Request, limits: Limits) -> bytes:
     return out
 
 
+def _encoded(encoded: tuple[bytes, int | None]) -> Response:
+    body, header_length = encoded
+    if header_length is None:
+        return Response(200, body)
+    return Response(200, body, _OCTETS, [(b"inference-header-content-length", b"%d" % header_length)])
+
+
+def _encode_failure(exc: BaseException, name: str) -> Response:
+    if isinstance(exc, SluiceError):
+        return error_response(exc)
+    # e.g. a model output numpy cannot serialize: answer, never hang
+    log.error("cannot encode the response of model '%s'", name, exc_info=exc)
+    return json_response({"error": "internal error encoding the response (see the server log)"}, 500)
+
+
+def _encode_off_loop(
+    request: InferRequest, outcome: InferResponse, name: str, respond: Callable[[Response], None]
+) -> None:
+    """Encode a large JSON response on a worker thread (called on the loop, ``respond`` back on it),
+    with the plain codec: the header cache is the event loop's alone."""
+
+    def encoded(future: asyncio.Future[tuple[bytes, int | None]]) -> None:
+        exc = future.exception()
+        respond(_encode_failure(exc, name) if exc is not None else _encoded(future.result()))
+
+    future = asyncio.get_running_loop().run_in_executor(None, http_codec.encode_infer, request, outcome)
+    future.add_done_callback(encoded)
+
+
 def _large_json(request: Request, header_length: int | None, threshold: int) -> bool:
     """Whether decoding this infer body is worth a worker thread: its JSON part is over ``threshold``
     bytes, or it is compressed (its size unknown until inflated) and not tiny."""
@@ -554,12 +584,12 @@ class V2Routes:
         if length == 0:  # Triton's raw binary request: the body is the only input's tensor
             sig = signature_of(self.dp.model_config(name, version), name)
             infer_request = http_codec.decode_raw(_decode_body(request, self.limits), sig, name, version, self.limits)
-        elif _large_json(request, length, self.limits.json_offload_bytes):
+        elif len(request.body) >= 4096 and _large_json(request, length, self.limits.json_offload_bytes):
             return self._infer_off_loop(request, name, version, length)
         else:
             infer_request = self.codec.decode(_decode_body(request, self.limits), length, name, version)
         conn = request.conn
-        self._submit(infer_request, name, lambda response: conn.complete(request, response))
+        self._submit(infer_request, name, functools.partial(conn.complete, request))
         conn.inflight = infer_request
         return DEFERRED
 
@@ -590,43 +620,19 @@ class V2Routes:
         codec = self.codec
         offload = self.limits.json_offload_bytes
 
-        def answer(encoded: tuple[bytes, int | None]) -> None:
-            body, header_length = encoded
-            if header_length is None:
-                respond(Response(200, body))
-            else:
-                respond(Response(200, body, _OCTETS, [(b"inference-header-content-length", b"%d" % header_length)]))
-
-        def encode_failed(exc: BaseException) -> None:
-            if isinstance(exc, SluiceError):
-                respond(error_response(exc))
-                return
-            # e.g. a model output numpy cannot serialize: answer, never hang
-            log.error("cannot encode the response of model '%s'", name, exc_info=exc)
-            respond(json_response({"error": "internal error encoding the response (see the server log)"}, 500))
-
-        def encoded_off_loop(future: asyncio.Future[tuple[bytes, int | None]]) -> None:
-            exc = future.exception()
-            if exc is not None:
-                encode_failed(exc)
-            else:
-                answer(future.result())
-
         def done(outcome: InferResponse | SluiceError) -> None:
             if isinstance(outcome, SluiceError):
                 respond(error_response(outcome))
                 return
-            if http_codec.json_elements(infer_request, outcome) * 8 >= offload:  # ~8+ bytes per JSON value
-                loop = asyncio.get_running_loop()  # ``done`` runs on the event loop
-                future = loop.run_in_executor(None, http_codec.encode_infer, infer_request, outcome)
-                future.add_done_callback(encoded_off_loop)
-                return
             try:
-                encoded = codec.encode(infer_request, outcome)
+                encoded = codec.encode(infer_request, outcome, offload)
             except Exception as exc:
-                encode_failed(exc)
+                respond(_encode_failure(exc, name))
                 return
-            answer(encoded)
+            if encoded is None:  # a large JSON response
+                _encode_off_loop(infer_request, outcome, name, respond)
+                return
+            respond(_encoded(encoded))
 
         self.dp.infer_nowait(infer_request, done)
 
