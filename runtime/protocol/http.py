@@ -588,9 +588,7 @@ class V2Routes:
             return self._infer_off_loop(request, name, version, length)
         else:
             infer_request = self.codec.decode(_decode_body(request, self.limits), length, name, version)
-        conn = request.conn
-        self._submit(infer_request, name, functools.partial(conn.complete, request))
-        conn.inflight = infer_request
+        self._submit(request.conn, infer_request, name, functools.partial(request.conn.complete, request))
         return DEFERRED
 
     async def _infer_off_loop(self, request: Request, name: str, version: str, length: int | None) -> Response:
@@ -611,12 +609,14 @@ class V2Routes:
             if not answered.done():
                 answered.set_result(response)
 
-        self._submit(infer_request, name, respond)
-        conn.inflight = infer_request
+        self._submit(conn, infer_request, name, respond)
         return await answered
 
-    def _submit(self, infer_request: InferRequest, name: str, respond: Callable[[Response], None]) -> None:
-        """Hand ``infer_request`` to the data plane; ``respond`` gets the HTTP response (on the loop)."""
+    def _submit(
+        self, conn: Connection, infer_request: InferRequest, name: str, respond: Callable[[Response], None]
+    ) -> None:
+        """Hand ``infer_request`` to the data plane; ``respond`` gets the HTTP response (on the loop,
+        possibly before this returns: a response-cache hit)."""
         codec = self.codec
         offload = self.limits.json_offload_bytes
 
@@ -634,7 +634,12 @@ class V2Routes:
                 return
             respond(_encoded(encoded))
 
-        self.dp.infer_nowait(infer_request, done)
+        conn.inflight = infer_request  # before: ``done`` may run at once and clear it
+        try:
+            self.dp.infer_nowait(infer_request, done)
+        except BaseException:
+            conn.inflight = None  # refused at once (the caller answers): nothing to cancel
+            raise
 
     def _repository(self, request: Request, rest: list[bytes]) -> Response | Awaitable[Response]:
         if request.method != b"POST":
