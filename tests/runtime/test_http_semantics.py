@@ -200,3 +200,15 @@ def test_curl_large_body_gets_100_continue(shared_server):
     assert "< HTTP/1.1 200 OK" in trace
     (output,) = json.loads(result.stdout)["outputs"]
     assert output["data"] == [text]
+
+
+def test_expect_behind_a_pending_request_gets_its_100_after_that_response(shared_server):
+    infer = b"POST /v2/models/add_sub/infer HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(GOOD), GOOD)
+    with Wire(shared_server.http) as wire:
+        # one write: the infer is still being answered when the server reads the Expect head
+        wire.send(infer + expect_head("/v2/models/add_sub/infer", len(GOOD)))
+        status, _, body = wire.response()
+        assert status == 200, body  # the first request's answer comes first, then the 100
+        assert wire.head() == (100, {})
+        wire.send(GOOD)
+        assert wire.response()[0] == 200
