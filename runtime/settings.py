@@ -47,6 +47,13 @@ class Limits:
         default=4096,
         metadata={"help": "Open HTTP connections at once; more are accepted and closed at once with 503."},
     )
+    json_offload_bytes: int = dataclasses.field(
+        default=256 * 1024,
+        metadata={
+            "help": "HTTP infer JSON this large (request bodies, bytes; responses, about 8 bytes per value) is "
+            "decoded or encoded on a worker thread instead of the event loop; smaller JSON stays inline."
+        },
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,13 +10,14 @@ sweeper per server, no timer per request), and cancellation of queued work when 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import unquote
 
 import httptools
@@ -27,6 +28,7 @@ from sluice.runtime.protocol import http_codec
 from sluice.runtime.protocol.http_plan import InferCodec
 from sluice.runtime.protocol.listener import Listener
 from sluice.runtime.settings import Limits
+from sluice.runtime.signature import signature_of
 from sluice.runtime.types import InferRequest, InferResponse
 
 log = logging.getLogger("sluice.runtime.http")
@@ -106,7 +108,8 @@ class Connection(asyncio.Protocol):
         self._write_paused = False
         self._burst = 0
         self._in_drain = False
-        self._too_large: SluiceError | None = None
+        self._refusal: Response | None = None  # the answer when the parser is stopped on purpose
+        self._owe_continue = False  # a 100 Continue waits for the responses before it to be written
         self.phase = _IDLE
         self.since = self._loop.time()
         self.inflight: InferRequest | None = None  # cancelled if the client goes away
@@ -157,8 +160,8 @@ class Connection(asyncio.Protocol):
             # plain HTTP/1.1); what follows it on the wire is another protocol: close.
             self.close()
         except httptools.HttpParserError as exc:
-            if self._too_large is not None:
-                self._write_error(self._too_large, close=True)
+            if self._refusal is not None:
+                self._write(self._refusal, close=True)
             else:
                 self._write_simple(400, f"malformed HTTP request: {exc}".encode(), close=True)
         if self._pending and self._current_request is None and not self._closed:
@@ -188,11 +191,9 @@ class Connection(asyncio.Protocol):
     def _count_head(self, n: int) -> None:
         self._head_bytes += n
         if self._head_bytes > self._limits.max_header_bytes:
-            self._too_large = PayloadTooLarge(
-                f"request head is over {self._limits.max_header_bytes} bytes (--max-header-bytes)"
-            )
-            self._too_large.http_status = 431
-            raise httptools.HttpParserError("head too large")
+            error = PayloadTooLarge(f"request head is over {self._limits.max_header_bytes} bytes (--max-header-bytes)")
+            error.http_status = 431
+            self._refuse(error_response(error))
 
     def on_headers_complete(self) -> None:
         length = self._headers.get(b"content-length")
@@ -202,25 +203,58 @@ class Connection(asyncio.Protocol):
             except ValueError:
                 size = -1
             if size > self._limits.max_body_bytes:
-                self._too_large = PayloadTooLarge(
-                    f"request body is {size} bytes, over the {self._limits.max_body_bytes}-byte limit "
-                    "(--max-body-bytes)"
+                self._refuse(
+                    error_response(
+                        PayloadTooLarge(
+                            f"request body is {size} bytes, over the {self._limits.max_body_bytes}-byte limit "
+                            "(--max-body-bytes)"
+                        )
+                    )
                 )
-                raise httptools.HttpParserError("body too large")
         if self.phase == _HEAD:
             self.phase = _BODY
             self.since = self._loop.time()
+        expect = self._headers.get(b"expect")
+        if expect is not None and self._parser.get_http_version() != "1.0":  # 1.0 clients: ignore it (RFC 9110)
+            self._expect(expect, length)
+
+    def _expect(self, expect: bytes, length: bytes | None) -> None:
+        """Answer ``Expect``: a request its head already fails gets its final answer now (and the
+        connection closes: the client does not send the body); an acceptable one gets 100 Continue."""
+        if expect.lower() != b"100-continue":
+            message = f"unsupported Expect {expect[:64].decode(errors='replace')!r}; allowed: 100-continue"
+            self._refuse(json_response({"error": message}, 417))
+        if self._server.check_head is not None:
+            refusal = self._server.check_head(self._parser.get_method(), self._url)
+            if refusal is not None:
+                self._refuse(refusal)
+        if length is not None and length.strip() == b"0":
+            return  # no body to wait for
+        if self._current_request is None and not self._pending:
+            self._write_continue()
+        else:
+            self._owe_continue = True  # pipelined: after the responses still owed, in order
+
+    def _write_continue(self) -> None:
+        self._owe_continue = False
+        if self._transport is not None and not self._closed:
+            self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _refuse(self, response: Response) -> NoReturn:
+        """Stop parsing; ``data_received`` answers ``response`` and closes the connection."""
+        self._refusal = response
+        raise httptools.HttpParserError("request refused")
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
         if self._body_bytes > self._limits.max_body_bytes:
-            self._too_large = PayloadTooLarge(
-                f"request body is over the {self._limits.max_body_bytes}-byte limit (--max-body-bytes)"
-            )
-            raise httptools.HttpParserError("body too large")
+            limit = self._limits.max_body_bytes
+            error = PayloadTooLarge(f"request body is over the {limit}-byte limit (--max-body-bytes)")
+            self._refuse(error_response(error))
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._owe_continue = False  # the body came without it
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(self, self._parser.get_method(), self._url, self._headers, body)
         request.keep_alive = self._parser.should_keep_alive()
@@ -270,7 +304,7 @@ class Connection(asyncio.Protocol):
         if self._closed or self._transport is None:
             return
         close = not request.keep_alive or self._server.draining
-        self._write(response, close)
+        self._write(response, close, head_only=request.method == b"HEAD")
         self._current_request = None
         if close:
             return
@@ -280,6 +314,8 @@ class Connection(asyncio.Protocol):
         else:
             self.phase = _IDLE
             self.since = self._loop.time()
+            if self._owe_continue:
+                self._write_continue()
 
     def _drain_pending(self) -> None:
         """Answer pipelined requests in order: a loop, not recursion through ``_respond``, and at
@@ -300,10 +336,14 @@ class Connection(asyncio.Protocol):
         if not self._pending and self._current_request is None:
             self.phase = _IDLE
             self.since = self._loop.time()
+            if self._owe_continue:
+                self._write_continue()
         if self._transport is not None and len(self._pending) <= 32 and not self._write_paused and not self._closed:
             self._transport.resume_reading()
 
-    def _write(self, response: Response, close: bool) -> None:
+    def _write(self, response: Response, close: bool, head_only: bool = False) -> None:
+        """Send ``response``; ``head_only`` (a HEAD request) sends its headers, Content-Length
+        included, but not its body: a body would be read as the start of the next response."""
         assert self._transport is not None
         status = response.status
         head = [
@@ -315,15 +355,13 @@ class Connection(asyncio.Protocol):
         if close:
             head.append(b"connection: close\r\n")
         head.append(b"\r\n")
-        head.append(response.body)
+        if not head_only:
+            head.append(response.body)
         self._transport.write(b"".join(head))
         if close:
             self._closed = True
             self.since = self._loop.time()
             self._transport.close()
-
-    def _write_error(self, exc: SluiceError, close: bool) -> None:
-        self._write(error_response(exc), close)
 
     def _write_simple(self, status: int, message: bytes, close: bool) -> None:
         if self._transport is None or self._closed:
@@ -362,6 +400,8 @@ class HttpServer(Listener):
         super().__init__(loop)
         self.route = router
         self.limits = limits
+        # ``check_head(method, url)``: the answer a request gets whatever its body, or None (optional)
+        self.check_head: Callable[[bytes, bytes], Response | None] | None = getattr(router, "check_head", None)
 
     def make_connection(self) -> Connection:
         return Connection(self)
@@ -389,6 +429,44 @@ def _decode_body(request: Request, limits: Limits) -> bytes:
     if not decompressor.eof:
         raise InvalidArgument(f"request body is truncated {encoding.decode()} data: the compressed stream does not end")
     return out
+
+
+def _encoded(encoded: tuple[bytes, int | None]) -> Response:
+    body, header_length = encoded
+    if header_length is None:
+        return Response(200, body)
+    return Response(200, body, _OCTETS, [(b"inference-header-content-length", b"%d" % header_length)])
+
+
+def _encode_failure(exc: BaseException, name: str) -> Response:
+    if isinstance(exc, SluiceError):
+        return error_response(exc)
+    # e.g. a model output numpy cannot serialize: answer, never hang
+    log.error("cannot encode the response of model '%s'", name, exc_info=exc)
+    return json_response({"error": "internal error encoding the response (see the server log)"}, 500)
+
+
+def _encode_off_loop(
+    request: InferRequest, outcome: InferResponse, name: str, respond: Callable[[Response], None]
+) -> None:
+    """Encode a large JSON response on a worker thread (called on the loop, ``respond`` back on it),
+    with the plain codec: the header cache is the event loop's alone."""
+
+    def encoded(future: asyncio.Future[tuple[bytes, int | None]]) -> None:
+        exc = future.exception()
+        respond(_encode_failure(exc, name) if exc is not None else _encoded(future.result()))
+
+    future = asyncio.get_running_loop().run_in_executor(None, http_codec.encode_infer, request, outcome)
+    future.add_done_callback(encoded)
+
+
+def _large_json(request: Request, header_length: int | None, threshold: int) -> bool:
+    """Whether decoding this infer body is worth a worker thread: its JSON part is over ``threshold``
+    bytes, or it is compressed (its size unknown until inflated) and not tiny."""
+    body = len(request.body)
+    if request.headers.get(b"content-encoding", b"identity").lower() not in (b"identity", b""):
+        return body >= 4096
+    return (body if header_length is None else header_length) >= threshold
 
 
 class V2Routes:
@@ -438,12 +516,7 @@ class V2Routes:
             raise NotFound("a model name is needed: /v2/models/<name>")
         if rest == [b"stats"]:
             return self._get(request.method, lambda: json_response({"model_stats": self.dp.model_statistics()}))
-        name = unquote(rest[0].decode("utf-8", "replace"))
-        version = ""
-        tail = rest[1:]
-        if len(tail) >= 2 and tail[0] == b"versions":
-            version = unquote(tail[1].decode("utf-8", "replace"))
-            tail = tail[2:]
+        name, version, tail = _model_path(rest)
         if not tail:
             return self._get(request.method, lambda: json_response(self.dp.model_metadata(name, version)))
         if len(tail) == 1:
@@ -468,6 +541,35 @@ class V2Routes:
                 )
         raise NotFound(f"no route for {request.path.decode(errors='replace')}")
 
+    def check_head(self, method: bytes, url: bytes) -> Response | None:
+        """The answer a request gets whatever its body, when its head alone decides it (so
+        ``Expect: 100-continue`` is refused before the body is sent); None when the body is needed.
+        Only reads: unknown routes, wrong methods and unknown or unready models of the routes that
+        take a body."""
+        path = url.partition(b"?")[0]
+        parts = path.split(b"/")
+        if len(parts) < 2 or parts[1] != b"v2":
+            return error_response(NotFound(f"no route for {path.decode(errors='replace')}; the API lives under /v2"))
+        section = parts[2] if len(parts) > 2 else b""
+        if section == b"models" and len(parts) > 3:
+            name, version, tail = _model_path(parts[3:])
+            if tail == [b"infer"]:
+                if method != b"POST":
+                    return json_response({"error": "use POST for /infer"}, 405)
+                try:
+                    self.dp.model_config(name, version)
+                except SluiceError as exc:
+                    return error_response(exc)
+        elif section == b"repository":
+            if method != b"POST":
+                return json_response({"error": "repository endpoints take POST"}, 405)
+            rest = parts[3:]
+            if rest != [b"index"] and not (len(rest) == 3 and rest[0] == b"models" and rest[2] in (b"load", b"unload")):
+                return error_response(NotFound(f"no route for {path.decode(errors='replace')}"))
+        elif section not in (b"", b"health", b"models"):
+            return error_response(NotFound(f"no route for {path.decode(errors='replace')}"))
+        return None
+
     def _infer(self, request: Request, name: str, version: str) -> object:
         header_length = request.headers.get(b"inference-header-content-length")
         length = None
@@ -479,36 +581,65 @@ class V2Routes:
                     "Inference-Header-Content-Length must be an integer, got "
                     f"{header_length[:64].decode(errors='replace')!r}"
                 ) from None
-        body = _decode_body(request, self.limits)
-        infer_request = self.codec.decode(body, length, name, version)
+        if length == 0:  # Triton's raw binary request: the body is the only input's tensor
+            sig = signature_of(self.dp.model_config(name, version), name)
+            infer_request = http_codec.decode_raw(_decode_body(request, self.limits), sig, name, version, self.limits)
+        elif len(request.body) >= 4096 and _large_json(request, length, self.limits.json_offload_bytes):
+            return self._infer_off_loop(request, name, version, length)
+        else:
+            infer_request = self.codec.decode(_decode_body(request, self.limits), length, name, version)
+        self._submit(request.conn, infer_request, name, functools.partial(request.conn.complete, request))
+        return DEFERRED
+
+    async def _infer_off_loop(self, request: Request, name: str, version: str, length: int | None) -> Response:
+        """A large JSON body: decompressed and decoded on a worker thread, so other connections are
+        served meanwhile (CPython's json holds the GIL within one call, but the loop runs between steps)."""
+        loop = asyncio.get_running_loop()
+        limits = self.limits
+
+        def decode() -> InferRequest:  # the plain codec: the plan cache is the event loop's alone
+            return http_codec.decode_infer(_decode_body(request, limits), length, name, version, limits)
+
+        infer_request = await loop.run_in_executor(None, decode)
+        answered: asyncio.Future[Response] = loop.create_future()
         conn = request.conn
+
+        def respond(response: Response) -> None:
+            conn.inflight = None
+            if not answered.done():
+                answered.set_result(response)
+
+        self._submit(conn, infer_request, name, respond)
+        return await answered
+
+    def _submit(
+        self, conn: Connection, infer_request: InferRequest, name: str, respond: Callable[[Response], None]
+    ) -> None:
+        """Hand ``infer_request`` to the data plane; ``respond`` gets the HTTP response (on the loop,
+        possibly before this returns: a response-cache hit)."""
         codec = self.codec
+        offload = self.limits.json_offload_bytes
 
         def done(outcome: InferResponse | SluiceError) -> None:
             if isinstance(outcome, SluiceError):
-                conn.complete(request, error_response(outcome))
+                respond(error_response(outcome))
                 return
             try:
-                body, header_length = codec.encode(infer_request, outcome)
-            except SluiceError as exc:
-                conn.complete(request, error_response(exc))
+                encoded = codec.encode(infer_request, outcome, offload)
+            except Exception as exc:
+                respond(_encode_failure(exc, name))
                 return
-            except Exception:  # e.g. a model output numpy cannot serialize: answer, never hang
-                log.exception("cannot encode the response of model '%s'", name)
-                failure = {"error": "internal error encoding the response (see the server log)"}
-                conn.complete(request, json_response(failure, 500))
+            if encoded is None:  # a large JSON response
+                _encode_off_loop(infer_request, outcome, name, respond)
                 return
-            if header_length is None:
-                conn.complete(request, Response(200, body))
-            else:
-                conn.complete(
-                    request,
-                    Response(200, body, _OCTETS, [(b"inference-header-content-length", b"%d" % header_length)]),
-                )
+            respond(_encoded(encoded))
 
-        conn.inflight = infer_request
-        self.dp.infer_nowait(infer_request, done)
-        return DEFERRED
+        conn.inflight = infer_request  # before: ``done`` may run at once and clear it
+        try:
+            self.dp.infer_nowait(infer_request, done)
+        except BaseException:
+            conn.inflight = None  # refused at once (the caller answers): nothing to cancel
+            raise
 
     def _repository(self, request: Request, rest: list[bytes]) -> Response | Awaitable[Response]:
         if request.method != b"POST":
@@ -552,6 +683,17 @@ class V2Routes:
     async def _unload(self, name: str) -> Response:
         await self.dp.unload(name)
         return Response(200)
+
+
+def _model_path(rest: list[bytes]) -> tuple[str, str, list[bytes]]:
+    """``<name>[/versions/<v>][/<action>...]`` (the path after ``/v2/models/``) -> name, version, rest."""
+    name = unquote(rest[0].decode("utf-8", "replace"))
+    version = ""
+    tail = rest[1:]
+    if len(tail) >= 2 and tail[0] == b"versions":
+        version = unquote(tail[1].decode("utf-8", "replace"))
+        tail = tail[2:]
+    return name, version, tail
 
 
 def _not_ready(what: str) -> Response:

@@ -14,7 +14,9 @@ import numpy as np
 
 from sluice.runtime import classification
 from sluice.runtime.errors import InvalidArgument, PayloadTooLarge
+from sluice.runtime.protocol.tensor_bytes import bytes_elements, encode_bytes_elements
 from sluice.runtime.settings import Limits
+from sluice.runtime.signature import Signature
 from sluice.runtime.types import (
     DATATYPES,
     ELEMENT_SIZE,
@@ -74,37 +76,13 @@ def _element_count(name: str, shape: Any, limits: Limits) -> tuple[tuple[int, ..
     return tuple(shape), count
 
 
-def bytes_elements(name: str, raw: memoryview, count: int) -> np.ndarray:
-    """Split Triton's length-prefixed BYTES encoding (4-byte little-endian length, then data)."""
-    end = len(raw)
-    if count * 4 > end:  # every element has a 4-byte length: refuse before allocating ``count`` slots
-        raise _bad(
-            f"input '{name}': BYTES data is {end} bytes, too short for {count} elements "
-            "(each needs at least a 4-byte length)"
-        )
-    out = np.empty(count, dtype=object)
-    pos = 0
-    for i in range(count):
-        if pos + 4 > end:
-            raise _bad(f"input '{name}': BYTES data ends after {i} of {count} elements")
-        length = int.from_bytes(raw[pos : pos + 4], "little")
-        pos += 4
-        if pos + length > end:
-            raise _bad(f"input '{name}': BYTES element {i} claims {length} bytes but only {end - pos} remain")
-        out[i] = bytes(raw[pos : pos + length])
-        pos += length
-    if pos != end:
-        raise _bad(f"input '{name}': {end - pos} bytes left over after {count} BYTES elements")
-    return out
+def _dims(shape: tuple[int, ...] | list[int]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
 
 
-def encode_bytes_elements(array: np.ndarray) -> bytes:
-    parts = []
-    for item in array.ravel():
-        data = item if isinstance(item, bytes) else str(item).encode()
-        parts.append(len(data).to_bytes(4, "little"))
-        parts.append(data)
-    return b"".join(parts)
+def _count_mismatch(name: str, given: int, count: int, shape: tuple[int, ...]) -> InvalidArgument:
+    """Triton's words for data that does not fill the shape."""
+    return _bad(f"input '{name}' got unexpected elements count {given}, expected {count} (shape {_dims(shape)})")
 
 
 def _bf16_from_float(values: np.ndarray) -> np.ndarray:
@@ -125,7 +103,7 @@ def _from_json_data(
     if datatype == "BYTES":
         flat = _flatten(name, data, limits.max_json_depth)
         if len(flat) != count:
-            raise _bad(f"input '{name}': {len(flat)} elements given, shape {list(shape)} needs {count}")
+            raise _count_mismatch(name, len(flat), count, shape)
         out = np.empty(count, dtype=object)
         try:
             for i, item in enumerate(flat):
@@ -162,7 +140,7 @@ def _from_json_data(
             f"got {kinds.get(array.dtype.kind, array.dtype.name)}"
         )
     if array.size != count:
-        raise _bad(f"input '{name}': {array.size} elements given, shape {list(shape)} needs {count}")
+        raise _count_mismatch(name, array.size, count, shape)
     if datatype == "BF16":
         with np.errstate(over="ignore"):  # out-of-range numbers become +-inf, as IEEE casts do
             return _bf16_from_float(array).reshape(shape)
@@ -236,9 +214,9 @@ def decode_infer(
     if not isinstance(request_id, str):
         raise _bad(f"'id' must be a string, got {type(request_id).__name__}")
     params = _parameters(header, "request")
-    raw_inputs = header.get("inputs")
-    if not isinstance(raw_inputs, list) or not raw_inputs:
-        raise _bad("request must have a non-empty 'inputs' list")
+    raw_inputs = header.get("inputs", [])  # none at all is for the model to judge: its inputs may be optional
+    if not isinstance(raw_inputs, list):
+        raise _bad(f"'inputs' must be a list of input objects, got {type(raw_inputs).__name__}")
     inputs: list[Tensor] = []
     offset = 0
     total = 0
@@ -277,9 +255,11 @@ def decode_infer(
             else:
                 expected = count * ELEMENT_SIZE[datatype]
                 if size != expected:
+                    if size % ELEMENT_SIZE[datatype] == 0:  # whole elements: say it as Triton's clients do
+                        raise _count_mismatch(name, size // ELEMENT_SIZE[datatype], count, shape)
                     raise _bad(
-                        f"input '{name}': binary_data_size is {size} bytes, but shape {list(shape)} of "
-                        f"{datatype} needs {expected}"
+                        f"input '{name}' got unexpected byte size {size}, expected {expected} "
+                        f"(binary_data_size for shape {_dims(shape)} of {datatype})"
                     )
                 array = np.frombuffer(raw, dtype=WIRE_DTYPE[datatype]).reshape(shape)
         else:
@@ -316,14 +296,97 @@ def decode_infer(
     return request
 
 
+def decode_raw(
+    body: bytes | memoryview, sig: Signature, model_name: str, model_version: str, limits: Limits
+) -> InferRequest:
+    """Triton's raw binary request (``Inference-Header-Content-Length: 0``): no JSON header, the whole body
+    is the tensor of the model's only input, its datatype and shape taken from the model config (batch
+    size 1 for a batching model; one variable dimension is deduced from the size). A BYTES input must
+    have shape [1]: the body is its one element. Every output is answered in binary form."""
+    if len(sig.inputs) != 1:
+        raise _bad(
+            f"Raw request must only have 1 input (found 1) to be deduced but got {len(sig.inputs)} inputs in "
+            f"'{sig.name}' model configuration"
+        )
+    (spec,) = sig.inputs.values()
+    shape = [1, *spec.dims] if sig.batched else list(spec.dims)
+    if spec.datatype == "BYTES":
+        if any(d != 1 for d in spec.dims) or not spec.dims:
+            raise _bad("For BYTE datatype raw input, the model must have input shape [1]")
+        array = np.empty(1, dtype=object)
+        array[0] = bytes(body)
+        data = array.reshape(shape)
+    else:
+        variable = [i for i, d in enumerate(shape) if d == -1]
+        if len(variable) > 1:
+            raise _bad(
+                f"The shape of the raw input '{spec.name}' can not be deduced because there are more than one "
+                "variable-sized dimension"
+            )
+        size = ELEMENT_SIZE[spec.datatype]
+        fixed = size
+        for d in shape:
+            fixed *= d if d != -1 else 1
+        if variable:
+            shape[variable[0]] = len(body) // fixed if fixed else 0
+        count = 1
+        for d in shape:
+            count *= d
+        if count > limits.max_elements:
+            raise PayloadTooLarge(
+                f"raw input '{spec.name}' holds more than {limits.max_elements} elements (--max-elements)"
+            )
+        if count * size != len(body):
+            allowed = f"a multiple of {fixed}" if variable else str(count * size)
+            raise _bad(
+                f"raw input '{spec.name}' got unexpected byte size {len(body)}, expected {allowed} "
+                f"(shape {_dims(spec.dims)} of {spec.datatype} in the model config)"
+            )
+        data = np.frombuffer(body, dtype=WIRE_DTYPE[spec.datatype]).reshape(shape)
+    tensor = Tensor(spec.name, spec.datatype, data, {})
+    return InferRequest(model_name, model_version, [tensor], None, "", {"binary_data_output": True})
+
+
 def _json_values(tensor: Tensor) -> list:
     data = tensor.data
     if tensor.datatype == "BYTES":
-        return [(v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)) for v in data.ravel().tolist()]
+        return _json_strings(tensor.name, data.ravel().tolist())
     if tensor.datatype == "BF16":
         data = _float_from_bf16(data)
     values = data.ravel().tolist()
     return values
+
+
+def _json_strings(name: str, values: list) -> list[str]:
+    """BYTES elements as JSON strings; bytes that are not UTF-8 text cannot be one (replacing them would
+    hand the client different data than the model produced), so that is an error naming the way out."""
+    out = []
+    for index, value in enumerate(values):
+        if not isinstance(value, bytes):
+            out.append(str(value))
+            continue
+        try:
+            out.append(value.decode())
+        except UnicodeDecodeError as exc:
+            raise _bad(
+                f"output '{name}': BYTES element {index} is not valid UTF-8 ({exc.reason} at byte {exc.start}), "
+                "so it cannot be sent as JSON; request this output with binary_data: true "
+                "(per output in 'outputs', or the request parameter binary_data_output)"
+            ) from None
+    return out
+
+
+def json_elements(request: InferRequest, response: InferResponse) -> int:
+    """How many values ``encode_infer`` will write as JSON (what its time grows with); binary outputs cost
+    a copy, not this."""
+    default = bool(request.parameters.get("binary_data_output", False)) if request.parameters else False
+    wanted = {o.name: o.binary for o in request.outputs} if request.outputs is not None else None
+    count = 0
+    for tensor in response.outputs:
+        binary = wanted.get(tensor.name) if wanted is not None else None
+        if not (default if binary is None else binary):
+            count += tensor.data.size
+    return count
 
 
 def encode_infer(request: InferRequest, response: InferResponse) -> tuple[bytes, int | None]:

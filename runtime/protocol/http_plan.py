@@ -98,23 +98,30 @@ class InferCodec:
             outputs = [RequestedOutput(o.name, o.binary, o.parameters) for o in plan.outputs]
         return InferRequest(model, version, inputs, outputs, plan.id, dict(plan.parameters) if plan.parameters else {})
 
-    def encode(self, request: InferRequest, response: InferResponse) -> tuple[bytes, int | None]:
-        if response.id or response.parameters:
-            return http_codec.encode_infer(request, response)
-        key: tuple[Any, ...] = (
-            response.model_name,
-            response.model_version,
-            _output_flags(request),
-            *((t.name, t.datatype, t.data.shape) for t in response.outputs),
-        )
-        header = self._headers.get(key)
-        if header is None:
-            body, header_length = http_codec.encode_infer(request, response)
-            cacheable = header_length is not None and b'"data"' not in body[:header_length]
-            if cacheable and all(t.datatype != "BYTES" for t in response.outputs):
-                if len(self._headers) >= _MAX_ENTRIES:
-                    self._headers.clear()
-                self._headers[key] = body[:header_length]
-            return body, header_length
-        blobs = [np.ascontiguousarray(t.data, dtype=WIRE_DTYPE[t.datatype]).tobytes() for t in response.outputs]
-        return b"".join([header, *blobs]), len(header)
+    def encode(
+        self, request: InferRequest, response: InferResponse, json_limit: int | None = None
+    ) -> tuple[bytes, int | None] | None:
+        """The response body and JSON header length (None for pure JSON); None instead when the
+        response holds ``json_limit`` bytes of JSON values or more (about 8 a value): the caller
+        encodes those off the event loop. A cached header (binary outputs only) needs no such count."""
+        key: tuple[Any, ...] | None = None
+        if not (response.id or response.parameters):
+            key = (
+                response.model_name,
+                response.model_version,
+                _output_flags(request),
+                *((t.name, t.datatype, t.data.shape) for t in response.outputs),
+            )
+            header = self._headers.get(key)
+            if header is not None:
+                blobs = [np.ascontiguousarray(t.data, dtype=WIRE_DTYPE[t.datatype]).tobytes() for t in response.outputs]
+                return b"".join([header, *blobs]), len(header)
+        if json_limit is not None and http_codec.json_elements(request, response) * 8 >= json_limit:
+            return None
+        body, header_length = http_codec.encode_infer(request, response)
+        cacheable = key is not None and header_length is not None and b'"data"' not in body[:header_length]
+        if cacheable and all(t.datatype != "BYTES" for t in response.outputs):
+            if len(self._headers) >= _MAX_ENTRIES:
+                self._headers.clear()
+            self._headers[key] = body[:header_length]
+        return body, header_length

@@ -179,9 +179,9 @@ CASES = [
     case("body-is-string", infer("add_sub", "inputs"), 400, "must be a JSON object", "str"),
     case("not-utf8", infer("add_sub", b'{"inputs": "\xff\xfe"}'), 400, "UTF-8"),
     case("huge-integer-literal", infer("add_sub", b'{"inputs": [' + b"9" * 5000 + b"]}"), 400, "not valid JSON"),
-    case("no-inputs", infer("add_sub", {"outputs": []}), 400, "'inputs'"),
+    case("no-inputs", infer("add_sub", {"outputs": []}), 400, "expected 2 inputs but got 0 inputs", "'INPUT0'"),
     case("inputs-not-list", infer("add_sub", {"inputs": {"INPUT0": 1}}), 400, "'inputs'"),
-    case("empty-inputs", infer("add_sub", {"inputs": []}), 400, "'inputs'"),
+    case("empty-inputs", infer("add_sub", {"inputs": []}), 400, "expected 2 inputs but got 0 inputs", "'INPUT1'"),
     case("input-not-object", infer("add_sub", {"inputs": [5]}), 400, "inputs[0]", "object"),
     case(
         "input-without-name",
@@ -298,7 +298,12 @@ CASES = [
     # -- unknown / missing inputs and outputs ----------------------------------------------------
     case("unknown-input", infer("add_sub", with_input(0, name="INPUT9")), 400, "INPUT9", "INPUT0, INPUT1"),
     case("missing-input", infer("add_sub", {"inputs": [fp32("INPUT0", [16], ONES)]}), 400, "missing", "INPUT1"),
-    case("duplicate-input", infer("add_sub", {"inputs": [fp32("INPUT0", [16], ONES)] * 2}), 400, "more than once"),
+    case(
+        "duplicate-input",
+        infer("add_sub", {"inputs": [fp32("INPUT0", [16], ONES)] * 2}),
+        400,
+        "input 'INPUT0' already exists in request",
+    ),
     case(
         "unknown-output",
         infer("add_sub", {**GOOD, "outputs": [{"name": "OUTPUT9"}]}),
@@ -363,17 +368,14 @@ CASES = [
         "data-shorter-than-shape",
         infer("add_sub", with_input(0, data=ONES[:15])),
         400,
-        "INPUT0",
-        "15 elements",
+        "input 'INPUT0' got unexpected elements count 15, expected 16",
         "[16]",
-        "16",
     ),
     case(
         "data-longer-than-shape",
         infer("add_sub", with_input(0, data=[*ONES, 1.0])),
         400,
-        "INPUT0",
-        "17 elements",
+        "input 'INPUT0' got unexpected elements count 17, expected 16",
         "[16]",
     ),
     case(
@@ -388,8 +390,7 @@ CASES = [
         infer("add_sub", with_input(0, shape=[4, 4])),
         400,
         "INPUT0",
-        "Expected [16]",
-        "[4, 4]",
+        "Expected [16], got [4,4]",
     ),
     case(
         "batch-over-max",
@@ -398,7 +399,7 @@ CASES = [
         "batch-size",
         "64",
     ),
-    case("batch-of-zero", infer("mlp", {"inputs": [fp32("INPUT0", [0, 16], [])]}), 400, "INPUT0", "[0, 16]"),
+    case("batch-of-zero", infer("mlp", {"inputs": [fp32("INPUT0", [0, 16], [])]}), 400, "[0,16]", "batch size"),
     case("no-data", infer("add_sub", {"inputs": [fp32("INPUT0", [16])]}), 400, "INPUT0", "neither 'data'"),
     # -- binary tensor extension ----------------------------------------------------------------
     case(
@@ -423,7 +424,12 @@ CASES = [
         "integer",
         "12abc",
     ),
-    case("header-length-zero", binary_infer("add_sub", GOOD, b"", header_length=0), 400, "not valid JSON"),
+    case(
+        "header-length-zero-two-inputs",  # a raw binary request, for a model it cannot describe
+        binary_infer("add_sub", GOOD, b"", header_length=0),
+        400,
+        "Raw request must only have 1 input",
+    ),
     case("header-length-splits-json", binary_infer("add_sub", GOOD, b"", header_length=10), 400, "not valid JSON"),
     case(
         "binary-size-past-end",
@@ -446,9 +452,7 @@ CASES = [
             RAW16 + RAW16,
         ),
         400,
-        "INPUT0",
-        "60",
-        "64",
+        "input 'INPUT0' got unexpected elements count 15, expected 16",
     ),
     case(
         "binary-size-negative",

@@ -18,16 +18,19 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from google.protobuf import text_format
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import serialize_byte_tensor
 
 from sluice.runtime.errors import SluiceError
-from sluice.runtime.protocol import grpc_codec, http_codec
+from sluice.runtime.protocol import grpc_codec, http_codec, tensor_bytes
 from sluice.runtime.settings import Limits
+from sluice.runtime.signature import signature_of
 from sluice.runtime.types import DATATYPES, InferRequest, InferResponse, RequestedOutput, Tensor, numpy_dtype
 
 LIMITS = Limits(max_elements=4096, max_json_depth=16)
@@ -193,6 +196,36 @@ def test_http_decode_arbitrary_bytes(body, header_length):
 @given(doc=json_values)
 def test_http_decode_arbitrary_json(doc):
     http_decode(json.dumps(doc).encode(), None)
+
+
+RAW_CONFIGS = {
+    "batched-variable": 'max_batch_size: 8 input [{ name: "I", data_type: TYPE_FP32, dims: [ -1 ] }]',
+    "fixed": 'input [{ name: "I", data_type: TYPE_INT16, dims: [ 2, 3 ] }]',
+    "one-string": 'input [{ name: "I", data_type: TYPE_STRING, dims: [ 1 ] }]',
+    "many-strings": 'input [{ name: "I", data_type: TYPE_STRING, dims: [ -1 ] }]',
+    "two-variable": 'input [{ name: "I", data_type: TYPE_FP64, dims: [ -1, -1 ] }]',
+    "two-inputs": 'input [{ name: "A", data_type: TYPE_BOOL, dims: [ 1 ] }, '
+    '{ name: "B", data_type: TYPE_BOOL, dims: [ 1 ] }]',
+}
+RAW_SIGNATURES = {
+    key: signature_of(text_format.Parse(config, mc.ModelConfig()), "m") for key, config in RAW_CONFIGS.items()
+}
+
+
+@pytest.mark.parametrize("config", list(RAW_CONFIGS))
+@FUZZ
+@given(body=st.binary(max_size=300))
+def test_http_decode_raw_binary_request(config, body):
+    """Inference-Header-Content-Length: 0: a request for the model's one input holding exactly the body, or a 4xx."""
+    request = decoded_or_rejected(http_codec.decode_raw, body, RAW_SIGNATURES[config], "m", "", LIMITS)
+    if request is None:
+        return
+    (tensor,) = request.inputs
+    if tensor.datatype == "BYTES":
+        assert tensor.data.ravel().tolist() == [body]
+    else:
+        assert tensor.data.tobytes() == body
+    assert request.parameters == {"binary_data_output": True}
 
 
 @FUZZ
@@ -419,6 +452,15 @@ def test_grpc_request_round_trip(datatype, typed, data):
     (decoded,) = request.inputs
     assert decoded.name == "IN" and decoded.datatype == datatype
     assert_same(datatype, array, decoded.data)
+
+
+@ROUND_TRIP
+@given(array=arrays_of("BYTES"))
+def test_bytes_helpers_match_tritonclient(array):
+    """The shared BYTES helpers (used by both codecs) read and write exactly tritonclient's encoding."""
+    wire = serialize_byte_tensor(array).item() if array.size else b""
+    assert tensor_bytes.encode_bytes_elements(array) == wire
+    assert list(tensor_bytes.bytes_elements("IN", memoryview(wire), array.size)) == list(array.ravel())
 
 
 @pytest.mark.parametrize("datatype", ["UINT64", "INT64"])

@@ -344,6 +344,9 @@ def parse_replies(buffer: bytes) -> tuple[list[Reply], bytes]:
             name, sep, value = line.partition(b":")
             assert sep, f"malformed header line {line!r}"
             headers[name.strip().lower()] = value.strip()
+        if status.startswith(b"1"):  # interim (100 Continue for an Expect header): no body, the answer follows
+            buffer = rest
+            continue
         length = int(headers[b"content-length"])
         if len(rest) < length:
             break

@@ -53,7 +53,7 @@ def test_repeated_requests_get_the_same_result_and_reshape_every_time():
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: req(a_dtype="FP16"), "data-type is 'FP16', but model 'm:1' expects 'FP32'"),
+        (lambda: req(a_dtype="FP16"), "inference input 'A' data-type is 'FP16', but model 'm' expects 'FP32'"),
         (lambda: req(batch=9), "batch-size must be <= 8"),
         (lambda: req(outputs=[RequestedOutput("NOPE")]), "unexpected inference output 'NOPE'"),
     ],

@@ -1,0 +1,214 @@
+"""HTTP/1.1 message semantics on a raw socket: HEAD and ``Expect: 100-continue``.
+
+A keep-alive client reads responses by their framing, so a HEAD answer that carried a body, or a
+body sent before the server agreed to read it, desynchronises everything after it on the connection.
+Each test runs the real server on loopback and checks the bytes on the wire.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+
+import numpy as np
+import pytest
+
+ONES = [1.0] * 16
+GOOD = json.dumps(
+    {
+        "inputs": [
+            {"name": "INPUT0", "datatype": "FP32", "shape": [16], "data": ONES},
+            {"name": "INPUT1", "datatype": "FP32", "shape": [16], "data": ONES},
+        ]
+    }
+).encode()
+
+
+class Wire:
+    """A client socket that reads one response at a time, by its framing, with nothing discarded."""
+
+    def __init__(self, address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.buffer = b""
+
+    def __enter__(self) -> Wire:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    def send(self, raw: bytes) -> None:
+        self.sock.sendall(raw)
+
+    def head(self) -> tuple[int, dict[str, str]]:
+        """Read one response head (status line and headers), leaving what follows it buffered."""
+        while b"\r\n\r\n" not in self.buffer:
+            chunk = self.sock.recv(65536)
+            assert chunk, f"connection closed mid-response (got {self.buffer[:200]!r})"
+            self.buffer += chunk
+        head, _, self.buffer = self.buffer.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        version, status, *_ = lines[0].split(" ", 2)
+        assert version == "HTTP/1.1", lines[0]
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return int(status), headers
+
+    def response(self) -> tuple[int, dict[str, str], bytes]:
+        status, headers = self.head()
+        length = int(headers["content-length"])
+        while len(self.buffer) < length:
+            chunk = self.sock.recv(65536)
+            assert chunk, "connection closed mid-body"
+            self.buffer += chunk
+        body, self.buffer = self.buffer[:length], self.buffer[length:]
+        return status, headers, body
+
+    def closed(self) -> bool:
+        """True when the server closed the connection with nothing more sent."""
+        self.sock.settimeout(5)
+        try:
+            return not self.buffer and self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+
+def get(method: str, path: str) -> bytes:
+    return f"{method} {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode()
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v2", "/v2/models/add_sub", "/v2/models/add_sub/config", "/v2/health/ready", "/v2/models/missing", "/nope"],
+)
+def test_head_has_get_headers_and_no_body(shared_server, path):
+    with Wire(shared_server.http) as wire:
+        wire.send(get("GET", path))
+        get_status, get_headers, get_body = wire.response()
+        # HEAD then GET in one write: the GET answer must start right after the HEAD answer's head
+        wire.send(get("HEAD", path) + get("GET", path))
+        status, headers = wire.head()
+        assert status == get_status
+        assert headers["content-type"] == get_headers["content-type"]
+        assert int(headers["content-length"]) == len(get_body)
+        status, _, body = wire.response()
+        assert (status, body) == (get_status, get_body)
+
+
+def test_head_then_infer_on_one_keep_alive_connection(shared_server):
+    with Wire(shared_server.http) as wire:
+        wire.send(get("HEAD", "/v2/models/add_sub"))
+        assert wire.head()[0] == 200
+        wire.send(b"POST /v2/models/add_sub/infer HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(GOOD), GOOD))
+        status, _, body = wire.response()
+        assert status == 200
+        outputs = {o["name"]: o["data"] for o in json.loads(body)["outputs"]}
+        np.testing.assert_allclose(outputs["OUTPUT0"], [2.0] * 16)
+
+
+def expect_head(
+    path: str, length: int, expect: str = "100-continue", version: str = "1.1", method: str = "POST"
+) -> bytes:
+    head = f"{method} {path} HTTP/{version}\r\nHost: t\r\nContent-Length: {length}\r\nExpect: {expect}\r\n\r\n"
+    return head.encode()
+
+
+def test_expect_100_continue_is_answered_before_the_body(shared_server):
+    with Wire(shared_server.http) as wire:
+        wire.send(expect_head("/v2/models/add_sub/infer", len(GOOD)))
+        wire.sock.settimeout(5)  # before the fix nothing came until the body was sent
+        assert wire.head() == (100, {})
+        wire.sock.settimeout(10)
+        wire.send(GOOD)
+        status, _, body = wire.response()
+        assert status == 200, body
+        # keep-alive still works, and a second Expect on the connection gets its own 100
+        wire.send(expect_head("/v2/models/add_sub/infer", len(GOOD)))
+        assert wire.head() == (100, {})
+        wire.send(GOOD)
+        assert wire.response()[0] == 200
+
+
+def test_expect_100_continue_after_a_pipelined_request_keeps_order(shared_server):
+    with Wire(shared_server.http) as wire:
+        wire.send(get("GET", "/v2/health/ready") + expect_head("/v2/models/add_sub/infer", len(GOOD)))
+        assert wire.response()[0] == 200
+        assert wire.head() == (100, {})
+        wire.send(GOOD)
+        assert wire.response()[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("head", "status", "words"),
+    [
+        (expect_head("/nope", 10), 404, ["/nope", "/v2"]),
+        (expect_head("/v2/nothing/here", 10), 404, ["/v2/nothing/here"]),
+        (expect_head("/v2/models/missing/infer", 10), 404, ["missing"]),
+        (expect_head("/v2/models/add_sub/versions/7/infer", 10), 404, ["add_sub", "7"]),
+        (expect_head("/v2/models/add_sub/infer", 10, method="PUT"), 405, ["POST"]),
+        (expect_head("/v2/repository/models/add_sub/explode", 10), 404, ["explode"]),
+        (expect_head("/v2/repository/index", 10, method="GET"), 405, ["POST"]),
+        (expect_head("/v2/models/add_sub/infer", 65 * 1024 * 1024), 413, ["67108864", "--max-body-bytes"]),
+        (expect_head("/v2/models/add_sub/infer", 10, expect="200-ok"), 417, ["200-ok", "100-continue"]),
+    ],
+    ids=["outside-v2", "unknown-route", "unknown-model", "unknown-version", "wrong-method", "unknown-repo-action",
+         "repo-get", "too-large", "unknown-expectation"],
+)
+def test_expect_refused_from_the_head_gets_the_final_answer_at_once(shared_server, head, status, words):
+    with Wire(shared_server.http) as wire:
+        wire.send(head)  # and no body: the client waits for the server's word
+        wire.sock.settimeout(5)
+        got, headers, body = wire.response()
+        assert got == status, body
+        message = json.loads(body)["error"]
+        for word in words:
+            assert word in message
+        assert headers.get("connection") == "close"  # the body was never sent: the framing is lost
+        assert wire.closed()
+
+
+def test_expect_ignored_for_http_1_0(shared_server):
+    with Wire(shared_server.http) as wire:
+        wire.send(expect_head("/v2/models/add_sub/infer", len(GOOD), version="1.0") + GOOD)
+        raw = b""
+        while True:
+            chunk = wire.sock.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+        assert raw.startswith(b"HTTP/1.1 200 "), raw[:100]
+        assert b"100 Continue" not in raw
+
+
+def test_curl_large_body_gets_100_continue(shared_server):
+    """curl sends ``Expect: 100-continue`` for bodies over 1 MiB and waits for the answer."""
+    text = "x" * (2 * 1024 * 1024)
+    doc = {"inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [1, 1], "data": [text]}]}
+    body = json.dumps(doc).encode()
+    result = subprocess.run(
+        ["curl", "-sS", "-v", "--data-binary", "@-", "-H", "Content-Type: application/json",
+         f"http://{shared_server.http}/v2/models/identity_bytes/infer"],
+        input=body, capture_output=True, timeout=60, check=True,
+    )
+    trace = result.stderr.decode(errors="replace")
+    assert "> Expect: 100-continue" in trace
+    assert "< HTTP/1.1 100 Continue" in trace
+    assert "< HTTP/1.1 200 OK" in trace
+    (output,) = json.loads(result.stdout)["outputs"]
+    assert output["data"] == [text]
+
+
+def test_expect_behind_a_pending_request_gets_its_100_after_that_response(shared_server):
+    infer = b"POST /v2/models/add_sub/infer HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(GOOD), GOOD)
+    with Wire(shared_server.http) as wire:
+        # one write: the infer is still being answered when the server reads the Expect head
+        wire.send(infer + expect_head("/v2/models/add_sub/infer", len(GOOD)))
+        status, _, body = wire.response()
+        assert status == 200, body  # the first request's answer comes first, then the 100
+        assert wire.head() == (100, {})
+        wire.send(GOOD)
+        assert wire.response()[0] == 200
