@@ -261,7 +261,11 @@ def prepare(root: Path, name: str, override: str | None, defaults: SchedulingDef
     warnings += model_config.validate(config, source=loaded.source)
     labels = classification.read_labels(config, model_dir)  # raises for a missing label file
     warnings = list(dict.fromkeys(warnings))  # load_model_config validates too; report each once
-    response_cache(config, defaults)  # raises for a bad size parameter
+    try:
+        response_cache(config, defaults)  # raises for a bad size parameter
+        scheduling = scheduler_config(config, defaults, name) if backend != model_config.ENSEMBLE else None
+    except ConfigError as exc:
+        raise ConfigError(exc.detail, file=loaded.source, field=exc.field) from None
 
     def cache() -> ResponseCache | None:
         return response_cache(config, defaults)
@@ -270,7 +274,6 @@ def prepare(root: Path, name: str, override: str | None, defaults: SchedulingDef
         plans: list[tuple[int, ModelBackend | ensemble.Ensemble, list[ModelInstance]]]
         plans = [(version, ensemble.Ensemble(config), []) for version in chosen]
         return _Prepared(config, plans, warnings, None, cache, labels)
-    scheduling = scheduler_config(config, defaults, name)
     loader = _backend_loader(backend)
     prepared = _Prepared(config, [], warnings, scheduling, cache, labels)
     try:
