@@ -20,7 +20,7 @@ import tritonclient.http as httpclient
 from sluice.runtime import __version__
 
 from .conftest import ADD_SUB_CONFIG, BUILDERS, write_model  # type: ignore[import-not-found]
-from .test_cli_shutdown import free_port  # type: ignore[import-not-found]
+from .test_cli_shutdown import start_ports  # type: ignore[import-not-found]
 
 MARKER_PY = """
 import os
@@ -57,9 +57,9 @@ def test_sigterm_drains_a_client_loop_sees_no_connection_error(tmp_path):
     request, over HTTP and gRPC, is served: no connection refused, no UNAVAILABLE."""
     repo = tmp_path / "repo"
     write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
-    grpc_port = free_port()
     # overload shedding (a 503 on a busy 2-core machine) is not what this test is about
-    proc, http = _start_with_grpc(repo, tmp_path, grpc_port, "--drain-period-s", "3", "--overload-control", "off")
+    proc, ports = start_ports(repo, tmp_path, "--drain-period-s", "3", "--overload-control", "off")
+    http, grpc_port = ports["http"], ports["grpc"]
     routed = threading.Event()  # the "endpoint": set while the balancer still sends to this pod
     routed.set()
     errors: list[str] = []
@@ -121,22 +121,6 @@ def test_sigterm_drains_a_client_loop_sees_no_connection_error(tmp_path):
             proc.kill()
     assert errors == []
     assert served["after"] > 0  # it kept serving while draining
-
-
-def _start_with_grpc(repo, tmp_path, grpc_port: int, *extra: str) -> tuple[subprocess.Popen, int]:
-    http = free_port()
-    cmd = [
-        sys.executable, "-m", "sluice.runtime", "serve", "--model-repository", str(repo),
-        "--http-port", str(http), "--grpc-port", str(grpc_port), "--metrics-port", "-1", *extra,
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
-    while not ready(http):
-        if proc.poll() is not None:
-            raise AssertionError(proc.stdout.read() if proc.stdout else "server exited")
-        assert time.monotonic() < deadline, "server did not become ready"
-        time.sleep(0.05)
-    return proc, http
 
 
 def test_a_port_in_use_is_one_line_and_no_model_is_loaded(tmp_path):

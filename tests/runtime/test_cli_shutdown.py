@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -47,32 +47,43 @@ dynamic_batching { }
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(repo, tmp_path, *extra: str) -> tuple[subprocess.Popen, int]:
-    http = free_port()
+def start_ports(repo, tmp_path, *extra: str) -> tuple[subprocess.Popen, dict[str, int]]:
+    """``sluice serve`` on ports it picks itself (0: no race with other processes for a port
+    chosen in advance), read from its ready line; returns once /v2/health/ready answers 200."""
     cmd = [
         sys.executable, "-m", "sluice.runtime", "serve", "--model-repository", str(repo),
-        "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()), *extra,
+        "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", *extra,
     ]  # fmt: skip
     # cwd outside the checkout: `python -m` puts the cwd first on sys.path.
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        match = re.search(r"sluice ready: HTTP \S+:(\d+)\s+gRPC \S+:(-?\d+)\s+metrics \S+:(-?\d+)", line)
+        if match:
+            ports = dict(zip(("http", "grpc", "metrics"), map(int, match.groups()), strict=True))
+            proc.startup_output = "".join(seen)  # type: ignore[attr-defined]  # what the caller did not read
+            break
+    else:
+        raise AssertionError("".join(seen))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=1) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports['http']}/v2/health/ready", timeout=1) as r:
                 if r.status == 200:
-                    return proc, http
+                    return proc, ports
         except OSError:
             if proc.poll() is not None:
                 raise AssertionError(proc.stdout.read()) from None
-            time.sleep(0.1)
+            time.sleep(0.05)
     proc.kill()
     raise AssertionError("server did not become ready")
+
+
+def start(repo, tmp_path, *extra: str) -> tuple[subprocess.Popen, int]:
+    proc, ports = start_ports(repo, tmp_path, *extra)
+    return proc, ports["http"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -119,7 +130,7 @@ def test_bad_model_does_not_stop_the_others(tmp_path):
         assert "config.pbtxt" in index["broken"]["reason"]
     finally:
         proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=20)[0]
+        out = proc.startup_output + proc.communicate(timeout=20)[0]
     assert proc.returncode == 0
     assert "broken" in out and "max_batch_size" in out  # the log names the model and the field
 
