@@ -17,6 +17,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import InvalidArgument, SluiceError
 from sluice.runtime.protocol import grpc_codec
+from sluice.runtime.protocol.grpc_status import grpc_code
 from sluice.runtime.settings import Limits
 
 log = logging.getLogger("sluice.runtime.grpc")
@@ -67,7 +68,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self.limits = limits
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: SluiceError) -> None:
-        await context.abort(exc.grpc_code, exc.message)
+        await context.abort(grpc_code(exc), exc.message)
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=self.dp.live())

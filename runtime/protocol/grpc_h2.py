@@ -49,6 +49,7 @@ from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, SluiceError
 from sluice.runtime.protocol import grpc_codec
 from sluice.runtime.protocol.grpc import InferenceService, Unparsable, lenient_parser
 from sluice.runtime.protocol.grpc_plan import InferDecoder
+from sluice.runtime.protocol.grpc_status import grpc_code
 from sluice.runtime.protocol.listener import Listener
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import InferRequest, InferResponse
@@ -799,7 +800,7 @@ class GrpcConnection(asyncio.Protocol):
             try:
                 message = self._inflate(stream, message)
             except SluiceError as exc:
-                self._respond_error(stream, exc.grpc_code, exc.message)
+                self._respond_error(stream, grpc_code(exc), exc.message)
                 return
         route = stream.route
         assert route is not None
@@ -871,7 +872,7 @@ class GrpcConnection(asyncio.Protocol):
             server.dataplane.infer_nowait(request, stream.done)
         except SluiceError as exc:
             stream.request = None
-            self._respond_error(stream, exc.grpc_code, exc.message)
+            self._respond_error(stream, grpc_code(exc), exc.message)
         except Exception:
             log.exception("unhandled error in ModelInfer")
             self._respond_error(stream, grpc.StatusCode.INTERNAL, "internal server error (see server log)")
@@ -881,12 +882,12 @@ class GrpcConnection(asyncio.Protocol):
             return
         stream.request = None
         if isinstance(outcome, SluiceError):
-            self._respond_error(stream, outcome.grpc_code, outcome.message)
+            self._respond_error(stream, grpc_code(outcome), outcome.message)
             return
         try:
             payload = grpc_codec.encode_infer(outcome).SerializeToString()
         except SluiceError as exc:
-            self._respond_error(stream, exc.grpc_code, exc.message)
+            self._respond_error(stream, grpc_code(exc), exc.message)
             return
         except Exception:
             log.exception("unhandled error encoding a ModelInfer response")
@@ -906,7 +907,7 @@ class GrpcConnection(asyncio.Protocol):
         except _Abort as exc:
             self._respond_error(stream, exc.code, exc.message)
         except SluiceError as exc:
-            self._respond_error(stream, exc.grpc_code, exc.message)
+            self._respond_error(stream, grpc_code(exc), exc.message)
         except asyncio.CancelledError:
             return  # the stream was reset, timed out or its connection lost
         except Exception:
