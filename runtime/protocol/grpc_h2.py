@@ -97,6 +97,8 @@ MAX_CONCURRENT_STREAMS = 1024
 """Open streams per connection; more are refused with RST_STREAM(REFUSED_STREAM)."""
 MAX_GRPC_MESSAGE_IN_ERRORS = 4096
 """Longest grpc-message we send, so error trailers stay within clients' metadata limits."""
+CONTROL_REPLIES_PER_WRITE = 256
+"""Frames collected from one read before they are written (and flow control can pause reading)."""
 HEAD_CACHE_SIZE = 512
 """Distinct request header blocks remembered per connection."""
 
@@ -335,6 +337,7 @@ class GrpcConnection(asyncio.Protocol):
         self._peer_max_frame = MAX_FRAME_SIZE
         self._recv_window = CONNECTION_WINDOW
         self._recv_consumed = 0
+        self._write_paused = False
         self.last_activity = self._loop.time()
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
@@ -370,6 +373,20 @@ class GrpcConnection(asyncio.Protocol):
             self._abandon(stream)
         self._streams.clear()
         self._blocked.clear()
+
+    def pause_writing(self) -> None:
+        # The peer is not reading what we send (PING/SETTINGS acks, RST_STREAMs, answers): read no
+        # more of its frames until it catches up, so replies to them cannot pile up here.
+        self._write_paused = True
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._transport is not None and not self._closed:
+            self._transport.resume_reading()
+            if self._buf:
+                self.data_received(b"")  # frames left unread when the pause came
 
     def data_received(self, data: bytes) -> None:
         if self._closed:
@@ -408,6 +425,13 @@ class GrpcConnection(asyncio.Protocol):
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
+
+    def _control(self, data: bytes) -> None:
+        """A reply to a control frame. A read full of them (a PING flood) is written out as it goes, so
+        that a peer that does not read pauses us (``pause_writing``) within a bounded number of replies."""
+        self._emit(data)
+        if len(self._out) >= CONTROL_REPLIES_PER_WRITE:
+            self._flush()
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -511,7 +535,7 @@ class GrpcConnection(asyncio.Protocol):
                 if length != 8:
                     raise _H2Error(FRAME_SIZE_ERROR, "PING payload must be 8 bytes")
                 if not flags & ACK:
-                    self._emit(frame(PING, ACK, 0, data[start:stop]))
+                    self._control(frame(PING, ACK, 0, data[start:stop]))
             elif ftype == CONTINUATION:
                 self._on_continuation(data, start, stop, flags, sid)
             elif ftype == PRIORITY:
@@ -528,8 +552,8 @@ class GrpcConnection(asyncio.Protocol):
             elif ftype == PUSH_PROMISE:
                 raise _H2Error(PROTOCOL_ERROR, "clients must not send PUSH_PROMISE")
             # Unknown frame types are ignored (RFC 9113 §4.1).
-            if self._closed:
-                break
+            if self._closed or self._write_paused:
+                break  # paused: the rest of this read waits in _buf for resume_writing
         return pos
 
     def _on_settings(self, data: bytes, start: int, stop: int, flags: int, sid: int) -> None:
@@ -572,7 +596,7 @@ class GrpcConnection(asyncio.Protocol):
                 # Our encoder uses no dynamic table; say so once, as the peer's decoder may expect
                 # a size update at the start of our next header block.
                 self._table_reset_pending = True
-        self._emit(frame(SETTINGS, ACK, 0))
+        self._control(frame(SETTINGS, ACK, 0))
         if opened:
             for stream in list(self._streams.values()):
                 if stream.pending:
@@ -724,7 +748,7 @@ class GrpcConnection(asyncio.Protocol):
         if (self._goaway_sid is not None and sid > self._goaway_sid) or self._peer_goaway:
             return  # after GOAWAY: not taken; the client retries it elsewhere
         if len(self._streams) >= MAX_CONCURRENT_STREAMS:
-            self._emit(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
+            self._control(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
             return
         stream = _Stream(self, sid, head.route, self._peer_initial_window, head.encoding)
         self._streams[sid] = stream

@@ -1,0 +1,96 @@
+"""The HTTP/2 gRPC front end (runtime/protocol/grpc_h2.py) against hostile and broken peers: clients
+that never read, rapid resets, header-cache stuffing, streams that are not consumed, oversized answers,
+half-open connections. Driven frame by frame with the raw client of test_grpc_h2."""
+
+from __future__ import annotations
+
+import select
+import socket
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hyperframe.frame import PingFrame
+
+from .conftest import ADD_SUB_CONFIG, BUILDERS, write_model  # type: ignore[import-not-found]
+from .test_grpc_h2 import (  # type: ignore[import-not-found]
+    PREFACE,
+    SERVICE,
+    Client,
+    add_sub_request,
+    assert_add_sub_ok,
+)
+
+NO_ERROR, ENHANCE_YOUR_CALM = 0x0, 0xB
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    path = tmp_path / "repo"
+    write_model(path, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    return path
+
+
+@pytest.fixture
+def connect():
+    clients: list[Client] = []
+
+    def factory(address: str, settings: dict[int, int] | None = None, **kw: Any) -> Client:
+        client = Client(address, {} if settings is None else settings, **kw)
+        clients.append(client)
+        return client
+
+    yield factory
+    for client in clients:
+        client.close()
+
+
+def push_until_blocked(sock: socket.socket, chunk: bytes, cap: int, stall_s: float = 1.0) -> int:
+    """Send ``chunk`` over and over without reading; stop when the peer has taken nothing for
+    ``stall_s`` (it stopped reading) or ``cap`` bytes went out. Returns the bytes sent."""
+    sock.setblocking(False)
+    sent = 0
+    view = memoryview(chunk * 2)
+    while sent < cap:
+        _, writable, _ = select.select([], [sock], [], stall_s)
+        if not writable:
+            break
+        offset = sent % len(chunk)  # whole frames only: a partial send is continued, not restarted
+        try:
+            sent += sock.send(view[offset : offset + len(chunk)])
+        except BlockingIOError:
+            continue
+    sock.setblocking(True)
+    return sent
+
+
+# -- 1. write backpressure ----------------------------------------------------------------------------
+
+
+def test_ping_flood_from_a_client_that_never_reads_is_bounded(serve, repo, connect):
+    """Each PING is answered; a client that never reads its answers must make the server stop reading
+    (transport flow control), not buffer acks without bound. Other clients are served meanwhile."""
+    server = serve(repo)
+    host, port = server.grpc.rsplit(":", 1)
+    hog = socket.socket()
+    hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    hog.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    hog.connect((host, int(port)))
+    pings = PingFrame(0, b"floodflo").serialize() * 4096  # 68 KiB of PINGs a send
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        hog.sendall(PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # preface + empty SETTINGS
+        cap = 48 << 20
+        sent = push_until_blocked(hog, pings, cap)
+        grown = tracemalloc.get_traced_memory()[0] - before
+        assert sent < cap, "the server kept reading PINGs whose answers were never read"
+        # what the kernel buffers hold is outside Python's heap; the server's own share stays small
+        assert grown < 8 << 20, f"{grown >> 20} MiB held for a client that does not read"
+        other = connect(server.grpc)
+        other.request(1, SERVICE + "ModelInfer", add_sub_request())
+        assert_add_sub_ok(other.response(1))
+    finally:
+        tracemalloc.stop()
+        hog.close()
