@@ -99,6 +99,10 @@ MAX_GRPC_MESSAGE_IN_ERRORS = 4096
 """Longest grpc-message we send, so error trailers stay within clients' metadata limits."""
 CONTROL_REPLIES_PER_WRITE = 256
 """Frames collected from one read before they are written (and flow control can pause reading)."""
+RESET_LIMIT = 1024
+"""Client resets of open streams a connection may have beyond the streams it let us finish; one
+more is a rapid-reset attack (CVE-2023-44487): reset streams leave the concurrency cap at once, so
+they bound nothing. Answered with GOAWAY(ENHANCE_YOUR_CALM)."""
 HEAD_CACHE_SIZE = 512
 """Distinct request header blocks remembered per connection."""
 
@@ -338,6 +342,7 @@ class GrpcConnection(asyncio.Protocol):
         self._recv_window = CONNECTION_WINDOW
         self._recv_consumed = 0
         self._write_paused = False
+        self._reset_debt = 0  # client resets of open streams, less the streams answered since
         self.last_activity = self._loop.time()
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
@@ -642,6 +647,9 @@ class GrpcConnection(asyncio.Protocol):
                 raise _H2Error(PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
             return
         self._abandon(stream)
+        self._reset_debt += 1
+        if self._reset_debt > RESET_LIMIT:
+            raise _H2Error(ENHANCE_YOUR_CALM, "too many streams reset by the client (rapid reset)")
         self._after_stream_closed()
 
     def _on_data(self, data: bytes, start: int, stop: int, flags: int, sid: int) -> None:
@@ -1110,6 +1118,8 @@ class GrpcConnection(asyncio.Protocol):
     def _close_local(self, stream: _Stream) -> None:
         """Our side of the stream is done: forget it (and ask the client to stop if it still sends)."""
         stream.finished = True
+        if self._reset_debt:
+            self._reset_debt -= 1  # an answered call pays for one reset
         if stream.timer is not None:
             stream.timer.cancel()
             stream.timer = None

@@ -4,6 +4,7 @@ half-open connections. Driven frame by frame with the raw client of test_grpc_h2
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import tracemalloc
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hyperframe.frame import PingFrame
+from hyperframe.frame import DataFrame, HeadersFrame, PingFrame, RstStreamFrame
 
 from .conftest import ADD_SUB_CONFIG, BUILDERS, write_model  # type: ignore[import-not-found]
 from .test_grpc_h2 import (  # type: ignore[import-not-found]
@@ -20,9 +21,10 @@ from .test_grpc_h2 import (  # type: ignore[import-not-found]
     Client,
     add_sub_request,
     assert_add_sub_ok,
+    grpc_frame,
 )
 
-NO_ERROR, ENHANCE_YOUR_CALM = 0x0, 0xB
+NO_ERROR, CANCEL, ENHANCE_YOUR_CALM = 0x0, 0x8, 0xB
 
 
 @pytest.fixture
@@ -94,3 +96,49 @@ def test_ping_flood_from_a_client_that_never_reads_is_bounded(serve, repo, conne
     finally:
         tracemalloc.stop()
         hog.close()
+
+
+# -- 2. rapid reset (CVE-2023-44487) -------------------------------------------------------------------
+
+
+def test_rapid_reset_gets_goaway_enhance_your_calm(serve, repo, connect):
+    server = serve(repo)
+    attacker = connect(server.grpc)
+    block = attacker.block(SERVICE + "ModelInfer")
+    body = grpc_frame(add_sub_request())
+    burst = []
+    for sid in range(1, 2 * 3000, 2):  # 3000 calls, each reset right after it was sent
+        burst += [
+            HeadersFrame(sid, block, flags=["END_HEADERS"]),
+            DataFrame(sid, body, flags=["END_STREAM"]),
+            RstStreamFrame(sid, CANCEL),
+        ]
+    with contextlib.suppress(OSError):  # the server may close before it has read everything
+        attacker.send(*burst)
+    attacker.drain(5.0)
+    assert attacker.goaway is not None and attacker.goaway.error_code == ENHANCE_YOUR_CALM
+    assert b"rapid reset" in attacker.goaway.additional_data
+    assert attacker.closed
+    good = connect(server.grpc)
+    good.request(1, SERVICE + "ModelInfer", add_sub_request())
+    assert_add_sub_ok(good.response(1))
+
+
+def test_a_client_that_cancels_some_of_its_calls_is_not_cut_off(serve, repo, connect):
+    """1,500 resets in all, more than the limit, but no more resets than answered calls."""
+    client = connect(serve(repo).grpc)
+    block = client.block(SERVICE + "ModelInfer")
+    body = grpc_frame(add_sub_request())
+    sid = 1
+    for _ in range(15):
+        answered = []
+        frames = []
+        for _ in range(100):
+            frames += [HeadersFrame(sid, block, flags=["END_HEADERS"]), DataFrame(sid, body, flags=["END_STREAM"])]
+            answered.append(sid)
+            frames += [HeadersFrame(sid + 2, block, flags=["END_HEADERS"]), RstStreamFrame(sid + 2, CANCEL)]
+            sid += 4
+        client.send(*frames)
+        for done in answered:
+            assert_add_sub_ok(client.response(done))
+    assert client.goaway is None and not client.closed
