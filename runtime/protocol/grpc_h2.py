@@ -104,7 +104,9 @@ RESET_LIMIT = 1024
 more is a rapid-reset attack (CVE-2023-44487): reset streams leave the concurrency cap at once, so
 they bound nothing. Answered with GOAWAY(ENHANCE_YOUR_CALM)."""
 HEAD_CACHE_SIZE = 512
-"""Distinct request header blocks remembered per connection."""
+"""Distinct request header blocks remembered per connection..."""
+HEAD_CACHE_BYTES = 256 << 10
+"""...and their total size; blocks that were rejected are never remembered."""
 
 _FRAME = struct.Struct(">BHBBL")  # length (24 bits as 8 + 16), type, flags, stream id
 _PREFIX = struct.Struct(">BL")  # gRPC message prefix: compressed flag, length
@@ -334,6 +336,7 @@ class GrpcConnection(asyncio.Protocol):
         self._continuation: tuple[int, list[bytes], int, bool] | None = None
         self._decoder = hpack.Decoder(max_header_list_size=4 * server.limits.max_header_bytes + 65_536)
         self._heads: dict[bytes, _Head] = {}
+        self._heads_bytes = 0
         self._table_reset_pending = False
         # Flow control.
         self._send_window = DEFAULT_WINDOW
@@ -792,11 +795,17 @@ class GrpcConnection(asyncio.Protocol):
         # Identical bytes decode to identical headers only while the dynamic table is unchanged: a
         # block that changed it is not cached, and the blocks cached so far may now mean otherwise.
         if len(entries) == count and (entries[0] if entries else None) is first and table.maxsize == maxsize:
-            if len(self._heads) >= HEAD_CACHE_SIZE:
-                self._heads.clear()
-            self._heads[block] = head
+            if head.reject is None:
+                size = len(block)
+                if len(self._heads) >= HEAD_CACHE_SIZE or self._heads_bytes + size > HEAD_CACHE_BYTES:
+                    self._heads.clear()
+                    self._heads_bytes = 0
+                if size <= HEAD_CACHE_BYTES:
+                    self._heads[block] = head
+                    self._heads_bytes += size
         else:
             self._heads.clear()
+            self._heads_bytes = 0
         return head
 
     # -- gRPC messages ---------------------------------------------------------------------------

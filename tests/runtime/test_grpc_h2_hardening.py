@@ -11,8 +11,9 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import hpack
 import pytest
-from hyperframe.frame import DataFrame, HeadersFrame, PingFrame, RstStreamFrame
+from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, PingFrame, RstStreamFrame
 
 from .conftest import ADD_SUB_CONFIG, BUILDERS, write_model  # type: ignore[import-not-found]
 from .test_grpc_h2 import (  # type: ignore[import-not-found]
@@ -24,6 +25,7 @@ from .test_grpc_h2 import (  # type: ignore[import-not-found]
     grpc_frame,
 )
 
+OK, RESOURCE_EXHAUSTED = 0, 8
 NO_ERROR, CANCEL, ENHANCE_YOUR_CALM = 0x0, 0x8, 0xB
 
 
@@ -142,3 +144,44 @@ def test_a_client_that_cancels_some_of_its_calls_is_not_cut_off(serve, repo, con
         for done in answered:
             assert_add_sub_ok(client.response(done))
     assert client.goaway is None and not client.closed
+
+
+# -- 3. the header-block cache -----------------------------------------------------------------------
+
+
+def test_header_block_cache_is_bounded_and_holds_no_rejected_blocks(serve, repo, connect):
+    """Distinct header blocks that leave the HPACK table alone are cacheable: 300 accepted ones of
+    14 KB and 150 rejected ones of 100 KB would pin ~19 MB on one connection without bounds."""
+    server = serve(repo)
+    client = connect(server.grpc)
+    body = grpc_frame(add_sub_request())
+
+    def block(pad: str) -> bytes:
+        headers = [(":method", "POST"), (":scheme", "http"), (":path", SERVICE + "ModelInfer"), (":authority", "t")]
+        headers += [("content-type", "application/grpc"), hpack.NeverIndexedHeaderTuple("x-pad", pad)]
+        return client.encoder.encode(headers, huffman=False)
+
+    def send_block(sid: int, data: bytes) -> None:
+        pieces = [data[i : i + 16_384] for i in range(0, len(data), 16_384)]
+        frames = [HeadersFrame(sid, pieces[0], flags=[] if len(pieces) > 1 else ["END_HEADERS"])]
+        for i, piece in enumerate(pieces[1:], start=2):
+            frames.append(ContinuationFrame(sid, piece, flags=["END_HEADERS"] if i == len(pieces) else []))
+        client.send(*frames, DataFrame(sid, body, flags=["END_STREAM"]))
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        sid = 1
+        for n in range(450):
+            accepted = n < 300
+            send_block(sid, block(f"{n:06d}" + ("a" * 14_000 if accepted else "r" * 100_000)))
+            response = client.response(sid)
+            assert response.status == (OK if accepted else RESOURCE_EXHAUSTED), response.message
+            client.received.clear()
+            sid += 2
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 4 << 20, f"{grown >> 20} MiB held by one connection's header cache"
+    client.request(sid, SERVICE + "ModelInfer", add_sub_request())
+    assert_add_sub_ok(client.response(sid))
