@@ -934,7 +934,15 @@ class GrpcConnection(asyncio.Protocol):
             log.exception("unhandled error encoding a ModelInfer response")
             self._respond_error(stream, grpc.StatusCode.INTERNAL, "internal server error (see server log)")
             return
+        if len(payload) > self._max_message:
+            self._respond_error(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, self._too_large(payload))
+            return
         self._respond(stream, payload)
+
+    def _too_large(self, payload: bytes) -> str:
+        return (
+            f"response is {len(payload)} bytes, larger than max ({self._max_message}; --max-grpc-message-bytes)"
+        )
 
     # -- other methods: InferenceService coroutines on tasks --------------------------------------
     async def _run_unary(self, stream: _Stream, route: _Route, message: bytes) -> None:
@@ -956,12 +964,7 @@ class GrpcConnection(asyncio.Protocol):
             self._respond_error(stream, grpc.StatusCode.INTERNAL, "internal server error (see server log)")
         else:
             if len(payload) > self._max_message:
-                self._respond_error(
-                    stream,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"response is {len(payload)} bytes, larger than max "
-                    f"({self._max_message}; --max-grpc-message-bytes)",
-                )
+                self._respond_error(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, self._too_large(payload))
             else:
                 self._respond(stream, payload)
         finally:
@@ -987,6 +990,9 @@ class GrpcConnection(asyncio.Protocol):
                     if stream.finished:
                         return
                     payload = reply.SerializeToString()
+                    if len(payload) > self._max_message:  # as grpcio: the call ends
+                        self._respond_error(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, self._too_large(payload))
+                        return
                     self._send_message(stream, payload)
             self._finish(stream, TRAILERS_OK)
         except asyncio.CancelledError:

@@ -5,6 +5,7 @@ half-open connections. Driven frame by frame with the raw client of test_grpc_h2
 from __future__ import annotations
 
 import contextlib
+import re
 import select
 import socket
 import tracemalloc
@@ -12,8 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import hpack
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, PingFrame, RstStreamFrame
+from tritonclient.utils import InferenceServerException
+
+from sluice.runtime.settings import Limits
 
 from .conftest import ADD_SUB_CONFIG, BUILDERS, write_model  # type: ignore[import-not-found]
 from .test_grpc_h2 import (  # type: ignore[import-not-found]
@@ -185,3 +191,52 @@ def test_header_block_cache_is_bounded_and_holds_no_rejected_blocks(serve, repo,
     assert grown < 4 << 20, f"{grown >> 20} MiB held by one connection's header cache"
     client.request(sid, SERVICE + "ModelInfer", add_sub_request())
     assert_add_sub_ok(client.response(sid))
+
+
+# -- 5. the response-size limit -------------------------------------------------------------------------
+
+REPEAT_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("OUTPUT0", np.tile(pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy(), 8))]
+            )
+            for r in requests
+        ]
+"""
+
+REPEAT_CONFIG = """
+name: "repeat"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+"""
+
+
+@pytest.mark.parametrize("grpc_server", ["h2", "grpcio"])
+def test_infer_response_over_the_message_limit_is_resource_exhausted(tmp_path, serve, grpc_server):
+    repo = tmp_path / "repo"
+    write_model(repo, "repeat", REPEAT_CONFIG, {"model.py": REPEAT_PY})
+    limit = 64 * 1024
+    server = serve(repo, limits=Limits(max_grpc_message_bytes=limit), grpc_server=grpc_server)
+    client = grpcclient.InferenceServerClient(server.grpc)
+    try:
+        small = grpcclient.InferInput("INPUT0", [16], "FP32")
+        small.set_data_from_numpy(np.ones(16, np.float32))
+        assert client.infer("repeat", [small]).as_numpy("OUTPUT0").shape == (128,)
+        big = grpcclient.InferInput("INPUT0", [4096], "FP32")  # 16 KiB in, 128 KiB out
+        big.set_data_from_numpy(np.ones(4096, np.float32))
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("repeat", [big])
+        assert info.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        if grpc_server == "h2":  # grpcio words it its own way
+            assert re.search(rf"response is 13\d{{4}} bytes, larger than max \({limit};", info.value.message())
+        assert client.infer("repeat", [small]).as_numpy("OUTPUT0").shape == (128,)
+    finally:
+        client.close()
