@@ -47,6 +47,14 @@ class Limits:
         default=4096,
         metadata={"help": "Open HTTP connections at once; more are accepted and closed at once with 503."},
     )
+    keepalive_interval_s: float = dataclasses.field(
+        default=60.0,
+        metadata={"help": "gRPC: a connection with calls open that sent nothing for this long is sent a PING."},
+    )
+    keepalive_timeout_s: float = dataclasses.field(
+        default=20.0,
+        metadata={"help": "gRPC: a keepalive PING not acknowledged within this long closes the connection."},
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,6 +99,8 @@ MAX_GRPC_MESSAGE_IN_ERRORS = 4096
 """Longest grpc-message we send, so error trailers stay within clients' metadata limits."""
 CONTROL_REPLIES_PER_WRITE = 256
 """Frames collected from one read before they are written (and flow control can pause reading)."""
+KEEPALIVE_PING = b"sluiceka"
+"""Payload of our keepalive PINGs, to tell their ACKs from those of other PINGs."""
 RESET_LIMIT = 1024
 """Client resets of open streams a connection may have beyond the streams it let us finish; one
 more is a rapid-reset attack (CVE-2023-44487): reset streams leave the concurrency cap at once, so
@@ -346,6 +348,7 @@ class GrpcConnection(asyncio.Protocol):
         self._recv_consumed = 0
         self._write_paused = False
         self._reset_debt = 0  # client resets of open streams, less the streams answered since
+        self._keepalive_sent: float | None = None  # loop time of our unacknowledged keepalive PING
         self.last_activity = self._loop.time()
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
@@ -502,10 +505,22 @@ class GrpcConnection(asyncio.Protocol):
 
     def expire(self, now: float) -> None:
         """Sweeper hook: a connection with no call open and nothing received for
-        ``--idle-timeout-s`` is told GOAWAY and closed, so idle clients cannot hold slots."""
-        if not self._streams and now - self.last_activity > self._limits.idle_timeout_s:
-            self.goaway()
-            self.close()
+        ``--idle-timeout-s`` is told GOAWAY and closed, so idle clients cannot hold slots. One with
+        calls open that received nothing for ``--keepalive-interval-s`` is sent a PING, and closed
+        if that is not acknowledged within ``--keepalive-timeout-s`` (a half-open connection, or a
+        peer that stopped reading), which cancels its calls."""
+        limits = self._limits
+        if not self._streams:
+            self._keepalive_sent = None
+            if now - self.last_activity > limits.idle_timeout_s:
+                self.goaway()
+                self.close()
+        elif self._keepalive_sent is not None:
+            if now - self._keepalive_sent > limits.keepalive_timeout_s:
+                self._fail(NO_ERROR, "keepalive PING not acknowledged in time (--keepalive-timeout-s)")
+        elif now - self.last_activity > limits.keepalive_interval_s and not self._closed:
+            self._keepalive_sent = now
+            self._control(frame(PING, 0, 0, KEEPALIVE_PING))
 
     # -- frames ----------------------------------------------------------------------------------
     def _frames(self, data: bytes) -> int:
@@ -544,6 +559,8 @@ class GrpcConnection(asyncio.Protocol):
                     raise _H2Error(FRAME_SIZE_ERROR, "PING payload must be 8 bytes")
                 if not flags & ACK:
                     self._control(frame(PING, ACK, 0, data[start:stop]))
+                elif data[start:stop] == KEEPALIVE_PING:
+                    self._keepalive_sent = None
             elif ftype == CONTINUATION:
                 self._on_continuation(data, start, stop, flags, sid)
             elif ftype == PRIORITY:

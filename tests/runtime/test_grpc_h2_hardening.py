@@ -8,6 +8,7 @@ import contextlib
 import re
 import select
 import socket
+import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, PingFrame, RstStreamFrame
+from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
 from sluice.runtime.settings import Limits
@@ -240,3 +242,61 @@ def test_infer_response_over_the_message_limit_is_resource_exhausted(tmp_path, s
         assert client.infer("repeat", [small]).as_numpy("OUTPUT0").shape == (128,)
     finally:
         client.close()
+
+
+# -- 6. keepalive ------------------------------------------------------------------------------------------
+
+KEEPALIVE = Limits(keepalive_interval_s=0.2, keepalive_timeout_s=0.5)
+
+
+def open_stream(client: Client, sid: int = 1) -> None:
+    """A ModelStreamInfer call left open: the connection has a stream but nothing to say."""
+    client.send(HeadersFrame(sid, client.block(SERVICE + "ModelStreamInfer"), flags=["END_HEADERS"]))
+
+
+def read_until(client: Client, predicate: Any, limit_s: float = 10.0) -> None:
+    """Read frames until ``predicate()`` holds; the limit only keeps a broken server from hanging the test."""
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, "not reached"
+        client.read_frame(timeout=0.1)
+
+
+def test_keepalive_closes_a_connection_whose_peer_does_not_answer_pings(serve, repo, connect):
+    server = serve(repo, limits=KEEPALIVE)
+    silent = connect(server.grpc)
+    open_stream(silent)
+    read_until(silent, lambda: silent.closed)
+    pings = [f for f in silent.received if isinstance(f, PingFrame) and "ACK" not in f.flags]
+    assert pings, "no keepalive PING before the close"
+    assert silent.goaway is not None and b"keepalive" in silent.goaway.additional_data
+    other = connect(server.grpc)
+    other.request(1, SERVICE + "ModelInfer", add_sub_request())
+    assert_add_sub_ok(other.response(1))
+
+
+def test_keepalive_keeps_a_connection_whose_peer_answers(serve, repo, connect):
+    server = serve(repo, limits=KEEPALIVE)
+    alive = connect(server.grpc)
+    idle = connect(server.grpc)  # no stream open: the idle timeout, not keepalive, governs it
+    open_stream(alive)
+    answered = 0
+
+    def ack_pings() -> bool:
+        nonlocal answered
+        for f in alive.received[answered:]:
+            if isinstance(f, PingFrame) and "ACK" not in f.flags:
+                alive.send(PingFrame(0, f.opaque_data, flags=["ACK"]))
+        pings = sum(isinstance(f, PingFrame) and "ACK" not in f.flags for f in alive.received)
+        answered = len(alive.received)
+        return pings >= 3 or alive.closed
+
+    read_until(alive, ack_pings)
+    assert not alive.closed and alive.goaway is None
+    alive.send_data(1, grpc_frame(add_sub_request("still-here")))
+    response = alive.response(1)
+    assert response.status == OK
+    reply = pb.ModelStreamInferResponse.FromString(response.messages()[0])
+    assert reply.infer_response.id == "still-here"
+    idle.drain(0.1)
+    assert not any(isinstance(f, PingFrame) for f in idle.received) and not idle.closed
