@@ -24,6 +24,11 @@ log = logging.getLogger("sluice.runtime.grpc")
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 
+STREAM_IN_FLIGHT = 64
+"""ModelStreamInfer requests of one stream in flight (running, or answered and not yet sent); the next
+message is read only when one finishes, so a stream the model cannot keep up with pushes back on
+its client (HTTP/2 flow control) instead of queueing without bound."""
+
 
 class Unparsable:
     """Stands in for a request whose bytes are not a valid protobuf message.
@@ -150,6 +155,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         """Requests on one stream run concurrently; responses come back as they finish, with ids."""
         results: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
+        slots = asyncio.Semaphore(STREAM_IN_FLIGHT)  # released when the answer has been taken
 
         async def one(message: pb.ModelInferRequest) -> None:
             if type(message) is Unparsable:
@@ -169,8 +175,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             await results.put(out)
 
         async def read() -> None:
+            messages = aiter(request_iterator)
             try:
-                async for message in request_iterator:
+                while True:
+                    await slots.acquire()
+                    try:
+                        message = await anext(messages)
+                    except StopAsyncIteration:
+                        break
                     task = asyncio.get_running_loop().create_task(one(message))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
@@ -186,6 +198,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 if item is None:
                     break
                 yield item
+                slots.release()
         finally:
             reader.cancel()
             for task in list(tasks):

@@ -273,7 +273,9 @@ class _Stream:
         "conn",
         "finished",
         "headers_sent",
+        "held",
         "message",
+        "owed",
         "pending",
         "queue",
         "rbuf",
@@ -286,6 +288,7 @@ class _Stream:
         "task",
         "timer",
         "trailers",
+        "unacked",
         "wbits",
     )
 
@@ -295,6 +298,9 @@ class _Stream:
         self.route = route
         self.send_window = send_window
         self.recv_window = STREAM_WINDOW
+        self.unacked = 0  # bytes consumed, not yet given back with a WINDOW_UPDATE
+        self.held = 0  # ModelStreamInfer: bytes received since the last message was queued
+        self.owed = 0  # ModelStreamInfer: bytes received, not yet consumed (held + queued messages)
         self.wbits = wbits
         self.remote_closed = False
         self.finished = False  # answered, reset or abandoned: nothing more is sent
@@ -676,16 +682,12 @@ class GrpcConnection(asyncio.Protocol):
         if not sid:
             raise _H2Error(PROTOCOL_ERROR, "DATA on stream 0")
         length = stop - start
-        # Connection-level flow control counts the whole payload, padding included; all of it is
-        # consumed at once (buffered in the stream or dropped), so it is credited back right away.
+        # Flow control counts the whole payload, padding included. Credit goes back as it is consumed
+        # (_consumed): at once for what is dropped and for the one message of a unary call (bounded
+        # by --max-grpc-message-bytes), when the handler takes it for a ModelStreamInfer message.
         self._recv_window -= length
         if self._recv_window < 0:
             raise _H2Error(FLOW_CONTROL_ERROR, "DATA beyond the connection window")
-        self._recv_consumed += length
-        if self._recv_consumed >= CONNECTION_WINDOW // 2:
-            self._emit(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv_consumed)))
-            self._recv_window += self._recv_consumed
-            self._recv_consumed = 0
         if flags & PADDED:
             if not length:
                 raise _H2Error(FRAME_SIZE_ERROR, "PADDED DATA without a pad length")
@@ -698,26 +700,78 @@ class GrpcConnection(asyncio.Protocol):
         if stream is None:
             if sid > self._last_sid:
                 raise _H2Error(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
+            self._credit(length)
             return  # a stream we answered or reset: its late DATA is dropped
         if stream.remote_closed:
+            self._credit(length)
             self._reset(stream, STREAM_CLOSED)
             return
         stream.recv_window -= length
         if stream.recv_window < 0:
+            self._credit(length)
             self._reset(stream, FLOW_CONTROL_ERROR)
             return
         end_stream = flags & END_STREAM
-        if not end_stream and stream.recv_window <= STREAM_WINDOW // 2:
-            self._emit(frame(WINDOW_UPDATE, 0, sid, _U32.pack(STREAM_WINDOW - stream.recv_window)))
-            stream.recv_window = STREAM_WINDOW
         # Input matters only until the answer is decided (trailers set, e.g. a 415 waiting for window).
         answering = not stream.finished and stream.trailers is None
-        if stop > start and answering:
-            self._feed(stream, data, start, stop)
+        queue = stream.queue
+        if queue is not None and answering:
+            stream.held += length
+            stream.owed += length
+            if stop > start:
+                self._feed(stream, data, start, stop)
+            if stream.held and queue.empty():  # the handler waits for this message: it needs the bytes
+                self._take_held(stream)
+        else:
+            if end_stream:
+                self._credit(length)  # the stream needs no more window
+            else:
+                self._consumed(stream, length)
+            if stop > start and answering:
+                self._feed(stream, data, start, stop)
         if end_stream:
             stream.remote_closed = True
             if answering and not stream.finished:
                 self._end_of_input(stream)
+
+    def _credit(self, n: int) -> None:
+        """``n`` bytes of the connection window were consumed: give them back, in large updates."""
+        self._recv_consumed += n
+        if self._recv_consumed >= CONNECTION_WINDOW // 2:
+            self._emit(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv_consumed)))
+            self._recv_window += self._recv_consumed
+            self._recv_consumed = 0
+
+    def _consumed(self, stream: _Stream, n: int) -> None:
+        """``n`` bytes of ``stream``'s DATA were consumed: credit the connection and the stream."""
+        self._credit(n)
+        if stream.remote_closed or stream.finished:
+            return
+        stream.unacked += n
+        if stream.unacked >= STREAM_WINDOW // 2:
+            self._emit(frame(WINDOW_UPDATE, 0, stream.sid, _U32.pack(stream.unacked)))
+            stream.recv_window += stream.unacked
+            stream.unacked = 0
+
+    def _take_held(self, stream: _Stream) -> None:
+        held, stream.held = stream.held, 0
+        stream.owed -= held
+        self._consumed(stream, held)
+
+    def taken(self, stream: _Stream, n: int) -> None:
+        """The ModelStreamInfer handler took a message that arrived in ``n`` bytes of DATA."""
+        if stream.finished:
+            return  # what it owed went back when it closed
+        stream.owed -= n
+        self._consumed(stream, n)
+        if stream.held and stream.queue is not None and stream.queue.empty():
+            self._take_held(stream)
+
+    def _release(self, stream: _Stream) -> None:
+        """A closed stream's unconsumed bytes go back to the connection window."""
+        if stream.owed:
+            self._credit(stream.owed)
+            stream.owed = stream.held = 0
 
     def _on_headers(self, data: bytes, start: int, stop: int, flags: int, sid: int) -> None:
         if not sid:
@@ -864,7 +918,8 @@ class GrpcConnection(asyncio.Protocol):
         assert route is not None
         if route.kind == _STREAM:
             assert stream.queue is not None
-            stream.queue.put_nowait(route.parse(message))
+            stream.queue.put_nowait((route.parse(message), stream.held))
+            stream.held = 0
         elif stream.message is None:
             stream.message = message
         else:
@@ -997,7 +1052,9 @@ class GrpcConnection(asyncio.Protocol):
                 item = await queue.get()
                 if item is None:
                     return
-                yield item
+                message, size = item
+                self.taken(stream, size)  # its window goes back only now
+                yield message
 
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
@@ -1152,6 +1209,8 @@ class GrpcConnection(asyncio.Protocol):
         stream.finished = True
         if self._reset_debt:
             self._reset_debt -= 1  # an answered call pays for one reset
+        if stream.owed:
+            self._release(stream)
         if stream.timer is not None:
             stream.timer.cancel()
             stream.timer = None
@@ -1184,6 +1243,8 @@ class GrpcConnection(asyncio.Protocol):
     def _abandon(self, stream: _Stream) -> None:
         """The client is gone from this stream: cancel its work, send nothing more."""
         stream.finished = True
+        if stream.owed:
+            self._release(stream)
         if stream.timer is not None:
             stream.timer.cancel()
             stream.timer = None

@@ -25,6 +25,7 @@ from sluice.runtime.settings import Limits
 
 from .conftest import ADD_SUB_CONFIG, BUILDERS, write_model  # type: ignore[import-not-found]
 from .test_grpc_h2 import (  # type: ignore[import-not-found]
+    NO_SHEDDING,
     PREFACE,
     SERVICE,
     Client,
@@ -112,7 +113,7 @@ def test_ping_flood_from_a_client_that_never_reads_is_bounded(serve, repo, conne
 
 
 def test_rapid_reset_gets_goaway_enhance_your_calm(serve, repo, connect):
-    server = serve(repo)
+    server = serve(repo, scheduling=NO_SHEDDING)
     attacker = connect(server.grpc)
     block = attacker.block(SERVICE + "ModelInfer")
     body = grpc_frame(add_sub_request())
@@ -136,7 +137,7 @@ def test_rapid_reset_gets_goaway_enhance_your_calm(serve, repo, connect):
 
 def test_a_client_that_cancels_some_of_its_calls_is_not_cut_off(serve, repo, connect):
     """1,500 resets in all, more than the limit, but no more resets than answered calls."""
-    client = connect(serve(repo).grpc)
+    client = connect(serve(repo, scheduling=NO_SHEDDING).grpc)
     block = client.block(SERVICE + "ModelInfer")
     body = grpc_frame(add_sub_request())
     sid = 1
@@ -300,3 +301,76 @@ def test_keepalive_keeps_a_connection_whose_peer_answers(serve, repo, connect):
     assert reply.infer_response.id == "still-here"
     idle.drain(0.1)
     assert not any(isinstance(f, PingFrame) for f in idle.received) and not idle.closed
+
+
+# -- 4. receive flow control follows consumption -----------------------------------------------------------
+
+GATED_PY = """
+import os
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.gate = os.path.join(os.path.dirname(__file__), "open")
+
+    def execute(self, requests):
+        while not os.path.exists(self.gate):  # held until the test opens the gate
+            time.sleep(0.01)
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()[:1])])
+            for r in requests
+        ]
+"""  # noqa: E501
+
+GATED_CONFIG = """
+name: "gated"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+"""
+
+
+def test_a_stream_whose_requests_are_not_consumed_closes_its_window(tmp_path, serve, connect):
+    """ModelStreamInfer messages are credited back (WINDOW_UPDATE) only as the call takes them, and it
+    takes no more than a bounded number while the model is stuck: the client's window closes instead
+    of the server queueing everything it is sent. Once the model moves, the window opens again."""
+    repo = tmp_path / "repo"
+    write_model(repo, "gated", GATED_CONFIG, {"model.py": GATED_PY})
+    server = serve(repo, scheduling=NO_SHEDDING)
+    client = connect(server.grpc)
+    client.send(HeadersFrame(1, client.block(SERVICE + "ModelStreamInfer"), flags=["END_HEADERS"]))
+    message = pb.ModelInferRequest(model_name="gated")
+    message.inputs.add(name="INPUT0", datatype="FP32", shape=[32 * 1024])
+    message.raw_input_contents.append(np.ones(32 * 1024, np.float32).tobytes())
+    data = grpc_frame(message.SerializeToString())  # 128 KiB
+    client.stream_windows.setdefault(1, client.peer_initial)
+    cap = 96 << 20
+    sent = 0
+    view = memoryview(b"")
+    while sent < cap:
+        room = min(client.send_window, client.stream_windows[1], 16_384)
+        if room <= 0:
+            if client.read_frame(timeout=1.0) is None:
+                break  # no window came back for a second: the server stopped taking
+            continue
+        if not view:
+            view = memoryview(data)
+        chunk, view = view[:room], view[room:]
+        client.send(DataFrame(1, bytes(chunk)))
+        client.send_window -= len(chunk)
+        client.stream_windows[1] -= len(chunk)
+        sent += len(chunk)
+    assert sent < cap, "the server took everything a stuck stream was sent"
+    assert not client.closed and not (1 in client.responses and client.responses[1].ended)
+    (repo / "gated" / "1" / "open").touch()
+    if view:
+        client.send_data(1, bytes(view), end_stream=False)  # the window reopens as the model catches up
+    client.send_data(1, data)  # one more message, then the half-close
+    response = client.response(1, timeout=60)
+    assert response.status == OK, response.message
+    replies = [pb.ModelStreamInferResponse.FromString(m) for m in response.messages()]
+    assert len(replies) == (sent + len(data) - 1) // len(data) + 1
+    assert not any(r.error_message for r in replies)
