@@ -30,25 +30,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import struct
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from typing import Any, NoReturn
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import hpack
-from google.protobuf.message import DecodeError
-from tritonclient.grpc import service_pb2 as pb
 
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, SluiceError
-from sluice.runtime.protocol import grpc_codec
-from sluice.runtime.protocol.grpc import InferenceService, Unparsable, lenient_parser
-from sluice.runtime.protocol.grpc_plan import InferDecoder
+from sluice.runtime.protocol import grpc_service
+from sluice.runtime.protocol.grpc_service import Call, Method, Service
 from sluice.runtime.protocol.grpc_status import grpc_code
 from sluice.runtime.protocol.listener import Listener
 from sluice.runtime.settings import Limits
@@ -114,7 +110,6 @@ _FRAME = struct.Struct(">BHBBL")  # length (24 bits as 8 + 16), type, flags, str
 _PREFIX = struct.Struct(">BL")  # gRPC message prefix: compressed flag, length
 _U32 = struct.Struct(">L")
 _SETTING = struct.Struct(">HL")
-_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 _CONNECTION_SPECIFIC = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"))
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _ENCODINGS = {b"gzip": 31, b"deflate": 15}  # zlib wbits
@@ -185,16 +180,24 @@ _TRAILER = struct.Struct(f">BHBBL{len(TRAILERS_OK)}s")
 # -- request heads ---------------------------------------------------------------------------------
 
 _INFER, _UNARY, _STREAM, _UNIMPLEMENTED = range(4)
+_KINDS = {
+    grpc_service.INFER: _INFER,
+    grpc_service.UNARY: _UNARY,
+    grpc_service.STREAM: _STREAM,
+    grpc_service.UNIMPLEMENTED: _UNIMPLEMENTED,
+}
 
 
 class _Route:
-    __slots__ = ("behaviour", "kind", "name", "parse")
+    """A row of grpc_service's method table, with its kind as a small int for the hot path."""
 
-    def __init__(self, kind: int, name: str, behaviour: Any = None, parse: Any = None) -> None:
-        self.kind = kind
-        self.name = name
-        self.behaviour = behaviour
-        self.parse = parse
+    __slots__ = ("handler", "kind", "name", "parse")
+
+    def __init__(self, method: Method) -> None:
+        self.kind = _KINDS[method.kind]
+        self.name = method.name
+        self.handler = method.handler
+        self.parse = method.parse
 
 
 class _Head:
@@ -229,31 +232,6 @@ def parse_timeout(value: bytes) -> float | None:
     if not (1 <= len(digits) <= 8 and digits.isdigit()) or unit not in _TIMEOUT_UNITS:
         return None
     return int(digits) * _TIMEOUT_UNITS[unit]
-
-
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class CallContext:
-    """The part of ``grpc.aio.ServicerContext`` that ``InferenceService``'s coroutines use."""
-
-    __slots__ = ("_deadline",)
-
-    def __init__(self, deadline: float | None) -> None:
-        self._deadline = deadline
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> NoReturn:
-        raise _Abort(code, details)
-
-    def invocation_metadata(self) -> tuple:
-        return ()
-
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
 
 class _H2Error(Exception):
@@ -328,6 +306,10 @@ class GrpcConnection(asyncio.Protocol):
         self._max_message = server.limits.max_grpc_message_bytes
         self._loop = server.loop
         self._routes = server.routes
+        service = server.service
+        self._decode_infer = service.decoder.decode
+        self._submit = service.submit
+        self._encode_infer = service.encode_infer
         self._transport: asyncio.Transport | None = None
         self._closed = False
         self._buf = b""
@@ -969,20 +951,10 @@ class GrpcConnection(asyncio.Protocol):
 
     # -- ModelInfer: callbacks, no task ------------------------------------------------------------
     def _infer(self, stream: _Stream, message: bytes) -> None:
-        server = self._server
         try:
-            try:
-                request = server.infer_decoder.decode(message)
-            except DecodeError as exc:
-                self._respond_error(
-                    stream,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"request is not a valid protobuf inference.ModelInferRequest message ({len(message)} bytes): "
-                    f"{exc}",
-                )
-                return
+            request = self._decode_infer(message)
             stream.request = request
-            server.dataplane.infer_nowait(request, stream.done)
+            self._submit(request, stream.done)
         except SluiceError as exc:
             stream.request = None
             self._respond_error(stream, grpc_code(exc), exc.message)
@@ -998,7 +970,7 @@ class GrpcConnection(asyncio.Protocol):
             self._respond_error(stream, grpc_code(outcome), outcome.message)
             return
         try:
-            payload = grpc_codec.encode_infer(outcome).SerializeToString()
+            payload = self._encode_infer(outcome)  # raises PayloadTooLarge over --max-grpc-message-bytes
         except SluiceError as exc:
             self._respond_error(stream, grpc_code(exc), exc.message)
             return
@@ -1006,27 +978,18 @@ class GrpcConnection(asyncio.Protocol):
             log.exception("unhandled error encoding a ModelInfer response")
             self._respond_error(stream, grpc.StatusCode.INTERNAL, "internal server error (see server log)")
             return
-        if len(payload) > self._max_message:
-            self._respond_error(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, self._too_large(payload))
-            return
         self._respond(stream, payload)
 
-    def _too_large(self, payload: bytes) -> str:
-        return (
-            f"response is {len(payload)} bytes, larger than max ({self._max_message}; --max-grpc-message-bytes)"
-        )
+    def _too_large(self, stream: _Stream, size: int) -> None:
+        self._respond_error(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc_service.too_large(size, self._max_message))
 
-    # -- other methods: InferenceService coroutines on tasks --------------------------------------
+    # -- other methods: grpc_service handlers on tasks --------------------------------------------
     async def _run_unary(self, stream: _Stream, route: _Route, message: bytes) -> None:
-        request = route.parse(message)
+        request = message if route.parse is None else route.parse(message)
         try:
-            if type(request) is Unparsable:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             deadline = None if stream.timer is None else time.monotonic() + stream.timer.when() - self._loop.time()
-            response = await route.behaviour(request, CallContext(deadline))
-            payload = response.SerializeToString()
-        except _Abort as exc:
-            self._respond_error(stream, exc.code, exc.message)
+            response = await route.handler(request, Call(deadline))
+            payload = response if type(response) is bytes else response.SerializeToString()
         except SluiceError as exc:
             self._respond_error(stream, grpc_code(exc), exc.message)
         except asyncio.CancelledError:
@@ -1036,7 +999,7 @@ class GrpcConnection(asyncio.Protocol):
             self._respond_error(stream, grpc.StatusCode.INTERNAL, "internal server error (see server log)")
         else:
             if len(payload) > self._max_message:
-                self._respond_error(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, self._too_large(payload))
+                self._too_large(stream, len(payload))
             else:
                 self._respond(stream, payload)
         finally:
@@ -1058,14 +1021,14 @@ class GrpcConnection(asyncio.Protocol):
 
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            replies = self._server.service.ModelStreamInfer(requests(), CallContext(deadline))
+            replies = self._server.service.model_stream_infer(requests(), Call(deadline))
             async with contextlib.aclosing(replies):
                 async for reply in replies:
                     if stream.finished:
                         return
                     payload = reply.SerializeToString()
                     if len(payload) > self._max_message:  # as grpcio: the call ends
-                        self._respond_error(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, self._too_large(payload))
+                        self._too_large(stream, len(payload))
                         return
                     self._send_message(stream, payload)
             self._finish(stream, TRAILERS_OK)
@@ -1276,33 +1239,17 @@ class GrpcServer(Listener):
         super().__init__(loop)
         self.dataplane = dataplane
         self.limits = limits
-        self.service = InferenceService(dataplane, limits)
-        self.routes = self._routes(self.service)
-        self.infer_decoder = InferDecoder(limits)
+        self.service = Service(dataplane, limits)
+        self.routes = {
+            f"/{grpc_service.SERVICE.full_name}/{name}".encode(): _Route(method)
+            for name, method in self.service.methods.items()
+        }
 
     def make_connection(self) -> GrpcConnection:
         return GrpcConnection(self)
 
     def on_stop(self, connection: GrpcConnection) -> None:  # type: ignore[override]
         connection.goaway()  # no new streams; the open calls go on
-
-    @staticmethod
-    def _routes(service: InferenceService) -> dict[bytes, _Route]:
-        routes = {}
-        for method in _SERVICE.methods:
-            path = f"/{_SERVICE.full_name}/{method.name}".encode()
-            parse: Callable[[bytes], Any] = lenient_parser(getattr(pb, method.input_type.name))
-            behaviour = getattr(service, method.name)
-            if method.name == "ModelInfer":
-                kind = _INFER
-            elif method.name == "ModelStreamInfer":
-                kind = _STREAM
-            elif method.client_streaming or method.server_streaming or not inspect.iscoroutinefunction(behaviour):
-                kind = _UNIMPLEMENTED
-            else:
-                kind = _UNARY
-            routes[path] = _Route(kind, method.name, behaviour, parse)
-        return routes
 
     def parse_head(self, headers: list[tuple[bytes, bytes]]) -> _Head:
         """Check a decoded request header list and resolve its route (pure; the result is cached)."""
@@ -1345,8 +1292,10 @@ class GrpcServer(Listener):
             shown = "none" if content_type is None else repr(content_type.decode(errors="replace"))
             return _Head(reject=("http", 415, f"content-type must be application/grpc, got {shown}"))
         route = self.routes.get(path)
-        if route is None or route.kind == _UNIMPLEMENTED:
+        if route is None:
             return _grpc_reject(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path.decode(errors='replace')}")
+        if route.kind == _UNIMPLEMENTED:
+            return _grpc_reject(grpc.StatusCode.UNIMPLEMENTED, grpc_service.unimplemented_message(route.name))
         timeout = None
         if timeout_value is not None:
             timeout = parse_timeout(timeout_value)
