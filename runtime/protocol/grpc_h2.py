@@ -2,8 +2,8 @@
 
 Serves Triton's ``inference.GRPCInferenceService`` over cleartext HTTP/2 (RFC 9113) as described in
 gRPC's PROTOCOL-HTTP2.md. ``runtime/server.py`` starts ``GrpcServer`` when ``ServerSettings.grpc_server``
-is ``"h2"`` (the default); ``grpc.py`` keeps the ``grpc.aio`` front end as the fallback and supplies the
-servicer whose coroutines answer every method here except ``ModelInfer``.
+is ``"h2"`` (the default); ``grpc.py`` keeps the ``grpc.aio`` front end as the fallback. Both serve the
+method table of ``grpc_service``.
 
 Why not grpc.aio: it hands each call to the event loop through several layers and a task, ~730 us of
 CPU per call, and the batcher saw batches of ~1.5. Here ``ModelInfer`` goes from bytes to
@@ -12,18 +12,23 @@ distinct bytes (gRPC clients repeat them exactly), response header blocks encode
 every response finished in one loop iteration written to the socket at once.
 
 HTTP/2 done here: connection preface, SETTINGS both ways (theirs acknowledged and applied), PING
-answers, flow control both ways (a large window advertised and replenished as DATA is consumed; the
-peer's windows respected, response DATA held per stream until WINDOW_UPDATE), HEADERS + CONTINUATION,
-PADDED and PRIORITY flags, RST_STREAM (cancels the request), GOAWAY (sent with the last stream taken on
+answers, flow control both ways (a large window advertised and credited back as DATA is consumed: a
+unary call's message as it arrives, a ModelStreamInfer message when the call takes it; the peer's
+windows respected, response DATA held per stream until WINDOW_UPDATE), HEADERS + CONTINUATION, PADDED
+and PRIORITY flags, RST_STREAM (cancels the request), GOAWAY (sent with the last stream taken on
 shutdown and on connection errors, which carry RFC 9113's error codes), frame-size and header-list-size
 limits, unknown frame types ignored.
 
+Defences (docs/runtime.md): a peer that does not read pauses our reading (asyncio write flow control),
+so replies to its frames cannot pile up; client resets beyond the calls answered are a rapid-reset
+attack (GOAWAY ENHANCE_YOUR_CALM); the header-block cache is bounded in entries and bytes and holds no
+rejected block; responses over ``--max-grpc-message-bytes`` are RESOURCE_EXHAUSTED; keepalive PINGs on
+connections with calls open close half-open ones; idle connections are closed.
+
 Not done: TLS/ALPN (cleartext with prior knowledge only, which is what gRPC's insecure channels speak),
 the HTTP/1.1 Upgrade to h2c, server push, stream priorities (parsed, ignored), response compression
-(gzip/deflate requests are accepted), SETTINGS-ack timeouts, the two-step graceful GOAWAY, keepalive
-policing (PINGs are answered, never limited), idle-connection timeouts, and backpressure within one
-``ModelStreamInfer`` stream (its messages are read as fast as they arrive). Frames on streams that are
-already closed are ignored rather than treated as errors.
+(gzip/deflate requests are accepted), SETTINGS-ack timeouts, the two-step graceful GOAWAY. Frames on
+streams that are already closed are ignored rather than treated as errors.
 """
 
 from __future__ import annotations
