@@ -254,6 +254,7 @@ class _H2Error(Exception):
 class _Stream:
     __slots__ = (
         "conn",
+        "drained",
         "finished",
         "headers_sent",
         "held",
@@ -296,6 +297,7 @@ class _Stream:
         self.task: asyncio.Task | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.queue: asyncio.Queue | None = None
+        self.drained: asyncio.Future | None = None  # ModelStreamInfer waiting for its DATA to go out
 
     def done(self, outcome: InferResponse | SluiceError) -> None:
         """``DataPlane.infer_nowait`` callback."""
@@ -1036,6 +1038,11 @@ class GrpcConnection(asyncio.Protocol):
                         self._too_large(stream, len(payload))
                         return
                     self._send_message(stream, payload)
+                    if stream.pending:
+                        # the client's window is full: take no more answers (and so, through the call's
+                        # in-flight bound, no more requests) until it reads
+                        stream.drained = self._loop.create_future()
+                        await stream.drained
             self._finish(stream, TRAILERS_OK)
         except asyncio.CancelledError:
             return
@@ -1164,6 +1171,10 @@ class GrpcConnection(asyncio.Protocol):
             stream.send_window -= n
             self._send_window -= n
         self._blocked.pop(sid, None)
+        if stream.drained is not None:
+            drained, stream.drained = stream.drained, None
+            if not drained.done():
+                drained.set_result(None)
         trailers = stream.trailers
         if trailers is not None and not stream.finished:
             if trailers:

@@ -17,7 +17,7 @@ import hpack
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, PingFrame, RstStreamFrame
+from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, PingFrame, RstStreamFrame, WindowUpdateFrame
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
@@ -35,6 +35,7 @@ from .test_grpc_h2 import (  # type: ignore[import-not-found]
 )
 
 OK, RESOURCE_EXHAUSTED = 0, 8
+INITIAL_WINDOW_SIZE = 0x4
 NO_ERROR, CANCEL, ENHANCE_YOUR_CALM = 0x0, 0x8, 0xB
 
 
@@ -374,3 +375,45 @@ def test_a_stream_whose_requests_are_not_consumed_closes_its_window(tmp_path, se
     replies = [pb.ModelStreamInferResponse.FromString(m) for m in response.messages()]
     assert len(replies) == (sent + len(data) - 1) // len(data) + 1
     assert not any(r.error_message for r in replies)
+
+
+def test_a_stream_whose_answers_are_not_read_stops_taking_requests(tmp_path, serve, connect):
+    """The other direction: a client that keeps sending ModelStreamInfer requests but never opens its
+    own window for the answers. The answers wait (one beyond the window), the call stops taking
+    requests, and so the client's window closes too. Once it reads, everything completes."""
+    repo = tmp_path / "repo"
+    write_model(repo, "gated", GATED_CONFIG, {"model.py": GATED_PY})
+    (repo / "gated" / "1" / "open").touch()  # the model answers at once
+    server = serve(repo, scheduling=NO_SHEDDING)
+    client = connect(server.grpc, settings={INITIAL_WINDOW_SIZE: 100}, auto_window=False)
+    client.send(HeadersFrame(1, client.block(SERVICE + "ModelStreamInfer"), flags=["END_HEADERS"]))
+    message = pb.ModelInferRequest(model_name="gated")
+    message.inputs.add(name="INPUT0", datatype="FP32", shape=[32 * 1024])
+    message.raw_input_contents.append(np.ones(32 * 1024, np.float32).tobytes())
+    data = grpc_frame(message.SerializeToString())  # 128 KiB in, ~60 bytes out
+    client.stream_windows.setdefault(1, client.peer_initial)
+    cap = 96 << 20
+    sent = 0
+    view = memoryview(b"")
+    while sent < cap:
+        room = min(client.send_window, client.stream_windows[1], 16_384)
+        if room <= 0:
+            if client.read_frame(timeout=1.0) is None:
+                break
+            continue
+        if not view:
+            view = memoryview(data)
+        chunk, view = view[:room], view[room:]
+        client.send(DataFrame(1, bytes(chunk)))
+        client.send_window -= len(chunk)
+        client.stream_windows[1] -= len(chunk)
+        sent += len(chunk)
+    assert sent < cap, "the server took requests whose answers were never read"
+    client.auto_window = True
+    client.send(WindowUpdateFrame(0, 1 << 30), WindowUpdateFrame(1, 1 << 30))
+    if view:
+        client.send_data(1, bytes(view), end_stream=False)
+    client.send_data(1, data)
+    response = client.response(1, timeout=60)
+    assert response.status == OK, response.message
+    assert len(response.messages()) == (sent + len(data) - 1) // len(data) + 1
