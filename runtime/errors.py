@@ -1,7 +1,9 @@
 """Errors of the runtime and the one table that maps them to HTTP statuses and gRPC codes.
 
 Every error raised towards a client is a :class:`SluiceError` subclass; protocol adapters never
-invent statuses of their own, they read ``http_status`` and ``grpc_code`` here.
+invent statuses of their own: HTTP reads ``http_status`` here, gRPC maps the class to its code in
+``protocol/grpc_status.py`` (this layer does not import grpcio; the codes below are what that table
+says, a subclass without a row of its own answers like its base).
 
     SluiceError
     ├── InvalidArgument      400 / INVALID_ARGUMENT   the request is malformed or disagrees with the model
@@ -19,14 +21,11 @@ invent statuses of their own, they read ``http_status`` and ``grpc_code`` here.
 
 from __future__ import annotations
 
-import grpc
-
 
 class SluiceError(Exception):
     """Base of all client-facing errors; ``message`` is what the client reads."""
 
     http_status: int = 500
-    grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -35,27 +34,22 @@ class SluiceError(Exception):
 
 class InvalidArgument(SluiceError):
     http_status = 400
-    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class PayloadTooLarge(InvalidArgument):
     http_status = 413
-    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class Unsupported(InvalidArgument):
     http_status = 400
-    grpc_code = grpc.StatusCode.UNIMPLEMENTED
 
 
 class NotFound(SluiceError):
     http_status = 404
-    grpc_code = grpc.StatusCode.NOT_FOUND
 
 
 class Unavailable(SluiceError):
     http_status = 503
-    grpc_code = grpc.StatusCode.UNAVAILABLE
 
 
 class QueueFull(Unavailable):
@@ -68,12 +62,10 @@ class QueueTimeout(Unavailable):
 
 class Cancelled(SluiceError):
     http_status = 499
-    grpc_code = grpc.StatusCode.CANCELLED
 
 
 class ModelError(SluiceError):
     http_status = 500
-    grpc_code = grpc.StatusCode.INTERNAL
 
 
 class ConfigError(InvalidArgument):
@@ -102,7 +94,6 @@ class ConfigError(InvalidArgument):
 
 class Internal(SluiceError):
     http_status = 500
-    grpc_code = grpc.StatusCode.INTERNAL
 
 
 def unknown_model(name: str, version: str | None = None) -> NotFound:

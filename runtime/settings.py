@@ -54,6 +54,14 @@ class Limits:
             "decoded or encoded on a worker thread instead of the event loop; smaller JSON stays inline."
         },
     )
+    keepalive_interval_s: float = dataclasses.field(
+        default=60.0,
+        metadata={"help": "gRPC: a connection with calls open that sent nothing for this long is sent a PING."},
+    )
+    keepalive_timeout_s: float = dataclasses.field(
+        default=20.0,
+        metadata={"help": "gRPC: a keepalive PING not acknowledged within this long closes the connection."},
+    )
 
 
 @dataclasses.dataclass(frozen=True)

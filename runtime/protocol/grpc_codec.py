@@ -77,6 +77,13 @@ def decode_infer(message: pb.ModelInferRequest, limits: Limits) -> InferRequest:
     if not message.model_name:
         raise InvalidArgument("model_name is required")
     raw = message.raw_input_contents
+    if raw:
+        for tensor in message.inputs:
+            if tensor.HasField("contents"):  # Triton's check and wording, before the count check
+                raise InvalidArgument(
+                    f"contents field must not be specified when using raw_input_contents for '{tensor.name}' "
+                    f"for model '{message.model_name}'"
+                )
     if raw and len(raw) != len(message.inputs):
         raise InvalidArgument(
             f"raw_input_contents has {len(raw)} entries for {len(message.inputs)} inputs; give one per input"
@@ -112,8 +119,6 @@ def decode_infer(message: pb.ModelInferRequest, limits: Limits) -> InferRequest:
         if total > limits.max_elements:
             raise PayloadTooLarge(f"request holds more than {limits.max_elements} tensor elements (--max-elements)")
         if raw:
-            if tensor.HasField("contents"):
-                raise InvalidArgument(f"input '{name}': give its data in raw_input_contents or in contents, not both")
             data = memoryview(raw[index])
             if datatype == "BYTES":
                 array = bytes_elements(name, data, count).reshape(shape)

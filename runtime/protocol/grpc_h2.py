@@ -2,8 +2,8 @@
 
 Serves Triton's ``inference.GRPCInferenceService`` over cleartext HTTP/2 (RFC 9113) as described in
 gRPC's PROTOCOL-HTTP2.md. ``runtime/server.py`` starts ``GrpcServer`` when ``ServerSettings.grpc_server``
-is ``"h2"`` (the default); ``grpc.py`` keeps the ``grpc.aio`` front end as the fallback and supplies the
-servicer whose coroutines answer every method here except ``ModelInfer``.
+is ``"h2"`` (the default); ``grpc.py`` keeps the ``grpc.aio`` front end as the fallback. Both serve the
+method table of ``grpc_service``.
 
 Why not grpc.aio: it hands each call to the event loop through several layers and a task, ~730 us of
 CPU per call, and the batcher saw batches of ~1.5. Here ``ModelInfer`` goes from bytes to
@@ -12,43 +12,45 @@ distinct bytes (gRPC clients repeat them exactly), response header blocks encode
 every response finished in one loop iteration written to the socket at once.
 
 HTTP/2 done here: connection preface, SETTINGS both ways (theirs acknowledged and applied), PING
-answers, flow control both ways (a large window advertised and replenished as DATA is consumed; the
-peer's windows respected, response DATA held per stream until WINDOW_UPDATE), HEADERS + CONTINUATION,
-PADDED and PRIORITY flags, RST_STREAM (cancels the request), GOAWAY (sent with the last stream taken on
+answers, flow control both ways (a large window advertised and credited back as DATA is consumed: a
+unary call's message as it arrives, a ModelStreamInfer message when the call takes it; the peer's
+windows respected, response DATA held per stream until WINDOW_UPDATE), HEADERS + CONTINUATION, PADDED
+and PRIORITY flags, RST_STREAM (cancels the request), GOAWAY (sent with the last stream taken on
 shutdown and on connection errors, which carry RFC 9113's error codes), frame-size and header-list-size
 limits, unknown frame types ignored.
 
+Defences (docs/runtime.md): a peer that does not read pauses our reading (asyncio write flow control),
+so replies to its frames cannot pile up; client resets beyond the calls answered are a rapid-reset
+attack (GOAWAY ENHANCE_YOUR_CALM); the header-block cache is bounded in entries and bytes and holds no
+rejected block; responses over ``--max-grpc-message-bytes`` are RESOURCE_EXHAUSTED; keepalive PINGs on
+connections with calls open close half-open ones; idle connections are closed.
+
 Not done: TLS/ALPN (cleartext with prior knowledge only, which is what gRPC's insecure channels speak),
 the HTTP/1.1 Upgrade to h2c, server push, stream priorities (parsed, ignored), response compression
-(gzip/deflate requests are accepted), SETTINGS-ack timeouts, the two-step graceful GOAWAY, keepalive
-policing (PINGs are answered, never limited), idle-connection timeouts, and backpressure within one
-``ModelStreamInfer`` stream (its messages are read as fast as they arrive). Frames on streams that are
-already closed are ignored rather than treated as errors.
+(gzip/deflate requests are accepted), SETTINGS-ack timeouts, the two-step graceful GOAWAY. Frames on
+streams that are already closed are ignored rather than treated as errors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import struct
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from typing import Any, NoReturn
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import hpack
-from google.protobuf.message import DecodeError
-from tritonclient.grpc import service_pb2 as pb
 
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, SluiceError
-from sluice.runtime.protocol import grpc_codec
-from sluice.runtime.protocol.grpc import InferenceService, Unparsable, lenient_parser
-from sluice.runtime.protocol.grpc_plan import InferDecoder
+from sluice.runtime.protocol import grpc_service
+from sluice.runtime.protocol.grpc_service import Call, Method, Service
+from sluice.runtime.protocol.grpc_status import grpc_code
 from sluice.runtime.protocol.listener import Listener
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import InferRequest, InferResponse
@@ -96,14 +98,23 @@ MAX_CONCURRENT_STREAMS = 1024
 """Open streams per connection; more are refused with RST_STREAM(REFUSED_STREAM)."""
 MAX_GRPC_MESSAGE_IN_ERRORS = 4096
 """Longest grpc-message we send, so error trailers stay within clients' metadata limits."""
+CONTROL_REPLIES_PER_WRITE = 256
+"""Frames collected from one read before they are written (and flow control can pause reading)."""
+KEEPALIVE_PING = b"sluiceka"
+"""Payload of our keepalive PINGs, to tell their ACKs from those of other PINGs."""
+RESET_LIMIT = 1024
+"""Client resets of open streams a connection may have beyond the streams it let us finish; one
+more is a rapid-reset attack (CVE-2023-44487): reset streams leave the concurrency cap at once, so
+they bound nothing. Answered with GOAWAY(ENHANCE_YOUR_CALM)."""
 HEAD_CACHE_SIZE = 512
-"""Distinct request header blocks remembered per connection."""
+"""Distinct request header blocks remembered per connection..."""
+HEAD_CACHE_BYTES = 256 << 10
+"""...and their total size; blocks that were rejected are never remembered."""
 
 _FRAME = struct.Struct(">BHBBL")  # length (24 bits as 8 + 16), type, flags, stream id
 _PREFIX = struct.Struct(">BL")  # gRPC message prefix: compressed flag, length
 _U32 = struct.Struct(">L")
 _SETTING = struct.Struct(">HL")
-_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 _CONNECTION_SPECIFIC = frozenset((b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"))
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
 _ENCODINGS = {b"gzip": 31, b"deflate": 15}  # zlib wbits
@@ -174,16 +185,24 @@ _TRAILER = struct.Struct(f">BHBBL{len(TRAILERS_OK)}s")
 # -- request heads ---------------------------------------------------------------------------------
 
 _INFER, _UNARY, _STREAM, _UNIMPLEMENTED = range(4)
+_KINDS = {
+    grpc_service.INFER: _INFER,
+    grpc_service.UNARY: _UNARY,
+    grpc_service.STREAM: _STREAM,
+    grpc_service.UNIMPLEMENTED: _UNIMPLEMENTED,
+}
 
 
 class _Route:
-    __slots__ = ("behaviour", "kind", "name", "parse")
+    """A row of grpc_service's method table, with its kind as a small int for the hot path."""
 
-    def __init__(self, kind: int, name: str, behaviour: Any = None, parse: Any = None) -> None:
-        self.kind = kind
-        self.name = name
-        self.behaviour = behaviour
-        self.parse = parse
+    __slots__ = ("handler", "kind", "name", "parse")
+
+    def __init__(self, method: Method) -> None:
+        self.kind = _KINDS[method.kind]
+        self.name = method.name
+        self.handler = method.handler
+        self.parse = method.parse
 
 
 class _Head:
@@ -220,31 +239,6 @@ def parse_timeout(value: bytes) -> float | None:
     return int(digits) * _TIMEOUT_UNITS[unit]
 
 
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class CallContext:
-    """The part of ``grpc.aio.ServicerContext`` that ``InferenceService``'s coroutines use."""
-
-    __slots__ = ("_deadline",)
-
-    def __init__(self, deadline: float | None) -> None:
-        self._deadline = deadline
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> NoReturn:
-        raise _Abort(code, details)
-
-    def invocation_metadata(self) -> tuple:
-        return ()
-
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-
-
 class _H2Error(Exception):
     """A connection error: answered with GOAWAY(code) and the connection closed."""
 
@@ -260,9 +254,12 @@ class _H2Error(Exception):
 class _Stream:
     __slots__ = (
         "conn",
+        "drained",
         "finished",
         "headers_sent",
+        "held",
         "message",
+        "owed",
         "pending",
         "queue",
         "rbuf",
@@ -275,6 +272,7 @@ class _Stream:
         "task",
         "timer",
         "trailers",
+        "unacked",
         "wbits",
     )
 
@@ -284,6 +282,9 @@ class _Stream:
         self.route = route
         self.send_window = send_window
         self.recv_window = STREAM_WINDOW
+        self.unacked = 0  # bytes consumed, not yet given back with a WINDOW_UPDATE
+        self.held = 0  # ModelStreamInfer: bytes received since the last message was queued
+        self.owed = 0  # ModelStreamInfer: bytes received, not yet consumed (held + queued messages)
         self.wbits = wbits
         self.remote_closed = False
         self.finished = False  # answered, reset or abandoned: nothing more is sent
@@ -296,6 +297,7 @@ class _Stream:
         self.task: asyncio.Task | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.queue: asyncio.Queue | None = None
+        self.drained: asyncio.Future | None = None  # ModelStreamInfer waiting for its DATA to go out
 
     def done(self, outcome: InferResponse | SluiceError) -> None:
         """``DataPlane.infer_nowait`` callback."""
@@ -311,6 +313,10 @@ class GrpcConnection(asyncio.Protocol):
         self._max_message = server.limits.max_grpc_message_bytes
         self._loop = server.loop
         self._routes = server.routes
+        service = server.service
+        self._decode_infer = service.decoder.decode
+        self._submit = service.submit
+        self._encode_infer = service.encode_infer
         self._transport: asyncio.Transport | None = None
         self._closed = False
         self._buf = b""
@@ -327,6 +333,7 @@ class GrpcConnection(asyncio.Protocol):
         self._continuation: tuple[int, list[bytes], int, bool] | None = None
         self._decoder = hpack.Decoder(max_header_list_size=4 * server.limits.max_header_bytes + 65_536)
         self._heads: dict[bytes, _Head] = {}
+        self._heads_bytes = 0
         self._table_reset_pending = False
         # Flow control.
         self._send_window = DEFAULT_WINDOW
@@ -334,6 +341,9 @@ class GrpcConnection(asyncio.Protocol):
         self._peer_max_frame = MAX_FRAME_SIZE
         self._recv_window = CONNECTION_WINDOW
         self._recv_consumed = 0
+        self._write_paused = False
+        self._reset_debt = 0  # client resets of open streams, less the streams answered since
+        self._keepalive_sent: float | None = None  # loop time of our unacknowledged keepalive PING
         self.last_activity = self._loop.time()
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
@@ -369,6 +379,20 @@ class GrpcConnection(asyncio.Protocol):
             self._abandon(stream)
         self._streams.clear()
         self._blocked.clear()
+
+    def pause_writing(self) -> None:
+        # The peer is not reading what we send (PING/SETTINGS acks, RST_STREAMs, answers): read no
+        # more of its frames until it catches up, so replies to them cannot pile up here.
+        self._write_paused = True
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._transport is not None and not self._closed:
+            self._transport.resume_reading()
+            if self._buf:
+                self.data_received(b"")  # frames left unread when the pause came
 
     def data_received(self, data: bytes) -> None:
         if self._closed:
@@ -407,6 +431,13 @@ class GrpcConnection(asyncio.Protocol):
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
+
+    def _control(self, data: bytes) -> None:
+        """A reply to a control frame. A read full of them (a PING flood) is written out as it goes, so
+        that a peer that does not read pauses us (``pause_writing``) within a bounded number of replies."""
+        self._emit(data)
+        if len(self._out) >= CONTROL_REPLIES_PER_WRITE:
+            self._flush()
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -469,10 +500,22 @@ class GrpcConnection(asyncio.Protocol):
 
     def expire(self, now: float) -> None:
         """Sweeper hook: a connection with no call open and nothing received for
-        ``--idle-timeout-s`` is told GOAWAY and closed, so idle clients cannot hold slots."""
-        if not self._streams and now - self.last_activity > self._limits.idle_timeout_s:
-            self.goaway()
-            self.close()
+        ``--idle-timeout-s`` is told GOAWAY and closed, so idle clients cannot hold slots. One with
+        calls open that received nothing for ``--keepalive-interval-s`` is sent a PING, and closed
+        if that is not acknowledged within ``--keepalive-timeout-s`` (a half-open connection, or a
+        peer that stopped reading), which cancels its calls."""
+        limits = self._limits
+        if not self._streams:
+            self._keepalive_sent = None
+            if now - self.last_activity > limits.idle_timeout_s:
+                self.goaway()
+                self.close()
+        elif self._keepalive_sent is not None:
+            if now - self._keepalive_sent > limits.keepalive_timeout_s:
+                self._fail(NO_ERROR, "keepalive PING not acknowledged in time (--keepalive-timeout-s)")
+        elif now - self.last_activity > limits.keepalive_interval_s and not self._closed:
+            self._keepalive_sent = now
+            self._control(frame(PING, 0, 0, KEEPALIVE_PING))
 
     # -- frames ----------------------------------------------------------------------------------
     def _frames(self, data: bytes) -> int:
@@ -510,7 +553,9 @@ class GrpcConnection(asyncio.Protocol):
                 if length != 8:
                     raise _H2Error(FRAME_SIZE_ERROR, "PING payload must be 8 bytes")
                 if not flags & ACK:
-                    self._emit(frame(PING, ACK, 0, data[start:stop]))
+                    self._control(frame(PING, ACK, 0, data[start:stop]))
+                elif data[start:stop] == KEEPALIVE_PING:
+                    self._keepalive_sent = None
             elif ftype == CONTINUATION:
                 self._on_continuation(data, start, stop, flags, sid)
             elif ftype == PRIORITY:
@@ -527,8 +572,8 @@ class GrpcConnection(asyncio.Protocol):
             elif ftype == PUSH_PROMISE:
                 raise _H2Error(PROTOCOL_ERROR, "clients must not send PUSH_PROMISE")
             # Unknown frame types are ignored (RFC 9113 §4.1).
-            if self._closed:
-                break
+            if self._closed or self._write_paused:
+                break  # paused: the rest of this read waits in _buf for resume_writing
         return pos
 
     def _on_settings(self, data: bytes, start: int, stop: int, flags: int, sid: int) -> None:
@@ -571,7 +616,7 @@ class GrpcConnection(asyncio.Protocol):
                 # Our encoder uses no dynamic table; say so once, as the peer's decoder may expect
                 # a size update at the start of our next header block.
                 self._table_reset_pending = True
-        self._emit(frame(SETTINGS, ACK, 0))
+        self._control(frame(SETTINGS, ACK, 0))
         if opened:
             for stream in list(self._streams.values()):
                 if stream.pending:
@@ -617,22 +662,21 @@ class GrpcConnection(asyncio.Protocol):
                 raise _H2Error(PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
             return
         self._abandon(stream)
+        self._reset_debt += 1
+        if self._reset_debt > RESET_LIMIT:
+            raise _H2Error(ENHANCE_YOUR_CALM, "too many streams reset by the client (rapid reset)")
         self._after_stream_closed()
 
     def _on_data(self, data: bytes, start: int, stop: int, flags: int, sid: int) -> None:
         if not sid:
             raise _H2Error(PROTOCOL_ERROR, "DATA on stream 0")
         length = stop - start
-        # Connection-level flow control counts the whole payload, padding included; all of it is
-        # consumed at once (buffered in the stream or dropped), so it is credited back right away.
+        # Flow control counts the whole payload, padding included. Credit goes back as it is consumed
+        # (_consumed): at once for what is dropped and for the one message of a unary call (bounded
+        # by --max-grpc-message-bytes), when the handler takes it for a ModelStreamInfer message.
         self._recv_window -= length
         if self._recv_window < 0:
             raise _H2Error(FLOW_CONTROL_ERROR, "DATA beyond the connection window")
-        self._recv_consumed += length
-        if self._recv_consumed >= CONNECTION_WINDOW // 2:
-            self._emit(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv_consumed)))
-            self._recv_window += self._recv_consumed
-            self._recv_consumed = 0
         if flags & PADDED:
             if not length:
                 raise _H2Error(FRAME_SIZE_ERROR, "PADDED DATA without a pad length")
@@ -645,26 +689,78 @@ class GrpcConnection(asyncio.Protocol):
         if stream is None:
             if sid > self._last_sid:
                 raise _H2Error(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
+            self._credit(length)
             return  # a stream we answered or reset: its late DATA is dropped
         if stream.remote_closed:
+            self._credit(length)
             self._reset(stream, STREAM_CLOSED)
             return
         stream.recv_window -= length
         if stream.recv_window < 0:
+            self._credit(length)
             self._reset(stream, FLOW_CONTROL_ERROR)
             return
         end_stream = flags & END_STREAM
-        if not end_stream and stream.recv_window <= STREAM_WINDOW // 2:
-            self._emit(frame(WINDOW_UPDATE, 0, sid, _U32.pack(STREAM_WINDOW - stream.recv_window)))
-            stream.recv_window = STREAM_WINDOW
         # Input matters only until the answer is decided (trailers set, e.g. a 415 waiting for window).
         answering = not stream.finished and stream.trailers is None
-        if stop > start and answering:
-            self._feed(stream, data, start, stop)
+        queue = stream.queue
+        if queue is not None and answering:
+            stream.held += length
+            stream.owed += length
+            if stop > start:
+                self._feed(stream, data, start, stop)
+            if stream.held and queue.empty():  # the handler waits for this message: it needs the bytes
+                self._take_held(stream)
+        else:
+            if end_stream:
+                self._credit(length)  # the stream needs no more window
+            else:
+                self._consumed(stream, length)
+            if stop > start and answering:
+                self._feed(stream, data, start, stop)
         if end_stream:
             stream.remote_closed = True
             if answering and not stream.finished:
                 self._end_of_input(stream)
+
+    def _credit(self, n: int) -> None:
+        """``n`` bytes of the connection window were consumed: give them back, in large updates."""
+        self._recv_consumed += n
+        if self._recv_consumed >= CONNECTION_WINDOW // 2:
+            self._emit(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv_consumed)))
+            self._recv_window += self._recv_consumed
+            self._recv_consumed = 0
+
+    def _consumed(self, stream: _Stream, n: int) -> None:
+        """``n`` bytes of ``stream``'s DATA were consumed: credit the connection and the stream."""
+        self._credit(n)
+        if stream.remote_closed or stream.finished:
+            return
+        stream.unacked += n
+        if stream.unacked >= STREAM_WINDOW // 2:
+            self._emit(frame(WINDOW_UPDATE, 0, stream.sid, _U32.pack(stream.unacked)))
+            stream.recv_window += stream.unacked
+            stream.unacked = 0
+
+    def _take_held(self, stream: _Stream) -> None:
+        held, stream.held = stream.held, 0
+        stream.owed -= held
+        self._consumed(stream, held)
+
+    def taken(self, stream: _Stream, n: int) -> None:
+        """The ModelStreamInfer handler took a message that arrived in ``n`` bytes of DATA."""
+        if stream.finished:
+            return  # what it owed went back when it closed
+        stream.owed -= n
+        self._consumed(stream, n)
+        if stream.held and stream.queue is not None and stream.queue.empty():
+            self._take_held(stream)
+
+    def _release(self, stream: _Stream) -> None:
+        """A closed stream's unconsumed bytes go back to the connection window."""
+        if stream.owed:
+            self._credit(stream.owed)
+            stream.owed = stream.held = 0
 
     def _on_headers(self, data: bytes, start: int, stop: int, flags: int, sid: int) -> None:
         if not sid:
@@ -723,7 +819,7 @@ class GrpcConnection(asyncio.Protocol):
         if (self._goaway_sid is not None and sid > self._goaway_sid) or self._peer_goaway:
             return  # after GOAWAY: not taken; the client retries it elsewhere
         if len(self._streams) >= MAX_CONCURRENT_STREAMS:
-            self._emit(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
+            self._control(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
             return
         stream = _Stream(self, sid, head.route, self._peer_initial_window, head.encoding)
         self._streams[sid] = stream
@@ -759,11 +855,17 @@ class GrpcConnection(asyncio.Protocol):
         # Identical bytes decode to identical headers only while the dynamic table is unchanged: a
         # block that changed it is not cached, and the blocks cached so far may now mean otherwise.
         if len(entries) == count and (entries[0] if entries else None) is first and table.maxsize == maxsize:
-            if len(self._heads) >= HEAD_CACHE_SIZE:
-                self._heads.clear()
-            self._heads[block] = head
+            if head.reject is None:
+                size = len(block)
+                if len(self._heads) >= HEAD_CACHE_SIZE or self._heads_bytes + size > HEAD_CACHE_BYTES:
+                    self._heads.clear()
+                    self._heads_bytes = 0
+                if size <= HEAD_CACHE_BYTES:
+                    self._heads[block] = head
+                    self._heads_bytes += size
         else:
             self._heads.clear()
+            self._heads_bytes = 0
         return head
 
     # -- gRPC messages ---------------------------------------------------------------------------
@@ -799,13 +901,14 @@ class GrpcConnection(asyncio.Protocol):
             try:
                 message = self._inflate(stream, message)
             except SluiceError as exc:
-                self._respond_error(stream, exc.grpc_code, exc.message)
+                self._respond_error(stream, grpc_code(exc), exc.message)
                 return
         route = stream.route
         assert route is not None
         if route.kind == _STREAM:
             assert stream.queue is not None
-            stream.queue.put_nowait(route.parse(message))
+            stream.queue.put_nowait((route.parse(message), stream.held))
+            stream.held = 0
         elif stream.message is None:
             stream.message = message
         else:
@@ -855,23 +958,13 @@ class GrpcConnection(asyncio.Protocol):
 
     # -- ModelInfer: callbacks, no task ------------------------------------------------------------
     def _infer(self, stream: _Stream, message: bytes) -> None:
-        server = self._server
         try:
-            try:
-                request = server.infer_decoder.decode(message)
-            except DecodeError as exc:
-                self._respond_error(
-                    stream,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"request is not a valid protobuf inference.ModelInferRequest message ({len(message)} bytes): "
-                    f"{exc}",
-                )
-                return
+            request = self._decode_infer(message)
             stream.request = request
-            server.dataplane.infer_nowait(request, stream.done)
+            self._submit(request, stream.done)
         except SluiceError as exc:
             stream.request = None
-            self._respond_error(stream, exc.grpc_code, exc.message)
+            self._respond_error(stream, grpc_code(exc), exc.message)
         except Exception:
             log.exception("unhandled error in ModelInfer")
             self._respond_error(stream, grpc.StatusCode.INTERNAL, "internal server error (see server log)")
@@ -881,12 +974,12 @@ class GrpcConnection(asyncio.Protocol):
             return
         stream.request = None
         if isinstance(outcome, SluiceError):
-            self._respond_error(stream, outcome.grpc_code, outcome.message)
+            self._respond_error(stream, grpc_code(outcome), outcome.message)
             return
         try:
-            payload = grpc_codec.encode_infer(outcome).SerializeToString()
+            payload = self._encode_infer(outcome)  # raises PayloadTooLarge over --max-grpc-message-bytes
         except SluiceError as exc:
-            self._respond_error(stream, exc.grpc_code, exc.message)
+            self._respond_error(stream, grpc_code(exc), exc.message)
             return
         except Exception:
             log.exception("unhandled error encoding a ModelInfer response")
@@ -894,19 +987,18 @@ class GrpcConnection(asyncio.Protocol):
             return
         self._respond(stream, payload)
 
-    # -- other methods: InferenceService coroutines on tasks --------------------------------------
+    def _too_large(self, stream: _Stream, size: int) -> None:
+        self._respond_error(stream, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc_service.too_large(size, self._max_message))
+
+    # -- other methods: grpc_service handlers on tasks --------------------------------------------
     async def _run_unary(self, stream: _Stream, route: _Route, message: bytes) -> None:
-        request = route.parse(message)
+        request = message if route.parse is None else route.parse(message)
         try:
-            if type(request) is Unparsable:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             deadline = None if stream.timer is None else time.monotonic() + stream.timer.when() - self._loop.time()
-            response = await route.behaviour(request, CallContext(deadline))
-            payload = response.SerializeToString()
-        except _Abort as exc:
-            self._respond_error(stream, exc.code, exc.message)
+            response = await route.handler(request, Call(deadline))
+            payload = response if type(response) is bytes else response.SerializeToString()
         except SluiceError as exc:
-            self._respond_error(stream, exc.grpc_code, exc.message)
+            self._respond_error(stream, grpc_code(exc), exc.message)
         except asyncio.CancelledError:
             return  # the stream was reset, timed out or its connection lost
         except Exception:
@@ -914,12 +1006,7 @@ class GrpcConnection(asyncio.Protocol):
             self._respond_error(stream, grpc.StatusCode.INTERNAL, "internal server error (see server log)")
         else:
             if len(payload) > self._max_message:
-                self._respond_error(
-                    stream,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"response is {len(payload)} bytes, larger than max "
-                    f"({self._max_message}; --max-grpc-message-bytes)",
-                )
+                self._too_large(stream, len(payload))
             else:
                 self._respond(stream, payload)
         finally:
@@ -935,17 +1022,27 @@ class GrpcConnection(asyncio.Protocol):
                 item = await queue.get()
                 if item is None:
                     return
-                yield item
+                message, size = item
+                self.taken(stream, size)  # its window goes back only now
+                yield message
 
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            replies = self._server.service.ModelStreamInfer(requests(), CallContext(deadline))
+            replies = self._server.service.model_stream_infer(requests(), Call(deadline))
             async with contextlib.aclosing(replies):
                 async for reply in replies:
                     if stream.finished:
                         return
                     payload = reply.SerializeToString()
+                    if len(payload) > self._max_message:  # as grpcio: the call ends
+                        self._too_large(stream, len(payload))
+                        return
                     self._send_message(stream, payload)
+                    if stream.pending:
+                        # the client's window is full: take no more answers (and so, through the call's
+                        # in-flight bound, no more requests) until it reads
+                        stream.drained = self._loop.create_future()
+                        await stream.drained
             self._finish(stream, TRAILERS_OK)
         except asyncio.CancelledError:
             return
@@ -1074,6 +1171,10 @@ class GrpcConnection(asyncio.Protocol):
             stream.send_window -= n
             self._send_window -= n
         self._blocked.pop(sid, None)
+        if stream.drained is not None:
+            drained, stream.drained = stream.drained, None
+            if not drained.done():
+                drained.set_result(None)
         trailers = stream.trailers
         if trailers is not None and not stream.finished:
             if trailers:
@@ -1085,6 +1186,10 @@ class GrpcConnection(asyncio.Protocol):
     def _close_local(self, stream: _Stream) -> None:
         """Our side of the stream is done: forget it (and ask the client to stop if it still sends)."""
         stream.finished = True
+        if self._reset_debt:
+            self._reset_debt -= 1  # an answered call pays for one reset
+        if stream.owed:
+            self._release(stream)
         if stream.timer is not None:
             stream.timer.cancel()
             stream.timer = None
@@ -1117,6 +1222,8 @@ class GrpcConnection(asyncio.Protocol):
     def _abandon(self, stream: _Stream) -> None:
         """The client is gone from this stream: cancel its work, send nothing more."""
         stream.finished = True
+        if stream.owed:
+            self._release(stream)
         if stream.timer is not None:
             stream.timer.cancel()
             stream.timer = None
@@ -1148,33 +1255,17 @@ class GrpcServer(Listener):
         super().__init__(loop)
         self.dataplane = dataplane
         self.limits = limits
-        self.service = InferenceService(dataplane, limits)
-        self.routes = self._routes(self.service)
-        self.infer_decoder = InferDecoder(limits)
+        self.service = Service(dataplane, limits)
+        self.routes = {
+            f"/{grpc_service.SERVICE.full_name}/{name}".encode(): _Route(method)
+            for name, method in self.service.methods.items()
+        }
 
     def make_connection(self) -> GrpcConnection:
         return GrpcConnection(self)
 
     def on_stop(self, connection: GrpcConnection) -> None:  # type: ignore[override]
         connection.goaway()  # no new streams; the open calls go on
-
-    @staticmethod
-    def _routes(service: InferenceService) -> dict[bytes, _Route]:
-        routes = {}
-        for method in _SERVICE.methods:
-            path = f"/{_SERVICE.full_name}/{method.name}".encode()
-            parse: Callable[[bytes], Any] = lenient_parser(getattr(pb, method.input_type.name))
-            behaviour = getattr(service, method.name)
-            if method.name == "ModelInfer":
-                kind = _INFER
-            elif method.name == "ModelStreamInfer":
-                kind = _STREAM
-            elif method.client_streaming or method.server_streaming or not inspect.iscoroutinefunction(behaviour):
-                kind = _UNIMPLEMENTED
-            else:
-                kind = _UNARY
-            routes[path] = _Route(kind, method.name, behaviour, parse)
-        return routes
 
     def parse_head(self, headers: list[tuple[bytes, bytes]]) -> _Head:
         """Check a decoded request header list and resolve its route (pure; the result is cached)."""
@@ -1217,8 +1308,10 @@ class GrpcServer(Listener):
             shown = "none" if content_type is None else repr(content_type.decode(errors="replace"))
             return _Head(reject=("http", 415, f"content-type must be application/grpc, got {shown}"))
         route = self.routes.get(path)
-        if route is None or route.kind == _UNIMPLEMENTED:
+        if route is None:
             return _grpc_reject(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path.decode(errors='replace')}")
+        if route.kind == _UNIMPLEMENTED:
+            return _grpc_reject(grpc.StatusCode.UNIMPLEMENTED, grpc_service.unimplemented_message(route.name))
         timeout = None
         if timeout_value is not None:
             timeout = parse_timeout(timeout_value)

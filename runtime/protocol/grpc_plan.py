@@ -15,8 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
+from sluice.runtime.errors import InvalidArgument
 from sluice.runtime.protocol import grpc_codec
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import ELEMENT_SIZE, WIRE_DTYPE, InferRequest, RequestedOutput, Tensor
@@ -92,7 +94,7 @@ class InferDecoder:
         self._plans: dict[bytes, _Plan] = {}
 
     def decode(self, message: bytes) -> InferRequest:
-        """Raises google.protobuf DecodeError for unparsable bytes, SluiceError for bad requests."""
+        """Raises SluiceError for bad requests, unparsable bytes included (InvalidArgument)."""
         layout = split_raw(message)
         if layout is not None:
             raw_start, spans = layout
@@ -108,7 +110,13 @@ class InferDecoder:
                     inputs.append(Tensor(name, datatype, array, dict(params) if params else {}))
                 else:
                     return self._request(plan, inputs)
-        request = grpc_codec.decode_infer(pb.ModelInferRequest.FromString(message), self._limits)
+        try:
+            parsed = pb.ModelInferRequest.FromString(message)
+        except DecodeError as exc:
+            raise InvalidArgument(
+                f"request is not a valid protobuf inference.ModelInferRequest message ({len(message)} bytes): {exc}"
+            ) from None
+        request = grpc_codec.decode_infer(parsed, self._limits)
         if layout is not None and all(t.datatype != "BYTES" for t in request.inputs):
             planned = _Plan(request)
             if [size for _, _, _, size, _ in planned.inputs] == [stop - start for start, stop in layout[1]]:

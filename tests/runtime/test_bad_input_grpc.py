@@ -130,7 +130,14 @@ CASES = [
         "raw-and-typed-contents",
         edit(lambda m: m.inputs[0].contents.fp32_contents.extend([1.0] * 16)),
         INVALID,
-        ("INPUT0", "not both"),
+        ("contents field must not be specified when using raw_input_contents for 'INPUT0' for model 'add_sub'",),
+    ),
+    Case(
+        # Triton's case: one input typed, the other raw (so the raw entries are one short as well)
+        "raw-and-typed-contents-on-another-input",
+        edit(lambda m: (m.raw_input_contents.pop(), m.inputs[1].contents.fp32_contents.extend([1.0] * 16))),
+        INVALID,
+        ("contents field must not be specified when using raw_input_contents for 'INPUT1' for model 'add_sub'",),
     ),
     Case(
         "typed-count-mismatch",

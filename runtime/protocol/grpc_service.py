@@ -1,0 +1,265 @@
+"""Triton's ``inference.GRPCInferenceService``, once, for both gRPC front ends.
+
+A method table maps each method name to a handler that takes the parsed request message (or an
+async iterator of them, for ``ModelStreamInfer``) and a small :class:`Call`, and returns the response
+message (or yields them), raising :class:`SluiceError` for anything a client should hear about.
+The front ends only move bytes and map errors to statuses (``grpc_status``): ``grpc.py`` adapts the
+table to ``grpc.aio``, ``grpc_h2.py`` serves it on its own HTTP/2 server.
+
+``ModelInfer`` is also offered in pieces for ``grpc_h2``'s callback path (no task, no await per
+call): :meth:`Service.decode_infer` (request bytes -> ``InferRequest``, through the plan cache of
+``grpc_plan``), ``Service.submit`` (``DataPlane.infer_nowait``) and :meth:`Service.encode_infer`
+(response -> bytes, with the size limit). :meth:`Service.model_infer` is the same three in one
+coroutine, for grpc.aio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from tritonclient.grpc import service_pb2 as pb
+
+from sluice.runtime.dataplane import DataPlane
+from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, SluiceError, Unsupported
+from sluice.runtime.protocol import grpc_codec
+from sluice.runtime.protocol.grpc_plan import InferDecoder
+from sluice.runtime.settings import Limits
+from sluice.runtime.types import InferRequest, InferResponse
+
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+
+STREAM_IN_FLIGHT = 64
+"""ModelStreamInfer requests of one stream in flight (running, or answered and not yet sent); the next
+message is read only when one finishes, so a stream the model cannot keep up with pushes back on
+its client (HTTP/2 flow control) instead of queueing without bound."""
+
+UNARY, STREAM, INFER, UNIMPLEMENTED = "unary", "stream", "infer", "unimplemented"
+
+
+class Call:
+    """What a handler may know of its call besides the request."""
+
+    __slots__ = ("deadline",)
+
+    def __init__(self, deadline: float | None = None) -> None:
+        self.deadline = deadline  # time.monotonic() value, or None
+
+
+class Unparsable:
+    """Stands in for a request whose bytes are not a valid protobuf message, so that handlers (not the
+    transport) answer it: INVALID_ARGUMENT, or an error message on a stream."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def lenient_parser(message_type: Any) -> Callable[[bytes], Any]:
+    parse = message_type.FromString
+    full_name = message_type.DESCRIPTOR.full_name
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as exc:
+            return Unparsable(f"request is not a valid protobuf {full_name} message ({len(data)} bytes): {exc}")
+
+    return deserialize
+
+
+class Method:
+    """One row of the table. ``parse`` turns request bytes into what ``handler`` takes (None: the
+    handler takes bytes); responses are serialized with ``SerializeToString`` unless they are bytes."""
+
+    __slots__ = ("handler", "kind", "name", "parse")
+
+    def __init__(self, name: str, kind: str, handler: Callable[..., Any], parse: Callable[[bytes], Any] | None) -> None:
+        self.name = name
+        self.kind = kind
+        self.handler = handler
+        self.parse = parse
+
+
+def _checked(handler: Callable[[Any, Call], Awaitable[Any]]) -> Callable[[Any, Call], Awaitable[Any]]:
+    async def handle(request: Any, call: Call) -> Any:
+        if type(request) is Unparsable:
+            raise InvalidArgument(request.message)
+        return await handler(request, call)
+
+    return handle
+
+
+class Service:
+    def __init__(self, dataplane: DataPlane, limits: Limits) -> None:
+        self.dp = dataplane
+        self.limits = limits
+        self.max_message = limits.max_grpc_message_bytes
+        self.decoder = InferDecoder(limits)
+        self.submit: Callable[[InferRequest, Callable[[InferResponse | SluiceError], None]], None] = (
+            dataplane.infer_nowait
+        )
+        self.methods: dict[str, Method] = {}
+        for method in SERVICE.methods:
+            parse = lenient_parser(getattr(pb, method.input_type.name))
+            handler = getattr(self, _HANDLERS.get(method.name, ""), None)
+            if method.name == "ModelInfer":
+                row = Method(method.name, INFER, self.model_infer, None)
+            elif method.name == "ModelStreamInfer":
+                row = Method(method.name, STREAM, self.model_stream_infer, parse)
+            elif handler is None:
+                row = Method(method.name, UNIMPLEMENTED, self._unimplemented(method.name), None)
+            else:
+                row = Method(method.name, UNARY, _checked(handler), parse)
+            self.methods[method.name] = row
+
+    @staticmethod
+    def _unimplemented(name: str) -> Callable[[Any, Call], Awaitable[Any]]:
+        async def handle(request: Any, call: Call) -> Any:
+            raise Unsupported(unimplemented_message(name))
+
+        return handle
+
+    # -- ModelInfer --------------------------------------------------------------------------------
+    def decode_infer(self, message: bytes) -> InferRequest:
+        return self.decoder.decode(message)
+
+    def encode_infer(self, response: InferResponse) -> bytes:
+        payload = grpc_codec.encode_infer(response).SerializeToString()
+        if len(payload) > self.max_message:
+            raise PayloadTooLarge(too_large(len(payload), self.max_message))
+        return payload
+
+    async def model_infer(self, message: bytes, call: Call) -> bytes:
+        return self.encode_infer(await self.dp.infer(self.decoder.decode(message)))
+
+    async def model_stream_infer(self, messages: AsyncIterator[Any], call: Call) -> AsyncIterator[Any]:
+        """Requests on one stream run concurrently (up to STREAM_IN_FLIGHT); responses come back as
+        they finish, with ids; a bad message gets an error message on the stream, which goes on."""
+        results: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+        slots = asyncio.Semaphore(STREAM_IN_FLIGHT)  # released when the answer has been taken
+        loop = asyncio.get_running_loop()
+
+        async def one(message: Any) -> None:
+            if type(message) is Unparsable:
+                await results.put(pb.ModelStreamInferResponse(error_message=message.message))
+                return
+            try:
+                infer_request = grpc_codec.decode_infer(message, self.limits)
+                response = await self.dp.infer(infer_request)
+                out = pb.ModelStreamInferResponse(infer_response=grpc_codec.encode_infer(response))
+            except SluiceError as exc:
+                out = pb.ModelStreamInferResponse(
+                    error_message=exc.message,
+                    infer_response=pb.ModelInferResponse(
+                        model_name=message.model_name, model_version=message.model_version, id=message.id
+                    ),
+                )
+            await results.put(out)
+
+        async def read() -> None:
+            iterator = aiter(messages)
+            try:
+                while True:
+                    await slots.acquire()
+                    try:
+                        message = await anext(iterator)
+                    except StopAsyncIteration:
+                        break
+                    task = loop.create_task(one(message))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            finally:
+                while tasks:
+                    await asyncio.gather(*list(tasks), return_exceptions=True)
+                await results.put(None)
+
+        reader = loop.create_task(read())
+        try:
+            while True:
+                item = await results.get()
+                if item is None:
+                    break
+                yield item
+                slots.release()
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+    # -- the other methods -------------------------------------------------------------------------
+    async def server_live(self, request: pb.ServerLiveRequest, call: Call) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=self.dp.live())
+
+    async def server_ready(self, request: pb.ServerReadyRequest, call: Call) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.dp.ready())
+
+    async def model_ready(self, request: pb.ModelReadyRequest, call: Call) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=self.dp.model_ready(request.name, request.version))
+
+    async def server_metadata(self, request: Any, call: Call) -> pb.ServerMetadataResponse:
+        meta = self.dp.server_metadata()
+        return pb.ServerMetadataResponse(name=meta["name"], version=meta["version"], extensions=meta["extensions"])
+
+    async def model_metadata(self, request: pb.ModelMetadataRequest, call: Call) -> pb.ModelMetadataResponse:
+        meta = self.dp.model_metadata(request.name, request.version)
+        return json_format.ParseDict(meta, pb.ModelMetadataResponse())
+
+    async def model_config(self, request: pb.ModelConfigRequest, call: Call) -> pb.ModelConfigResponse:
+        return pb.ModelConfigResponse(config=self.dp.model_config(request.name, request.version))
+
+    async def model_statistics(self, request: pb.ModelStatisticsRequest, call: Call) -> pb.ModelStatisticsResponse:
+        stats = self.dp.model_statistics(request.name, request.version)
+        return json_format.ParseDict({"model_stats": stats}, pb.ModelStatisticsResponse())
+
+    async def repository_index(self, request: pb.RepositoryIndexRequest, call: Call) -> pb.RepositoryIndexResponse:
+        rows = self.dp.repository_index(request.ready)
+        return json_format.ParseDict({"models": rows}, pb.RepositoryIndexResponse())
+
+    async def repository_model_load(
+        self, request: pb.RepositoryModelLoadRequest, call: Call
+    ) -> pb.RepositoryModelLoadResponse:
+        override = None
+        for key, value in request.parameters.items():
+            if key == "config":
+                if value.WhichOneof("parameter_choice") != "string_param":
+                    raise InvalidArgument("load parameter 'config' must be a string (JSON config)")
+                override = value.string_param
+            elif key.startswith("file:"):
+                raise InvalidArgument(f"load parameter '{key}': file overrides are not supported; use the repository")
+        await self.dp.load(request.model_name, override)
+        return pb.RepositoryModelLoadResponse()
+
+    async def repository_model_unload(
+        self, request: pb.RepositoryModelUnloadRequest, call: Call
+    ) -> pb.RepositoryModelUnloadResponse:
+        await self.dp.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+
+_HANDLERS = {
+    "ServerLive": "server_live",
+    "ServerReady": "server_ready",
+    "ModelReady": "model_ready",
+    "ServerMetadata": "server_metadata",
+    "ModelMetadata": "model_metadata",
+    "ModelConfig": "model_config",
+    "ModelStatistics": "model_statistics",
+    "RepositoryIndex": "repository_index",
+    "RepositoryModelLoad": "repository_model_load",
+    "RepositoryModelUnload": "repository_model_unload",
+}
+"""Method name -> Service handler; methods of the proto not named here are answered UNIMPLEMENTED."""
+
+
+def unimplemented_message(name: str) -> str:
+    return f"{name} is not implemented by Sluice; see docs/runtime.md for the methods served"
+
+
+def too_large(size: int, limit: int) -> str:
+    return f"response is {size} bytes, larger than max ({limit}; --max-grpc-message-bytes)"

@@ -1,0 +1,46 @@
+"""The gRPC status of each runtime error: the gRPC layer's half of ``runtime/errors.py``'s table.
+
+``errors.py`` is the bottom layer and knows nothing of grpcio; this table maps a :class:`SluiceError`
+class to a ``grpc.StatusCode``. A class not in the table maps through its nearest base that is (its
+MRO), so a new subclass answers like its parent until it is given a row here.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from sluice.runtime.errors import (
+    Cancelled,
+    Internal,
+    InvalidArgument,
+    ModelError,
+    NotFound,
+    PayloadTooLarge,
+    SluiceError,
+    Unavailable,
+    Unsupported,
+)
+
+GRPC_CODES: dict[type[SluiceError], grpc.StatusCode] = {
+    SluiceError: grpc.StatusCode.INTERNAL,
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unsupported: grpc.StatusCode.UNIMPLEMENTED,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    Cancelled: grpc.StatusCode.CANCELLED,
+    ModelError: grpc.StatusCode.INTERNAL,
+    Internal: grpc.StatusCode.INTERNAL,
+}
+
+_resolved: dict[type, grpc.StatusCode] = dict(GRPC_CODES)  # each class's MRO walked once
+
+
+def grpc_code(exc: SluiceError) -> grpc.StatusCode:
+    """The status a client sees for ``exc``."""
+    cls = type(exc)
+    code = _resolved.get(cls)
+    if code is None:
+        code = next((GRPC_CODES[base] for base in cls.__mro__ if base in GRPC_CODES), grpc.StatusCode.INTERNAL)
+        _resolved[cls] = code
+    return code

@@ -1,0 +1,419 @@
+"""The HTTP/2 gRPC front end (runtime/protocol/grpc_h2.py) against hostile and broken peers: clients
+that never read, rapid resets, header-cache stuffing, streams that are not consumed, oversized answers,
+half-open connections. Driven frame by frame with the raw client of test_grpc_h2."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import select
+import socket
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import hpack
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, PingFrame, RstStreamFrame, WindowUpdateFrame
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.utils import InferenceServerException
+
+from sluice.runtime.settings import Limits
+
+from .conftest import ADD_SUB_CONFIG, BUILDERS, write_model  # type: ignore[import-not-found]
+from .test_grpc_h2 import (  # type: ignore[import-not-found]
+    NO_SHEDDING,
+    PREFACE,
+    SERVICE,
+    Client,
+    add_sub_request,
+    assert_add_sub_ok,
+    grpc_frame,
+)
+
+OK, RESOURCE_EXHAUSTED = 0, 8
+INITIAL_WINDOW_SIZE = 0x4
+NO_ERROR, CANCEL, ENHANCE_YOUR_CALM = 0x0, 0x8, 0xB
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    path = tmp_path / "repo"
+    write_model(path, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    return path
+
+
+@pytest.fixture
+def connect():
+    clients: list[Client] = []
+
+    def factory(address: str, settings: dict[int, int] | None = None, **kw: Any) -> Client:
+        client = Client(address, {} if settings is None else settings, **kw)
+        clients.append(client)
+        return client
+
+    yield factory
+    for client in clients:
+        client.close()
+
+
+def push_until_blocked(sock: socket.socket, chunk: bytes, cap: int, stall_s: float = 1.0) -> int:
+    """Send ``chunk`` over and over without reading; stop when the peer has taken nothing for
+    ``stall_s`` (it stopped reading) or ``cap`` bytes went out. Returns the bytes sent."""
+    sock.setblocking(False)
+    sent = 0
+    view = memoryview(chunk * 2)
+    while sent < cap:
+        _, writable, _ = select.select([], [sock], [], stall_s)
+        if not writable:
+            break
+        offset = sent % len(chunk)  # whole frames only: a partial send is continued, not restarted
+        try:
+            sent += sock.send(view[offset : offset + len(chunk)])
+        except BlockingIOError:
+            continue
+    sock.setblocking(True)
+    return sent
+
+
+# -- 1. write backpressure ----------------------------------------------------------------------------
+
+
+def test_ping_flood_from_a_client_that_never_reads_is_bounded(serve, repo, connect):
+    """Each PING is answered; a client that never reads its answers must make the server stop reading
+    (transport flow control), not buffer acks without bound. Other clients are served meanwhile."""
+    server = serve(repo)
+    host, port = server.grpc.rsplit(":", 1)
+    hog = socket.socket()
+    hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    hog.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    hog.connect((host, int(port)))
+    pings = PingFrame(0, b"floodflo").serialize() * 4096  # 68 KiB of PINGs a send
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        hog.sendall(PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # preface + empty SETTINGS
+        cap = 48 << 20
+        sent = push_until_blocked(hog, pings, cap)
+        grown = tracemalloc.get_traced_memory()[0] - before
+        assert sent < cap, "the server kept reading PINGs whose answers were never read"
+        # what the kernel buffers hold is outside Python's heap; the server's own share stays small
+        assert grown < 8 << 20, f"{grown >> 20} MiB held for a client that does not read"
+        other = connect(server.grpc)
+        other.request(1, SERVICE + "ModelInfer", add_sub_request())
+        assert_add_sub_ok(other.response(1))
+    finally:
+        tracemalloc.stop()
+        hog.close()
+
+
+# -- 2. rapid reset (CVE-2023-44487) -------------------------------------------------------------------
+
+
+def test_rapid_reset_gets_goaway_enhance_your_calm(serve, repo, connect):
+    server = serve(repo, scheduling=NO_SHEDDING)
+    attacker = connect(server.grpc)
+    block = attacker.block(SERVICE + "ModelInfer")
+    body = grpc_frame(add_sub_request())
+    burst = []
+    for sid in range(1, 2 * 3000, 2):  # 3000 calls, each reset right after it was sent
+        burst += [
+            HeadersFrame(sid, block, flags=["END_HEADERS"]),
+            DataFrame(sid, body, flags=["END_STREAM"]),
+            RstStreamFrame(sid, CANCEL),
+        ]
+    with contextlib.suppress(OSError):  # the server may close before it has read everything
+        attacker.send(*burst)
+    attacker.drain(5.0)
+    assert attacker.goaway is not None and attacker.goaway.error_code == ENHANCE_YOUR_CALM
+    assert b"rapid reset" in attacker.goaway.additional_data
+    assert attacker.closed
+    good = connect(server.grpc)
+    good.request(1, SERVICE + "ModelInfer", add_sub_request())
+    assert_add_sub_ok(good.response(1))
+
+
+def test_a_client_that_cancels_some_of_its_calls_is_not_cut_off(serve, repo, connect):
+    """1,500 resets in all, more than the limit, but no more resets than answered calls."""
+    client = connect(serve(repo, scheduling=NO_SHEDDING).grpc)
+    block = client.block(SERVICE + "ModelInfer")
+    body = grpc_frame(add_sub_request())
+    sid = 1
+    for _ in range(15):
+        answered = []
+        frames = []
+        for _ in range(100):
+            frames += [HeadersFrame(sid, block, flags=["END_HEADERS"]), DataFrame(sid, body, flags=["END_STREAM"])]
+            answered.append(sid)
+            frames += [HeadersFrame(sid + 2, block, flags=["END_HEADERS"]), RstStreamFrame(sid + 2, CANCEL)]
+            sid += 4
+        client.send(*frames)
+        for done in answered:
+            assert_add_sub_ok(client.response(done))
+    assert client.goaway is None and not client.closed
+
+
+# -- 3. the header-block cache -----------------------------------------------------------------------
+
+
+def test_header_block_cache_is_bounded_and_holds_no_rejected_blocks(serve, repo, connect):
+    """Distinct header blocks that leave the HPACK table alone are cacheable: 300 accepted ones of
+    14 KB and 150 rejected ones of 100 KB would pin ~19 MB on one connection without bounds."""
+    server = serve(repo)
+    client = connect(server.grpc)
+    body = grpc_frame(add_sub_request())
+
+    def block(pad: str) -> bytes:
+        headers = [(":method", "POST"), (":scheme", "http"), (":path", SERVICE + "ModelInfer"), (":authority", "t")]
+        headers += [("content-type", "application/grpc"), hpack.NeverIndexedHeaderTuple("x-pad", pad)]
+        return client.encoder.encode(headers, huffman=False)
+
+    def send_block(sid: int, data: bytes) -> None:
+        pieces = [data[i : i + 16_384] for i in range(0, len(data), 16_384)]
+        frames = [HeadersFrame(sid, pieces[0], flags=[] if len(pieces) > 1 else ["END_HEADERS"])]
+        for i, piece in enumerate(pieces[1:], start=2):
+            frames.append(ContinuationFrame(sid, piece, flags=["END_HEADERS"] if i == len(pieces) else []))
+        client.send(*frames, DataFrame(sid, body, flags=["END_STREAM"]))
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        sid = 1
+        for n in range(450):
+            accepted = n < 300
+            send_block(sid, block(f"{n:06d}" + ("a" * 14_000 if accepted else "r" * 100_000)))
+            response = client.response(sid)
+            assert response.status == (OK if accepted else RESOURCE_EXHAUSTED), response.message
+            client.received.clear()
+            sid += 2
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 4 << 20, f"{grown >> 20} MiB held by one connection's header cache"
+    client.request(sid, SERVICE + "ModelInfer", add_sub_request())
+    assert_add_sub_ok(client.response(sid))
+
+
+# -- 5. the response-size limit -------------------------------------------------------------------------
+
+REPEAT_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("OUTPUT0", np.tile(pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy(), 8))]
+            )
+            for r in requests
+        ]
+"""
+
+REPEAT_CONFIG = """
+name: "repeat"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+"""
+
+
+@pytest.mark.parametrize("grpc_server", ["h2", "grpcio"])
+def test_infer_response_over_the_message_limit_is_resource_exhausted(tmp_path, serve, grpc_server):
+    repo = tmp_path / "repo"
+    write_model(repo, "repeat", REPEAT_CONFIG, {"model.py": REPEAT_PY})
+    limit = 64 * 1024
+    server = serve(repo, limits=Limits(max_grpc_message_bytes=limit), grpc_server=grpc_server)
+    client = grpcclient.InferenceServerClient(server.grpc)
+    try:
+        small = grpcclient.InferInput("INPUT0", [16], "FP32")
+        small.set_data_from_numpy(np.ones(16, np.float32))
+        assert client.infer("repeat", [small]).as_numpy("OUTPUT0").shape == (128,)
+        big = grpcclient.InferInput("INPUT0", [4096], "FP32")  # 16 KiB in, 128 KiB out
+        big.set_data_from_numpy(np.ones(4096, np.float32))
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("repeat", [big])
+        assert info.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        if grpc_server == "h2":  # grpcio words it its own way
+            assert re.search(rf"response is 13\d{{4}} bytes, larger than max \({limit};", info.value.message())
+        assert client.infer("repeat", [small]).as_numpy("OUTPUT0").shape == (128,)
+    finally:
+        client.close()
+
+
+# -- 6. keepalive ------------------------------------------------------------------------------------------
+
+KEEPALIVE = Limits(keepalive_interval_s=0.2, keepalive_timeout_s=0.5)
+
+
+def open_stream(client: Client, sid: int = 1) -> None:
+    """A ModelStreamInfer call left open: the connection has a stream but nothing to say."""
+    client.send(HeadersFrame(sid, client.block(SERVICE + "ModelStreamInfer"), flags=["END_HEADERS"]))
+
+
+def read_until(client: Client, predicate: Any, limit_s: float = 10.0) -> None:
+    """Read frames until ``predicate()`` holds; the limit only keeps a broken server from hanging the test."""
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        assert time.monotonic() < deadline, "not reached"
+        client.read_frame(timeout=0.1)
+
+
+def test_keepalive_closes_a_connection_whose_peer_does_not_answer_pings(serve, repo, connect):
+    server = serve(repo, limits=KEEPALIVE)
+    silent = connect(server.grpc)
+    open_stream(silent)
+    read_until(silent, lambda: silent.closed)
+    pings = [f for f in silent.received if isinstance(f, PingFrame) and "ACK" not in f.flags]
+    assert pings, "no keepalive PING before the close"
+    assert silent.goaway is not None and b"keepalive" in silent.goaway.additional_data
+    other = connect(server.grpc)
+    other.request(1, SERVICE + "ModelInfer", add_sub_request())
+    assert_add_sub_ok(other.response(1))
+
+
+def test_keepalive_keeps_a_connection_whose_peer_answers(serve, repo, connect):
+    server = serve(repo, limits=KEEPALIVE)
+    alive = connect(server.grpc)
+    idle = connect(server.grpc)  # no stream open: the idle timeout, not keepalive, governs it
+    open_stream(alive)
+    answered = 0
+
+    def ack_pings() -> bool:
+        nonlocal answered
+        for f in alive.received[answered:]:
+            if isinstance(f, PingFrame) and "ACK" not in f.flags:
+                alive.send(PingFrame(0, f.opaque_data, flags=["ACK"]))
+        pings = sum(isinstance(f, PingFrame) and "ACK" not in f.flags for f in alive.received)
+        answered = len(alive.received)
+        return pings >= 3 or alive.closed
+
+    read_until(alive, ack_pings)
+    assert not alive.closed and alive.goaway is None
+    alive.send_data(1, grpc_frame(add_sub_request("still-here")))
+    response = alive.response(1)
+    assert response.status == OK
+    reply = pb.ModelStreamInferResponse.FromString(response.messages()[0])
+    assert reply.infer_response.id == "still-here"
+    idle.drain(0.1)
+    assert not any(isinstance(f, PingFrame) for f in idle.received) and not idle.closed
+
+
+# -- 4. receive flow control follows consumption -----------------------------------------------------------
+
+GATED_PY = """
+import os
+import time
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.gate = os.path.join(os.path.dirname(__file__), "open")
+
+    def execute(self, requests):
+        while not os.path.exists(self.gate):  # held until the test opens the gate
+            time.sleep(0.01)
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()[:1])])
+            for r in requests
+        ]
+"""  # noqa: E501
+
+GATED_CONFIG = """
+name: "gated"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+"""
+
+
+def test_a_stream_whose_requests_are_not_consumed_closes_its_window(tmp_path, serve, connect):
+    """ModelStreamInfer messages are credited back (WINDOW_UPDATE) only as the call takes them, and it
+    takes no more than a bounded number while the model is stuck: the client's window closes instead
+    of the server queueing everything it is sent. Once the model moves, the window opens again."""
+    repo = tmp_path / "repo"
+    write_model(repo, "gated", GATED_CONFIG, {"model.py": GATED_PY})
+    server = serve(repo, scheduling=NO_SHEDDING)
+    client = connect(server.grpc)
+    client.send(HeadersFrame(1, client.block(SERVICE + "ModelStreamInfer"), flags=["END_HEADERS"]))
+    message = pb.ModelInferRequest(model_name="gated")
+    message.inputs.add(name="INPUT0", datatype="FP32", shape=[32 * 1024])
+    message.raw_input_contents.append(np.ones(32 * 1024, np.float32).tobytes())
+    data = grpc_frame(message.SerializeToString())  # 128 KiB
+    client.stream_windows.setdefault(1, client.peer_initial)
+    cap = 96 << 20
+    sent = 0
+    view = memoryview(b"")
+    while sent < cap:
+        room = min(client.send_window, client.stream_windows[1], 16_384)
+        if room <= 0:
+            if client.read_frame(timeout=1.0) is None:
+                break  # no window came back for a second: the server stopped taking
+            continue
+        if not view:
+            view = memoryview(data)
+        chunk, view = view[:room], view[room:]
+        client.send(DataFrame(1, bytes(chunk)))
+        client.send_window -= len(chunk)
+        client.stream_windows[1] -= len(chunk)
+        sent += len(chunk)
+    assert sent < cap, "the server took everything a stuck stream was sent"
+    assert not client.closed and not (1 in client.responses and client.responses[1].ended)
+    (repo / "gated" / "1" / "open").touch()
+    if view:
+        client.send_data(1, bytes(view), end_stream=False)  # the window reopens as the model catches up
+    client.send_data(1, data)  # one more message, then the half-close
+    response = client.response(1, timeout=60)
+    assert response.status == OK, response.message
+    replies = [pb.ModelStreamInferResponse.FromString(m) for m in response.messages()]
+    assert len(replies) == (sent + len(data) - 1) // len(data) + 1
+    assert not any(r.error_message for r in replies)
+
+
+def test_a_stream_whose_answers_are_not_read_stops_taking_requests(tmp_path, serve, connect):
+    """The other direction: a client that keeps sending ModelStreamInfer requests but never opens its
+    own window for the answers. The answers wait (one beyond the window), the call stops taking
+    requests, and so the client's window closes too. Once it reads, everything completes."""
+    repo = tmp_path / "repo"
+    write_model(repo, "gated", GATED_CONFIG, {"model.py": GATED_PY})
+    (repo / "gated" / "1" / "open").touch()  # the model answers at once
+    server = serve(repo, scheduling=NO_SHEDDING)
+    client = connect(server.grpc, settings={INITIAL_WINDOW_SIZE: 100}, auto_window=False)
+    client.send(HeadersFrame(1, client.block(SERVICE + "ModelStreamInfer"), flags=["END_HEADERS"]))
+    message = pb.ModelInferRequest(model_name="gated")
+    message.inputs.add(name="INPUT0", datatype="FP32", shape=[32 * 1024])
+    message.raw_input_contents.append(np.ones(32 * 1024, np.float32).tobytes())
+    data = grpc_frame(message.SerializeToString())  # 128 KiB in, ~60 bytes out
+    client.stream_windows.setdefault(1, client.peer_initial)
+    cap = 96 << 20
+    sent = 0
+    view = memoryview(b"")
+    while sent < cap:
+        room = min(client.send_window, client.stream_windows[1], 16_384)
+        if room <= 0:
+            if client.read_frame(timeout=1.0) is None:
+                break
+            continue
+        if not view:
+            view = memoryview(data)
+        chunk, view = view[:room], view[room:]
+        client.send(DataFrame(1, bytes(chunk)))
+        client.send_window -= len(chunk)
+        client.stream_windows[1] -= len(chunk)
+        sent += len(chunk)
+    assert sent < cap, "the server took requests whose answers were never read"
+    client.auto_window = True
+    client.send(WindowUpdateFrame(0, 1 << 30), WindowUpdateFrame(1, 1 << 30))
+    if view:
+        client.send_data(1, bytes(view), end_stream=False)
+    client.send_data(1, data)
+    response = client.response(1, timeout=60)
+    assert response.status == OK, response.message
+    assert len(response.messages()) == (sent + len(data) - 1) // len(data) + 1
