@@ -906,7 +906,7 @@ class GrpcConnection(asyncio.Protocol):
         route = stream.route
         assert route is not None
         if route.kind == _STREAM:
-            assert stream.queue is not None
+            assert stream.queue is not None and route.parse is not None
             stream.queue.put_nowait((route.parse(message), stream.held))
             stream.held = 0
         elif stream.message is None:

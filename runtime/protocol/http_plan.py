@@ -119,8 +119,8 @@ class InferCodec:
         if json_limit is not None and http_codec.json_elements(request, response) * 8 >= json_limit:
             return None
         body, header_length = http_codec.encode_infer(request, response)
-        cacheable = key is not None and header_length is not None and b'"data"' not in body[:header_length]
-        if cacheable and all(t.datatype != "BYTES" for t in response.outputs):
+        cacheable = header_length is not None and b'"data"' not in body[:header_length]
+        if key is not None and cacheable and all(t.datatype != "BYTES" for t in response.outputs):
             if len(self._headers) >= _MAX_ENTRIES:
                 self._headers.clear()
             self._headers[key] = body[:header_length]
