@@ -88,9 +88,7 @@ def decode_infer(message: pb.ModelInferRequest, limits: Limits) -> InferRequest:
         raise InvalidArgument(
             f"raw_input_contents has {len(raw)} entries for {len(message.inputs)} inputs; give one per input"
         )
-    if not message.inputs:
-        raise InvalidArgument("request must have at least one input")
-    inputs = []
+    inputs = []  # none at all is the model's to judge: accepted when every input is optional
     total = 0
     for index, tensor in enumerate(message.inputs):
         name = tensor.name

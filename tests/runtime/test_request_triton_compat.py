@@ -209,8 +209,6 @@ def test_duplicate_output_names_are_refused(server, protocol):
 )
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_input_count_errors_use_tritons_words(server, protocol, model, given, expected):
-    if protocol == "grpc" and not given:
-        pytest.skip("the gRPC codec refuses a request without inputs before the model check (grpc_codec.py)")
     mod, client = client_for(server, protocol)
     assert expected in error_of(client, model, fp32_inputs(mod, given))
 
@@ -226,12 +224,12 @@ def test_unexpected_input_uses_tritons_words(server, protocol):
     )
 
 
-def test_no_inputs_accepted_when_every_input_is_optional(server):
-    # over HTTP; gRPC's codec still refuses an empty request (grpc_codec.py, the gRPC side's to change)
-    client = httpclient.InferenceServerClient(server.http)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_no_inputs_accepted_when_every_input_is_optional(server, protocol):
+    mod, client = client_for(server, protocol)
     result = client.infer("input_all_optional", [])
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), [0.0])
-    result = client.infer("input_all_optional", fp32_inputs(httpclient, ["INPUT1"]))
+    result = client.infer("input_all_optional", fp32_inputs(mod, ["INPUT1"]))
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), [1.0])
 
 
