@@ -473,11 +473,10 @@ def test_grpc_timeout_cancels_and_answers_deadline_exceeded(serve, repo, connect
     client = connect(server.grpc)
     client.request(1, SERVICE + "ModelInfer", one_value_request("slow", "blocker"))
     wait_until(lambda: executed(repo) == ["blocker"], what="blocker running")
-    start = time.monotonic()
     client.request(3, SERVICE + "ModelInfer", one_value_request("slow", "late"), extra=[("grpc-timeout", "150m")])
     late = client.response(3)
     assert late.status == DEADLINE_EXCEEDED
-    assert 0.14 < time.monotonic() - start < 0.55  # at the deadline, before the blocker finished
+    assert 1 not in client.responses  # answered at its deadline, while the blocker still ran
     assert client.response(1).status == OK
     time.sleep(0.1)
     assert executed(repo) == ["blocker"]
