@@ -8,14 +8,14 @@ says, a subclass without a row of its own answers like its base).
     SluiceError
     ├── InvalidArgument      400 / INVALID_ARGUMENT   the request is malformed or disagrees with the model
     │   ├── PayloadTooLarge  413 / RESOURCE_EXHAUSTED a body, header or element count over a limit
-    │   └── Unsupported      400 / UNIMPLEMENTED      a protocol feature Sluice refuses (classification)
+    │   ├── Unsupported      400 / UNIMPLEMENTED      a protocol feature Sluice refuses
+    │   └── ConfigError      400 / INVALID_ARGUMENT   a model configuration is invalid (file, line, field)
     ├── NotFound             404 / NOT_FOUND          unknown model or version
     ├── Unavailable          503 / UNAVAILABLE        model not ready, server shutting down
     │   ├── QueueFull        503 / UNAVAILABLE        the model's queue is at max_queue_size
     │   └── QueueTimeout     503 / UNAVAILABLE        the request waited in the queue past its deadline
     ├── Cancelled            499 / CANCELLED          the client went away before the model ran
     ├── ModelError           500 / INTERNAL           the model's own code failed (message passed through)
-    ├── ConfigError          400 / INVALID_ARGUMENT   a model configuration is invalid (file, line, field)
     └── Internal             500 / INTERNAL           a bug in Sluice
 """
 
