@@ -1,0 +1,380 @@
+"""The canary rollout as one pure decision: ``step(plan, status, observation, now) -> Decision``.
+
+Called by the reconciler on every pass of an InferenceModel with ``spec.canary``; it does no I/O.
+The caller gathers the ``Observation`` (per-version metrics over the last interval, readiness of
+both Deployments, the answer of a gate webhook) and applies the ``Decision``'s actions (traffic
+weight, canary objects, promotion into the stable Deployment, Events); the returned status is
+written to the resource, and a restarted operator resumes from it alone.
+
+Phases (a named state machine, as Flagger's and Argo Rollouts'):
+
+    Initializing  the candidate's Deployment is being created; weight 0 until it has ready pods
+    Progressing   weight at ``step_weights[step]``; each interval is judged Successful, Failed or
+                  Inconclusive from the observation; only a Successful interval advances
+    Manual        a fixed ``traffic_percent`` without analysis: nothing is judged
+    Promoting     the candidate is being rolled into the stable Deployment; the canary keeps its
+                  weight until the stable one is fully rolled out and ready
+    Finalising    weight back to 0 on the (now promoted) stable; the canary objects go next pass
+    Succeeded     promoted; the canary objects are gone
+    RolledBack    weight 0, canary objects removed; the candidate's hash is remembered and it is
+                  not tried again until the spec changes
+
+Rules that make it trustworthy: missing data fails closed (no metrics, fewer than
+``min_requests``, NaN: Inconclusive, never Successful); a weight never points at a version without
+ready pods; a gate that does not say yes holds the step (it is not a failure); a new candidate,
+also mid-rollout, restarts the analysis and first takes the old canary's weight away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+INITIALIZING = "Initializing"
+PROGRESSING = "Progressing"
+MANUAL = "Manual"
+PROMOTING = "Promoting"
+FINALISING = "Finalising"
+SUCCEEDED = "Succeeded"
+ROLLED_BACK = "RolledBack"
+IDLE = ""
+
+SUCCESSFUL, FAILED, INCONCLUSIVE = "Successful", "Failed", "Inconclusive"
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """How a candidate is judged (``spec.canary.analysis``)."""
+
+    step_weights: tuple[int, ...] = (5, 25, 50, 100)
+    """Canary traffic percent per step, rising, each 1..100."""
+    interval_s: float = 60.0
+    """Length of one judged interval."""
+    min_requests: int = 50
+    """Fewer canary requests in an interval make it Inconclusive."""
+    max_error_rate: float = 0.01
+    """Canary errors / requests above this fail the interval (a fraction, 0.01 = 1 %)."""
+    max_p99_ms: float | None = None
+    """Canary p99 latency above this fails the interval."""
+    max_p99_ratio: float | None = None
+    """Canary p99 above this multiple of the stable p99 fails the interval."""
+    failure_limit: int = 0
+    """Failed intervals tolerated; one more rolls back (0: the first failure rolls back)."""
+    inconclusive_limit: int = 2
+    """Inconclusive intervals tolerated; one more rolls back."""
+    step_gate: bool = False
+    """Ask the gate webhook before each weight increase."""
+    promotion_gate: bool = False
+    """Ask the gate webhook before promotion."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the spec asks for: the candidate (by the hash of everything that changes its pods) and
+    either analysis or a fixed ``traffic_percent`` (manual)."""
+
+    candidate: str
+    analysis: Analysis | None = Analysis()
+    traffic_percent: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionMetrics:
+    requests: float
+    errors: float
+    p99_ms: float | None = None
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.requests if self.requests > 0 else math.nan
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What the caller saw since the last interval began. ``None`` metrics: none could be read."""
+
+    canary: VersionMetrics | None = None
+    stable: VersionMetrics | None = None
+    canary_ready: bool = False
+    """The candidate's Deployment has ready pods behind its Service."""
+    stable_rolled_out: bool = False
+    """The stable Deployment runs the candidate on every replica, all ready (after a promotion)."""
+    gate: bool | None = None
+    """The gate webhook's answer for the pending step or promotion: True for 2xx, None when not asked."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """The rollout's state in ``status.canary``: everything the next decision needs."""
+
+    phase: str = IDLE
+    candidate: str = ""
+    step: int = -1
+    weight: int = 0
+    interval_started: float = 0.0
+    failures: int = 0
+    inconclusives: int = 0
+    failed_candidate: str = ""
+    last_result: str = ""
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SetWeight:
+    percent: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EnsureCanary:
+    candidate: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoveCanary:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Promote:
+    """Roll the candidate into the stable Deployment."""
+
+    candidate: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AskGate:
+    purpose: str  # "step" or "promotion"
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    reason: str
+    message: str
+    warning: bool = False
+
+
+Action = SetWeight | EnsureCanary | RemoveCanary | Promote | AskGate | Event
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    status: Status
+    actions: tuple[Action, ...] = ()
+    requeue_after_s: float | None = None
+
+
+def judge(analysis: Analysis, observation: Observation) -> tuple[str, str]:
+    """One interval's verdict and why. Missing or too little data is Inconclusive, never Successful."""
+    canary = observation.canary
+    if not observation.canary_ready:
+        return FAILED, "the canary has no ready pods"
+    if canary is None:
+        return INCONCLUSIVE, "no canary metrics could be read"
+    if math.isnan(canary.requests) or math.isnan(canary.errors):
+        return INCONCLUSIVE, "the canary metrics are NaN"
+    if canary.requests < analysis.min_requests:
+        return INCONCLUSIVE, f"{canary.requests:g} canary requests, fewer than minRequests {analysis.min_requests}"
+    if canary.error_rate > analysis.max_error_rate:
+        return FAILED, f"canary error rate {canary.error_rate:.2%} is over {analysis.max_error_rate:.2%}"
+    if analysis.max_p99_ms is not None or analysis.max_p99_ratio is not None:
+        if canary.p99_ms is None or math.isnan(canary.p99_ms):
+            return INCONCLUSIVE, "no canary p99 latency could be read"
+        if analysis.max_p99_ms is not None and canary.p99_ms > analysis.max_p99_ms:
+            return FAILED, f"canary p99 {canary.p99_ms:g} ms is over {analysis.max_p99_ms:g} ms"
+        if analysis.max_p99_ratio is not None:
+            stable = observation.stable
+            if stable is None or stable.p99_ms is None or math.isnan(stable.p99_ms) or stable.p99_ms <= 0:
+                return INCONCLUSIVE, "no stable p99 latency to compare the canary's with"
+            if canary.p99_ms > analysis.max_p99_ratio * stable.p99_ms:
+                return FAILED, (
+                    f"canary p99 {canary.p99_ms:g} ms is over {analysis.max_p99_ratio:g}x "
+                    f"the stable p99 {stable.p99_ms:g} ms"
+                )
+    return SUCCESSFUL, f"{canary.requests:g} requests, error rate {canary.error_rate:.2%}"
+
+
+def step(plan: Plan | None, status: Status, observation: Observation, now: float) -> Decision:
+    """The next status and the actions that get there (pure; ``now`` in seconds on any clock)."""
+    if plan is None:
+        if status.phase in (IDLE, SUCCEEDED):
+            return Decision(Status(failed_candidate=status.failed_candidate, phase=status.phase))
+        # spec.canary removed: abort whatever was under way; stable takes all traffic first
+        actions: list[Action] = []
+        if status.weight:
+            actions.append(SetWeight(0))
+        actions += [RemoveCanary(), Event("CanaryRemoved", "spec.canary was removed: the canary is taken down")]
+        return Decision(Status(failed_candidate=status.failed_candidate), tuple(actions))
+    if plan.candidate == status.failed_candidate:
+        return _stay_rolled_back(plan, status)
+    if plan.candidate != status.candidate:
+        return _restart(plan, status, now)
+    handler = {
+        INITIALIZING: _initializing,
+        PROGRESSING: _progressing,
+        MANUAL: _manual,
+        PROMOTING: _promoting,
+        FINALISING: _finalising,
+    }.get(status.phase)
+    if handler is None:  # Succeeded or RolledBack for this candidate: nothing left to do
+        return Decision(status)
+    return handler(plan, status, observation, now)
+
+
+def _restart(plan: Plan, status: Status, now: float) -> Decision:
+    actions: list[Action] = []
+    if status.weight:
+        actions.append(SetWeight(0))  # the old candidate's route goes before its Deployment changes
+    actions += [
+        EnsureCanary(plan.candidate),
+        Event(
+            "CanaryStarted",
+            f"candidate {plan.candidate}: deploying"
+            + (f" (replaces {status.candidate}, whose analysis is dropped)" if status.candidate else ""),
+        ),
+    ]
+    fresh = Status(
+        phase=INITIALIZING,
+        candidate=plan.candidate,
+        failed_candidate=status.failed_candidate,
+        interval_started=now,
+        message="waiting for the canary's pods to be ready",
+    )
+    return Decision(fresh, tuple(actions), requeue_after_s=_interval(plan))
+
+
+def _initializing(plan: Plan, status: Status, observation: Observation, now: float) -> Decision:
+    if not observation.canary_ready:
+        held = dataclasses.replace(status, message="waiting for the canary's pods to be ready")
+        return Decision(held, (EnsureCanary(plan.candidate),), requeue_after_s=_interval(plan))
+    if plan.analysis is None:
+        weight = plan.traffic_percent
+        manual = dataclasses.replace(status, phase=MANUAL, weight=weight, message=f"manual split: {weight}%")
+        return Decision(manual, (SetWeight(weight), Event("CanaryWeight", f"manual split: {weight}% to the canary")))
+    return _enter_step(plan, plan.analysis, status, 0, observation, now)
+
+
+def _enter_step(
+    plan: Plan, analysis: Analysis, status: Status, index: int, observation: Observation, now: float
+) -> Decision:
+    """Move to ``step_weights[index]``, asking the gate first when the analysis wants one."""
+    weight = analysis.step_weights[index]
+    if analysis.step_gate and observation.gate is not True:
+        held = dataclasses.replace(
+            status,
+            message=f"holding at {status.weight}%: the gate has not approved {weight}%"
+            + (" (it said no)" if observation.gate is False else ""),
+        )
+        return Decision(held, (AskGate("step"),), requeue_after_s=_gate_poll(analysis))
+    moved = dataclasses.replace(
+        status, phase=PROGRESSING, step=index, weight=weight, interval_started=now, message=f"analysing at {weight}%"
+    )
+    return Decision(
+        moved,
+        (SetWeight(weight), Event("CanaryWeight", f"step {index + 1}/{len(analysis.step_weights)}: {weight}%")),
+        requeue_after_s=analysis.interval_s,
+    )
+
+
+def _progressing(plan: Plan, status: Status, observation: Observation, now: float) -> Decision:
+    analysis = plan.analysis
+    if analysis is None:  # the spec switched to manual mid-rollout
+        return _initializing(plan, status, observation, now)
+    remaining = status.interval_started + analysis.interval_s - now
+    if remaining > 0 and observation.canary_ready:
+        return Decision(status, requeue_after_s=remaining)
+    verdict, why = judge(analysis, observation)
+    if verdict == FAILED:
+        failures = status.failures + 1
+        if failures > analysis.failure_limit or not observation.canary_ready:
+            return _roll_back(dataclasses.replace(status, failures=failures), f"failed: {why}")
+        counted = dataclasses.replace(
+            status, failures=failures, interval_started=now, last_result=FAILED, message=f"interval failed: {why}"
+        )
+        return Decision(counted, (Event("CanaryIntervalFailed", why, warning=True),), analysis.interval_s)
+    if verdict == INCONCLUSIVE:
+        inconclusives = status.inconclusives + 1
+        if inconclusives > analysis.inconclusive_limit:
+            return _roll_back(
+                dataclasses.replace(status, inconclusives=inconclusives),
+                f"{inconclusives} inconclusive intervals, over inconclusiveLimit {analysis.inconclusive_limit}: {why}",
+            )
+        counted = dataclasses.replace(
+            status,
+            inconclusives=inconclusives,
+            interval_started=now,
+            last_result=INCONCLUSIVE,
+            message=f"interval inconclusive ({why}); holding at {status.weight}%",
+        )
+        return Decision(counted, (Event("CanaryIntervalInconclusive", why, warning=True),), analysis.interval_s)
+    passed = dataclasses.replace(status, last_result=SUCCESSFUL)
+    if status.step + 1 < len(analysis.step_weights):
+        return _enter_step(plan, analysis, passed, status.step + 1, observation, now)
+    if analysis.promotion_gate and observation.gate is not True:
+        held = dataclasses.replace(passed, message="analysis passed; waiting for the gate to approve promotion")
+        return Decision(held, (AskGate("promotion"),), requeue_after_s=_gate_poll(analysis))
+    promoting = dataclasses.replace(passed, phase=PROMOTING, message="promoting: rolling the candidate into stable")
+    return Decision(
+        promoting,
+        (Promote(plan.candidate), Event("CanaryPromoting", f"candidate {plan.candidate} passed every step")),
+        requeue_after_s=_interval(plan),
+    )
+
+
+def _manual(plan: Plan, status: Status, observation: Observation, now: float) -> Decision:
+    if plan.analysis is not None:  # the spec switched to analysis: start it from the first step
+        return _enter_step(plan, plan.analysis, status, 0, observation, now)
+    weight = plan.traffic_percent if observation.canary_ready else 0
+    if weight == status.weight:
+        return Decision(status)
+    why = f"manual split: {weight}%" if observation.canary_ready else "the canary has no ready pods: 0%"
+    moved = dataclasses.replace(status, weight=weight, message=why)
+    return Decision(moved, (SetWeight(weight), Event("CanaryWeight", why)))
+
+
+def _promoting(plan: Plan, status: Status, observation: Observation, now: float) -> Decision:
+    if not observation.stable_rolled_out:
+        held = dataclasses.replace(status, message="promoting: waiting for the stable Deployment to roll out")
+        return Decision(held, (Promote(plan.candidate),), requeue_after_s=_interval(plan))
+    done = dataclasses.replace(status, phase=FINALISING, weight=0, message="promoted: traffic back on stable")
+    return Decision(done, (SetWeight(0),), requeue_after_s=0.0)
+
+
+def _finalising(plan: Plan, status: Status, observation: Observation, now: float) -> Decision:
+    done = dataclasses.replace(status, phase=SUCCEEDED, message=f"candidate {plan.candidate} promoted")
+    return Decision(done, (RemoveCanary(), Event("CanaryPromoted", done.message)))
+
+
+def _roll_back(status: Status, why: str) -> Decision:
+    rolled = dataclasses.replace(
+        status,
+        phase=ROLLED_BACK,
+        weight=0,
+        failed_candidate=status.candidate,
+        last_result=FAILED,
+        message=f"rolled back: {why}; change spec.canary to try another candidate, or remove it",
+    )
+    actions = (SetWeight(0), RemoveCanary(), Event("CanaryRolledBack", rolled.message, warning=True))
+    return Decision(rolled, actions)
+
+
+def _stay_rolled_back(plan: Plan, status: Status) -> Decision:
+    if status.phase == ROLLED_BACK and status.candidate == plan.candidate:
+        return Decision(status)
+    # a remembered failure (e.g. spec.canary set back to a candidate that failed before)
+    rolled = Status(
+        phase=ROLLED_BACK,
+        candidate=plan.candidate,
+        failed_candidate=plan.candidate,
+        message=f"candidate {plan.candidate} failed before and is not tried again; change spec.canary",
+    )
+    actions: Sequence[Action] = (SetWeight(0), RemoveCanary()) if status.weight or status.phase else ()
+    return Decision(rolled, tuple(actions))
+
+
+def _interval(plan: Plan) -> float:
+    return plan.analysis.interval_s if plan.analysis is not None else 30.0
+
+
+def _gate_poll(analysis: Analysis) -> float:
+    return min(analysis.interval_s, 30.0)

@@ -1,0 +1,230 @@
+"""The canary state machine (``sluice.operator.canary.step``), pure: tables of observations on a fake
+clock, no I/O. Each case drives ``step`` as the reconciler will: call it, apply nothing, feed the
+returned status back with the next observation at the requeue time it asked for."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from sluice.operator import canary as c
+
+HEALTHY = c.VersionMetrics(requests=1000, errors=2, p99_ms=20.0)
+STABLE = c.VersionMetrics(requests=9000, errors=9, p99_ms=18.0)
+SEEN = c.Observation(canary=HEALTHY, stable=STABLE, canary_ready=True)
+ANALYSIS = c.Analysis(step_weights=(5, 25, 50, 100), interval_s=60, min_requests=100, max_error_rate=0.01)
+PLAN = c.Plan("cand-a", ANALYSIS)
+
+
+def drive(plan, observations, status=c.Status(), start=1000.0):
+    """Feed ``observations`` one per call, each at the time the previous decision asked for.
+    Returns (final status, every action, the phases seen, the times)."""
+    now = start
+    actions, phases = [], []
+    for observation in observations:
+        decision = c.step(plan, status, observation, now)
+        status = decision.status
+        actions.extend(decision.actions)
+        phases.append(status.phase)
+        now += decision.requeue_after_s if decision.requeue_after_s is not None else 0.0
+    return status, actions, phases, now
+
+
+def weights(actions):
+    return [a.percent for a in actions if isinstance(a, c.SetWeight)]
+
+
+def test_happy_path_steps_through_every_weight_then_promotes_and_cleans_up():
+    observations = [SEEN] * 6 + [dataclasses.replace(SEEN, stable_rolled_out=True)] * 2
+    status, actions, phases, _ = drive(PLAN, observations)
+    assert phases == [
+        c.INITIALIZING,  # deploy the candidate
+        c.PROGRESSING,  # 5 %
+        c.PROGRESSING,  # interval passed: 25 %
+        c.PROGRESSING,  # 50 %
+        c.PROGRESSING,  # 100 %
+        c.PROMOTING,  # the last step passed
+        c.FINALISING,  # stable rolled out: weight back to 0
+        c.SUCCEEDED,  # canary objects removed
+    ]
+    assert weights(actions) == [5, 25, 50, 100, 0]
+    assert [type(a) for a in actions if not isinstance(a, (c.Event, c.SetWeight))] == [
+        c.EnsureCanary,
+        c.Promote,
+        c.RemoveCanary,
+    ]
+    # weight goes back to stable before the canary objects go
+    kinds = [type(a) for a in actions]
+    assert kinds.index(c.RemoveCanary) > len(kinds) - 1 - kinds[::-1].index(c.SetWeight)
+    assert status.failed_candidate == ""
+
+
+def test_no_step_advances_before_its_interval_is_over():
+    status, _, _, now = drive(PLAN, [SEEN, SEEN])  # initialize, enter 5 %
+    early = c.step(PLAN, status, SEEN, now - 30)  # half an interval later
+    assert early.status == status and early.actions == ()
+    assert early.requeue_after_s == pytest.approx(30)
+
+
+@pytest.mark.parametrize("failing_step", [0, 1, 2, 3])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        c.VersionMetrics(requests=1000, errors=50, p99_ms=20.0),  # 5 % errors
+        c.VersionMetrics(requests=1000, errors=0, p99_ms=900.0),  # p99 over the absolute bound
+        c.VersionMetrics(requests=1000, errors=0, p99_ms=60.0),  # p99 over 2x stable
+    ],
+    ids=["error-rate", "p99-absolute", "p99-relative"],
+)
+def test_a_breach_at_any_step_rolls_back_within_one_interval(failing_step, bad):
+    plan = c.Plan("cand-a", dataclasses.replace(ANALYSIS, max_p99_ms=500, max_p99_ratio=2.0))
+    observations = [SEEN] * (2 + failing_step) + [dataclasses.replace(SEEN, canary=bad)]
+    status, actions, phases, _ = drive(plan, observations)
+    assert phases[-1] == c.ROLLED_BACK
+    assert phases[-2] == c.PROGRESSING  # one interval at the failing weight, then back
+    assert weights(actions)[-1] == 0 and isinstance(actions[-2], c.RemoveCanary)
+    assert status.failed_candidate == "cand-a" and status.weight == 0
+    assert "change spec.canary" in status.message
+    assert any(isinstance(a, c.Event) and a.reason == "CanaryRolledBack" and a.warning for a in actions)
+
+
+def test_failure_limit_tolerates_that_many_failed_intervals():
+    plan = c.Plan("cand-a", dataclasses.replace(ANALYSIS, failure_limit=1))
+    bad = dataclasses.replace(SEEN, canary=c.VersionMetrics(1000, 500))
+    status, _actions, phases, _ = drive(plan, [SEEN, SEEN, bad])
+    assert phases[-1] == c.PROGRESSING and status.weight == 5 and status.failures == 1  # held, not advanced
+    status, _, phases, _ = drive(plan, [bad], status=status, start=5000)
+    assert phases == [c.ROLLED_BACK]
+
+
+@pytest.mark.parametrize(
+    "observation",
+    [
+        dataclasses.replace(SEEN, canary=None),  # a metrics outage
+        dataclasses.replace(SEEN, canary=c.VersionMetrics(requests=10, errors=0)),  # under minRequests
+        dataclasses.replace(SEEN, canary=c.VersionMetrics(requests=math.nan, errors=0)),  # NaN
+        dataclasses.replace(SEEN, canary=c.VersionMetrics(requests=0, errors=0)),  # an empty result
+    ],
+    ids=["outage", "too-few", "nan", "empty"],
+)
+def test_missing_data_is_inconclusive_never_advances_and_rolls_back_after_the_limit(observation):
+    status, actions, phases, _ = drive(PLAN, [SEEN, SEEN] + [observation] * 3)
+    assert phases[2:] == [c.PROGRESSING, c.PROGRESSING, c.ROLLED_BACK]  # limit 2: the third rolls back
+    assert weights(actions) == [5, 0]  # never advanced past the first step
+    assert status.inconclusives == 3 and "inconclusiveLimit 2" in status.message
+
+
+def test_p99_relative_to_stable_without_stable_data_is_inconclusive():
+    plan = c.Plan("cand-a", dataclasses.replace(ANALYSIS, max_p99_ratio=1.5))
+    verdict, why = c.judge(plan.analysis, dataclasses.replace(SEEN, stable=None))
+    assert verdict == c.INCONCLUSIVE and "stable p99" in why
+
+
+def test_a_gate_that_says_no_holds_the_step_without_counting_against_the_candidate():
+    plan = c.Plan("cand-a", dataclasses.replace(ANALYSIS, step_gate=True))
+    yes = dataclasses.replace(SEEN, gate=True)
+    no = dataclasses.replace(SEEN, gate=False)
+    status, actions, _, _ = drive(plan, [SEEN, yes])  # gate approves the first step
+    assert status.weight == 5
+    status, actions, phases, _ = drive(plan, [no, no, no, no], status=status, start=5000)
+    assert phases == [c.PROGRESSING] * 4 and status.weight == 5  # held at 5 %
+    assert status.failures == 0 and status.inconclusives == 0
+    assert all(isinstance(a, c.AskGate) for a in actions) and "gate has not approved 25%" in status.message
+    status, actions, _, _ = drive(plan, [yes], status=status, start=9000)
+    assert status.weight == 25
+
+
+def test_the_promotion_gate_holds_promotion():
+    plan = c.Plan("cand-a", dataclasses.replace(ANALYSIS, step_weights=(50, 100), promotion_gate=True))
+    status, actions, phases, _ = drive(plan, [SEEN] * 5)
+    assert phases[-1] == c.PROGRESSING and status.weight == 100
+    assert isinstance(actions[-1], c.AskGate) and actions[-1].purpose == "promotion"
+    status, _, phases, _ = drive(plan, [dataclasses.replace(SEEN, gate=True)], status=status, start=9000)
+    assert phases == [c.PROMOTING]
+
+
+def test_a_new_candidate_mid_rollout_restarts_and_first_takes_the_old_weight_away():
+    status, _, _, now = drive(PLAN, [SEEN] * 3)  # at 25 % for cand-a
+    assert status.weight == 25
+    decision = c.step(c.Plan("cand-b", ANALYSIS), status, SEEN, now)
+    assert decision.actions[0] == c.SetWeight(0)  # no stale route to the old canary
+    assert decision.actions[1] == c.EnsureCanary("cand-b")
+    assert decision.status.phase == c.INITIALIZING and decision.status.candidate == "cand-b"
+    assert (decision.status.step, decision.status.failures, decision.status.inconclusives) == (-1, 0, 0)
+
+
+def test_an_operator_restart_resumes_from_the_status_alone():
+    status, _, _, now = drive(PLAN, [SEEN] * 3)
+    stored = dataclasses.asdict(status)  # what status.canary holds on the resource
+    resumed = c.Status(**stored)
+    assert c.step(PLAN, resumed, SEEN, now) == c.step(PLAN, status, SEEN, now)
+
+
+def test_a_failed_candidate_is_not_retried_until_the_spec_changes():
+    bad = dataclasses.replace(SEEN, canary=c.VersionMetrics(1000, 500))
+    status, _, _, now = drive(PLAN, [SEEN, SEEN, bad])
+    assert status.phase == c.ROLLED_BACK
+    again = c.step(PLAN, status, SEEN, now + 3600)
+    assert again.status == status and again.actions == ()  # nothing redeployed
+    other, _, phases, _ = drive(c.Plan("cand-b", ANALYSIS), [SEEN, SEEN], status=status, start=now)
+    assert phases == [c.INITIALIZING, c.PROGRESSING] and other.failed_candidate == "cand-a"
+    back = c.step(PLAN, other, SEEN, now + 7200)  # set back to the failed one mid-rollout of cand-b
+    assert back.status.phase == c.ROLLED_BACK and back.actions[0] == c.SetWeight(0)
+
+
+def test_a_canary_losing_its_pods_gets_no_traffic_at_once():
+    status, _, _, now = drive(PLAN, [SEEN, SEEN])
+    decision = c.step(PLAN, status, dataclasses.replace(SEEN, canary_ready=False), now - 50)  # mid-interval
+    assert decision.status.phase == c.ROLLED_BACK and c.SetWeight(0) in decision.actions
+
+
+def test_no_weight_before_the_canary_has_ready_pods():
+    not_ready = dataclasses.replace(SEEN, canary_ready=False)
+    _status, actions, phases, _ = drive(PLAN, [not_ready] * 4)
+    assert phases == [c.INITIALIZING] * 4 and weights(actions) == []
+
+
+def test_promotion_keeps_the_canary_weight_until_stable_is_rolled_out():
+    status, actions, phases, _ = drive(PLAN, [SEEN] * 6 + [SEEN] * 3)  # stable never finishes
+    assert phases[-3:] == [c.PROMOTING] * 3 and status.weight == 100
+    assert weights(actions)[-1] == 100
+
+
+def test_manual_split_follows_the_spec_and_readiness():
+    plan = c.Plan("cand-a", None, traffic_percent=20)
+    status, actions, phases, _ = drive(plan, [SEEN, SEEN, SEEN])
+    assert phases == [c.INITIALIZING, c.MANUAL, c.MANUAL] and weights(actions) == [20]
+    lost = c.step(plan, status, dataclasses.replace(SEEN, canary_ready=False), 5000)
+    assert lost.status.weight == 0 and c.SetWeight(0) in lost.actions
+
+
+def test_removing_spec_canary_aborts_a_rollout():
+    status, _, _, now = drive(PLAN, [SEEN] * 3)
+    decision = c.step(None, status, SEEN, now)
+    assert decision.actions[:2] == (c.SetWeight(0), c.RemoveCanary())
+    assert decision.status.phase == c.IDLE
+    assert c.step(None, decision.status, SEEN, now).actions == ()
+
+
+@pytest.mark.parametrize(
+    ("metrics", "verdict"),
+    [
+        (c.VersionMetrics(1000, 10, 20.0), c.SUCCESSFUL),  # exactly at the bound
+        (c.VersionMetrics(1000, 11, 20.0), c.FAILED),
+        (c.VersionMetrics(100, 0, None), c.SUCCESSFUL),  # exactly minRequests, no latency bound set
+        (c.VersionMetrics(99, 0, None), c.INCONCLUSIVE),
+        (c.VersionMetrics(1000, math.nan, 20.0), c.INCONCLUSIVE),
+        (c.VersionMetrics(1000, 0, math.nan), c.SUCCESSFUL),  # no latency bound: p99 is not judged
+    ],
+)
+def test_judge_table(metrics, verdict):
+    assert c.judge(ANALYSIS, dataclasses.replace(SEEN, canary=metrics))[0] == verdict
+
+
+@pytest.mark.parametrize("p99", [None, math.nan])
+def test_a_latency_bound_without_latency_data_is_inconclusive(p99):
+    bounded = dataclasses.replace(ANALYSIS, max_p99_ms=100)
+    verdict, why = c.judge(bounded, dataclasses.replace(SEEN, canary=c.VersionMetrics(1000, 0, p99)))
+    assert verdict == c.INCONCLUSIVE and "p99" in why
