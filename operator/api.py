@@ -12,6 +12,7 @@ Callers: ``crd`` (constants), ``builders`` (the dataclasses), ``reconcile`` (par
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -44,6 +45,8 @@ DEFAULT_MIN_REPLICAS = 1
 DEFAULT_MAX_REPLICAS = 1
 DEFAULT_TARGET_QUEUE_DEPTH = 8
 DEFAULT_CANARY_PERCENT = 10
+DEFAULT_STEP_WEIGHTS = (5, 25, 50, 100)
+GATE_URL_PATTERN = r"^https?://[^\s]+$"
 DEFAULT_DRAIN_SECONDS = 5
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 30
 MAX_DRAIN_SECONDS = 600
@@ -150,11 +153,33 @@ class Shutdown:
 
 
 @dataclasses.dataclass(frozen=True)
+class CanaryAnalysis:
+    """How a candidate is judged (``spec.canary.analysis``); see docs/operator.md."""
+
+    step_weights: tuple[int, ...] = DEFAULT_STEP_WEIGHTS
+    interval_seconds: int = 60
+    min_requests: int = 50
+    """Fewer canary requests in an interval make it inconclusive, never a pass."""
+    max_error_rate_percent: float = 1.0
+    max_latency_p99_ms: int | None = None
+    max_latency_p99_ratio: float | None = None
+    """Canary p99 over this multiple of the stable p99 fails the interval."""
+    failure_limit: int = 0
+    inconclusive_limit: int = 2
+    gate_url: str | None = None
+    """An HTTP(S) URL that must answer 2xx before a step or promotion (as asked below)."""
+    gate_before_step: bool = False
+    gate_before_promotion: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Canary:
     storage_uri: str
     version: int
     traffic_percent: int = DEFAULT_CANARY_PERCENT
     config: str | None = None
+    analysis: CanaryAnalysis | None = None
+    """None: a fixed ``traffic_percent`` split, promoted and aborted by hand."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +293,62 @@ class _Reader:
         elif pattern and not re.fullmatch(pattern, value):
             self.problem(f"{path}.{key}", f"{value!r} does not match {pattern}{hint}")
         return value
+
+    def number(
+        self, data: Mapping[str, Any], key: str, path: str, default: float | None, lo: float, hi: float
+    ) -> float | None:
+        value = data.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+            self.problem(f"{path}.{key}", f"must be a number from {lo:g} to {hi:g}, got {value!r}")
+            return default
+        if not lo <= value <= hi:
+            self.problem(f"{path}.{key}", f"must be from {lo:g} to {hi:g}, got {value:g}")
+        return float(value)
+
+    def boolean(self, data: Mapping[str, Any], key: str, path: str) -> bool:
+        value = data.get(key, False)
+        if not isinstance(value, bool):
+            self.problem(f"{path}.{key}", f"must be true or false, got {value!r}")
+            return False
+        return value
+
+    def analysis(self, data: Mapping[str, Any] | None, path: str) -> CanaryAnalysis | None:
+        if data is None:
+            return None
+        weights = data.get("stepWeights", list(DEFAULT_STEP_WEIGHTS))
+        if (
+            not isinstance(weights, list)
+            or not weights
+            or not all(isinstance(w, int) and not isinstance(w, bool) and 1 <= w <= 100 for w in weights)
+            or any(b <= a for a, b in itertools.pairwise(weights))
+        ):
+            self.problem(
+                f"{path}.stepWeights",
+                f"must be a rising list of traffic percents from 1 to 100, such as [5, 25, 50, 100]; got {weights!r}",
+            )
+            weights = list(DEFAULT_STEP_WEIGHTS)
+        gates = self.obj(data, "gates", path) or {}
+        gate_url = self.string(gates, "url", f"{path}.gates", pattern=GATE_URL_PATTERN)
+        before_step = self.boolean(gates, "beforeStep", f"{path}.gates")
+        before_promotion = self.boolean(gates, "beforePromotion", f"{path}.gates")
+        if (before_step or before_promotion) and not gate_url:
+            self.problem(f"{path}.gates.url", "is required when beforeStep or beforePromotion is true")
+        latency = self.number(data, "maxLatencyP99Milliseconds", path, None, 1, 600_000)
+        return CanaryAnalysis(
+            step_weights=tuple(weights),
+            interval_seconds=self.integer(data, "intervalSeconds", path, 60, 10, 86_400),
+            min_requests=self.integer(data, "minRequests", path, 50, 1, 1_000_000_000),
+            max_error_rate_percent=self.number(data, "maxErrorRatePercent", path, 1.0, 0, 100) or 0.0,
+            max_latency_p99_ms=None if latency is None else int(latency),
+            max_latency_p99_ratio=self.number(data, "maxLatencyP99RatioToStable", path, None, 1, 100),
+            failure_limit=self.integer(data, "failureLimit", path, 0, 0, 100),
+            inconclusive_limit=self.integer(data, "inconclusiveLimit", path, 2, 0, 100),
+            gate_url=gate_url,
+            gate_before_step=before_step,
+            gate_before_promotion=before_promotion,
+        )
 
     def model_source(self, data: Mapping[str, Any], path: str, default_name: str) -> ModelSource:
         name = self.string(data, "name", path, pattern=NAME_PATTERN) or default_name
@@ -432,6 +513,7 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
             version=read.integer(raw, "version", "spec.canary", model.version + 1, 1, 2**31 - 1),
             traffic_percent=read.integer(raw, "trafficPercent", "spec.canary", DEFAULT_CANARY_PERCENT, 0, 100),
             config=read.string(raw, "config", "spec.canary"),
+            analysis=read.analysis(read.obj(raw, "analysis", "spec.canary"), "spec.canary.analysis"),
         )
         if canary.version == model.version and canary.storage_uri == model.storage_uri:
             read.problem("spec.canary", "is identical to spec.model; change its version or storageUri")

@@ -28,8 +28,12 @@ also mid-rollout, restarts the analysis and first takes the old canary's weight 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from collections.abc import Sequence
+
+from sluice.operator import api
 
 INITIALIZING = "Initializing"
 PROGRESSING = "Progressing"
@@ -162,6 +166,40 @@ class Decision:
     status: Status
     actions: tuple[Action, ...] = ()
     requeue_after_s: float | None = None
+
+
+def plan_of(spec: api.InferenceModelSpec) -> Plan | None:
+    """The rollout ``spec.canary`` asks for. The candidate is named by a hash of everything that
+    changes its pods (model source, version, config, and the runtime settings the canary runs with),
+    so a change of analysis thresholds goes on with the same rollout, and any other change restarts it."""
+    canary = spec.canary
+    if canary is None:
+        return None
+    pods = {
+        "storageUri": canary.storage_uri,
+        "version": canary.version,
+        "config": canary.config,
+        "runtime": dataclasses.asdict(spec.runtime),
+        "resources": dataclasses.asdict(spec.resources),
+    }
+    digest = hashlib.sha256(json.dumps(pods, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    candidate = f"v{canary.version}-{digest}"
+    wanted = canary.analysis
+    if wanted is None:
+        return Plan(candidate, None, canary.traffic_percent)
+    analysis = Analysis(
+        step_weights=wanted.step_weights,
+        interval_s=float(wanted.interval_seconds),
+        min_requests=wanted.min_requests,
+        max_error_rate=wanted.max_error_rate_percent / 100,
+        max_p99_ms=None if wanted.max_latency_p99_ms is None else float(wanted.max_latency_p99_ms),
+        max_p99_ratio=wanted.max_latency_p99_ratio,
+        failure_limit=wanted.failure_limit,
+        inconclusive_limit=wanted.inconclusive_limit,
+        step_gate=wanted.gate_before_step,
+        promotion_gate=wanted.gate_before_promotion,
+    )
+    return Plan(candidate, analysis, canary.traffic_percent)
 
 
 def judge(analysis: Analysis, observation: Observation) -> tuple[str, str]:

@@ -229,16 +229,47 @@ def _canary() -> Schema:
                 "Share of requests sent to the canary.", 0, 100, default=api.DEFAULT_CANARY_PERCENT,
             ),
             "analysis": _obj(
-                "Promotion checks evaluated over the runtime's metrics.",
+                "Progressive rollout: the canary's weight rises step by step while each interval of its metrics "
+                "passes; a failure or too many inconclusive intervals roll it back. Without it, trafficPercent "
+                "is a fixed split.",
                 {
-                    "intervalSeconds": _int("How often to evaluate.", 10, 86400, default=60),
+                    "stepWeights": {
+                        "type": "array", "minItems": 1, "maxItems": 20,
+                        "items": {"type": "integer", "format": "int32", "minimum": 1, "maximum": 100,
+                                  "description": "Canary traffic percent of one step."},
+                        "default": list(api.DEFAULT_STEP_WEIGHTS),
+                        "description": "Rising canary traffic percents; after the last one passes, promotion.",
+                    },
+                    "intervalSeconds": _int("Length of one judged interval.", 10, 86400, default=60),
+                    "minRequests": _int(
+                        "Fewer canary requests in an interval make it inconclusive (never a pass).", 1, 1_000_000_000,
+                        default=50,
+                    ),
                     "maxErrorRatePercent": {
                         "type": "number", "minimum": 0, "maximum": 100, "default": 1,
-                        "description": "Roll back when the canary's error rate exceeds this.",
+                        "description": "An interval fails when the canary's error rate exceeds this.",
                     },
-                    "maxLatencyP99Milliseconds": _int("Roll back when p99 latency exceeds this.", 1, 600_000),
-                    "successfulIntervals": _int(
-                        "Consecutive passing evaluations before promotion.", 1, 1000, default=5,
+                    "maxLatencyP99Milliseconds": _int("An interval fails when the canary's p99 exceeds this.", 1,
+                                                      600_000),
+                    "maxLatencyP99RatioToStable": {
+                        "type": "number", "minimum": 1, "maximum": 100,
+                        "description": "An interval fails when the canary's p99 exceeds this multiple of stable's.",
+                    },
+                    "failureLimit": _int("Failed intervals tolerated; one more rolls back.", 0, 100, default=0),
+                    "inconclusiveLimit": _int("Inconclusive intervals tolerated; one more rolls back.", 0, 100,
+                                              default=2),
+                    "gates": _obj(
+                        "A webhook that must answer 2xx before a weight increase and/or before promotion.",
+                        {
+                            "url": _str("HTTP(S) URL called with a POST naming the model, candidate and step.",
+                                        pattern=api.GATE_URL_PATTERN, maxLength=2048),
+                            "beforeStep": {"type": "boolean", "default": False,
+                                           "description": "Ask before every weight increase."},
+                            "beforePromotion": {"type": "boolean", "default": False,
+                                                "description": "Ask before promotion."},
+                        },
+                        rules=[_rule("!(self.beforeStep || self.beforePromotion) || has(self.url)",
+                                     "gates.url is required when beforeStep or beforePromotion is true")],
                     ),
                 },
             ),

@@ -75,3 +75,52 @@ def test_quantities():
     assert api.quantity_to_float("500m") == 0.5
     with pytest.raises(ValueError, match="not a Kubernetes quantity"):
         api.quantity_to_float("lots")
+
+
+CANARY = {"storageUri": "s3://bucket/m2", "version": 2}
+
+
+def test_canary_analysis_defaults_and_fields():
+    spec = api.parse_inference_model("m", {"model": MODEL, "canary": {**CANARY, "analysis": {}}})
+    assert spec.canary is not None and spec.canary.analysis == api.CanaryAnalysis()
+    assert spec.canary.analysis.step_weights == (5, 25, 50, 100)
+    full = {
+        "stepWeights": [10, 50],
+        "intervalSeconds": 30,
+        "minRequests": 200,
+        "maxErrorRatePercent": 0.5,
+        "maxLatencyP99Milliseconds": 250,
+        "maxLatencyP99RatioToStable": 1.5,
+        "failureLimit": 1,
+        "inconclusiveLimit": 3,
+        "gates": {"url": "https://gate.example/approve", "beforePromotion": True},
+    }
+    analysis = api.parse_inference_model("m", {"model": MODEL, "canary": {**CANARY, "analysis": full}}).canary.analysis
+    assert analysis == api.CanaryAnalysis(
+        step_weights=(10, 50), interval_seconds=30, min_requests=200, max_error_rate_percent=0.5,
+        max_latency_p99_ms=250, max_latency_p99_ratio=1.5, failure_limit=1, inconclusive_limit=3,
+        gate_url="https://gate.example/approve", gate_before_step=False, gate_before_promotion=True,
+    )  # fmt: skip
+    manual = api.parse_inference_model("m", {"model": MODEL, "canary": {**CANARY, "trafficPercent": 20}})
+    assert manual.canary is not None and manual.canary.analysis is None
+
+
+@pytest.mark.parametrize(
+    ("analysis", "expected"),
+    [
+        ({"stepWeights": [50, 25]}, "spec.canary.analysis.stepWeights: must be a rising list"),
+        ({"stepWeights": []}, "must be a rising list"),
+        ({"stepWeights": [0, 50]}, "must be a rising list"),
+        ({"stepWeights": [50, 150]}, "must be a rising list"),
+        ({"minRequests": 0}, "spec.canary.analysis.minRequests: must be from 1"),
+        ({"maxErrorRatePercent": "low"}, "spec.canary.analysis.maxErrorRatePercent: must be a number"),
+        ({"maxLatencyP99RatioToStable": 0.5}, "maxLatencyP99RatioToStable: must be from 1 to 100"),
+        ({"failureLimit": -1}, "spec.canary.analysis.failureLimit: must be from 0 to 100"),
+        ({"gates": {"beforeStep": True}}, "spec.canary.analysis.gates.url: is required when beforeStep"),
+        ({"gates": {"url": "ftp://x", "beforeStep": True}}, "does not match"),
+        ({"gates": {"url": "https://g", "beforeStep": "yes"}}, "gates.beforeStep: must be true or false"),
+    ],
+)
+def test_bad_canary_analysis_says_what_to_change(analysis, expected):
+    found = problems({"model": MODEL, "canary": {**CANARY, "analysis": analysis}})
+    assert any(expected in p for p in found), found

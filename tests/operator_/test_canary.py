@@ -228,3 +228,35 @@ def test_a_latency_bound_without_latency_data_is_inconclusive(p99):
     bounded = dataclasses.replace(ANALYSIS, max_p99_ms=100)
     verdict, why = c.judge(bounded, dataclasses.replace(SEEN, canary=c.VersionMetrics(1000, 0, p99)))
     assert verdict == c.INCONCLUSIVE and "p99" in why
+
+
+def _spec(canary: dict, **extra) -> object:
+    from sluice.operator import api
+
+    return api.parse_inference_model(
+        "m", {"model": {"storageUri": "s3://b/m", "format": "onnx"}, "canary": canary, **extra}
+    )
+
+
+def test_the_plan_follows_the_spec_and_names_the_candidate_by_what_changes_its_pods():
+    base = {"storageUri": "s3://b/m2", "version": 2, "analysis": {"stepWeights": [10, 100], "minRequests": 7}}
+    plan = c.plan_of(_spec(base))
+    assert plan is not None and plan.analysis is not None
+    assert plan.analysis.step_weights == (10, 100) and plan.analysis.min_requests == 7
+    assert plan.analysis.max_error_rate == pytest.approx(0.01)  # 1 % as a fraction
+    assert plan.candidate.startswith("v2-")
+    # thresholds are not the candidate: the same rollout goes on
+    stricter = {**base, "analysis": {**base["analysis"], "maxErrorRatePercent": 0.1}}
+    assert c.plan_of(_spec(stricter)).candidate == plan.candidate
+    # anything that changes the pods is a new candidate
+    assert c.plan_of(_spec({**base, "storageUri": "s3://b/m3"})).candidate != plan.candidate
+    assert c.plan_of(_spec(base, runtime={"maxBatchSize": 8})).candidate != plan.candidate
+    manual = c.plan_of(_spec({"storageUri": "s3://b/m2", "version": 2, "trafficPercent": 30}))
+    assert manual is not None and manual.analysis is None and manual.traffic_percent == 30
+    assert c.plan_of(api_spec_without_canary()) is None
+
+
+def api_spec_without_canary():
+    from sluice.operator import api
+
+    return api.parse_inference_model("m", {"model": {"storageUri": "s3://b/m", "format": "onnx"}})
