@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -66,3 +67,31 @@ def merge(
 def find(conditions: Sequence[Mapping[str, Any]] | None, type_: str) -> Mapping[str, Any] | None:
     """The condition of ``type_`` in a wire-shaped list, or ``None``."""
     return next((c for c in conditions or () if c.get("type") == type_), None)
+
+
+_INSUFFICIENT = re.compile(r"Insufficient ([\w./+-]*\w)")
+
+
+def unschedulable(pods: Iterable[Mapping[str, Any]]) -> Condition | None:
+    """Degraded/Unschedulable when runtime pods wait for the scheduler, naming what is missing
+    (from the scheduler's ``PodScheduled`` message: ``0/3 nodes are available: 3 Insufficient
+    nvidia.com/gpu``); None when every pod was placed."""
+    waiting: list[str] = []
+    for pod in pods:
+        if (pod.get("status") or {}).get("phase", "Pending") != "Pending":
+            continue
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
+                    and cond.get("reason") == "Unschedulable":
+                waiting.append(str(cond.get("message") or "no reason given"))
+    if not waiting:
+        return None
+    missing = sorted({name for message in waiting for name in _INSUFFICIENT.findall(message)})
+    what = f"not enough {', '.join(missing)} on any node" if missing else "no node fits the pod"
+    return Condition(
+        DEGRADED,
+        TRUE,
+        "Unschedulable",
+        f"{len(waiting)} runtime pod(s) cannot be scheduled: {what}. The scheduler says: "
+        f"{waiting[0].rstrip('.')}. Free or add that capacity, or lower spec.resources / spec.scaling.",
+    )

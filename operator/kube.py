@@ -29,6 +29,7 @@ Obj = dict[str, Any]
 # kind -> (apiVersion, plural) for every kind the operator reads or writes.
 RESOURCES: dict[str, tuple[str, str]] = {
     "ConfigMap": ("v1", "configmaps"),
+    "Pod": ("v1", "pods"),  # read only: why runtime pods wait (Unschedulable)
     "Service": ("v1", "services"),
     "Deployment": ("apps/v1", "deployments"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),

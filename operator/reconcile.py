@@ -170,6 +170,10 @@ class Reconciler:
                     deleted += await self._kube.delete(kind, owner.namespace, name,
                                                        uid=existing["metadata"].get("uid"))
             found, replicas, ready = _rollout(deployment)
+            if deployment is not None and ready < int((deployment.get("spec") or {}).get("replicas", 1)):
+                waiting = conditions.unschedulable(await self._pods(owner))
+                if waiting is not None:  # more telling than a stalled rollout: it names what is missing
+                    found = [c for c in found if c.type != conditions.DEGRADED] + [waiting]
             if not any(c.type == conditions.DEGRADED for c in found):
                 if desired.notes:
                     found.append(Condition(conditions.DEGRADED, TRUE, "NotImplemented", " ".join(desired.notes)))
@@ -188,6 +192,12 @@ class Reconciler:
                 status["placement"] = desired.placement
             outcome = await self._write_status(body, found, status)
             return dataclasses.replace(outcome, applied=applied, deleted=deleted)
+
+    async def _pods(self, owner: builders.Owner) -> list[Obj]:
+        """The runtime pods of ``owner`` (its Deployment's selector labels)."""
+        labels = builders.selector_labels(owner)
+        pods = await self._kube.list("Pod", owner.namespace)
+        return [p for p in pods if all((p["metadata"].get("labels") or {}).get(k) == v for k, v in labels.items())]
 
     async def _decide(self, owner: builders.Owner, body: Mapping[str, Any]) -> builders.Desired:
         spec = body.get("spec") or {}

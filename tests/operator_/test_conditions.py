@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 
+import pytest
+
 from sluice.operator import conditions
 from sluice.operator.conditions import Condition
 
@@ -29,3 +31,32 @@ def test_order_is_stable_and_foreign_conditions_are_kept():
                                          Condition("Ready", "True", "Available", "ok")], generation=None, now=T0)
     assert [c["type"] for c in merged] == ["Ready", "Degraded", "Custom"]
     assert "observedGeneration" not in merged[0]
+
+
+def _pod(phase: str, reason: str | None = None, message: str = "") -> dict:
+    conditions_ = [] if reason is None else [
+        {"type": "PodScheduled", "status": "False", "reason": reason, "message": message}
+    ]
+    return {"metadata": {"name": "p"}, "status": {"phase": phase, "conditions": conditions_}}
+
+
+@pytest.mark.parametrize(
+    ("pods", "expected"),
+    [
+        ([], None),
+        ([_pod("Running")], None),
+        ([_pod("Pending")], None),  # not looked at by the scheduler yet
+        ([_pod("Pending", "SchedulingGated", "gated")], None),
+        ([_pod("Pending", "Unschedulable", "0/2 nodes are available: 2 Insufficient nvidia.com/mig-1g.10gb.")],
+         "1 runtime pod(s) cannot be scheduled: not enough nvidia.com/mig-1g.10gb on any node."),
+        ([_pod("Pending", "Unschedulable", "0/4 nodes are available: 4 node(s) didn't match Pod's node affinity.")] * 2,
+         "2 runtime pod(s) cannot be scheduled: no node fits the pod."),
+    ],
+)
+def test_unschedulable_names_what_is_missing(pods, expected):
+    found = conditions.unschedulable(pods)
+    if expected is None:
+        assert found is None
+    else:
+        assert found is not None and (found.type, found.status, found.reason) == ("Degraded", "True", "Unschedulable")
+        assert found.message.startswith(expected), found.message

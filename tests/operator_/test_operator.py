@@ -249,3 +249,35 @@ async def test_printer_columns_and_scale_paths_read_what_the_operator_writes(cli
     selector = json_path(model, scale["labelSelectorPath"])
     pod_labels = client.read(DEPLOY, "resnet")["spec"]["template"]["metadata"]["labels"]
     assert selector and all(pod_labels.get(k) == v for k, v in (t.split("=") for t in selector.split(",")))
+
+
+async def test_pods_the_scheduler_cannot_place_give_a_condition_naming_what_is_missing(client, operator, apiserver):
+    """No silent plateau: the emulator has no scheduler, so the test writes the pod and its
+    PodScheduled condition as the ReplicaSet controller and the scheduler would (e2e/README.md)."""
+    await client.create(client.IM, client.model(resources={"gpu": {"count": 1}}))
+    deployment = await client.wait(lambda: client.read(DEPLOY, "resnet"))
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "resnet-7d9f-x2k4p", "namespace": "models", "labels": labels},
+           "spec": {"containers": [{"name": "runtime", "image": "sluice-runtime:test"}]}}  # fmt: skip
+    await client.post("/api/v1/namespaces/models/pods", pod)
+    await client.post("/api/v1/namespaces/models/pods",
+                      {**pod, "metadata": {**pod["metadata"], "name": "unrelated", "labels": {"app": "other"}}})
+    message = "0/3 nodes are available: 1 Insufficient cpu, 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes"
+    await apiserver.write_status("v1/pods", "models", "resnet-7d9f-x2k4p", {
+        "phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}],
+    })  # fmt: skip
+    # the Deployment controller reports the pod it created; the operator reconciles on that
+    generation = deployment["metadata"]["generation"]
+    await apiserver.write_status("apps/v1/deployments", "models", "resnet",
+                                 {"observedGeneration": generation, "replicas": 2, "unavailableReplicas": 2})
+    degraded = await client.wait(lambda: (c := client.condition(client.read(client.IM, "resnet"), "Degraded"))
+                                 and c["reason"] == "Unschedulable" and c)
+    assert degraded["status"] == "True"
+    assert "1 runtime pod(s) cannot be scheduled: not enough cpu, nvidia.com/gpu on any node" in degraded["message"]
+    assert message in degraded["message"]
+    # the scheduler places it: the condition clears
+    await apiserver.write_status("v1/pods", "models", "resnet-7d9f-x2k4p", {"phase": "Running", "conditions": []})
+    await apiserver.complete_rollout("models", "resnet")
+    await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded")["reason"] == "AsExpected")
