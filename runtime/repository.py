@@ -359,7 +359,8 @@ class Repository:
     def _client_message(self, name: str, message: str) -> str:
         """A load error as clients read it: Triton's "failed to load '<m>'" wording, and no path of
         the server's file system (paths are shown relative to the repository)."""
-        for root in {str(self.root.resolve()), str(self.root)}:
+        roots = {str(self.root.resolve())} | ({str(self.root)} if self.root.is_absolute() else set())
+        for root in sorted(roots, key=len, reverse=True):  # absolute paths only: a relative one is a word
             message = message.replace(root + "/", "").replace(root, "the model repository")
         if not message.startswith(f"failed to load '{name}'"):
             message = f"failed to load '{name}': {message}"

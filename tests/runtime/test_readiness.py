@@ -196,3 +196,13 @@ def test_a_bad_parameter_is_refused_before_any_side_effect_and_the_old_version_s
     index = {row["name"]: row for row in client.get_model_repository_index()}
     assert index["marking"]["state"] == "READY"
     assert client.is_server_ready()
+
+
+def test_a_relative_repository_path_is_not_rewritten_inside_model_names(serve, tmp_path, monkeypatch):
+    """Only the server's absolute paths are taken out of messages; 'repo' inside a name stays."""
+    write_model(tmp_path / "repo", "repo_model", BROKEN_CONFIG.replace("broken", "repo_model"), {"model.onnx": b"x"})
+    monkeypatch.chdir(tmp_path)
+    server = serve(Path("repo"), strict_readiness=False)
+    message = server.server.failed_models["repo_model"]
+    assert message.startswith("failed to load 'repo_model'"), message
+    assert "repo_model/1/model.onnx" in message and str(tmp_path) not in message
