@@ -468,11 +468,7 @@ class Repository:
     async def unload(self, name: str, grace_s: float | None = None) -> None:
         """Unload every version of ``name``; in-flight requests get ``grace_s`` (default: the
         repository's grace) to finish. Like a load, it goes on when the caller is cancelled."""
-        problem = names.name_problem(name)
-        if problem is not None:
-            raise InvalidArgument(
-                f"failed to unload '{names.shown(name)}': invalid model name: {problem}; allowed: {names.ALLOWED}"
-            )
+        self._checked(name, "unload")
         await _unless_cancelled(self._unload(name, grace_s))
 
     async def _unload(self, name: str, grace_s: float | None) -> None:
