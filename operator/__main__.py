@@ -72,6 +72,9 @@ def _environment_help(defaults: Settings) -> str:
         ("SLUICE_PEERING_PRIORITY", "random per process", "this replica's peering priority"),
         ("SLUICE_HEALTH_PORT", str(defaults.health_port), "liveness endpoint /healthz"),
         ("SLUICE_METRICS_PORT", str(defaults.operator_metrics_port), "Prometheus /metrics; 0 turns it off"),
+        ("SLUICE_PROMETHEUS_URL", "scrape the pods", "Prometheus for canary analysis and KEDA triggers"),
+        ("SLUICE_ROUTER", defaults.router, "canary split: auto, gateway-api, istio or none"),
+        ("SLUICE_GATEWAY", "the model's Service", "namespace/name of the Gateway routes attach to"),
     ]
     width = max(len(name) for name, _, _ in rows)
     lines = [f"  {name:<{width}}  {what} (default: {default})" for name, default, what in rows]

@@ -95,6 +95,23 @@ class VersionMetrics:
 
 
 @dataclasses.dataclass(frozen=True)
+class Target:
+    """What a metrics source reads for one rollout: the runtime pods of each track, told apart by their
+    ``app.kubernetes.io/instance`` label (``<name>`` for stable, ``<name>-canary`` for the candidate;
+    a PodMonitor's ``podTargetLabels`` turns it into the series label ``app_kubernetes_io_instance``)."""
+
+    namespace: str
+    name: str
+    """The InferenceModel."""
+    model: str
+    """The model's name inside the runtime (the ``model`` label of its metrics)."""
+    stable_instance: str
+    canary_instance: str
+    window_s: float
+    """Length of the interval being judged (the PromQL range, the scrape baseline's age)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Observation:
     """What the caller saw since the last interval began. ``None`` metrics: none could be read."""
 

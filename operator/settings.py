@@ -70,6 +70,17 @@ class Settings:
     operator_metrics_port: int = 9090
     """Port of the operator's own Prometheus metrics (``/metrics``); 0 turns them off."""
 
+    prometheus_url: str | None = None
+    """Prometheus the canary analysis queries (and KEDA triggers point at); ``None``: the operator
+    scrapes the runtime pods' metrics endpoints itself."""
+    router: str = "auto"
+    """How canary traffic is split: ``gateway-api`` (HTTPRoute + GRPCRoute weights), ``istio``
+    (VirtualService weights), ``none`` (the stable pods forward the canary's share themselves), or
+    ``auto`` (Gateway API, then Istio, by API discovery; otherwise ``none``)."""
+    gateway: str = ""
+    """``namespace/name`` of the Gateway the HTTPRoute/GRPCRoute attach to; empty attaches them to
+    the model's Service (Gateway API for service mesh, GAMMA)."""
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """Build settings from ``SLUICE_*`` variables (the Helm chart sets them); absent ones keep defaults."""
@@ -101,4 +112,7 @@ class Settings:
             peering_priority=int(priority) if priority else defaults.peering_priority,
             health_port=int(env.get("SLUICE_HEALTH_PORT", defaults.health_port)),
             operator_metrics_port=int(env.get("SLUICE_METRICS_PORT", defaults.operator_metrics_port)),
+            prometheus_url=env.get("SLUICE_PROMETHEUS_URL") or None,
+            router=env.get("SLUICE_ROUTER", defaults.router),
+            gateway=env.get("SLUICE_GATEWAY", defaults.gateway),
         )
