@@ -25,6 +25,14 @@ Obj = dict[str, Any]
 
 MANAGED_BY = "sluice-operator"
 CONFIG_HASH_ANNOTATION = "sluice.dev/config-hash"
+CANDIDATE_ANNOTATION = "sluice.dev/candidate"
+"""On a Deployment's metadata (not its pod template, so it rolls nothing): the canary candidate it runs."""
+TRACK_LABEL = "sluice.dev/track"
+STABLE, CANARY = "stable", "canary"
+SPLIT_DIRECTORY = "/etc/sluice/split"
+SPLIT_FILE = "split.json"
+"""The no-mesh split (``--split-file``): a ConfigMap ``<name>-split`` mounted into the stable pods."""
+ROUTERS = ("gateway-api", "istio", "none")
 MODEL_REPOSITORY = "/models"
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
@@ -186,23 +194,32 @@ def _meta(owner: Owner, name: str, labels: Mapping[str, str], annotations: Mappi
     return meta
 
 
-def selector_labels(owner: Owner) -> dict[str, str]:
-    return {"app.kubernetes.io/instance": owner.name, "sluice.dev/" + owner.kind.lower(): owner.name}
+def instance(owner: Owner, track: str = STABLE) -> str:
+    """The ``app.kubernetes.io/instance`` of a track's pods, also the name of its Deployment and Service."""
+    return owner.name if track == STABLE else f"{owner.name}-{track}"
 
 
-def common_labels(owner: Owner) -> dict[str, str]:
-    return {
+def selector_labels(owner: Owner, track: str = STABLE) -> dict[str, str]:
+    """Labels that select one track's pods: the stable selector never matches a canary pod."""
+    return {"app.kubernetes.io/instance": instance(owner, track), "sluice.dev/" + owner.kind.lower(): owner.name}
+
+
+def common_labels(owner: Owner, track: str = STABLE) -> dict[str, str]:
+    labels = {
         "app.kubernetes.io/name": "sluice-runtime",
         "app.kubernetes.io/managed-by": MANAGED_BY,
         "app.kubernetes.io/component": owner.kind.lower(),
-        **selector_labels(owner),
+        **selector_labels(owner, track),
     }
+    if track != STABLE:
+        labels[TRACK_LABEL] = track
+    return labels
 
 
-def config_map(owner: Owner, name: str, files: Mapping[str, str]) -> Obj:
+def config_map(owner: Owner, name: str, files: Mapping[str, str], track: str = STABLE) -> Obj:
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": _meta(owner, name, common_labels(owner)),
+        "metadata": _meta(owner, name, common_labels(owner, track)),
         "data": dict(sorted(files.items())),
     }
 
@@ -283,10 +300,16 @@ def _fetch(
 def deployment(
     owner: Owner, *, name: str, models: Sequence[ServedModel], config_map_name: str, files: Mapping[str, str],
     resources: api.Resources, gpus: Sequence[api.Gpu], replicas: int | None, storage: api.Storage,
-    shutdown: api.Shutdown, settings: Settings,
+    shutdown: api.Shutdown, settings: Settings, track: str = STABLE, split: bool = False, candidate: str = "",
 ) -> Obj:
-    """The runtime Deployment; ``replicas`` ``None`` leaves the count to its owner (the HPA)."""
-    labels = common_labels(owner)
+    """The runtime Deployment; ``replicas`` ``None`` leaves the count to its owner (the HPA).
+
+    ``split`` mounts the ``<owner>-split`` ConfigMap (optional: absent means no split) and points
+    ``--split-file`` at it, so stable pods forward a canary's share without a mesh; it is always on for
+    an InferenceModel's stable pods, so starting a canary never rolls them. ``candidate`` is recorded
+    in an annotation on the Deployment itself to tell which candidate it runs.
+    """
+    labels = common_labels(owner, track)
     init_containers: list[Obj] = []
     volumes: list[Obj] = [
         {"name": "model-repository", "emptyDir": {}},
@@ -317,6 +340,11 @@ def deployment(
             "mountPath": f"{MODEL_REPOSITORY}/{served.source.name}/{served.config_name}",
             "subPath": _config_key(served),
         })
+    args: list[str] = []
+    if split:
+        volumes.append({"name": "split", "configMap": {"name": f"{owner.name}-split", "optional": True}})
+        mounts.append({"name": "split", "mountPath": SPLIT_DIRECTORY, "readOnly": True})
+        args = ["--split-file", f"{SPLIT_DIRECTORY}/{SPLIT_FILE}"]
     gpu_limits, affinity = _gpu_scheduling(gpus)
     cpu = resources.cpu or settings.default_resources.cpu
     memory = resources.memory or settings.default_resources.memory
@@ -332,7 +360,7 @@ def deployment(
                  # Not ready until every model in the repository is: a pod with a failed load gets no traffic.
                  "--strict-readiness", "true",
                  # The preStop hook below already drains; a second drain after SIGTERM would only add time.
-                 "--drain-period-s", "0", "--shutdown-grace-s", str(shutdown.grace_seconds)],
+                 "--drain-period-s", "0", "--shutdown-grace-s", str(shutdown.grace_seconds), *args],
         "ports": [
             {"name": "http", "containerPort": http, "protocol": "TCP"},
             {"name": "grpc", "containerPort": grpc, "protocol": "TCP"},
@@ -379,7 +407,7 @@ def deployment(
         pod_spec["affinity"] = affinity
     spec: Obj = {
         "revisionHistoryLimit": 3,
-        "selector": {"matchLabels": selector_labels(owner)},
+        "selector": {"matchLabels": selector_labels(owner, track)},
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "template": {
             "metadata": {
@@ -397,17 +425,18 @@ def deployment(
         spec["replicas"] = replicas
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": _meta(owner, name, labels), "spec": spec,
+        "metadata": _meta(owner, name, labels, {CANDIDATE_ANNOTATION: candidate} if candidate else None),
+        "spec": spec,
     }
 
 
-def service(owner: Owner, name: str, settings: Settings) -> Obj:
+def service(owner: Owner, name: str, settings: Settings, track: str = STABLE) -> Obj:
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": _meta(owner, name, common_labels(owner)),
+        "metadata": _meta(owner, name, common_labels(owner, track)),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(owner),
+            "selector": selector_labels(owner, track),
             "ports": [
                 {"name": "http", "port": settings.http_port, "targetPort": "http", "protocol": "TCP",
                  "appProtocol": "http"},
@@ -419,11 +448,11 @@ def service(owner: Owner, name: str, settings: Settings) -> Obj:
     }
 
 
-def pod_disruption_budget(owner: Owner, name: str) -> Obj:
+def pod_disruption_budget(owner: Owner, name: str, track: str = STABLE) -> Obj:
     return {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-        "metadata": _meta(owner, name, common_labels(owner)),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner)}},
+        "metadata": _meta(owner, name, common_labels(owner, track)),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner, track)}},
     }
 
 
@@ -480,65 +509,224 @@ def _config_key(served: ServedModel) -> str:
     return f"{served.source.name}.{served.config_name}"
 
 
-def _workload(
-    owner: Owner, models: Sequence[ServedModel], *, model_name: str, resources: api.Resources,
-    gpus: Sequence[api.Gpu], scaling: api.Scaling, storage: api.Storage, shutdown: api.Shutdown,
-    settings: Settings, traffic: tuple[Obj, ...], notes: tuple[str, ...] = (), placement: str | None = None,
-    live: Mapping[str, Any] | None = None,
-) -> Desired:
-    name = owner.name
+def _track(
+    owner: Owner, models: Sequence[ServedModel], *, track: str, resources: api.Resources, gpus: Sequence[api.Gpu],
+    scaling: api.Scaling, storage: api.Storage, shutdown: api.Shutdown, settings: Settings,
+    live: Mapping[str, Any] | None, split: bool = False, candidate: str = "",
+) -> tuple[list[Obj], list[tuple[str, str, str]]]:
+    """One track's objects (ConfigMap, Deployment, Service, PDB/HPA) and the optional ones that must go."""
+    name = instance(owner, track)
     cm_name = f"{name}-config"
     files = {_config_key(served): served.config_text for served in models}
     objects: list[Obj] = [
-        config_map(owner, cm_name, files),
+        config_map(owner, cm_name, files, track),
         deployment(owner, name=name, models=models, config_map_name=cm_name, files=files, resources=resources,
                    gpus=gpus, replicas=deployment_replicas(scaling, live), storage=storage, shutdown=shutdown,
-                   settings=settings),
-        service(owner, name, settings),
+                   settings=settings, track=track, split=split, candidate=candidate),
+        service(owner, name, settings, track),
     ]
     absent: list[tuple[str, str, str]] = []
     if scaling.max_replicas >= 2:
-        objects.append(pod_disruption_budget(owner, name))
+        objects.append(pod_disruption_budget(owner, name, track))
     else:
         absent.append(("policy/v1", "PodDisruptionBudget", name))
     if scaling.autoscaled:
         objects.append(horizontal_pod_autoscaler(owner, name, scaling))
     else:
         absent.append(("autoscaling/v2", "HorizontalPodAutoscaler", name))
+    return objects, absent
+
+
+def _track_names(owner: Owner, track: str) -> list[tuple[str, str, str]]:
+    """Every object a track may have, to remove when the track goes."""
+    name = instance(owner, track)
+    return [
+        ("apps/v1", "Deployment", name), ("v1", "Service", name), ("v1", "ConfigMap", f"{name}-config"),
+        ("policy/v1", "PodDisruptionBudget", name), ("autoscaling/v2", "HorizontalPodAutoscaler", name),
+    ]
+
+
+def _workload(
+    owner: Owner, models: Sequence[ServedModel], *, model_name: str, resources: api.Resources,
+    gpus: Sequence[api.Gpu], scaling: api.Scaling, storage: api.Storage, shutdown: api.Shutdown,
+    settings: Settings, traffic: tuple[Obj, ...], notes: tuple[str, ...] = (), placement: str | None = None,
+    live: Mapping[str, Any] | None = None, split: bool = False, candidate: str = "",
+    extra: Sequence[Obj] = (), extra_absent: Sequence[tuple[str, str, str]] = (),
+) -> Desired:
+    name = owner.name
+    objects, absent = _track(owner, models, track=STABLE, resources=resources, gpus=gpus, scaling=scaling,
+                             storage=storage, shutdown=shutdown, settings=settings, live=live, split=split,
+                             candidate=candidate)
     host = f"{name}.{owner.namespace}.svc.{settings.cluster_domain}"
     http_url = f"http://{host}:{settings.http_port}"
     return Desired(
-        objects=tuple(objects), absent=tuple(absent),
+        objects=(*objects, *extra), absent=(*absent, *extra_absent),
         selector=",".join(f"{k}={v}" for k, v in sorted(selector_labels(owner).items())),
         http_url=http_url, grpc_target=f"{host}:{settings.grpc_port}",
         model_url=f"{http_url}/v2/models/{model_name}", traffic=traffic, notes=notes, placement=placement,
     )
 
 
+# ---------------------------------------------------------------- canary rollouts
+
+ROUTE_KINDS = {
+    "gateway-api": (("gateway.networking.k8s.io/v1", "HTTPRoute"), ("gateway.networking.k8s.io/v1", "GRPCRoute")),
+    "istio": (("networking.istio.io/v1beta1", "VirtualService"),),
+    "none": (("v1", "ConfigMap"),),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """What the canary decision (``canary.step``) wants rendered; the reconciler builds it from the
+    decided status, so the objects follow the status and a restarted operator renders the same."""
+
+    candidate: str
+    """The candidate's hash (``canary.plan_of``)."""
+    canary: bool
+    """The candidate's own Deployment, Service, ConfigMap, PDB and autoscaler exist."""
+    promoted: bool
+    """The stable Deployment runs the candidate (promotion under way or done)."""
+    weight: int
+    """Percent of the model's requests the canary gets."""
+    router: str
+    """One of ``ROUTERS``: who applies the weight."""
+    routed: bool
+    """The router objects exist (the weight is applied). Off once the rollout is over."""
+
+
+def candidate_model(spec: api.InferenceModelSpec) -> api.ModelSource:
+    """The model source the candidate serves: spec.model with the canary's files, version and config."""
+    assert spec.canary is not None
+    canary = spec.canary
+    config = canary.config if canary.config is not None else spec.model.config
+    return dataclasses.replace(spec.model, storage_uri=canary.storage_uri, version=canary.version, config=config)
+
+
+def routes(owner: Owner, model_name: str, router: str, weight: int, settings: Settings) -> list[Obj]:
+    """The objects that send ``weight`` percent of the model's requests to the canary Service.
+
+    ``gateway-api``: an HTTPRoute (HTTP port) and a GRPCRoute (gRPC port) with backendRef weights, attached
+    to the model's own Service (GAMMA, a mesh that implements Gateway API) or, with ``Settings.gateway``,
+    to that Gateway (HTTP only, matched by the model's path: a GRPCRoute cannot tell models apart).
+    ``istio``: a VirtualService with one weighted route per port. ``none``: the ``<name>-split`` ConfigMap
+    the stable pods read (``--split-file``) and forward the canary's share by themselves.
+    """
+    stable, canary = instance(owner, STABLE), instance(owner, CANARY)
+    labels = common_labels(owner)
+    domain = f"{owner.namespace}.svc.{settings.cluster_domain}"
+    if router == "none":
+        split = {"models": {model_name: {"target": f"{canary}.{domain}:{settings.grpc_port}", "percent": weight}}}
+        return [{
+            "apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(owner, f"{owner.name}-split", labels),
+            "data": {SPLIT_FILE: json.dumps(split, sort_keys=True) + "\n"},
+        }]
+    if router == "istio":
+        def http_route(port: int) -> Obj:
+            return {
+                "name": f"port-{port}",
+                "match": [{"port": port}],
+                "route": [
+                    {"destination": {"host": f"{stable}.{domain}", "port": {"number": port}}, "weight": 100 - weight},
+                    {"destination": {"host": f"{canary}.{domain}", "port": {"number": port}}, "weight": weight},
+                ],
+            }
+        return [{
+            "apiVersion": "networking.istio.io/v1beta1", "kind": "VirtualService",
+            "metadata": _meta(owner, owner.name, labels),
+            "spec": {"hosts": [f"{stable}.{domain}"],
+                     "http": [http_route(settings.http_port), http_route(settings.grpc_port)]},
+        }]
+    if router != "gateway-api":
+        raise ValueError(f"unknown router {router!r}; one of {', '.join(ROUTERS)}")
+
+    def backends(port: int) -> list[Obj]:
+        return [{"group": "", "kind": "Service", "name": stable, "port": port, "weight": 100 - weight},
+                {"group": "", "kind": "Service", "name": canary, "port": port, "weight": weight}]
+
+    def parent(port: int) -> Obj:
+        if settings.gateway:
+            namespace, _, gateway = settings.gateway.rpartition("/")
+            ref: Obj = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gateway}
+            if namespace:
+                ref["namespace"] = namespace
+            return ref
+        return {"group": "", "kind": "Service", "name": stable, "port": port}
+
+    http_rule: Obj = {"backendRefs": backends(settings.http_port)}
+    if settings.gateway:
+        http_rule["matches"] = [{"path": {"type": "PathPrefix", "value": f"/v2/models/{model_name}"}}]
+    objects = [{
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+        "metadata": _meta(owner, owner.name, labels),
+        "spec": {"parentRefs": [parent(settings.http_port)], "rules": [http_rule]},
+    }]
+    if not settings.gateway:
+        objects.append({
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "GRPCRoute",
+            "metadata": _meta(owner, owner.name, labels),
+            "spec": {"parentRefs": [parent(settings.grpc_port)],
+                     "rules": [{"backendRefs": backends(settings.grpc_port)}]},
+        })
+    return objects
+
+
+def _route_names(owner: Owner) -> list[tuple[str, str, str]]:
+    return [(api_version, kind, f"{owner.name}-split" if kind == "ConfigMap" else owner.name)
+            for kinds in ROUTE_KINDS.values() for api_version, kind in kinds]
+
+
 def inference_model(
     owner: Owner, spec: api.InferenceModelSpec, settings: Settings, *, live: Mapping[str, Any] | None = None,
+    live_canary: Mapping[str, Any] | None = None, rollout: Rollout | None = None,
 ) -> Desired:
-    """Children of an InferenceModel: ConfigMap, Deployment, Service, and PDB/HPA when scaling asks.
+    """Children of an InferenceModel: ConfigMap, Deployment, Service, and PDB/HPA when scaling asks;
+    during a canary rollout also the candidate's own set (``<name>-canary``) and the router's objects.
 
-    ``live`` is the Deployment as the API server has it now (``None`` if absent); it only decides the
-    replica count during an HPA handover (:func:`deployment_replicas`).
+    ``live``/``live_canary`` are the Deployments as the API server has them now (``None`` if absent); they
+    only decide the replica counts during an HPA handover (:func:`deployment_replicas`). ``rollout`` is
+    what the canary decision wants; ``None`` when the model never had a canary (nothing to clean up).
     """
     # A runtime that cannot load the model would crash-loop: render nothing instead.
     if problems := unserved_formats([("spec.model", spec.model)]):
         raise NotServedError(problems)
+    if spec.canary is not None and (problems := unserved_formats([("spec.canary", candidate_model(spec))])):
+        raise NotServedError(problems)
     gpus = [spec.resources.gpu] if spec.resources.gpu else []
-    served = served_model(spec.model, spec.runtime, gpu=bool(gpus))
-    notes: tuple[str, ...] = ()
-    traffic: tuple[Obj, ...] = ({"revision": "stable", "version": spec.model.version, "percent": 100},)
-    if spec.canary is not None:
-        notes = (
-            "spec.canary is accepted but this operator version does not roll canaries out yet: "
-            f"version {spec.model.version} keeps 100% of traffic. Remove spec.canary to clear this.",
-        )
+    stable_source = spec.model
+    candidate = ""
+    if rollout is not None and rollout.promoted and spec.canary is not None:
+        stable_source, candidate = candidate_model(spec), rollout.candidate
+    served = served_model(stable_source, spec.runtime, gpu=bool(gpus))
+    traffic: tuple[Obj, ...] = ({"revision": STABLE, "version": stable_source.version, "percent": 100},)
+    extra: list[Obj] = []
+    extra_absent: list[tuple[str, str, str]] = []
+    if rollout is not None:
+        # Routes first: a weight going to 0 is applied before the canary's Deployment changes or goes.
+        if rollout.routed:
+            extra += routes(owner, spec.model.name, rollout.router, rollout.weight, settings)
+            kept = {(o["kind"], o["metadata"]["name"]) for o in extra}
+            extra_absent += [a for a in _route_names(owner) if (a[1], a[2]) not in kept]
+        else:
+            extra_absent += _route_names(owner)
+        if rollout.canary and spec.canary is not None:
+            source = candidate_model(spec)
+            objects, absent = _track(
+                owner, [served_model(source, spec.runtime, gpu=bool(gpus))], track=CANARY,
+                resources=spec.resources, gpus=gpus, scaling=spec.scaling, storage=spec.storage,
+                shutdown=spec.shutdown, settings=settings, live=live_canary, candidate=rollout.candidate)
+            extra += objects
+            extra_absent += absent
+            traffic = (
+                {"revision": STABLE, "version": stable_source.version, "percent": 100 - rollout.weight},
+                {"revision": CANARY, "version": source.version, "percent": rollout.weight},
+            )
+        else:
+            extra_absent += _track_names(owner, CANARY)
     return _workload(
         owner, [served], model_name=spec.model.name, resources=spec.resources, gpus=gpus,
         scaling=spec.scaling, storage=spec.storage, shutdown=spec.shutdown, settings=settings, traffic=traffic,
-        notes=notes, live=live,
+        live=live, split=True, candidate=candidate, extra=extra, extra_absent=extra_absent,
     )
 
 

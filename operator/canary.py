@@ -141,6 +141,40 @@ class Status:
     message: str = ""
 
 
+_STATUS_FIELDS = {
+    "phase": "phase", "candidate": "candidate", "step": "step", "weight": "weight",
+    "interval_started": "intervalStarted", "failures": "failures", "inconclusives": "inconclusives",
+    "failed_candidate": "failedCandidate", "last_result": "lastResult", "message": "message",
+}
+ACTIVE = (INITIALIZING, PROGRESSING, MANUAL, PROMOTING, FINALISING)
+"""Phases in which the candidate's objects exist."""
+
+
+def status_from(data: object) -> Status:
+    """``status.canary`` as stored (camelCase) -> :class:`Status`; anything unreadable falls back to the
+    default of that field, so a hand-edited or older status never crashes the reconciler."""
+    if not isinstance(data, dict):
+        return Status()
+    defaults = Status()
+    values: dict[str, object] = {}
+    for attr, key in _STATUS_FIELDS.items():
+        default = getattr(defaults, attr)
+        value = data.get(key, default)
+        if isinstance(default, bool) or type(value) is bool:
+            value = default
+        elif isinstance(default, float):
+            value = float(value) if isinstance(value, int | float) else default
+        elif not isinstance(value, type(default)):
+            value = default
+        values[attr] = value
+    return Status(**values)  # type: ignore[arg-type]
+
+
+def status_to(status: Status) -> dict[str, object]:
+    """:class:`Status` -> ``status.canary`` (camelCase), the inverse of :func:`status_from`."""
+    return {key: getattr(status, attr) for attr, key in _STATUS_FIELDS.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class SetWeight:
     percent: int

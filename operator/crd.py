@@ -336,8 +336,44 @@ _PRINTER_COLUMNS = [
 ]
 
 
+def _canary_status() -> Schema:
+    def number(description: str) -> Schema:
+        # JSON has no NaN: a value the analysis read as NaN is written as null.
+        return {"type": "number", "nullable": True, "description": description + " null: read as NaN."}
+
+    def version_metrics(description: str) -> Schema:
+        return _obj(description, {
+            "requests": number("Requests in the interval."),
+            "errors": number("Requests answered with an error."),
+            "errorRatePercent": number("errors / requests, percent."),
+            "p99Milliseconds": number("p99 request latency."),
+        }, nullable=True)
+
+    return _obj("The canary rollout: where it stands and why (the operator never writes spec).", {
+        "phase": _str("Initializing, Progressing, Manual, Promoting, Finalising, Succeeded or RolledBack."),
+        "summary": _str("The phase and step for `kubectl get im`, e.g. Progressing 2/4."),
+        "candidate": _str("The candidate: v<version>-<hash of everything that changes its pods>."),
+        "step": {"type": "integer", "format": "int32", "description": "Index into stepWeights; -1 before the first."},
+        "weight": _int("Percent of requests the canary gets now.", 0, 100),
+        "intervalStarted": {"type": "number", "description": "When the interval being judged began (Unix seconds)."},
+        "failures": {"type": "integer", "format": "int32", "description": "Failed intervals so far."},
+        "inconclusives": {"type": "integer", "format": "int32", "description": "Inconclusive intervals so far."},
+        "failedCandidate": _str("A candidate that was rolled back; it is not tried again until spec.canary changes."),
+        "lastResult": _str("The last interval's verdict: Successful, Failed or Inconclusive."),
+        "message": _str("Why the last decision was made."),
+        "router": _str("Who applies the weight: gateway-api, istio or none (the stable pods forward)."),
+        "gate": _str("Why the gate held the rollout, when it did."),
+        "help": _str("What to change in spec to promote by hand or to abort."),
+        "lastMetrics": _obj("The numbers the last judged interval saw, per track.", {
+            "canary": version_metrics("The candidate's numbers."),
+            "stable": version_metrics("The stable version's numbers."),
+        }),
+    })
+
+
 def _crd(kind: str, plural: str, short_names: list[str], description: str, spec: Schema,
-         status_extra: dict[str, Schema] | None = None) -> dict[str, Any]:
+         status_extra: dict[str, Schema] | None = None,
+         columns: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -361,7 +397,7 @@ def _crd(kind: str, plural: str, short_names: list[str], description: str, spec:
                         "labelSelectorPath": ".status.selector",
                     },
                 },
-                "additionalPrinterColumns": _PRINTER_COLUMNS,
+                "additionalPrinterColumns": columns or _PRINTER_COLUMNS,
                 "schema": {"openAPIV3Schema": _obj(
                     description,
                     {
@@ -402,6 +438,11 @@ def inference_model_crd() -> dict[str, Any]:
     return _crd(
         api.INFERENCE_MODEL_KIND, api.INFERENCE_MODEL_PLURAL, ["im", "ims"],
         "InferenceModel serves one model (with an optional canary) over KServe V2 HTTP and gRPC.", spec,
+        status_extra={"canary": _canary_status()},
+        columns=[*_PRINTER_COLUMNS[:3],
+                 {"name": "Canary", "type": "string", "jsonPath": ".status.canary.summary",
+                  "description": "The canary rollout's phase and step."},
+                 *_PRINTER_COLUMNS[3:]],
     )
 
 

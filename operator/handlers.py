@@ -14,6 +14,7 @@ Deletion needs no handler: children carry ownerReferences, so the garbage collec
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -58,6 +59,7 @@ def register(
 ) -> None:
     """Register all handlers of the Sluice operator into ``registry``."""
     log = logging.getLogger("sluice.operator")
+    resync = settings.resync_seconds
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -80,7 +82,39 @@ def register(
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
+        for handle in requeues.values():
+            handle.cancel()
+        requeues.clear()
+        for task in list(tasks):
+            task.cancel()
         await kube.aclose()
+
+    requeues: dict[tuple[str, str, str], asyncio.TimerHandle] = {}
+
+    def requeue(body: Mapping[str, Any], delay: float) -> None:
+        # A canary interval that ends before the next resync: reconcile again then (one timer per object).
+        meta = body["metadata"]
+        key = (str(body.get("kind")), meta["namespace"], meta["name"])
+        if (old := requeues.pop(key, None)) is not None:
+            old.cancel()
+        ref = {"kind": body.get("kind"), "apiVersion": body.get("apiVersion"),
+               "metadata": {"namespace": meta["namespace"], "name": meta["name"]}}
+
+        async def again() -> None:
+            requeues.pop(key, None)
+            try:
+                await run(ref)
+            except Exception:  # the resync timer and watch events retry; this was only an early start
+                log.exception("Requeued reconcile of %s %s/%s failed", key[0], key[1], key[2])
+
+        def start() -> None:
+            task = asyncio.get_running_loop().create_task(again())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        requeues[key] = asyncio.get_running_loop().call_later(delay, start)
+
+    tasks: set[asyncio.Task[None]] = set()
 
     async def run(body: Mapping[str, Any]) -> None:
         kind = str(body.get("kind"))
@@ -95,6 +129,8 @@ def register(
         metrics.reconciles.labels(kind, "ok").inc()
         if outcome is not None and outcome.status_written:
             metrics.status_writes.labels(kind).inc()
+        if outcome is not None and outcome.requeue_after_s is not None and outcome.requeue_after_s < resync:
+            requeue(body, max(outcome.requeue_after_s, 1.0))
 
     async def on_change(body: kopf.Body, **_: Any) -> None:
         await run(body)
@@ -105,6 +141,8 @@ def register(
     def on_gone(body: kopf.Body, **_: Any) -> None:
         meta = body["metadata"]
         reconciler.forget(str(body.get("kind")), meta["namespace"], meta["name"])
+        if (handle := requeues.pop((str(body.get("kind")), meta["namespace"], meta["name"]), None)) is not None:
+            handle.cancel()
 
     for plural in CUSTOM_PLURALS:
         where = (api.GROUP, api.VERSION, plural)

@@ -34,6 +34,10 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Deployment": ("apps/v1", "deployments"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    # Canary routers; their CRDs may be missing (a GET then answers 404, which reads as "absent").
+    "HTTPRoute": ("gateway.networking.k8s.io/v1", "httproutes"),
+    "GRPCRoute": ("gateway.networking.k8s.io/v1", "grpcroutes"),
+    "VirtualService": ("networking.istio.io/v1beta1", "virtualservices"),
     api.INFERENCE_MODEL_KIND: (api.API_VERSION, api.INFERENCE_MODEL_PLURAL),
     api.ENSEMBLE_KIND: (api.API_VERSION, api.ENSEMBLE_PLURAL),
 }
@@ -118,6 +122,15 @@ class Kube:
             if exc.status == 409:  # the uid precondition failed: a newer object took the name
                 return False
             raise
+
+    async def served(self, api_version: str, kind: str) -> bool:
+        """Whether the API server serves ``kind`` in ``api_version`` (discovery; a missing group is False)."""
+        prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+        try:
+            found = await self._request("GET", prefix)
+        except ApiError:
+            return False
+        return any(r.get("kind") == kind for r in (found or {}).get("resources", []) if isinstance(r, dict))
 
     async def patch_status(self, kind: str, namespace: str, name: str, status: Mapping[str, Any]) -> Obj | None:
         """Merge-patch the status subresource; ``None`` if the object is gone."""

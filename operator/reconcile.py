@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
-from sluice.operator import api, builders, conditions
+from sluice.operator import api, builders, canary, conditions
 from sluice.operator.conditions import FALSE, TRUE, Condition
 from sluice.operator.settings import Settings
 
@@ -49,6 +50,25 @@ class Api(Protocol):
     async def patch_status(
         self, kind: str, namespace: str, name: str, status: Mapping[str, Any],
     ) -> Obj | None: ...
+    async def served(self, api_version: str, kind: str) -> bool: ...
+
+
+class MetricsSource(Protocol):
+    """Where the canary analysis reads per-track numbers (``sources`` has Prometheus and pod scraping)."""
+
+    async def read(
+        self, target: canary.Target, now: float,
+    ) -> tuple[canary.VersionMetrics | None, canary.VersionMetrics | None]:
+        """(canary, stable) over the last ``target.window_s``; ``None`` where nothing could be read."""
+        ...
+
+
+Gate = Callable[[str, Mapping[str, Any]], Awaitable[bool | None]]
+"""Asks a gate webhook (URL, JSON payload): True for 2xx, False for a no, None when it could not be asked."""
+
+log = logging.getLogger("sluice.operator")
+ROUTER_DISCOVERY_SECONDS = 300.0
+"""How long an ``auto`` router choice (API discovery) is trusted before it is looked up again."""
 
 
 class EventSink(Protocol):
@@ -63,6 +83,18 @@ class Outcome:
     status_written: bool
     applied: int
     deleted: int
+    requeue_after_s: float | None = None
+    """Reconcile again after this long (a canary interval ends), sooner than the resync timer."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _CanaryPass:
+    """One canary decision and what it needs rendered and reported."""
+
+    decision: canary.Decision
+    rollout: builders.Rollout
+    live_canary: Obj | None
+    status: Obj
 
 
 def _owner(body: Mapping[str, Any]) -> builders.Owner:
@@ -117,12 +149,18 @@ def _traffic_summary(traffic: tuple[Obj, ...]) -> str:
 class Reconciler:
     """Reconciles custom resources; one lock per object so a timer and a watch event never interleave."""
 
-    def __init__(self, *, kube: Api, settings: Settings, clock: Clock, events: EventSink) -> None:
+    def __init__(
+        self, *, kube: Api, settings: Settings, clock: Clock, events: EventSink,
+        metrics: MetricsSource | None = None, gate: Gate | None = None,
+    ) -> None:
         self._kube = kube
         self._settings = settings
         self._clock = clock
         self._events = events
+        self._metrics = metrics
+        self._gate = gate
         self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
+        self._router: tuple[str, float] | None = None
 
     def _lock(self, body: Mapping[str, Any]) -> asyncio.Lock:
         meta = body["metadata"]
@@ -145,7 +183,7 @@ class Reconciler:
             body = fresh
             owner = _owner(body)
             try:
-                desired = await self._decide(owner, body)
+                desired, rollout = await self._decide(owner, body)
             except (api.SpecError, builders.UnsatisfiableError) as exc:
                 reason = ("InvalidSpec" if isinstance(exc, api.SpecError)
                           else "NotImplemented" if isinstance(exc, builders.NotServedError) else "Unsatisfiable")
@@ -190,8 +228,17 @@ class Reconciler:
             }
             if desired.placement is not None:
                 status["placement"] = desired.placement
+            requeue = None
+            if rollout is not None:
+                status["canary"] = rollout.status
+                requeue = rollout.decision.requeue_after_s
             outcome = await self._write_status(body, found, status)
-            return dataclasses.replace(outcome, applied=applied, deleted=deleted)
+            if rollout is not None and outcome.status_written:
+                for action in rollout.decision.actions:
+                    if isinstance(action, canary.Event):
+                        self._events(body, type="Warning" if action.warning else "Normal", reason=action.reason,
+                                     message=action.message)
+            return dataclasses.replace(outcome, applied=applied, deleted=deleted, requeue_after_s=requeue)
 
     async def _pods(self, owner: builders.Owner) -> list[Obj]:
         """The runtime pods of ``owner`` (its Deployment's selector labels)."""
@@ -199,13 +246,22 @@ class Reconciler:
         pods = await self._kube.list("Pod", owner.namespace)
         return [p for p in pods if all((p["metadata"].get("labels") or {}).get(k) == v for k, v in labels.items())]
 
-    async def _decide(self, owner: builders.Owner, body: Mapping[str, Any]) -> builders.Desired:
+    async def _decide(
+        self, owner: builders.Owner, body: Mapping[str, Any],
+    ) -> tuple[builders.Desired, _CanaryPass | None]:
         spec = body.get("spec") or {}
         # The live Deployment decides the replica count while an HPA takes the field over.
         live = await self._kube.get("Deployment", owner.namespace, owner.name)
         if owner.kind == api.INFERENCE_MODEL_KIND:
-            return builders.inference_model(owner, api.parse_inference_model(owner.name, spec), self._settings,
-                                            live=live)
+            parsed = api.parse_inference_model(owner.name, spec)
+            stored = (body.get("status") or {}).get("canary")
+            rollout = None
+            if parsed.canary is not None or stored:
+                rollout = await self._canary(owner, parsed, stored, live)
+            desired = builders.inference_model(
+                owner, parsed, self._settings, live=live, live_canary=rollout.live_canary if rollout else None,
+                rollout=rollout.rollout if rollout else None)
+            return desired, rollout
         parsed = api.parse_ensemble(owner.name, spec)
         referenced: dict[str, api.InferenceModelSpec] = {}
         problems: list[str] = []
@@ -221,7 +277,88 @@ class Reconciler:
                 problems.append(f"InferenceModel {step.model_ref!r} is invalid ({exc}); fix it first")
         if problems:
             raise builders.UnsatisfiableError(problems)
-        return builders.ensemble(owner, parsed, referenced, self._settings, live=live)
+        return builders.ensemble(owner, parsed, referenced, self._settings, live=live), None
+
+    # ------------------------------------------------------------ canary rollouts
+
+    async def _canary(
+        self, owner: builders.Owner, spec: api.InferenceModelSpec, stored: Any, live: Obj | None,
+    ) -> _CanaryPass:
+        """Observe, decide (``canary.step``, pure) and say what to render. No writes happen here."""
+        plan = canary.plan_of(spec)
+        before = canary.status_from(stored)
+        now = self._clock().timestamp()
+        live_canary = await self._kube.get("Deployment", owner.namespace, builders.instance(owner, builders.CANARY))
+        observation = canary.Observation(
+            canary_ready=_runs(live_canary, before.candidate, fully=False),
+            stable_rolled_out=plan is not None and _runs(live, plan.candidate, fully=True),
+        )
+        metrics: tuple[canary.VersionMetrics | None, canary.VersionMetrics | None] = (None, None)
+        analysis = plan.analysis if plan is not None else None
+        judging = before.phase == canary.PROGRESSING or (before.phase == canary.INITIALIZING
+                                                          and observation.canary_ready)
+        if analysis is not None and judging and plan is not None and plan.candidate == before.candidate:
+            target = canary.Target(
+                namespace=owner.namespace, name=owner.name, model=spec.model.name,
+                stable_instance=builders.instance(owner), canary_instance=builders.instance(owner, builders.CANARY),
+                window_s=analysis.interval_s)
+            if self._metrics is not None:
+                try:
+                    metrics = await self._metrics.read(target, now)
+                except Exception as exc:  # a broken source is an outage: inconclusive, never a pass
+                    log.warning("Canary metrics for %s/%s could not be read: %r", owner.namespace, owner.name, exc)
+            observation = dataclasses.replace(observation, canary=metrics[0], stable=metrics[1])
+        decision = canary.step(plan, before, observation, now)
+        asks = [a for a in decision.actions if isinstance(a, canary.AskGate)]
+        gate_url = spec.canary.analysis.gate_url if spec.canary and spec.canary.analysis else None
+        answer: bool | None = None
+        if asks and gate_url and self._gate is not None:
+            payload = {
+                "name": owner.name, "namespace": owner.namespace, "candidate": before.candidate,
+                "purpose": asks[0].purpose, "phase": before.phase, "step": before.step, "weight": before.weight,
+            }
+            answer = await self._gate(gate_url, payload)
+            decision = canary.step(plan, before, dataclasses.replace(observation, gate=answer), now)
+        after = decision.status
+        router = await self._route_via(stored) if after.phase in canary.ACTIVE else ""
+        promoted = (plan is not None and after.candidate == plan.candidate
+                    and after.phase in (canary.PROMOTING, canary.FINALISING, canary.SUCCEEDED))
+        rollout = builders.Rollout(
+            candidate=after.candidate, canary=after.phase in canary.ACTIVE, promoted=promoted,
+            weight=after.weight if after.phase in canary.ACTIVE else 0, router=router or "none",
+            routed=after.phase in canary.ACTIVE)
+        status: Obj = {**canary.status_to(after), "router": router}
+        old_metrics = stored.get("lastMetrics") if isinstance(stored, dict) else None
+        judged = before.phase == canary.PROGRESSING and (
+            after.interval_started != before.interval_started or after.phase != before.phase)
+        if judged and analysis is not None:
+            status["lastMetrics"] = {"canary": _metrics_status(metrics[0]), "stable": _metrics_status(metrics[1])}
+        elif old_metrics and after.phase != canary.INITIALIZING:
+            status["lastMetrics"] = old_metrics
+        if asks and answer is not True:
+            status["gate"] = ("not configured: set spec.canary.analysis.gates.url" if not gate_url
+                              else "could not be asked" if answer is None else "said no")
+        status["summary"] = _canary_summary(after, analysis)
+        status["help"] = _canary_help(after, spec)
+        return _CanaryPass(decision=decision, rollout=rollout, live_canary=live_canary, status=status)
+
+    async def _route_via(self, stored: Any) -> str:
+        """The router of this rollout: the one it started with (kept in status), else the setting, else
+        API discovery (Gateway API, then Istio, else the runtime's own split), cached a while."""
+        if isinstance(stored, dict) and stored.get("router") in builders.ROUTERS and stored.get("phase"):
+            return str(stored["router"])
+        if self._settings.router in builders.ROUTERS:
+            return self._settings.router
+        now = self._clock().timestamp()
+        if self._router is not None and now - self._router[1] < ROUTER_DISCOVERY_SECONDS:
+            return self._router[0]
+        found = "none"
+        if await self._kube.served("gateway.networking.k8s.io/v1", "HTTPRoute"):
+            found = "gateway-api"
+        elif await self._kube.served("networking.istio.io/v1beta1", "VirtualService"):
+            found = "istio"
+        self._router = (found, now)
+        return found
 
     async def _report_problem(
         self, owner: builders.Owner, body: Mapping[str, Any], reason: str, problems: tuple[str, ...],
@@ -282,6 +419,62 @@ class Reconciler:
                 continue  # Progressing flips on every rollout; the Deployment's own events cover it
             self._events(body, type="Warning" if warning else "Normal", reason=condition["reason"],
                           message=condition["message"])
+
+
+def _runs(deployment: Mapping[str, Any] | None, candidate: str, *, fully: bool) -> bool:
+    """Whether ``deployment`` runs ``candidate`` on every pod it has (no pod of an older template left)
+    with at least one available (``fully``: all of its wanted replicas available)."""
+    if not deployment or not candidate:
+        return False
+    meta = deployment.get("metadata") or {}
+    if (meta.get("annotations") or {}).get(builders.CANDIDATE_ANNOTATION) != candidate:
+        return False
+    status = deployment.get("status") or {}
+    if meta.get("generation") is not None and status.get("observedGeneration") != meta.get("generation"):
+        return False
+    replicas = int(status.get("replicas", 0))
+    available = int(status.get("availableReplicas", 0))
+    if int(status.get("updatedReplicas", 0)) < replicas:
+        return False
+    wanted = int((deployment.get("spec") or {}).get("replicas", 1))
+    return available >= (wanted if fully else 1)
+
+
+def _metrics_status(metrics: canary.VersionMetrics | None) -> Obj | None:
+    if metrics is None:
+        return None
+    result: Obj = {"requests": _finite(metrics.requests), "errors": _finite(metrics.errors)}
+    rate = metrics.error_rate
+    result["errorRatePercent"] = _finite(rate * 100)
+    if metrics.p99_ms is not None:
+        result["p99Milliseconds"] = _finite(metrics.p99_ms)
+    return result
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no NaN: status shows it as null (the analysis read NaN, and its message says so)."""
+    return round(value, 3) if value == value and abs(value) != float("inf") else None
+
+
+def _canary_summary(status: canary.Status, analysis: canary.Analysis | None) -> str:
+    """One word for ``kubectl get im`` (the Canary column), e.g. ``Progressing 2/4``."""
+    if status.phase == canary.PROGRESSING and analysis is not None:
+        return f"{status.phase} {status.step + 1}/{len(analysis.step_weights)}"
+    return status.phase
+
+
+def _canary_help(status: canary.Status, spec: api.InferenceModelSpec) -> str:
+    """What to change in the spec (the operator never writes it) to finish by hand or to abort."""
+    if status.phase == canary.SUCCEEDED:
+        return ("Promoted. Copy spec.canary's storageUri, version and config into spec.model and remove "
+                "spec.canary in one change: the pods will not roll again. Removing spec.canary alone "
+                "rolls the stable pods back to spec.model.")
+    if status.phase == canary.ROLLED_BACK:
+        return "Rolled back. Change spec.canary to try another candidate, or remove it."
+    if status.phase in canary.ACTIVE:
+        return ("To abort: remove spec.canary (all traffic goes back to stable first). To promote by hand: "
+                "copy spec.canary into spec.model and remove spec.canary.")
+    return ""
 
 
 def _owned_by(obj: Mapping[str, Any], owner: builders.Owner) -> bool:

@@ -75,7 +75,9 @@ def test_crd_schema_is_complete(definition):
     assert undocumented == []
     assert version["subresources"]["status"] == {}
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.scaling.minReplicas"
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Replicas", "Traffic", "URL", "Age"]
+    columns = ["Ready", "Replicas", "Traffic", *(["Canary"] if definition["spec"]["names"]["kind"] == "InferenceModel"
+                                                  else []), "URL", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == columns
     assert definition["spec"]["names"]["shortNames"]
     rules = [r["rule"] for _, s in walk(schema) for r in s.get("x-kubernetes-validations", [])]
     assert rules, "cross-field rules are CEL x-kubernetes-validations"

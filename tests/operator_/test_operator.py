@@ -180,14 +180,6 @@ async def test_schema_violations_are_rejected_by_the_api(client, operator):
     assert "maxBatchSize" in body["message"]
 
 
-async def test_canary_is_reported_as_not_implemented(client, operator):
-    await client.create(client.IM, client.model(canary={"storageUri": "s3://models/resnet50-v2", "version": 2}))
-    degraded = await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded"))
-    assert degraded["reason"] == "NotImplemented"
-    assert "Remove spec.canary" in degraded["message"]
-    assert status_of(client)["trafficSummary"] == "v1=100"
-
-
 async def test_a_format_without_a_backend_is_degraded_and_deploys_nothing(client, operator, apiserver):
     await client.create(client.IM, client.model(model={"storageUri": "s3://models/bert", "format": "tensorrt"}))
     degraded = await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded"))
@@ -238,7 +230,7 @@ async def test_printer_columns_and_scale_paths_read_what_the_operator_writes(cli
     [version] = inference_model_crd()["spec"]["versions"]
     columns = {c["name"]: json_path(model, c["jsonPath"]) for c in version["additionalPrinterColumns"]}
     assert columns == {
-        "Ready": "True", "Replicas": 2, "Traffic": "v1=100",
+        "Ready": "True", "Replicas": 2, "Traffic": "v1=100", "Canary": None,
         "URL": "http://resnet.models.svc.cluster.local:8000/v2/models/resnet",
         "Age": model["metadata"]["creationTimestamp"],
     }

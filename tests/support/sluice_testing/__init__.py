@@ -7,5 +7,6 @@ by the operator itself, and not shipped: it lives in ``tests/support`` (on sys.p
 
 from sluice_testing.apiserver import ApiServer
 from sluice_testing.harness import FakeClock, OperatorHarness
+from sluice_testing.kubectl import Cluster
 
-__all__ = ["ApiServer", "FakeClock", "OperatorHarness"]
+__all__ = ["ApiServer", "Cluster", "FakeClock", "OperatorHarness"]

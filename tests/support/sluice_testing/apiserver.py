@@ -25,6 +25,8 @@ a real API server does (listed in ``e2e/README.md``):
   write structural pruning of unknown fields, defaulting and OpenAPI validation (422 Invalid) -
   but not CEL ``x-kubernetes-validations``, which the operator must check itself;
 * ``labelSelector`` on list and watch (equality, ``!=``, existence);
+* discovery of the built-in groups only: kmock's bundled Gateway API and metrics.k8s.io resources are
+  removed (a fresh cluster serves them only once their CRDs or adapter are installed);
 * a Deployment "controller" on demand (:meth:`ApiServer.complete_rollout`) or for every rollout
   (``simulate_rollouts=True``) that marks all pods updated and ready.
 
@@ -52,6 +54,9 @@ from kmock._internal import rendering  # the emulator's own request type; no pub
 
 Obj = dict[str, Any]
 APPLY = "application/apply-patch+yaml"
+
+
+_ADDONS = ("gateway.networking.k8s.io", "metrics.k8s.io")
 
 
 class Invalid(kmock.KubernetesError):
@@ -111,6 +116,18 @@ def _fields(value: Any, prefix: Path = ()) -> set[Path]:
             result |= _fields(item, (*prefix, key))
         return result
     return {prefix} if prefix else set()
+
+
+def _maps(value: Any, prefix: Path = ()) -> set[Path]:
+    """The paths of the non-empty maps inside ``value`` (below the top level)."""
+    result: set[Path] = set()
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if prefix == () and key in ("apiVersion", "kind", "status", "metadata"):
+                continue
+            if isinstance(item, dict) and item:
+                result |= {(*prefix, key)} | _maps(item, (*prefix, key))
+    return result
 
 
 def _at(obj: Any, path: Path) -> Any:
@@ -197,6 +214,10 @@ class ApiServer(kmock.KubernetesEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self.resources.load_bundled()
+        # kmock bundles Gateway API and metrics.k8s.io, which a bare cluster does not serve until their
+        # CRDs (or an adapter) are installed: drop them, so discovery answers as a fresh cluster does.
+        for resource in [r for r in self.resources if r.group in _ADDONS]:
+            del self.resources[resource]
 
     # ------------------------------------------------------------ setup helpers
 
@@ -412,6 +433,13 @@ class ApiServer(kmock.KubernetesEmulator):
             if not holders:
                 owners.pop(path, None)
                 _drop(new, path, patch)  # no owner left: the field goes (and defaulting may refill it)
+        # A map the manager applied and no longer names goes whole when nobody owns a field inside it:
+        # the fields defaulting put there (owned by no one) go with it, as on a real server.
+        for path in sorted((_maps(previous) - _maps(patch)) if previous is not None else (), key=len):
+            if _at(patch, path) is _MISSING and not any(p[:len(path)] == path for p in owners):
+                parent = _at(new, path[:-1]) if len(path) > 1 else new
+                if isinstance(parent, dict):
+                    parent.pop(path[-1], None)
         for path in applied:
             if _at(old, path) != _at(patch, path):
                 owners[path] = {holder}  # force: the other owners lose a field whose value changes

@@ -50,14 +50,14 @@ class _Ignored(set[asyncio.Task[Any]]):
 class OperatorHarness:
     def __init__(
         self, *, settings: Settings, connection: kopf.ConnectionInfo | None = None,
-        clock: FakeClock | None = None, events: Any = None,
+        clock: FakeClock | None = None, events: Any = None, metrics: Any = None, gate: Any = None,
     ) -> None:
         self.settings = settings
         self.clock = clock or FakeClock()
         self.metrics = OperatorMetrics()
         self.kube = Kube()
         self.reconciler = Reconciler(kube=self.kube, settings=settings, clock=self.clock,
-                                     events=events or handlers.kopf_event)
+                                     events=events or handlers.kopf_event, metrics=metrics, gate=gate)
         self.registry = kopf.OperatorRegistry()
         self._connection = connection
 
