@@ -27,8 +27,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import serialize_byte_tensor
 
+from sluice.runtime import tensor_bytes
 from sluice.runtime.errors import SluiceError
-from sluice.runtime.protocol import grpc_codec, http_codec, tensor_bytes
+from sluice.runtime.protocol import grpc_codec, http_codec
 from sluice.runtime.settings import Limits
 from sluice.runtime.signature import signature_of
 from sluice.runtime.types import DATATYPES, InferRequest, InferResponse, RequestedOutput, Tensor, numpy_dtype
