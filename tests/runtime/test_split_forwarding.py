@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import socket
+import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 from sluice.runtime.split import Route, SplitFileError, parse_split_file
 
 from .conftest import ADD_SUB_CONFIG, BUILDERS, IDENTITY_PY, MLP_CONFIG, ManualClock, Running, write_model
+from .test_cli_shutdown import start_ports
 
 A = np.arange(16, dtype=np.float32)
 B = np.full(16, 2.0, dtype=np.float32)
@@ -107,6 +111,26 @@ def samples(server: Running) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
         for sample in family.samples
         if sample.name.startswith(("sluice_split_percent", "sluice_forwarded_requests"))
     }
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Wait for an effect in another server (a cancellation crossing the wire), not for time to pass."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.005)
+
+
+def metric(server: Running, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
 
 
 def split_percent(target: str, model: str = "add_sub") -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -325,6 +349,53 @@ def test_a_canary_error_keeps_its_status(stable_repo, tmp_path: Path, serve, spl
         grpc_infer(stable)
     assert caught.value.status() == "StatusCode.NOT_FOUND"
     assert samples(stable)[forwarded(canary.grpc, "failure")] == 2
+
+
+def test_a_client_that_goes_away_cancels_the_forwarded_call(tmp_path: Path, serve, split_file, clock):
+    # The canary's model waits for a fuller batch for 10 s of the canary's own (manual) clock, so the
+    # forwarded request sits in its queue until the client cancels it.
+    fixed_wait = 'parameters { key: "batch_policy" value { string_value: "fixed_wait" } }'
+    waits = MLP_CONFIG.replace("500 }", "10000000 }\n" + fixed_wait)
+    write_model(tmp_path / "c", "mlp", waits, {"model.onnx": BUILDERS.mlp_model()}, version=2)
+    write_model(tmp_path / "s", "mlp", MLP_CONFIG, {"model.onnx": BUILDERS.mlp_model()}, version=1)
+    canary_clock = ManualClock()
+    canary = serve(tmp_path / "c", clock=canary_clock)
+    split_file.parent.mkdir()
+    write_split(split_file, canary.grpc, 100, model="mlp")
+    stable = serve(tmp_path / "s", split_file=split_file, clock=clock)
+
+    inp = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+    inp.set_data_from_numpy(np.ones((1, 16), np.float32))
+    answers: list[object] = []
+    client = grpcclient.InferenceServerClient(stable.grpc)
+    call = client.async_infer("mlp", [inp], lambda result, error: answers.append(error or result))
+    wait_until(lambda: metric(canary, "sluice_queue_depth", model="mlp") == 1, "the request queued at the canary")
+    call.cancel()
+    wait_until(lambda: metric(canary, "sluice_rejected_total", model="mlp", reason="cancelled") == 1,
+               "the canary saw the cancellation")
+    assert metric(canary, "sluice_queue_depth", model="mlp") == 0
+    canary_clock.advance(10.0)
+    canary.settle()
+    assert successes(canary, "mlp") == 0  # never executed
+    assert samples(stable)[forwarded(canary.grpc, "failure", model="mlp")] == 1
+    assert successes(stable, "mlp") == 0 and failures(stable, "mlp") == 0
+    client.close()
+
+
+def test_the_command_line_flag_splits(stable_repo, canary, tmp_path: Path, split_file):
+    split_file.parent.mkdir()
+    write_split(split_file, canary.grpc, 50)
+    proc, ports = start_ports(stable_repo, tmp_path, "--split-file", str(split_file))
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['grpc']}")
+        inputs = [grpcclient.InferInput(n, [16], "FP32") for n in ("INPUT0", "INPUT1")]
+        for tensor in inputs:
+            tensor.set_data_from_numpy(A)
+        answered = [client.infer("add_sub", inputs).get_response().model_version for _ in range(10)]
+        assert answered == ["1", "2"] * 5
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
 
 
 def test_no_split_file_exports_no_split_metrics(stable_repo, serve):
