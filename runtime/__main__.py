@@ -95,6 +95,16 @@ def _parser() -> argparse.ArgumentParser:
         help="gRPC front end: h2 (Sluice's own HTTP/2 server, default) or grpcio (grpc.aio fallback)",
     )
     serve.add_argument(
+        "--split-file",
+        type=Path,
+        default=defaults.split_file,
+        metavar="PATH",
+        help='no-mesh canary split: JSON {"models": {"<model>": {"target": "<host>:<port>", "percent": 0-100}}} '
+        "(the operator mounts it from a ConfigMap); that percent of each model's requests without an explicit "
+        "version is forwarded to the target over gRPC. Re-read when it changes (polled every second); a missing "
+        "file means no split, an invalid one keeps the split in force (logged)",
+    )
+    serve.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity"
     )
     sched = SchedulingDefaults()
@@ -181,6 +191,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         drain_period_s=args.drain_period_s,
         server_name=args.server_name,
         grpc_server=args.grpc_server,
+        split_file=args.split_file,
     )
 
 

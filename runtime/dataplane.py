@@ -2,6 +2,11 @@
 
 Returns plain Python values and domain types; the protocol adapters encode them. Raises
 ``SluiceError`` subclasses, which the adapters map through errors.py.
+
+``infer_nowait`` is the one inference entry point of both front ends. With a ``Forwarder`` (the
+server's ``--split-file``), a request for a split model that names no version may go to the
+model's canary instead (forwarding.py decides and calls it); ensemble steps run through
+``_infer_local`` and are never forwarded (one ensemble request runs on one pod's versions).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from sluice.runtime import __version__, classification
 from sluice.runtime import config as model_config
 from sluice.runtime.cache import cache_key
 from sluice.runtime.errors import InvalidArgument, SluiceError, Unavailable
+from sluice.runtime.forwarding import Forwarder
 from sluice.runtime.repository import ModelVersion, Repository
 from sluice.runtime.signature import check_request
 from sluice.runtime.types import InferRequest, InferResponse
@@ -42,9 +48,19 @@ def _int_param(parameters: dict[str, Any], key: str) -> int | None:
 
 
 class DataPlane:
-    def __init__(self, repository: Repository, *, strict_readiness: bool = True, server_name: str = "sluice") -> None:
+    def __init__(
+        self,
+        repository: Repository,
+        *,
+        strict_readiness: bool = True,
+        server_name: str = "sluice",
+        forwarder: Forwarder | None = None,
+    ) -> None:
         self.repository = repository
-        repository.route_steps(self.infer_nowait)  # ensembles' steps run through the data plane
+        repository.route_steps(self._infer_local)  # ensembles' steps run through the data plane, never forwarded
+        self._forwarder = forwarder
+        # The split models (empty without a split file): the only cost of the split on the hot path.
+        self._splits = forwarder.table.models if forwarder is not None else {}
         self._strict = strict_readiness
         self._server_name = server_name
         self._started = False
@@ -182,8 +198,20 @@ class DataPlane:
         """Callback form of ``infer``: raises for immediate rejections, else calls ``done`` once
         (at once for a response-cache hit).
 
-        The caller cancels through ``request.cancel`` when its client goes away.
+        The caller cancels through ``request.cancel`` when its client goes away. A request for a
+        split model that names no version may be forwarded to the model's canary (which counts it;
+        this server's statistics do not).
         """
+        splits = self._splits
+        if splits and not request.model_version and self._forwarder is not None and self._accepting:
+            split = splits.get(request.model_name)
+            if split is not None and split.to_canary():
+                self._forwarder.forward(split.target, request, done)
+                return
+        self._infer_local(request, done)
+
+    def _infer_local(self, request: InferRequest, done: Callable[[InferResponse | SluiceError], None]) -> None:
+        """``infer_nowait`` on this server's own model versions."""
         start = time.monotonic_ns()
         mv = self._admit(request)
         stats = mv.stats

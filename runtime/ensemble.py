@@ -9,8 +9,8 @@ Planning is pure (:func:`plan_of`, :func:`runnable`, :func:`step_request`, :func
 ``InferRequest`` sent through the data plane's ``infer_nowait`` (the *dispatch* the repository was
 given), so steps get their own batching, queue policies and statistics, as in Triton; a step runs
 as soon as all its input tensors exist, so independent steps run concurrently. Steps named by a
-``sluice.remote.<model>`` parameter are called over gRPC with ``tritonclient.grpc.aio`` (one client
-per target, reused, closed when the ensemble unloads).
+``sluice.remote.<model>`` parameter are called over gRPC through remote.py (one channel per target,
+reused, closed when the ensemble unloads).
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ import copy
 import dataclasses
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime import config as model_config
+from sluice.runtime import remote
 from sluice.runtime.backends.base import ModelBackend, ModelInstance, Result
 from sluice.runtime.batching import Observer
 from sluice.runtime.errors import (
@@ -34,15 +33,10 @@ from sluice.runtime.errors import (
     InvalidArgument,
     ModelError,
     NotFound,
-    PayloadTooLarge,
     SluiceError,
     Unavailable,
-    Unsupported,
 )
 from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, InferRequest, InferResponse, RequestedOutput, Tensor
-
-if TYPE_CHECKING:
-    from tritonclient.grpc import aio as grpc_aio
 
 Done = Callable[[Result], None]
 Dispatch = Callable[[InferRequest, Done], None]
@@ -421,48 +415,12 @@ class EnsembleScheduler:
 
 # --- remote steps --------------------------------------------------------------------------------
 
-_ERRORS_BY_STATUS: dict[str, type[SluiceError]] = {
-    "INVALID_ARGUMENT": InvalidArgument,
-    "RESOURCE_EXHAUSTED": PayloadTooLarge,
-    "UNIMPLEMENTED": Unsupported,
-    "NOT_FOUND": NotFound,
-    "UNAVAILABLE": Unavailable,
-    "DEADLINE_EXCEEDED": Unavailable,
-    "CANCELLED": Cancelled,
-    "INTERNAL": ModelError,
-}
-
-
-def remote_error(status: str | None, message: str, target: str) -> SluiceError:
-    """A tritonclient error (status like ``StatusCode.UNAVAILABLE``) as a SluiceError of the same code."""
-    code = (status or "").rsplit(".", 1)[-1]
-    kind = _ERRORS_BY_STATUS.get(code, Internal)
-    if kind is Unavailable:
-        return Unavailable(f"cannot reach {target} or it cannot serve now: {message}")
-    return kind(message)
-
-
-def _bf16_as_float(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def _float_as_bf16(values: np.ndarray) -> np.ndarray:
-    return (np.ascontiguousarray(values, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
-
 
 class RemoteSteps:
-    """gRPC clients of the remote steps, one per target, created on first use."""
+    """The remote steps' gRPC clients (remote.py: one channel per target, opened on first use)."""
 
     def __init__(self) -> None:
-        self._clients: dict[str, grpc_aio.InferenceServerClient] = {}
-
-    def _client(self, target: str) -> grpc_aio.InferenceServerClient:
-        client = self._clients.get(target)
-        if client is None:
-            from tritonclient.grpc import aio as grpc_aio
-
-            client = self._clients[target] = grpc_aio.InferenceServerClient(target)
-        return client
+        self._clients = remote.RemoteClients()
 
     async def call(self, step: Step, request: InferRequest, done: Callable[[Step, Result], None]) -> None:
         """Run ``request`` on the remote step and report to ``done`` (not called when cancelled)."""
@@ -476,41 +434,8 @@ class RemoteSteps:
         done(step, outcome)
 
     async def infer(self, step: Step, request: InferRequest) -> InferResponse:
-        from tritonclient.grpc import InferInput, InferRequestedOutput
-        from tritonclient.utils import InferenceServerException
-
-        target = step.remote or ""
-        inputs = []
-        for tensor in request.inputs:
-            entry = InferInput(tensor.name, list(tensor.data.shape), tensor.datatype)
-            entry.set_data_from_numpy(_bf16_as_float(tensor.data) if tensor.datatype == "BF16" else tensor.data)
-            inputs.append(entry)
-        outputs = [InferRequestedOutput(o.name) for o in request.outputs or ()]
-        params: dict[str, Any] = request.parameters
-        try:
-            result = await self._client(target).infer(
-                step.model,
-                inputs,
-                model_version=step.version,
-                outputs=outputs,
-                request_id=request.id,
-                priority=int(params.get("priority", 0) or 0),
-                timeout=params.get("timeout"),
-            )
-        except InferenceServerException as exc:
-            raise remote_error(exc.status(), exc.message() or str(exc), target) from None
-        tensors = []
-        for output in result.get_response().outputs:
-            data = result.as_numpy(output.name)
-            if output.datatype == "BF16":
-                data = _float_as_bf16(data)
-            tensors.append(Tensor(output.name, output.datatype, data))
-        return InferResponse(step.model, step.version, tensors, request.id)
+        response = await self._clients.infer(step.remote or "", step.model, step.version, request)
+        return InferResponse(step.model, step.version, response.outputs, request.id)
 
     async def aclose(self) -> None:
-        clients, self._clients = self._clients, {}
-        for client in clients.values():
-            try:
-                await client.close()
-            except Exception:  # closing a broken channel must not stop the unload
-                pass
+        await self._clients.aclose()

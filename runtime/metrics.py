@@ -2,7 +2,8 @@
 
 Nothing is counted twice and the request path never touches prometheus-client: the collector
 turns ``ModelStats`` (which the statistics endpoints also report) into metric families when
-Prometheus scrapes. The registry is an object owned by the server, never the global one.
+Prometheus scrapes, and the forwarding collector does the same for the no-mesh canary split
+(forwarding.py's counts and split table). The registry is an object owned by the server, never the global one.
 Names and their Triton equivalents are listed in docs/metrics.md.
 """
 
@@ -14,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sluice.runtime.forwarding import Forwarder
 from sluice.runtime.repository import ModelVersion
 
 LABELS = ["model", "version"]
@@ -90,12 +92,39 @@ class ModelCollector(Collector):
         )
 
 
+class ForwardingCollector(Collector):
+    """The canary split this server applies (``--split-file``) and the requests it forwarded."""
+
+    def __init__(self, forwarder: Forwarder) -> None:
+        self._forwarder = forwarder
+
+    def collect(self) -> Iterator[Metric]:
+        percent = GaugeMetricFamily(
+            "sluice_split_percent",
+            "Percent of a model's requests without an explicit version forwarded to its canary (--split-file)",
+            labels=["model", "target"],
+        )
+        for model, split in sorted(self._forwarder.table.models.items()):
+            percent.add_metric([model, split.target], split.percent)
+        forwarded = CounterMetricFamily(
+            "sluice_forwarded_requests",
+            "Requests forwarded to a model's canary, by outcome (not counted in this server's model statistics)",
+            labels=["model", "target", "outcome"],
+        )
+        for (model, target), (success, failure) in sorted(self._forwarder.counts.by_route.items()):
+            forwarded.add_metric([model, target, "success"], success)
+            forwarded.add_metric([model, target, "failure"], failure)
+        yield from (percent, forwarded)
+
+
 class Metrics:
     """The server's registry and its exposition."""
 
-    def __init__(self, versions: Callable[[], Iterable[ModelVersion]]) -> None:
+    def __init__(self, versions: Callable[[], Iterable[ModelVersion]], forwarder: Forwarder | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ModelCollector(versions))
+        if forwarder is not None:
+            self.registry.register(ForwardingCollector(forwarder))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

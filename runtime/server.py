@@ -3,9 +3,10 @@
 ``Server`` is used by ``__main__`` and by the tests (which start it on free ports on 127.0.0.1).
 Start: bind every listener first (a port in use fails at once, before models load), then load the
 models; the server is ready once they are (with strict readiness, only when all of them are).
-Shutdown: report not-ready and keep serving for the drain period (load balancers and Kubernetes
-endpoints stop sending meanwhile), stop listening, let in-flight requests finish within the grace
-period, then unload models (calling Python models' ``finalize``) and return.
+With ``--split-file`` it also watches that file and forwards the canary's share of split models'
+requests (forwarding.py). Shutdown: report not-ready and keep serving for the drain period (load
+balancers and Kubernetes endpoints stop sending meanwhile), stop listening, let in-flight requests
+finish within the grace period, then unload models (calling Python models' ``finalize``) and return.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from sluice.runtime import names
 from sluice.runtime.batching import Clock
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import NotFound, SluiceError
+from sluice.runtime.forwarding import Forwarder, SplitFileWatcher
 from sluice.runtime.metrics import Metrics
 from sluice.runtime.protocol.grpc import start_grpc
 from sluice.runtime.protocol.grpc_h2 import GrpcServer
@@ -49,10 +51,18 @@ class Server:
         self.repository = Repository(
             settings.model_repository, settings.scheduling, grace_s=settings.shutdown_grace_s, clock=clock
         )
+        self.forwarder: Forwarder | None = None
+        self._split_watcher: SplitFileWatcher | None = None
+        if settings.split_file is not None:
+            self.forwarder = Forwarder()
+            self._split_watcher = SplitFileWatcher(settings.split_file, self.forwarder.table, clock)
         self.dataplane = DataPlane(
-            self.repository, strict_readiness=settings.strict_readiness, server_name=settings.server_name
+            self.repository,
+            strict_readiness=settings.strict_readiness,
+            server_name=settings.server_name,
+            forwarder=self.forwarder,
         )
-        self.metrics = Metrics(self.repository.all_versions)
+        self.metrics = Metrics(self.repository.all_versions, self.forwarder)
         self.ports = Ports()
         self.failed_models: dict[str, str] = {}
         self._http: HttpServer | None = None
@@ -76,6 +86,8 @@ class Server:
         except BaseException:
             await self._close_listeners()
             raise
+        if self._split_watcher is not None:
+            self._split_watcher.start()  # before any request is read: the split holds from the first one
         names_ = list(settings.models) or self.repository.names_on_disk()
         self.repository.expect(names_)
         results = await asyncio.gather(*(self.repository.load(name) for name in names_), return_exceptions=True)
@@ -178,6 +190,10 @@ class Server:
         if grpc_stop is not None:
             await grpc_stop
         self.dataplane.stop_accepting()
+        if self._split_watcher is not None:
+            self._split_watcher.stop()
+        if self.forwarder is not None:
+            await self.forwarder.aclose()
         await self.repository.aclose(max(deadline - time.monotonic(), 0.0))  # one grace for the whole stop
         if self._metrics_http is not None:
             await self._metrics_http.stop_listening()

@@ -123,3 +123,7 @@ class ServerSettings:
     grpc_server: str = "h2"
     """gRPC front end: ``h2``, Sluice's own HTTP/2 server (protocol/grpc_h2.py), or ``grpcio``,
     the ``grpc.aio`` server kept as a fallback (protocol/grpc.py)."""
+    split_file: Path | None = None
+    """The no-mesh canary split: a JSON file naming, per model, a canary gRPC target and the
+    percent of requests without an explicit version forwarded there (forwarding.py). Read at start
+    and re-read when it changes; a missing file is no split. None: no split, nothing watched."""

@@ -13,8 +13,8 @@ from tritonclient.grpc import service_pb2 as pb
 
 from sluice.runtime import classification
 from sluice.runtime.errors import InvalidArgument, PayloadTooLarge
-from sluice.runtime.protocol.tensor_bytes import bytes_elements, encode_bytes_elements
 from sluice.runtime.settings import Limits
+from sluice.runtime.tensor_bytes import bytes_elements, encode_bytes_elements
 from sluice.runtime.types import (
     DATATYPES,
     ELEMENT_SIZE,

@@ -14,9 +14,9 @@ import numpy as np
 
 from sluice.runtime import classification
 from sluice.runtime.errors import InvalidArgument, PayloadTooLarge
-from sluice.runtime.protocol.tensor_bytes import bytes_elements, encode_bytes_elements
 from sluice.runtime.settings import Limits
 from sluice.runtime.signature import Signature
+from sluice.runtime.tensor_bytes import bytes_elements, encode_bytes_elements
 from sluice.runtime.types import (
     DATATYPES,
     ELEMENT_SIZE,

@@ -27,8 +27,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import serialize_byte_tensor
 
+from sluice.runtime import remote, tensor_bytes
 from sluice.runtime.errors import SluiceError
-from sluice.runtime.protocol import grpc_codec, http_codec, tensor_bytes
+from sluice.runtime.protocol import grpc_codec, http_codec
 from sluice.runtime.settings import Limits
 from sluice.runtime.signature import signature_of
 from sluice.runtime.types import DATATYPES, InferRequest, InferResponse, RequestedOutput, Tensor, numpy_dtype
@@ -479,3 +480,52 @@ def test_64_bit_integers_past_float_precision_are_exact(datatype):
     too_big = [0, 2**64] if datatype == "UINT64" else [0, 2**63]
     with pytest.raises(SluiceError, match=f"out of range for {datatype}"):
         http_codec.decode_infer(body(too_big), None, "m", "", LIMITS)
+
+
+# -- the runtime's own gRPC client (remote.py): the pair of grpc_codec, round trip through it ------
+
+
+@pytest.mark.parametrize("datatype", DATATYPES)
+@ROUND_TRIP
+@given(data=st.data())
+def test_remote_request_round_trip_through_the_grpc_decoder(datatype, data):
+    array = data.draw(arrays_of(datatype))
+    request = InferRequest(
+        "stable-name",
+        "",
+        [Tensor("IN", datatype, array, {"p": 7})],
+        [RequestedOutput("OUT", True, {"classification": 2, "binary_data": True})],
+        "req-1",
+        {"priority": 3, "timeout": 5000, "custom": "x", "ratio": 0.5, "flag": True, "binary_data_output": True},
+    )
+    message = pb.ModelInferRequest.FromString(remote.request_message(request, "m", "2").SerializeToString())
+    assert message.parameters["priority"].WhichOneof("parameter_choice") == "uint64_param"  # Triton's type
+    assert message.parameters["timeout"].WhichOneof("parameter_choice") == "int64_param"
+    decoded = grpc_codec.decode_infer(message, Limits())
+    assert (decoded.model_name, decoded.model_version, decoded.id) == ("m", "2", "req-1")
+    assert decoded.parameters == {"priority": 3, "timeout": 5000, "custom": "x", "ratio": 0.5, "flag": True}
+    assert [(t.name, t.datatype, t.parameters) for t in decoded.inputs] == [("IN", datatype, {"p": 7})]
+    assert_same(datatype, array, decoded.inputs[0].data)
+    assert decoded.outputs is not None
+    assert [(o.name, o.parameters) for o in decoded.outputs] == [("OUT", {"classification": 2})]
+
+
+@pytest.mark.parametrize("datatype", DATATYPES)
+@ROUND_TRIP
+@given(data=st.data())
+def test_remote_response_round_trip_through_the_grpc_encoder(datatype, data):
+    array = data.draw(arrays_of(datatype))
+    response = InferResponse("m", "2", [Tensor("OUT", datatype, array)], "r", {"sequence": "s"})
+    message = pb.ModelInferResponse.FromString(grpc_codec.encode_infer(response).SerializeToString())
+    got = remote.response_of(message, "canary:8001")
+    assert (got.model_name, got.model_version, got.id, got.parameters) == ("m", "2", "r", {"sequence": "s"})
+    assert [(t.name, t.datatype) for t in got.outputs] == [("OUT", datatype)]
+    assert_same(datatype, array, got.outputs[0].data)
+
+
+def test_a_malformed_remote_response_is_an_internal_error_naming_the_target():
+    message = pb.ModelInferResponse(model_name="m")
+    message.outputs.add(name="OUT", datatype="FP32", shape=[4])
+    message.raw_output_contents.append(b"\x00" * 8)
+    with pytest.raises(SluiceError, match=r"canary:8001 answered output 'OUT' with 8 bytes for shape \[4\] of FP32"):
+        remote.response_of(message, "canary:8001")

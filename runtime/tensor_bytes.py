@@ -2,7 +2,8 @@
 
 Each element is a 4-byte little-endian length followed by that many bytes. Both wire protocols
 carry BYTES tensors this way in their binary forms (HTTP binary data extension, gRPC
-``raw_input_contents`` / ``raw_output_contents``), so the split and the join live here, below both.
+``raw_input_contents`` / ``raw_output_contents``), so the split and the join live here, below both
+front ends and the gRPC client of remote.py.
 """
 
 from __future__ import annotations
