@@ -253,13 +253,13 @@ class Reconciler:
         # The live Deployment decides the replica count while an HPA takes the field over.
         live = await self._kube.get("Deployment", owner.namespace, owner.name)
         if owner.kind == api.INFERENCE_MODEL_KIND:
-            parsed = api.parse_inference_model(owner.name, spec)
+            model = api.parse_inference_model(owner.name, spec)
             stored = (body.get("status") or {}).get("canary")
             rollout = None
-            if parsed.canary is not None or stored:
-                rollout = await self._canary(owner, parsed, stored, live)
+            if model.canary is not None or stored:
+                rollout = await self._canary(owner, model, stored, live)
             desired = builders.inference_model(
-                owner, parsed, self._settings, live=live, live_canary=rollout.live_canary if rollout else None,
+                owner, model, self._settings, live=live, live_canary=rollout.live_canary if rollout else None,
                 rollout=rollout.rollout if rollout else None)
             return desired, rollout
         parsed = api.parse_ensemble(owner.name, spec)

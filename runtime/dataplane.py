@@ -206,7 +206,7 @@ class DataPlane:
         if splits and not request.model_version and self._forwarder is not None and self._accepting:
             split = splits.get(request.model_name)
             if split is not None and split.to_canary():
-                self._forwarder.forward(split.target, request, done)
+                self._forwarder.forward(split.target, request, done, self._infer_local)
                 return
         self._infer_local(request, done)
 

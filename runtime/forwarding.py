@@ -43,16 +43,17 @@ Done = Callable[[InferResponse | SluiceError], None]
 
 
 class ForwardCounts:
-    """Forwarded requests by (model, target): answered successfully, and answered with an error."""
+    """Forwarded requests by (model, target): answered successfully, answered with an error, and
+    served here because the canary could not be reached (``fallback``)."""
 
     def __init__(self) -> None:
         self.by_route: dict[tuple[str, str], list[int]] = {}
 
-    def add(self, model: str, target: str, ok: bool) -> None:
+    def add(self, model: str, target: str, ok: bool, *, fallback: bool = False) -> None:
         counts = self.by_route.get((model, target))
         if counts is None:
-            counts = self.by_route[(model, target)] = [0, 0]
-        counts[0 if ok else 1] += 1
+            counts = self.by_route[(model, target)] = [0, 0, 0]
+        counts[2 if fallback else 0 if ok else 1] += 1
 
 
 def canary_error(model: str, target: str, error: SluiceError) -> SluiceError:
@@ -73,14 +74,19 @@ class Forwarder:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
 
-    def forward(self, target: str, request: InferRequest, done: Done) -> None:
+    def forward(self, target: str, request: InferRequest, done: Done,
+                local: Callable[[InferRequest, Done], None] | None = None) -> None:
         """Run ``request`` at ``target`` (the latest version there) and call ``done`` once with its
-        answer. Cancelling ``request.cancel`` (the client went away) cancels the call."""
+        answer. Cancelling ``request.cancel`` (the client went away) cancels the call.
+
+        A canary that cannot be reached at all (its Service is gone or has no endpoints: the split
+        file still names it while kubelet catches up with a rollback or promotion) never got the
+        request: ``local`` serves it here instead, so taking a canary down drops no request."""
         if request.cancel.cancelled:
             self.counts.add(request.model_name, target, False)
             done(self._cancelled(request.model_name))
             return
-        task = asyncio.get_running_loop().create_task(self._call(target, request, done))
+        task = asyncio.get_running_loop().create_task(self._call(target, request, done, local))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -89,11 +95,19 @@ class Forwarder:
 
         request.cancel.on_cancel(cancel)
 
-    async def _call(self, target: str, request: InferRequest, done: Done) -> None:
+    async def _call(
+        self, target: str, request: InferRequest, done: Done, local: Callable[[InferRequest, Done], None] | None,
+    ) -> None:
         model = request.model_name
         outcome: InferResponse | SluiceError
         try:
             outcome = await self._clients.infer(target, model, "", request)
+        except remote.Unreachable as exc:
+            if local is not None and not request.cancel.cancelled:
+                self.counts.add(model, target, False, fallback=True)
+                local(request, done)
+                return
+            outcome = canary_error(model, target, exc)
         except SluiceError as exc:
             outcome = canary_error(model, target, exc)
         except asyncio.CancelledError:

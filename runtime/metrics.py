@@ -108,12 +108,14 @@ class ForwardingCollector(Collector):
             percent.add_metric([model, split.target], split.percent)
         forwarded = CounterMetricFamily(
             "sluice_forwarded_requests",
-            "Requests forwarded to a model's canary, by outcome (not counted in this server's model statistics)",
+            "Requests forwarded to a model's canary, by outcome (success, failure: not counted in this server's "
+            "model statistics; fallback: the canary could not be reached, served here and counted here)",
             labels=["model", "target", "outcome"],
         )
-        for (model, target), (success, failure) in sorted(self._forwarder.counts.by_route.items()):
+        for (model, target), (success, failure, fallback) in sorted(self._forwarder.counts.by_route.items()):
             forwarded.add_metric([model, target, "success"], success)
             forwarded.add_metric([model, target, "failure"], failure)
+            forwarded.add_metric([model, target, "fallback"], fallback)
         yield from (percent, forwarded)
 
 

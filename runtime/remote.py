@@ -80,6 +80,11 @@ _TYPED_FIELD = {
 }
 
 
+class Unreachable(Unavailable):
+    """The target could not be reached at all (no connection: refused, no route, no such host): the
+    request never got there, so running it elsewhere runs it once."""
+
+
 def remote_error(status: str | None, message: str, target: str) -> SluiceError:
     """A remote gRPC status (``UNAVAILABLE`` or ``StatusCode.UNAVAILABLE``) as a SluiceError of the same code."""
     code = (status or "").rsplit(".", 1)[-1]
@@ -205,7 +210,13 @@ class RemoteClients:
         try:
             answer = await self._stub(target).ModelInfer(message)
         except grpc.aio.AioRpcError as exc:
-            raise remote_error(exc.code().name, exc.details() or str(exc.code().name), target) from None
+            error = remote_error(exc.code().name, exc.details() or str(exc.code().name), target)
+            channel = self._channels[target][0]
+            if (exc.code() == grpc.StatusCode.UNAVAILABLE
+                    and channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE):
+                # No connection at all (an answer from the target would have connected the channel).
+                error = Unreachable(error.message)
+            raise error from None
         return response_of(answer, target)
 
     async def aclose(self) -> None:
