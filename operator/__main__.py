@@ -142,7 +142,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(problem)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = Settings.from_env()
+    try:
+        settings = Settings.from_env()
+    except ValueError as exc:  # a bad SLUICE_* value: one line naming it and what is allowed
+        sys.exit(f"sluice-operator: {exc}")
     if args.namespace:
         settings = dataclasses.replace(settings, namespaces=tuple(args.namespace))
     asyncio.run(run(settings))

@@ -180,6 +180,8 @@ class Canary:
     config: str | None = None
     analysis: CanaryAnalysis | None = None
     """None: a fixed ``traffic_percent`` split, promoted and aborted by hand."""
+    runtime: RuntimeConfig | None = None
+    """Runtime settings of the candidate instead of ``spec.runtime``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -514,9 +516,16 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
             traffic_percent=read.integer(raw, "trafficPercent", "spec.canary", DEFAULT_CANARY_PERCENT, 0, 100),
             config=read.string(raw, "config", "spec.canary"),
             analysis=read.analysis(read.obj(raw, "analysis", "spec.canary"), "spec.canary.analysis"),
+            runtime=(None if (canary_runtime := read.obj(raw, "runtime", "spec.canary")) is None
+                     else read.runtime(canary_runtime, "spec.canary.runtime")),
         )
-        if canary.version == model.version and canary.storage_uri == model.storage_uri:
-            read.problem("spec.canary", "is identical to spec.model; change its version or storageUri")
+        if canary.runtime is not None and model.config is not None and canary.config is None:
+            read.problem("spec.canary.runtime", "cannot be combined with spec.model.config; give the canary its "
+                         "own spec.canary.config instead")
+        if (canary.version == model.version and canary.storage_uri == model.storage_uri
+                and canary.runtime is None and canary.config is None):
+            read.problem("spec.canary", "is identical to spec.model; change its version, storageUri, config or "
+                         "runtime")
     result = InferenceModelSpec(
         model=model,
         runtime=read.runtime(runtime_data, "spec.runtime"),

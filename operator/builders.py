@@ -695,9 +695,11 @@ def inference_model(
     gpus = [spec.resources.gpu] if spec.resources.gpu else []
     stable_source = spec.model
     candidate = ""
+    stable_runtime = spec.runtime
+    candidate_runtime = spec.canary.runtime or spec.runtime if spec.canary is not None else spec.runtime
     if rollout is not None and rollout.promoted and spec.canary is not None:
-        stable_source, candidate = candidate_model(spec), rollout.candidate
-    served = served_model(stable_source, spec.runtime, gpu=bool(gpus))
+        stable_source, stable_runtime, candidate = candidate_model(spec), candidate_runtime, rollout.candidate
+    served = served_model(stable_source, stable_runtime, gpu=bool(gpus))
     traffic: tuple[Obj, ...] = ({"revision": STABLE, "version": stable_source.version, "percent": 100},)
     extra: list[Obj] = []
     extra_absent: list[tuple[str, str, str]] = []
@@ -712,7 +714,7 @@ def inference_model(
         if rollout.canary and spec.canary is not None:
             source = candidate_model(spec)
             objects, absent = _track(
-                owner, [served_model(source, spec.runtime, gpu=bool(gpus))], track=CANARY,
+                owner, [served_model(source, candidate_runtime, gpu=bool(gpus))], track=CANARY,
                 resources=spec.resources, gpus=gpus, scaling=spec.scaling, storage=spec.storage,
                 shutdown=spec.shutdown, settings=settings, live=live_canary, candidate=rollout.candidate)
             extra += objects

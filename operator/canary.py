@@ -230,7 +230,7 @@ def plan_of(spec: api.InferenceModelSpec) -> Plan | None:
         "storageUri": canary.storage_uri,
         "version": canary.version,
         "config": canary.config,
-        "runtime": dataclasses.asdict(spec.runtime),
+        "runtime": dataclasses.asdict(canary.runtime or spec.runtime),
         "resources": dataclasses.asdict(spec.resources),
     }
     digest = hashlib.sha256(json.dumps(pods, sort_keys=True, default=str).encode()).hexdigest()[:12]

@@ -225,6 +225,8 @@ def _canary() -> Schema:
             "storageUri": _str("Files of the canary version.", pattern=api.STORAGE_URI_PATTERN, maxLength=2048),
             "version": _int("Canary version number.", 1, 2**31 - 1),
             "config": _str("Inline config for the canary; defaults to the stable one.", maxLength=262144),
+            "runtime": {**_runtime(), "description": "Runtime settings for the canary instead of spec.runtime "
+                        "(a batching or queue change is a candidate too); defaults to spec.runtime."},
             "trafficPercent": _int(
                 "Share of requests sent to the canary.", 0, 100, default=api.DEFAULT_CANARY_PERCENT,
             ),
@@ -431,8 +433,9 @@ def inference_model_crd() -> dict[str, Any]:
             _rule("!has(self.model.config) || !has(self.runtime)",
                   "spec.runtime cannot be combined with an inline spec.model.config"),
             _rule("!has(self.canary) || self.canary.version != self.model.version || "
-                  "self.canary.storageUri != self.model.storageUri",
-                  "spec.canary must differ from spec.model in version or storageUri"),
+                  "self.canary.storageUri != self.model.storageUri || has(self.canary.runtime) || "
+                  "has(self.canary.config)",
+                  "spec.canary must differ from spec.model in version, storageUri, config or runtime"),
         ],
     )
     return _crd(

@@ -112,7 +112,31 @@ class Settings:
             peering_priority=int(priority) if priority else defaults.peering_priority,
             health_port=int(env.get("SLUICE_HEALTH_PORT", defaults.health_port)),
             operator_metrics_port=int(env.get("SLUICE_METRICS_PORT", defaults.operator_metrics_port)),
-            prometheus_url=env.get("SLUICE_PROMETHEUS_URL") or None,
-            router=env.get("SLUICE_ROUTER", defaults.router),
-            gateway=env.get("SLUICE_GATEWAY", defaults.gateway),
+            prometheus_url=_url(env.get("SLUICE_PROMETHEUS_URL") or None),
+            router=_one_of("SLUICE_ROUTER", env.get("SLUICE_ROUTER", defaults.router), ROUTER_CHOICES),
+            gateway=_gateway(env.get("SLUICE_GATEWAY", defaults.gateway)),
         )
+
+
+ROUTER_CHOICES = ("auto", "gateway-api", "istio", "none")
+
+
+def _one_of(variable: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{variable}={value!r} is not allowed; allowed: {', '.join(allowed)}")
+    return value
+
+
+def _url(value: str | None) -> str | None:
+    if value is not None and not value.startswith(("http://", "https://")):
+        raise ValueError(f"SLUICE_PROMETHEUS_URL={value!r} is not allowed; allowed: an http:// or https:// URL "
+                         "of Prometheus' HTTP API, e.g. http://prometheus-operated.monitoring:9090")
+    return value
+
+
+def _gateway(value: str) -> str:
+    namespace, _, name = value.rpartition("/")
+    if value and (not name or (_ and not namespace) or "/" in namespace):
+        raise ValueError(f"SLUICE_GATEWAY={value!r} is not allowed; allowed: <namespace>/<name> or <name> of a "
+                         "Gateway, or empty to attach routes to the model's Service")
+    return value

@@ -15,7 +15,8 @@ def test_from_env_reads_every_documented_variable():
         "SLUICE_WATCH_NAMESPACES": "models, research,", "SLUICE_RUNTIME_IMAGE": "r:1",
         "SLUICE_RUNTIME_GPU_IMAGE": "r:1-cuda", "SLUICE_DEFAULT_CPU": "2", "SLUICE_DEFAULT_MEMORY": "8Gi",
         "SLUICE_MAX_COLOCATED_GPUS": "2", "SLUICE_RESYNC_SECONDS": "30", "SLUICE_PEERING_NAME": "",
-        "SLUICE_METRICS_PORT": "0",
+        "SLUICE_METRICS_PORT": "0", "SLUICE_PROMETHEUS_URL": "http://prometheus-operated.monitoring:9090",
+        "SLUICE_ROUTER": "istio", "SLUICE_GATEWAY": "infra/public",
     })
     assert settings.namespaces == ("models", "research")
     assert (settings.runtime_image, settings.runtime_gpu_image) == ("r:1", "r:1-cuda")
@@ -24,6 +25,21 @@ def test_from_env_reads_every_documented_variable():
     assert settings.resync_seconds == 30.0
     assert settings.peering_name is None
     assert settings.operator_metrics_port == 0
+    assert settings.prometheus_url == "http://prometheus-operated.monitoring:9090"
+    assert (settings.router, settings.gateway) == ("istio", "infra/public")
+
+
+@pytest.mark.parametrize(("variable", "value", "allowed"), [
+    ("SLUICE_ROUTER", "linkerd", "allowed: auto, gateway-api, istio, none"),
+    ("SLUICE_PROMETHEUS_URL", "prometheus:9090", "allowed: an http:// or https:// URL"),
+    ("SLUICE_GATEWAY", "infra/", "allowed: <namespace>/<name> or <name>"),
+    ("SLUICE_GATEWAY", "/public", "allowed: <namespace>/<name> or <name>"),
+    ("SLUICE_GATEWAY", "a/b/c", "allowed: <namespace>/<name> or <name>"),
+])
+def test_a_bad_canary_setting_names_the_variable_and_what_is_allowed(variable, value, allowed):
+    with pytest.raises(ValueError, match=f"{variable}={value!r} is not allowed") as caught:
+        Settings.from_env({variable: value})
+    assert allowed in str(caught.value)
 
 
 def test_peering_replicas_draw_distinct_priorities_unless_one_is_given():
