@@ -37,7 +37,6 @@ INSTANCE_LABEL = "app_kubernetes_io_instance"
 
 CANARY, STABLE = "canary", "stable"
 TRACKS = (CANARY, STABLE)
-QUANTITIES = ("requests", "errors", "p99")
 
 INF = math.inf
 Buckets = tuple[tuple[float, float], ...]

@@ -117,11 +117,27 @@ class PrometheusSource:
             self._once.failed(key, _why(exc))
             return None
         data = body.get("data") or {}
-        if data.get("resultType") != "vector" or not isinstance(data.get("result"), list):
-            self._once.failed(key, f"expected an instant vector, got {data.get('resultType')!r}")
+        if data.get("resultType") != "vector" or not _is_vector(data.get("result")):
+            answer = f"resultType {data.get('resultType')!r}, result {str(data.get('result'))[:100]}"
+            self._once.failed(key, f"expected an instant vector of numbers, got {answer}")
             return None
         self._once.ok(key)
         return list(data["result"])
+
+
+def _is_vector(result: Any) -> bool:
+    """``[{"metric": {...}, "value": [time, "number"]}, ...]``, each value a number Python can read."""
+    if not isinstance(result, list):
+        return False
+    for sample in result:
+        value = sample.get("value") if isinstance(sample, dict) else None
+        if not isinstance(value, list) or len(value) != 2 or not isinstance(value[1], str):
+            return False
+        try:
+            float(value[1])
+        except ValueError:
+            return False
+    return True
 
 
 class ScrapeSource:

@@ -95,7 +95,10 @@ async def test_prometheus_source_sends_the_promql_and_reads_both_tracks():
         (lambda: web.json_response({"status": "error", "error": "overloaded"}, status=503), "HTTP 503 overloaded"),
         (lambda: web.Response(text="<html>proxy says hi</html>"), "JSONDecodeError"),
         (lambda: web.json_response({"status": "success", "data": {"resultType": "matrix", "result": []}}),
-         "expected an instant vector, got 'matrix'"),
+         "got resultType 'matrix'"),
+        (lambda: web.json_response({"status": "success", "data": {"resultType": "vector",
+                                                                   "result": [{"metric": {}, "value": [1, "x"]}]}}),
+         "of numbers, got resultType 'vector', result [{'metric': {}, 'value': [1, 'x']}]"),
     ],
 )
 async def test_prometheus_source_turns_bad_answers_into_no_data_logged_once(answer, why, caplog):
