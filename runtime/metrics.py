@@ -33,6 +33,11 @@ class ModelCollector(Collector):
             "sluice_request_success", "Requests answered successfully (Triton: nv_inference_request_success)"
         )
         failure = counter("sluice_request_failure", "Requests answered with an error (nv_inference_request_failure)")
+        server_failure = counter(
+            "sluice_request_server_failure",
+            "Requests answered with a server-side error (HTTP 5xx: model failure, queue full or timed out); "
+            "a subset of sluice_request_failure, what the canary analysis counts as errors",
+        )
         inferences = counter("sluice_inference_count", "Inferences performed, batch rows (nv_inference_count)")
         executions = counter("sluice_execution_count", "Model executions, batches (nv_inference_exec_count)")
         queue_us = counter("sluice_queue_duration_us", "Cumulative time requests waited in the queue, us")
@@ -52,11 +57,17 @@ class ModelCollector(Collector):
         queue_hist = HistogramMetricFamily("sluice_queue_duration_seconds", "Time each request waited", labels=LABELS)
         compute_hist = HistogramMetricFamily("sluice_compute_duration_seconds", "Time of each execution", labels=LABELS)
         batch_hist = HistogramMetricFamily("sluice_batch_size", "Rows per model execution", labels=LABELS)
+        request_hist = HistogramMetricFamily(
+            "sluice_request_duration_seconds",
+            "End-to-end time of each answered request, errors included",
+            labels=LABELS,
+        )
         for mv in self._versions():
             s = mv.stats
             labels = [mv.name, str(mv.version)]
             success.add_metric(labels, s.success.count)
             failure.add_metric(labels, s.fail.count)
+            server_failure.add_metric(labels, s.server_fail)
             inferences.add_metric(labels, s.inference_count)
             executions.add_metric(labels, s.execution_count)
             queue_us.add_metric(labels, s.queue.ns / 1000)
@@ -73,9 +84,11 @@ class ModelCollector(Collector):
             queue_hist.add_metric(labels, s.queue_hist.buckets(), s.queue_hist.sum)
             compute_hist.add_metric(labels, s.compute_hist.buckets(), s.compute_hist.sum)
             batch_hist.add_metric(labels, s.batch_hist.buckets(), s.batch_hist.sum)
+            request_hist.add_metric(labels, s.request_hist.buckets(), s.request_hist.sum)
         yield from (
             success,
             failure,
+            server_failure,
             inferences,
             executions,
             queue_us,
@@ -89,6 +102,7 @@ class ModelCollector(Collector):
             queue_hist,
             compute_hist,
             batch_hist,
+            request_hist,
         )
 
 

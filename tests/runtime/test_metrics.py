@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import urllib.error
 import urllib.request
@@ -11,9 +12,12 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from .conftest import write_model  # type: ignore[import-not-found]
+
 DOCUMENTED = [
     "sluice_request_success_total",
     "sluice_request_failure_total",
+    "sluice_request_server_failure_total",
     "sluice_inference_count_total",
     "sluice_execution_count_total",
     "sluice_request_duration_us_total",
@@ -27,6 +31,7 @@ DOCUMENTED = [
     "sluice_queue_duration_seconds_bucket",
     "sluice_compute_duration_seconds_bucket",
     "sluice_batch_size_bucket",
+    "sluice_request_duration_seconds_bucket",
 ]
 
 
@@ -96,3 +101,100 @@ def test_metrics_port_answers_only_metrics(example_repo, serve):
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(f"http://{server.metrics}/v2/models", timeout=5)
     assert info.value.code == 404
+
+
+# Sleeps SLEEP_S per request; an input of -1 is the model's own client error (INVALID_ARG), -2 its failure.
+SLOW_PY = """
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            if x[0] == -1:
+                error = pb_utils.TritonError("IN must not be -1", pb_utils.TritonError.INVALID_ARG)
+                out.append(pb_utils.InferenceResponse(error=error))
+            elif x[0] == -2:
+                out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("the model broke")))
+            else:
+                time.sleep(SLEEP_S)
+                out.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUT", x)]))
+        return out
+"""
+SLOW_CONFIG = """
+name: "slow"
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN", data_type: TYPE_FP32, dims: [ 1 ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 1 ] } ]
+"""
+
+
+def buckets(text: str, name: str, **labels: str) -> dict[float, float]:
+    """``le`` -> cumulative count of one histogram series."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def slow_infer(client, x: float) -> None:
+    inp = httpclient.InferInput("IN", [1], "FP32")
+    inp.set_data_from_numpy(np.array([x], np.float32))
+    client.infer("slow", [inp])
+
+
+def test_request_duration_histogram_counts_every_answer_and_places_a_slow_model_in_its_bucket(tmp_path, serve):
+    repo = tmp_path / "repo"
+    write_model(repo, "slow", SLOW_CONFIG, {"model.py": SLOW_PY.replace("SLEEP_S", "0.06")})
+    server = serve(repo)
+    client = httpclient.InferenceServerClient(server.http)
+    for _ in range(5):
+        slow_infer(client, 1.0)
+    for x in (-1.0, -2.0):
+        with pytest.raises(InferenceServerException):
+            slow_infer(client, x)
+    text = scrape(server)
+    client.close()
+    labels = {"model": "slow", "version": "1"}
+    hist = buckets(text, "sluice_request_duration_seconds", **labels)
+    assert hist[float("inf")] == value(text, "sluice_request_duration_seconds_count", **labels) == 7
+    # the two errors answer at once; the five slow requests take at least the model's 60 ms
+    assert hist[0.05] == 2
+    assert hist[30.0] == 7
+    assert value(text, "sluice_request_duration_seconds_sum", **labels) >= 5 * 0.06
+    bounds = sorted(hist)
+    assert bounds[0] == 0.0005 and bounds[-2] == 30.0  # 0.5 ms .. 30 s, then +Inf
+    assert all(hist[a] <= hist[b] for a, b in itertools.pairwise(bounds))
+
+
+def test_server_failures_count_what_the_server_is_to_blame_for_not_bad_input(tmp_path, serve):
+    """sluice_request_failure keeps Triton's meaning (every error); sluice_request_server_failure counts
+    only 5xx answers, which is what a canary is judged on."""
+    repo = tmp_path / "repo"
+    write_model(repo, "slow", SLOW_CONFIG, {"model.py": SLOW_PY.replace("SLEEP_S", "0")})
+    server = serve(repo)
+    client = httpclient.InferenceServerClient(server.http)
+    wrong_shape = httpclient.InferInput("IN", [2], "FP32")
+    wrong_shape.set_data_from_numpy(np.ones(2, np.float32))
+    with pytest.raises(InferenceServerException, match="shape"):
+        client.infer("slow", [wrong_shape])
+    with pytest.raises(InferenceServerException, match="must not be -1"):
+        slow_infer(client, -1.0)  # the model's own INVALID_ARG: the client's fault
+    for _ in range(3):
+        with pytest.raises(InferenceServerException, match="the model broke"):
+            slow_infer(client, -2.0)
+    slow_infer(client, 1.0)
+    text = scrape(server)
+    client.close()
+    labels = {"model": "slow", "version": "1"}
+    assert value(text, "sluice_request_failure_total", **labels) == 5
+    assert value(text, "sluice_request_server_failure_total", **labels) == 3
+    assert value(text, "sluice_request_success_total", **labels) == 1
+    assert value(text, "sluice_request_duration_seconds_count", **labels) == 6
