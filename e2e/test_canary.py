@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import aiohttp.web
 import kmock
 import kopf
 import pytest
@@ -22,6 +23,7 @@ import pytest
 from sluice.operator.canary import VersionMetrics
 from sluice.operator.crd import all_crds
 from sluice.operator.settings import Settings
+from sluice.operator.sources import GateClient
 from sluice_testing import ApiServer, Cluster, FakeClock, OperatorHarness
 
 NAMESPACE = "e2e"
@@ -127,7 +129,7 @@ ISTIO = [_crd("networking.istio.io", "v1beta1", "VirtualService", "virtualservic
 @contextlib.asynccontextmanager
 async def environment(*, router: str = "none", crds: list[dict[str, Any]] | None = None,
                       clock: FakeClock | None = None, metrics: Metrics | None = None,
-                      server: ApiServer | None = None) -> AsyncIterator[Env]:
+                      server: ApiServer | None = None, gate: Any = None) -> AsyncIterator[Env]:
     async with contextlib.AsyncExitStack() as stack:
         if server is None:
             server = await stack.enter_async_context(ApiServer(simulate_rollouts=True))
@@ -140,7 +142,7 @@ async def environment(*, router: str = "none", crds: list[dict[str, Any]] | None
         env = Env(server, Cluster(info, NAMESPACE, timeout=15), clock or FakeClock(), metrics or Metrics(), Gate())
         stack.push_async_callback(env.cluster.session.close)
         await stack.enter_async_context(OperatorHarness(settings=settings, connection=info, clock=env.clock,
-                                                        metrics=env.metrics, gate=env.gate))
+                                                        metrics=env.metrics, gate=gate or env.gate))
         try:
             yield env
         finally:
@@ -267,6 +269,37 @@ async def _settled(env: Env) -> bool:
     return bool(model) and model["status"].get("observedGeneration") == model["metadata"]["generation"]
 
 
+async def test_a_latency_ratio_at_100_percent_compares_with_the_last_stable_p99():
+    # At the last step stable serves nothing, so it has no p99 of its own this interval: the canary is
+    # compared with the stable p99 of the interval before (40 ms), not left Inconclusive forever.
+    async with environment() as env:
+        env.metrics.canary = HEALTHY
+        await env.cluster.apply(_model(stepWeights=[50, 100], maxLatencyP99RatioToStable=1.5,
+                                       inconclusiveLimit=0))
+        await env.until("the first step", phase="Progressing", weight=50)
+        await env.tick()
+        await env.until("the last step", phase="Progressing", weight=100)
+        env.metrics.stable = VersionMetrics(requests=0, errors=0, p99_ms=float("nan"))
+        env.metrics.canary = VersionMetrics(requests=600, errors=0, p99_ms=55.0)  # 1.375x the last 40 ms
+        await env.tick()
+        status = await env.until("promotion", phase="Succeeded")
+        assert status["lastMetrics"]["stable"]["p99Milliseconds"] == 40.0
+
+
+async def test_a_latency_ratio_breach_at_100_percent_rolls_back():
+    async with environment() as env:
+        env.metrics.canary = HEALTHY
+        await env.cluster.apply(_model(stepWeights=[50, 100], maxLatencyP99RatioToStable=1.5))
+        await env.until("the first step", phase="Progressing", weight=50)
+        await env.tick()
+        await env.until("the last step", phase="Progressing", weight=100)
+        env.metrics.stable = None  # nothing to read for stable at all
+        env.metrics.canary = VersionMetrics(requests=600, errors=0, p99_ms=75.0)
+        await env.tick()
+        status = await env.until("the rollback", phase="RolledBack")
+        assert "over 1.5x the stable p99 40 ms" in status["message"]
+
+
 async def test_no_data_is_inconclusive_never_a_pass_and_rolls_back_after_the_limit():
     async with environment() as env:
         env.metrics.canary = None  # a metrics outage
@@ -290,7 +323,8 @@ async def test_a_gate_that_says_no_holds_the_step_and_a_yes_moves_it():
         env.gate.answer = False
         gated = _model(gates={"url": "https://gate.example/approve", "beforeStep": True})
         await env.cluster.apply(gated)
-        status = await env.until("held by the gate", phase="Initializing", gate="said no")
+        status = await env.until("held by the gate", phase="Initializing", gate=(
+            "did not approve (not a 2xx, a timeout or unreachable; the operator log says which)"))
         assert "the gate has not approved 5%" in status["message"]
         url, payload = env.gate.asked[-1]
         assert url == "https://gate.example/approve"
@@ -302,6 +336,41 @@ async def test_a_gate_that_says_no_holds_the_step_and_a_yes_moves_it():
         await env.tick()
         status = await env.until("held again", gate="could not be asked")
         assert status["weight"] == 5 and status["phase"] == "Progressing"
+
+
+async def test_a_real_gate_webhook_holds_promotion_until_it_answers_2xx():
+    # The operator's own GateClient against an HTTP server on loopback: 403 holds, 200 promotes.
+    answers = [403]
+    payloads: list[dict[str, Any]] = []
+
+    async def approve(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        payloads.append(await request.json())
+        return aiohttp.web.Response(status=answers[-1])
+
+    app = aiohttp.web.Application()
+    app.router.add_post("/approve", approve)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = GateClient(timeout_s=5)
+    try:
+        async with environment(gate=client.ask) as env:
+            env.metrics.canary = HEALTHY
+            await env.cluster.apply(_model(stepWeights=[50], gates={"url": f"http://127.0.0.1:{port}/approve",
+                                                                    "beforePromotion": True}))
+            await env.until("the only step", phase="Progressing", weight=50)
+            await env.tick()
+            status = await env.until("held before promotion", phase="Progressing", weight=50, gate=(
+                "did not approve (not a 2xx, a timeout or unreachable; the operator log says which)"))
+            assert "waiting for the gate to approve promotion" in status["message"]
+            assert payloads[-1]["purpose"] == "promotion" and payloads[-1]["name"] == "clf"
+            answers.append(200)
+            await env.until("promotion once approved", phase="Succeeded")
+    finally:
+        await client.aclose()
+        await runner.cleanup()
 
 
 async def test_a_new_candidate_mid_rollout_restarts_without_stale_objects():

@@ -103,11 +103,17 @@ async def run(settings: Settings, *, stop_flag: asyncio.Event | None = None) -> 
     from sluice.operator.kube import Kube
     from sluice.operator.metrics import OperatorMetrics
     from sluice.operator.reconcile import Reconciler
+    from sluice.operator.sources import GateClient, PrometheusSource, ScrapeSource
 
     registry = kopf.OperatorRegistry()
     kube = Kube()
     metrics = OperatorMetrics()
-    reconciler = Reconciler(kube=kube, settings=settings, clock=utc_now, events=handlers.kopf_event)
+    # The canary analysis reads Prometheus when one is configured, else the runtime pods themselves.
+    source = (PrometheusSource(settings.prometheus_url) if settings.prometheus_url
+              else ScrapeSource(kube, settings.metrics_port))
+    gate = GateClient()
+    reconciler = Reconciler(kube=kube, settings=settings, clock=utc_now, events=handlers.kopf_event,
+                            metrics=source, gate=gate.ask)
     handlers.register(registry, settings=settings, kube=kube, reconciler=reconciler, metrics=metrics)
     metrics_server = None
     if settings.operator_metrics_port:
@@ -125,6 +131,8 @@ async def run(settings: Settings, *, stop_flag: asyncio.Event | None = None) -> 
             stop_flag=stop_flag,
         )
     finally:
+        await source.aclose()
+        await gate.aclose()
         if metrics_server is not None:
             metrics_server.shutdown()
             metrics_server.server_close()

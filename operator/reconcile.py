@@ -307,7 +307,14 @@ class Reconciler:
                     metrics = await self._metrics.read(target, now)
                 except Exception as exc:  # a broken source is an outage: inconclusive, never a pass
                     log.warning("Canary metrics for %s/%s could not be read: %r", owner.namespace, owner.name, exc)
-            observation = dataclasses.replace(observation, canary=metrics[0], stable=metrics[1])
+            stable = metrics[1]
+            if before.weight >= 100 and (stable is None or stable.p99_ms is None or stable.p99_ms != stable.p99_ms):
+                # At 100 % the stable track serves nothing, so it has no p99 of its own: compare the
+                # canary with the stable p99 of the last judged interval (no such value: Inconclusive).
+                remembered = _remembered_p99(stored)
+                stable = canary.VersionMetrics(requests=stable.requests if stable else 0.0,
+                                               errors=stable.errors if stable else 0.0, p99_ms=remembered)
+            observation = dataclasses.replace(observation, canary=metrics[0], stable=stable)
         decision = canary.step(plan, before, observation, now)
         asks = [a for a in decision.actions if isinstance(a, canary.AskGate)]
         gate_url = spec.canary.analysis.gate_url if spec.canary and spec.canary.analysis else None
@@ -332,12 +339,14 @@ class Reconciler:
         judged = before.phase == canary.PROGRESSING and (
             after.interval_started != before.interval_started or after.phase != before.phase)
         if judged and analysis is not None:
-            status["lastMetrics"] = {"canary": _metrics_status(metrics[0]), "stable": _metrics_status(metrics[1])}
+            status["lastMetrics"] = {"canary": _metrics_status(observation.canary),
+                                     "stable": _metrics_status(observation.stable)}
         elif old_metrics and after.phase != canary.INITIALIZING:
             status["lastMetrics"] = old_metrics
         if asks and answer is not True:
             status["gate"] = ("not configured: set spec.canary.analysis.gates.url" if not gate_url
-                              else "could not be asked" if answer is None else "said no")
+                              else "could not be asked" if answer is None
+                              else "did not approve (not a 2xx, a timeout or unreachable; the operator log says which)")
         status["summary"] = _canary_summary(after, analysis)
         status["help"] = _canary_help(after, spec)
         return _CanaryPass(decision=decision, rollout=rollout, live_canary=live_canary, status=status)
@@ -438,6 +447,15 @@ def _runs(deployment: Mapping[str, Any] | None, candidate: str, *, fully: bool) 
         return False
     wanted = int((deployment.get("spec") or {}).get("replicas", 1))
     return available >= (wanted if fully else 1)
+
+
+def _remembered_p99(stored: Any) -> float | None:
+    """The stable p99 of the last judged interval, from ``status.canary.lastMetrics``."""
+    try:
+        value = stored["lastMetrics"]["stable"]["p99Milliseconds"]
+    except (KeyError, TypeError):
+        return None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _metrics_status(metrics: canary.VersionMetrics | None) -> Obj | None:
