@@ -210,6 +210,17 @@ def test_rbac_is_least_privilege():
         assert "update" not in rule["verbs"], "server-side apply and merge patches need patch, not update"
 
 
+def test_rbac_covers_every_kind_the_operator_writes():
+    from sluice.operator.kube import RESOURCES
+    rules = [r for d in template() if d["kind"] == "ClusterRole" for r in d["rules"]]
+    for kind, (api_version, plural) in RESOURCES.items():
+        group = api_version.rpartition("/")[0]
+        verbs = {v for r in rules if group in r["apiGroups"] and plural in r["resources"] for v in r["verbs"]}
+        wanted = {"get", "list"} if kind == "Pod" else {"get", "patch"} if group == "sluice.dev" else \
+            {"get", "create", "patch", "delete"}
+        assert wanted <= verbs, f"{kind} ({group}/{plural}): the chart grants {sorted(verbs)}"
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--set", "replicsCount=2"], "additional properties 'replicsCount' not allowed"),
     (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
