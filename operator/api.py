@@ -158,6 +158,8 @@ class CanaryAnalysis:
 
     step_weights: tuple[int, ...] = DEFAULT_STEP_WEIGHTS
     interval_seconds: int = 60
+    progress_deadline_seconds: int = 600
+    """A candidate whose pods are not ready this long after it was deployed is rolled back."""
     min_requests: int = 50
     """Fewer canary requests in an interval make it inconclusive, never a pass."""
     max_error_rate_percent: float = 1.0
@@ -341,6 +343,7 @@ class _Reader:
         return CanaryAnalysis(
             step_weights=tuple(weights),
             interval_seconds=self.integer(data, "intervalSeconds", path, 60, 10, 86_400),
+            progress_deadline_seconds=self.integer(data, "progressDeadlineSeconds", path, 600, 60, 86_400),
             min_requests=self.integer(data, "minRequests", path, 50, 1, 1_000_000_000),
             max_error_rate_percent=self.number(data, "maxErrorRatePercent", path, 1.0, 0, 100) or 0.0,
             max_latency_p99_ms=None if latency is None else int(latency),

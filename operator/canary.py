@@ -55,6 +55,8 @@ class Analysis:
     """Canary traffic percent per step, rising, each 1..100."""
     interval_s: float = 60.0
     """Length of one judged interval."""
+    progress_deadline_s: float = 600.0
+    """A candidate whose pods are not ready this long after it was deployed is rolled back."""
     min_requests: int = 50
     """Fewer canary requests in an interval make it Inconclusive."""
     max_error_rate: float = 0.01
@@ -241,6 +243,7 @@ def plan_of(spec: api.InferenceModelSpec) -> Plan | None:
     analysis = Analysis(
         step_weights=wanted.step_weights,
         interval_s=float(wanted.interval_seconds),
+        progress_deadline_s=float(wanted.progress_deadline_seconds),
         min_requests=wanted.min_requests,
         max_error_rate=wanted.max_error_rate_percent / 100,
         max_p99_ms=None if wanted.max_latency_p99_ms is None else float(wanted.max_latency_p99_ms),
@@ -334,6 +337,11 @@ def _restart(plan: Plan, status: Status, now: float) -> Decision:
 
 def _initializing(plan: Plan, status: Status, observation: Observation, now: float) -> Decision:
     if not observation.canary_ready:
+        deadline = plan.analysis.progress_deadline_s if plan.analysis is not None else None
+        if deadline is not None and now - status.interval_started >= deadline and status.step < 0:
+            return _roll_back(status, f"the canary's pods were not ready within progressDeadlineSeconds "
+                                      f"{deadline:g} (check their events and logs: image pull, model fetch, "
+                                      "failed load, GPU capacity)")
         held = dataclasses.replace(status, message="waiting for the canary's pods to be ready")
         return Decision(held, (EnsureCanary(plan.candidate),), requeue_after_s=_interval(plan))
     if plan.analysis is None:

@@ -243,6 +243,10 @@ def _canary() -> Schema:
                         "description": "Rising canary traffic percents; after the last one passes, promotion.",
                     },
                     "intervalSeconds": _int("Length of one judged interval.", 10, 86400, default=60),
+                    "progressDeadlineSeconds": _int(
+                        "A candidate whose pods are not ready this long after it was deployed is rolled back.",
+                        60, 86400, default=600,
+                    ),
                     "minRequests": _int(
                         "Fewer canary requests in an interval make it inconclusive (never a pass).", 1, 1_000_000_000,
                         default=50,

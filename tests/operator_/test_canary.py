@@ -186,6 +186,20 @@ def test_no_weight_before_the_canary_has_ready_pods():
     assert phases == [c.INITIALIZING] * 4 and weights(actions) == []
 
 
+def test_a_candidate_never_ready_rolls_back_at_the_progress_deadline():
+    plan = c.Plan("cand-a", dataclasses.replace(ANALYSIS, progress_deadline_s=600))
+    not_ready = dataclasses.replace(SEEN, canary_ready=False)
+    started = c.step(plan, c.Status(), not_ready, 1000.0).status
+    held = c.step(plan, started, not_ready, 1000.0 + 599)
+    assert held.status.phase == c.INITIALIZING and held.status.weight == 0
+    rolled = c.step(plan, held.status, not_ready, 1000.0 + 600)
+    assert rolled.status.phase == c.ROLLED_BACK and rolled.status.failed_candidate == "cand-a"
+    assert "not ready within progressDeadlineSeconds 600" in rolled.status.message
+    manual = c.Plan("cand-a", None, 10)  # a manual split has no deadline: it waits for its pods
+    waiting = c.step(manual, c.step(manual, c.Status(), not_ready, 0).status, not_ready, 10_000)
+    assert waiting.status.phase == c.INITIALIZING
+
+
 def test_promotion_keeps_the_canary_weight_until_stable_is_rolled_out():
     status, actions, phases, _ = drive(PLAN, [SEEN] * 6 + [SEEN] * 3)  # stable never finishes
     assert phases[-3:] == [c.PROMOTING] * 3 and status.weight == 100
