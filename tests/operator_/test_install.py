@@ -120,6 +120,22 @@ def test_examples_pass_the_crd_schema_and_the_operator_checks(path):
         parse(doc["metadata"]["name"], pruned["spec"])  # the CEL-equivalent rules
 
 
+def test_scaling_defaults_of_the_crd_are_the_operators():
+    stored = _structural(SCHEMAS["InferenceModel"], {"spec": {
+        "model": {"storageUri": "s3://b/m", "format": "onnx"}, "scaling": {"minReplicas": 1, "maxReplicas": 3}}})
+    assert stored["spec"]["scaling"] == {
+        "minReplicas": 1, "maxReplicas": 3, "metric": "queueDepth", "targetQueueDepth": 8, "targetInflight": 8,
+        "targetQueueWaitMilliseconds": 50, "engine": "hpa", "scaleUpStabilizationSeconds": 0,
+        "scaleDownStabilizationSeconds": 300,
+    }
+    assert api.parse_inference_model("m", stored["spec"]).scaling == api.Scaling(max_replicas=3)
+    scaling = SCHEMAS["InferenceModel"]["properties"]["spec"]["properties"]["scaling"]
+    assert scaling["properties"]["metric"]["enum"] == list(api.SCALING_METRICS)
+    assert scaling["properties"]["engine"]["enum"] == list(api.SCALING_ENGINES)
+    rules = [r["rule"] for r in scaling["x-kubernetes-validations"]]
+    assert any("self.fallbackReplicas <= self.maxReplicas" in r for r in rules)
+
+
 def test_examples_cover_both_kinds():
     kinds = {doc["kind"] for path in EXAMPLES for doc in yaml.safe_load_all(path.read_text())}
     assert kinds == {"InferenceModel", "Ensemble"}
