@@ -28,3 +28,23 @@ if [ ! -x .tools/bin/prometheus ] && command -v apt-get >/dev/null 2>&1 && comma
   fi
   rm -rf "$tmp"
 fi
+# Published schemas of the third-party custom resources Sluice renders (KEDA ScaledObject, prometheus-
+# operator PodMonitor/ServiceMonitor, Gateway API HTTPRoute/GRPCRoute, Istio VirtualService), from the
+# kubernetes-models npm packages, into .tools/schemas/node_modules. They ship ajv-compiled validators
+# (JavaScript, not JSON Schema documents): tests run them with node through
+# tests/support/sluice_testing/schemas.py, and skip with a reason where npm or node is missing. Pinned:
+# npm would otherwise pick older releases on a node below the packages' engines (>= 22), which run fine.
+SCHEMA_PACKAGES="@kubernetes-models/keda@2.0.0 @kubernetes-models/prometheus-operator@6.0.0 @kubernetes-models/gateway-api@2.0.0 @kubernetes-models/istio@3.0.1"
+if command -v npm >/dev/null 2>&1 && command -v node >/dev/null 2>&1; then
+  if [ "$(cat .tools/schemas/installed 2>/dev/null)" != "$SCHEMA_PACKAGES" ]; then
+    mkdir -p .tools/schemas
+    echo '{"private": true, "description": "Published CRD schemas for Sluice tests (.ci/tools.sh)"}' > .tools/schemas/package.json
+    # shellcheck disable=SC2086  # the package list is meant to split
+    if (cd .tools/schemas && npm install --silent --no-audit --no-fund --ignore-scripts --omit=dev \
+          --no-package-lock $SCHEMA_PACKAGES >/dev/null 2>&1); then
+      echo "$SCHEMA_PACKAGES" > .tools/schemas/installed
+    else
+      echo "tools.sh: npm could not install the schema packages; schema tests will skip" >&2
+    fi
+  fi
+fi

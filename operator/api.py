@@ -39,11 +39,28 @@ DATA_TYPES = (
     "TYPE_INT32", "TYPE_INT64", "TYPE_FP16", "TYPE_FP32", "TYPE_FP64", "TYPE_STRING", "TYPE_BF16",
 )
 PLACEMENTS = ("Auto", "Colocated", "Remote")
+SCALING_METRICS = ("queueDepth", "inflight", "latency")
+"""What an autoscaled model scales on, per pod: queued requests (``sluice_queue_depth``), requests queued
+or executing (``sluice_inflight_requests``), or the p90 time requests wait in the queue
+(``sluice_queue_duration_seconds``). docs/operator.md ("Autoscaling") compares them."""
+SCALING_ENGINES = ("hpa", "keda")
+"""Who scales: a HorizontalPodAutoscaler on a custom metric (served by prometheus-adapter), or a KEDA
+ScaledObject querying Prometheus itself."""
 
 DEFAULT_MODEL_VERSION = 1
 DEFAULT_MIN_REPLICAS = 1
 DEFAULT_MAX_REPLICAS = 1
 DEFAULT_TARGET_QUEUE_DEPTH = 8
+DEFAULT_TARGET_INFLIGHT = 8
+DEFAULT_TARGET_QUEUE_WAIT_MILLISECONDS = 50
+DEFAULT_SCALING_METRIC = "queueDepth"
+DEFAULT_SCALING_ENGINE = "hpa"
+DEFAULT_SCALE_UP_STABILIZATION_SECONDS = 0
+DEFAULT_SCALE_DOWN_STABILIZATION_SECONDS = 300
+MAX_STABILIZATION_SECONDS = 3600
+"""The HPA's own bound on ``stabilizationWindowSeconds``."""
+MAX_SCALING_TARGET = 100_000
+MAX_QUEUE_WAIT_MILLISECONDS = 600_000
 DEFAULT_CANARY_PERCENT = 10
 DEFAULT_STEP_WEIGHTS = (5, 25, 50, 100)
 GATE_URL_PATTERN = r"^https?://[^\s]+$"
@@ -132,13 +149,36 @@ class Resources:
 
 @dataclasses.dataclass(frozen=True)
 class Scaling:
+    """Replica bounds and, when they differ, what the autoscaler aims for (``spec.scaling``)."""
+
     min_replicas: int = DEFAULT_MIN_REPLICAS
     max_replicas: int = DEFAULT_MAX_REPLICAS
     target_queue_depth: int = DEFAULT_TARGET_QUEUE_DEPTH
+    """``metric: queueDepth``: average queued requests per pod."""
+    metric: str = DEFAULT_SCALING_METRIC
+    """One of :data:`SCALING_METRICS`."""
+    engine: str = DEFAULT_SCALING_ENGINE
+    """One of :data:`SCALING_ENGINES`."""
+    target_inflight: int = DEFAULT_TARGET_INFLIGHT
+    """``metric: inflight``: average requests queued or executing per pod."""
+    target_queue_wait_ms: int = DEFAULT_TARGET_QUEUE_WAIT_MILLISECONDS
+    """``metric: latency``: average over pods of each pod's p90 queue wait, in milliseconds."""
+    scale_up_stabilization_seconds: int = DEFAULT_SCALE_UP_STABILIZATION_SECONDS
+    """Scale up only to the lowest recommendation of this window (0: at once)."""
+    scale_down_stabilization_seconds: int = DEFAULT_SCALE_DOWN_STABILIZATION_SECONDS
+    """Scale down only to the highest recommendation of this window."""
+    fallback_replicas: int | None = None
+    """``engine: keda``: replicas while Prometheus cannot be read; ``None`` means ``max_replicas``."""
 
     @property
     def autoscaled(self) -> bool:
         return self.max_replicas > self.min_replicas
+
+    @property
+    def target(self) -> int:
+        """The target of the chosen metric, in its unit (requests, or milliseconds for latency)."""
+        return {"queueDepth": self.target_queue_depth, "inflight": self.target_inflight,
+                "latency": self.target_queue_wait_ms}[self.metric]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,8 +484,34 @@ class _Reader:
             self.problem(
                 path, f"minReplicas ({lo}) must be <= maxReplicas ({hi}); raise maxReplicas or lower minReplicas"
             )
-        depth = self.integer(data, "targetQueueDepth", path, DEFAULT_TARGET_QUEUE_DEPTH, 1, 100_000)
-        return Scaling(min_replicas=lo, max_replicas=hi, target_queue_depth=depth)
+        fallback = None
+        if data.get("fallbackReplicas") is not None:
+            fallback = self.integer(data, "fallbackReplicas", path, hi, 1, MAX_REPLICAS)
+            if not lo <= fallback <= hi:
+                self.problem(
+                    f"{path}.fallbackReplicas",
+                    f"must be from minReplicas ({lo}) to maxReplicas ({hi}), got {fallback}",
+                )
+        windows = {
+            key: self.integer(data, key, path, default, 0, MAX_STABILIZATION_SECONDS)
+            for key, default in (("scaleUpStabilizationSeconds", DEFAULT_SCALE_UP_STABILIZATION_SECONDS),
+                                 ("scaleDownStabilizationSeconds", DEFAULT_SCALE_DOWN_STABILIZATION_SECONDS))
+        }
+        return Scaling(
+            min_replicas=lo, max_replicas=hi,
+            target_queue_depth=self.integer(
+                data, "targetQueueDepth", path, DEFAULT_TARGET_QUEUE_DEPTH, 1, MAX_SCALING_TARGET),
+            metric=self.string(data, "metric", path, choices=SCALING_METRICS) or DEFAULT_SCALING_METRIC,
+            engine=self.string(data, "engine", path, choices=SCALING_ENGINES) or DEFAULT_SCALING_ENGINE,
+            target_inflight=self.integer(data, "targetInflight", path, DEFAULT_TARGET_INFLIGHT, 1, MAX_SCALING_TARGET),
+            target_queue_wait_ms=self.integer(
+                data, "targetQueueWaitMilliseconds", path, DEFAULT_TARGET_QUEUE_WAIT_MILLISECONDS, 1,
+                MAX_QUEUE_WAIT_MILLISECONDS,
+            ),
+            scale_up_stabilization_seconds=windows["scaleUpStabilizationSeconds"],
+            scale_down_stabilization_seconds=windows["scaleDownStabilizationSeconds"],
+            fallback_replicas=fallback,
+        )
 
     def shutdown(self, data: Mapping[str, Any] | None, path: str) -> Shutdown:
         if data is None:

@@ -456,10 +456,63 @@ def pod_disruption_budget(owner: Owner, name: str, track: str = STABLE) -> Obj:
     }
 
 
+# ---------------------------------------------------------------- autoscaling
+
+HPA_METRICS = {
+    "queueDepth": "sluice_queue_depth",
+    "inflight": "sluice_inflight_requests",
+    "latency": "sluice_queue_duration_seconds_p90",
+}
+"""``spec.scaling.metric`` -> the Pods custom metric the HPA asks for; the chart's prometheus-adapter
+rules serve each under this name (``helm/sluice/templates/autoscaling.yaml``)."""
+SCALE_UP_POLICIES = ({"type": "Percent", "value": 100, "periodSeconds": 15},
+                     {"type": "Pods", "value": 4, "periodSeconds": 15})
+"""Kubernetes' own default: double, or add 4 pods, every 15 s, whichever is more."""
+SCALE_DOWN_POLICIES = ({"type": "Percent", "value": 10, "periodSeconds": 60},
+                       {"type": "Pods", "value": 1, "periodSeconds": 60})
+"""10 % or 1 pod a minute, whichever is more (Kubernetes' default removes everything at once):
+bench/hpa_sim.py, docs/operator.md ("Autoscaling")."""
+KEDA_POLLING_SECONDS = 15
+"""How often KEDA queries Prometheus: the HPA controller's own sync period."""
+KEDA_FAILURE_THRESHOLD = 3
+"""Failed queries in a row before KEDA runs ``fallbackReplicas``."""
+PROMETHEUS_RATE_WINDOW = "1m"
+"""Range of the rate() behind the latency metric: four samples at a 15 s scrape interval."""
+PROMETHEUS_LABELS = {"namespace": "namespace", "pod": "pod", "instance": "app_kubernetes_io_instance"}
+"""Series labels the KEDA queries filter and group on: what the chart's PodMonitor gives (prometheus-operator
+adds namespace and pod; podTargetLabels turns the pod label app.kubernetes.io/instance into the last)."""
+KEDA_HPA_VALIDATION_ANNOTATION = "validations.keda.sh/hpa-ownership"
+
+
+def scaling_behavior(scaling: api.Scaling) -> Obj:
+    """``spec.behavior`` of the HPA (also KEDA's): fast up, slowly down, windows from the spec."""
+    return {
+        "scaleUp": {
+            "stabilizationWindowSeconds": scaling.scale_up_stabilization_seconds,
+            "selectPolicy": "Max",
+            "policies": [dict(p) for p in SCALE_UP_POLICIES],
+        },
+        "scaleDown": {
+            "stabilizationWindowSeconds": scaling.scale_down_stabilization_seconds,
+            "selectPolicy": "Max",
+            "policies": [dict(p) for p in SCALE_DOWN_POLICIES],
+        },
+    }
+
+
+def _average_value(scaling: api.Scaling) -> str:
+    # The latency metric is served in seconds; a quantity in milli-units is the target in milliseconds.
+    return f"{scaling.target}m" if scaling.metric == "latency" else str(scaling.target)
+
+
 def horizontal_pod_autoscaler(owner: Owner, name: str, scaling: api.Scaling) -> Obj:
+    """The HPA of Deployment ``name``: the chosen Pods metric at its per-pod target, with :func:`scaling_behavior`."""
+    # KEDA's admission webhook refuses a ScaledObject for a Deployment another HPA scales. Switching a model
+    # to engine keda applies the ScaledObject before this HPA is deleted, so this HPA opts out of that check.
+    meta = _meta(owner, name, common_labels(owner), {KEDA_HPA_VALIDATION_ANNOTATION: "false"})
     return {
         "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
-        "metadata": _meta(owner, name, common_labels(owner)),
+        "metadata": meta,
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
             "minReplicas": scaling.min_replicas,
@@ -467,13 +520,94 @@ def horizontal_pod_autoscaler(owner: Owner, name: str, scaling: api.Scaling) -> 
             "metrics": [{
                 "type": "Pods",
                 "pods": {
-                    "metric": {"name": "sluice_queue_depth"},
-                    "target": {"type": "AverageValue", "averageValue": str(scaling.target_queue_depth)},
+                    "metric": {"name": HPA_METRICS[scaling.metric]},
+                    "target": {"type": "AverageValue", "averageValue": _average_value(scaling)},
                 },
             }],
-            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
+            "behavior": scaling_behavior(scaling),
         },
     }
+
+
+def prometheus_query(scaling: api.Scaling, namespace: str, name: str) -> str:
+    """PromQL for KEDA: the sum over the pods of Deployment ``name`` of each pod's value of the metric.
+
+    KEDA divides it by the per-pod threshold (``AverageValue``), which is the HPA's own arithmetic for a
+    Pods metric. Each pod's value is what the chart's prometheus-adapter rule serves for it: queued
+    requests summed over the models it serves; in-flight requests of its busiest model (an Ensemble's
+    pod counts a request once, not once per step); its p90 queue wait in milliseconds, 0 for an idle pod
+    (histogram_quantile of no requests is NaN). An empty answer, e.g. no series because nothing scrapes
+    the pods, is an error for KEDA (``ignoreNullValues: false``), so ``fallbackReplicas`` applies.
+    """
+    labels = PROMETHEUS_LABELS
+    selector = f'{labels["namespace"]}="{namespace}",{labels["instance"]}="{name}"'
+    pod = labels["pod"]
+    if scaling.metric == "queueDepth":
+        return f"sum(sluice_queue_depth{{{selector}}})"
+    if scaling.metric == "inflight":
+        return f"sum(max by ({pod}) (sluice_inflight_requests{{{selector}}}))"
+    window = PROMETHEUS_RATE_WINDOW
+    p90 = (f"1000 * histogram_quantile(0.9, sum by ({pod}, le) "
+           f"(rate(sluice_queue_duration_seconds_bucket{{{selector}}}[{window}])))")
+    return (f"sum({p90} >= 0) or "
+            f"(0 * sum(rate(sluice_queue_duration_seconds_count{{{selector}}}[{window}])))")
+
+
+def scaled_object(owner: Owner, name: str, scaling: api.Scaling, settings: Settings) -> Obj:
+    """The KEDA ScaledObject of Deployment ``name``: a prometheus trigger on :func:`prometheus_query`."""
+    if not settings.prometheus_url:
+        raise UnsatisfiableError([
+            "spec.scaling.engine: keda scales on a Prometheus query, and the operator does not know where "
+            "Prometheus is: set SLUICE_PROMETHEUS_URL on the operator (Helm: --set "
+            "prometheus.url=http://<prometheus>.<namespace>.svc:9090) or use engine hpa"
+        ])
+    return {
+        "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+        "metadata": _meta(owner, name, common_labels(owner)),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicaCount": scaling.min_replicas,
+            "maxReplicaCount": scaling.max_replicas,
+            "pollingInterval": KEDA_POLLING_SECONDS,
+            # A Prometheus outage must not drop the model to minReplicas: KEDA runs these replicas instead.
+            "fallback": {
+                "failureThreshold": KEDA_FAILURE_THRESHOLD,
+                "replicas": scaling.fallback_replicas or scaling.max_replicas,
+            },
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": scaling_behavior(scaling)}},
+            "triggers": [{
+                "type": "prometheus",
+                "metricType": "AverageValue",  # KEDA's fallback works only with AverageValue
+                "metadata": {
+                    "serverAddress": settings.prometheus_url,
+                    "query": prometheus_query(scaling, owner.namespace, name),
+                    "threshold": str(scaling.target),
+                    "ignoreNullValues": "false",
+                },
+            }],
+        },
+    }
+
+
+HPA_KIND = ("autoscaling/v2", "HorizontalPodAutoscaler")
+SCALED_OBJECT_KIND = ("keda.sh/v1alpha1", "ScaledObject")
+
+
+def autoscaler(
+    owner: Owner, name: str, scaling: api.Scaling, settings: Settings,
+) -> tuple[list[Obj], list[tuple[str, str, str]]]:
+    """(objects, absent) that autoscale Deployment ``name``: the engine's object, and the other engine's
+    (and both, when not autoscaled) named as absent. KEDA owns the HPA it makes (``keda-hpa-<name>``)."""
+    objects: list[Obj] = []
+    absent = [(*HPA_KIND, name), (*SCALED_OBJECT_KIND, name)]
+    if scaling.autoscaled:
+        if scaling.engine == "keda":
+            objects.append(scaled_object(owner, name, scaling, settings))
+            absent.remove((*SCALED_OBJECT_KIND, name))
+        else:
+            objects.append(horizontal_pod_autoscaler(owner, name, scaling))
+            absent.remove((*HPA_KIND, name))
+    return objects, absent
 
 
 def owns_replicas(deployment: Mapping[str, Any], manager: str = FIELD_MANAGER) -> bool:
@@ -487,7 +621,7 @@ def owns_replicas(deployment: Mapping[str, Any], manager: str = FIELD_MANAGER) -
 
 
 def deployment_replicas(scaling: api.Scaling, live: Mapping[str, Any] | None) -> int | None:
-    """The replica count to apply, or ``None`` to leave ``spec.replicas`` to the HPA.
+    """The replica count to apply, or ``None`` to leave ``spec.replicas`` to the HPA (KEDA's included).
 
     Fixed scaling applies its count. Autoscaled, the count is the HPA's, but dropping the field from
     the apply while this operator is still its only owner makes the API server reset it to the
@@ -530,10 +664,9 @@ def _track(
         objects.append(pod_disruption_budget(owner, name, track))
     else:
         absent.append(("policy/v1", "PodDisruptionBudget", name))
-    if scaling.autoscaled:
-        objects.append(horizontal_pod_autoscaler(owner, name, scaling))
-    else:
-        absent.append(("autoscaling/v2", "HorizontalPodAutoscaler", name))
+    scaler, not_wanted = autoscaler(owner, name, scaling, settings)
+    objects += scaler
+    absent += not_wanted
     return objects, absent
 
 
@@ -543,6 +676,7 @@ def _track_names(owner: Owner, track: str) -> list[tuple[str, str, str]]:
     return [
         ("apps/v1", "Deployment", name), ("v1", "Service", name), ("v1", "ConfigMap", f"{name}-config"),
         ("policy/v1", "PodDisruptionBudget", name), ("autoscaling/v2", "HorizontalPodAutoscaler", name),
+        ("keda.sh/v1alpha1", "ScaledObject", name),
     ]
 
 
@@ -680,8 +814,8 @@ def inference_model(
     owner: Owner, spec: api.InferenceModelSpec, settings: Settings, *, live: Mapping[str, Any] | None = None,
     live_canary: Mapping[str, Any] | None = None, rollout: Rollout | None = None,
 ) -> Desired:
-    """Children of an InferenceModel: ConfigMap, Deployment, Service, and PDB/HPA when scaling asks;
-    during a canary rollout also the candidate's own set (``<name>-canary``) and the router's objects.
+    """Children of an InferenceModel: ConfigMap, Deployment, Service, and PDB/HPA/ScaledObject when scaling
+    asks; during a canary rollout also the candidate's own set (``<name>-canary``) and the router's objects.
 
     ``live``/``live_canary`` are the Deployments as the API server has them now (``None`` if absent); they
     only decide the replica counts during an HPA handover (:func:`deployment_replicas`). ``rollout`` is

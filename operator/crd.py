@@ -108,24 +108,74 @@ def _resources() -> Schema:
 
 
 def _scaling() -> Schema:
+    stabilization = (
+        "Seconds of recommendations the autoscaler looks back over before it scales {direction}: it "
+        "{verb} to the {extreme} of them, so a short {blip} does not move the replica count. 0 to "
+        f"{api.MAX_STABILIZATION_SECONDS}."
+    )
     return _obj(
-        "Replica bounds. With maxReplicas > minReplicas an HPA scales on the runtime's sluice_queue_depth "
-        "metric (served to the HPA by a custom-metrics adapter such as prometheus-adapter).",
+        "Replica bounds. With maxReplicas > minReplicas the model is autoscaled on a per-pod runtime metric "
+        "(metric) by a HorizontalPodAutoscaler or a KEDA ScaledObject (engine); docs/operator.md "
+        "(\"Autoscaling\") has the setup and the evidence behind the defaults.",
         {
             "minReplicas": _int(
                 "Lowest replica count (also what `kubectl scale` sets).", 1, api.MAX_REPLICAS,
                 default=api.DEFAULT_MIN_REPLICAS,
             ),
             "maxReplicas": _int("Highest replica count.", 1, api.MAX_REPLICAS, default=api.DEFAULT_MAX_REPLICAS),
+            "metric": _str(
+                "What the autoscaler keeps at its target, per pod: queueDepth (requests waiting in the "
+                "runtime's queue, sluice_queue_depth; target targetQueueDepth), inflight (requests queued or "
+                "executing, sluice_inflight_requests; target targetInflight) or latency (the p90 time "
+                "requests wait in the queue before they execute, from sluice_queue_duration_seconds; target "
+                "targetQueueWaitMilliseconds). Execution time is left out of latency on purpose: more "
+                "replicas cannot shorten it.",
+                enum=list(api.SCALING_METRICS), default=api.DEFAULT_SCALING_METRIC,
+            ),
             "targetQueueDepth": _int(
-                "Average queued requests per pod the HPA aims for.", 1, 100_000,
-                default=api.DEFAULT_TARGET_QUEUE_DEPTH,
+                "metric queueDepth: average queued requests per pod the autoscaler aims for.", 1,
+                api.MAX_SCALING_TARGET, default=api.DEFAULT_TARGET_QUEUE_DEPTH,
+            ),
+            "targetInflight": _int(
+                "metric inflight: average requests queued or executing per pod the autoscaler aims for; about "
+                "80% of what one pod holds at full load (maxBatchSize x instances, plus what may queue).", 1,
+                api.MAX_SCALING_TARGET, default=api.DEFAULT_TARGET_INFLIGHT,
+            ),
+            "targetQueueWaitMilliseconds": _int(
+                "metric latency: the p90 queue wait per pod, in milliseconds, the autoscaler aims for "
+                "(averaged over pods).", 1, api.MAX_QUEUE_WAIT_MILLISECONDS,
+                default=api.DEFAULT_TARGET_QUEUE_WAIT_MILLISECONDS,
+            ),
+            "engine": _str(
+                "hpa: a HorizontalPodAutoscaler reading the metric as a Pods custom metric (needs "
+                "prometheus-adapter with the chart's rules). keda: a KEDA ScaledObject whose prometheus "
+                "trigger queries Prometheus (needs KEDA, and the operator's SLUICE_PROMETHEUS_URL / the "
+                "chart's autoscaling.prometheusUrl).",
+                enum=list(api.SCALING_ENGINES), default=api.DEFAULT_SCALING_ENGINE,
+            ),
+            "scaleUpStabilizationSeconds": _int(
+                stabilization.format(direction="up", verb="rises", extreme="lowest", blip="spike"),
+                0, api.MAX_STABILIZATION_SECONDS, default=api.DEFAULT_SCALE_UP_STABILIZATION_SECONDS,
+            ),
+            "scaleDownStabilizationSeconds": _int(
+                stabilization.format(direction="down", verb="falls", extreme="highest", blip="lull")
+                + " Longer than the gaps between your traffic's bursts keeps pods for the next burst.",
+                0, api.MAX_STABILIZATION_SECONDS, default=api.DEFAULT_SCALE_DOWN_STABILIZATION_SECONDS,
+            ),
+            "fallbackReplicas": _int(
+                "engine keda: replicas to run while Prometheus cannot be read (3 failed polls); from "
+                "minReplicas to maxReplicas. Defaults to maxReplicas.", 1, api.MAX_REPLICAS,
             ),
         },
         default={},
-        rules=[_rule(
-            "self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas",
-        )],
+        rules=[
+            _rule("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
+            _rule(
+                "!has(self.fallbackReplicas) || "
+                "(self.fallbackReplicas >= self.minReplicas && self.fallbackReplicas <= self.maxReplicas)",
+                "fallbackReplicas must be from minReplicas to maxReplicas",
+            ),
+        ],
     )
 
 

@@ -5,7 +5,8 @@ registry, nothing at import time). Triggers, all level-triggered into the same r
 
 * the custom resource is resumed, created or updated (kopf's change detection, with retries);
 * a child (Deployment, Service, ConfigMap, PDB, HPA carrying our managed-by label) changes or is
-  deleted: the owner named in its controller ownerReference is reconciled, which repairs drift;
+  deleted: the owner named in its controller ownerReference is reconciled, which repairs drift
+  (a KEDA ScaledObject is not watched, see ``CHILD_KINDS``: the timer repairs it);
 * an InferenceModel changes: the Ensembles that reference it are reconciled;
 * a timer every ``Settings.resync_seconds`` as a backstop for anything the watches missed.
 
@@ -30,6 +31,9 @@ from sluice.operator.settings import Settings
 
 LoginFn = Callable[..., Awaitable[kopf.ConnectionInfo | None]]
 CHILD_KINDS = ("Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "HorizontalPodAutoscaler")
+# Not KEDA's ScaledObject: its CRD is installed only where KEDA is, and kopf watching a resource the
+# cluster does not serve fails instead of waiting for it. A ScaledObject edited by hand is put back by
+# the resync timer (resyncSeconds) instead of at once.
 CUSTOM_PLURALS = (api.INFERENCE_MODEL_PLURAL, api.ENSEMBLE_PLURAL)
 MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={builders.MANAGED_BY}"
 

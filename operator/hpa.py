@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from typing import Any
 
 TOLERANCE = 0.1
 """The controller's default ``--horizontal-pod-autoscaler-tolerance``."""
@@ -47,6 +49,26 @@ DEFAULT_SCALE_DOWN = Rules(300.0, (Policy("Percent", 100, 15.0),))
 class Behavior:
     scale_up: Rules = DEFAULT_SCALE_UP
     scale_down: Rules = DEFAULT_SCALE_DOWN
+
+    @classmethod
+    def from_kubernetes(cls, behavior: Mapping[str, Any] | None) -> Behavior:
+        """An HPA's ``spec.behavior`` (as builders render it) as rules; what it leaves out gets
+        Kubernetes' defaults, as the API server fills them in."""
+        behavior = behavior or {}
+
+        def rules(raw: Mapping[str, Any] | None, default: Rules) -> Rules:
+            if raw is None:
+                return default
+            policies = tuple(Policy(p["type"], int(p["value"]), float(p["periodSeconds"]))
+                             for p in raw.get("policies") or ())
+            return Rules(
+                stabilization_s=float(raw.get("stabilizationWindowSeconds", default.stabilization_s)),
+                policies=policies or default.policies,
+                select=raw.get("selectPolicy", "Max"),
+            )
+
+        return cls(rules(behavior.get("scaleUp"), DEFAULT_SCALE_UP),
+                   rules(behavior.get("scaleDown"), DEFAULT_SCALE_DOWN))
 
 
 @dataclasses.dataclass

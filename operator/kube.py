@@ -38,6 +38,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "HTTPRoute": ("gateway.networking.k8s.io/v1", "httproutes"),
     "GRPCRoute": ("gateway.networking.k8s.io/v1", "grpcroutes"),
     "VirtualService": ("networking.istio.io/v1beta1", "virtualservices"),
+    # KEDA's CRD, installed or not: a GET where it is missing answers 404, which reads as absent.
+    "ScaledObject": ("keda.sh/v1alpha1", "scaledobjects"),
     api.INFERENCE_MODEL_KIND: (api.API_VERSION, api.INFERENCE_MODEL_PLURAL),
     api.ENSEMBLE_KIND: (api.API_VERSION, api.ENSEMBLE_PLURAL),
 }
@@ -96,10 +98,17 @@ class Kube:
 
     async def apply(self, obj: Mapping[str, Any]) -> Obj:
         meta = obj["metadata"]
-        result = await self._request(
-            "PATCH", path(obj["kind"], meta["namespace"], meta["name"]), body=obj,
-            content_type="application/apply-patch+yaml", params={"fieldManager": FIELD_MANAGER, "force": "true"},
-        )
+        try:
+            result = await self._request(
+                "PATCH", path(obj["kind"], meta["namespace"], meta["name"]), body=obj,
+                content_type="application/apply-patch+yaml", params={"fieldManager": FIELD_MANAGER, "force": "true"},
+            )
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            # An apply creates what is missing, so a 404 means the cluster does not serve the kind at all.
+            raise ApiError(404, exc.reason, f"{exc.message} (the cluster does not serve {obj['apiVersion']} "
+                           f"{obj['kind']}: is the CRD that defines it installed? KEDA's, for a ScaledObject)") from exc
         return result or {}
 
     async def get(self, kind: str, namespace: str, name: str) -> Obj | None:

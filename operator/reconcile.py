@@ -27,7 +27,8 @@ Obj = dict[str, Any]
 Clock = Callable[[], datetime.datetime]
 
 # Answers to an apply that retrying cannot fix: reported as Degraded with the server's message.
-REJECTIONS = {400: "ApplyRejected", 403: "Forbidden", 422: "ApplyRejected"}
+REJECTIONS = {400: "ApplyRejected", 403: "Forbidden", 404: "KindNotServed", 422: "ApplyRejected"}
+"""404 on an apply: the cluster does not serve that kind (KEDA or a router's CRDs are not installed)."""
 
 
 class ApiError(Exception):
@@ -198,6 +199,10 @@ class Reconciler:
                         raise  # transient (5xx, 409, 429): kopf retries with backoff
                     problem = (f"the API server rejected {obj['kind']} {obj['metadata']['name']!r} "
                                f"({exc.status} {exc.reason}): {exc.message}")
+                    if exc.status == 404:
+                        problem = (f"the cluster does not serve {obj['kind']} ({obj['apiVersion']}), which this "
+                                   "spec needs: install its CRDs (KEDA for scaling.engine keda; Gateway API or "
+                                   "Istio for SLUICE_ROUTER) or choose another engine or router")
                     return await self._report_problem(owner, body, REJECTIONS[exc.status], (problem,))
                 applied += 1
                 if obj["kind"] == "Deployment":

@@ -42,9 +42,39 @@ def test_defaults_match_the_crd():
     ({"model": MODEL, "storage": {"secretRef": {}}}, "spec.storage.secretRef.name: is required"),
     ({"model": MODEL, "shutdown": {"drainSeconds": -1}}, "spec.shutdown.drainSeconds: must be from 0 to 600"),
     ({"model": MODEL, "shutdown": {"graceSeconds": 0}}, "spec.shutdown.graceSeconds: must be from 1 to 3600"),
+    ({"model": MODEL, "scaling": {"metric": "cpu"}},
+     "spec.scaling.metric: must be one of queueDepth, inflight, latency, got 'cpu'"),
+    ({"model": MODEL, "scaling": {"engine": "vpa"}}, "spec.scaling.engine: must be one of hpa, keda, got 'vpa'"),
+    ({"model": MODEL, "scaling": {"targetInflight": 0}}, "spec.scaling.targetInflight: must be from 1 to 100000"),
+    ({"model": MODEL, "scaling": {"targetQueueWaitMilliseconds": "50ms"}},
+     "spec.scaling.targetQueueWaitMilliseconds: must be an integer from 1 to 600000, got '50ms'"),
+    ({"model": MODEL, "scaling": {"scaleDownStabilizationSeconds": 7200}},
+     "spec.scaling.scaleDownStabilizationSeconds: must be from 0 to 3600, got 7200"),
+    ({"model": MODEL, "scaling": {"scaleUpStabilizationSeconds": -1}},
+     "spec.scaling.scaleUpStabilizationSeconds: must be from 0 to 3600"),
+    ({"model": MODEL, "scaling": {"minReplicas": 2, "maxReplicas": 8, "fallbackReplicas": 9}},
+     "spec.scaling.fallbackReplicas: must be from minReplicas (2) to maxReplicas (8), got 9"),
 ])
 def test_invalid_specs_say_what_to_change(spec, expected):
     assert any(expected in p for p in problems(spec)), problems(spec)
+
+
+def test_scaling_fields_and_their_defaults():
+    default = api.parse_inference_model("m", {"model": MODEL, "scaling": {"minReplicas": 1, "maxReplicas": 4}}).scaling
+    assert (default.metric, default.engine, default.target) == ("queueDepth", "hpa", api.DEFAULT_TARGET_QUEUE_DEPTH)
+    assert (default.scale_up_stabilization_seconds, default.scale_down_stabilization_seconds) == (0, 300)
+    assert default.fallback_replicas is None
+    scaling = api.parse_inference_model("m", {"model": MODEL, "scaling": {
+        "minReplicas": 2, "maxReplicas": 8, "metric": "latency", "engine": "keda", "targetQueueWaitMilliseconds": 20,
+        "targetInflight": 12, "scaleUpStabilizationSeconds": 30, "scaleDownStabilizationSeconds": 600,
+        "fallbackReplicas": 4,
+    }}).scaling
+    assert scaling == api.Scaling(
+        min_replicas=2, max_replicas=8, metric="latency", engine="keda", target_queue_wait_ms=20, target_inflight=12,
+        scale_up_stabilization_seconds=30, scale_down_stabilization_seconds=600, fallback_replicas=4,
+    )
+    assert scaling.target == 20
+    assert api.Scaling(metric="inflight", target_inflight=12).target == 12
 
 
 def test_all_problems_are_reported_at_once():

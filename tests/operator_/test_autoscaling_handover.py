@@ -122,3 +122,12 @@ async def test_the_emulator_resets_a_field_dropped_by_its_only_manager(apiserver
     kept = await _apply(apiserver, dropped)
     assert kept["spec"]["replicas"] == 5
     assert _replica_owners(kept) == {"kube-controller-manager"}
+
+
+async def test_keda_without_a_prometheus_url_is_degraded_and_says_how_to_set_it(client, operator):
+    await client.create(client.IM, client.model(scaling={"minReplicas": 2, "maxReplicas": 8, "engine": "keda"}))
+    degraded = await client.wait(lambda: (c := client.condition(client.read(client.IM, "resnet"), "Degraded"))
+                                 and c["status"] == "True" and c)
+    assert degraded["reason"] == "Unsatisfiable"
+    assert "SLUICE_PROMETHEUS_URL" in degraded["message"] and "engine hpa" in degraded["message"]
+    assert client.read(HPA, "resnet") is None

@@ -6,6 +6,7 @@ and review the diff like code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -15,9 +16,12 @@ import yaml
 
 from sluice.operator import api, builders
 from sluice.operator.settings import Settings
+from sluice_testing import schemas
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
-SETTINGS = Settings(runtime_image="sluice-runtime:1", runtime_gpu_image="sluice-runtime:1-cuda")
+THIRD_PARTY = {"keda.sh/v1alpha1"}
+SETTINGS = Settings(runtime_image="sluice-runtime:1", runtime_gpu_image="sluice-runtime:1-cuda",
+                    prometheus_url="http://prometheus-operated.monitoring.svc:9090")
 
 
 def owner(kind: str = "InferenceModel", name: str = "resnet") -> builders.Owner:
@@ -38,6 +42,11 @@ MODELS = {
     "mig-slice": {
         "model": {"storageUri": "gs://bucket/bert", "format": "onnx"},
         "resources": {"gpu": {"migProfile": "1g.10gb"}},
+    },
+    "keda-latency": {
+        "model": {"storageUri": "s3://bucket/resnet50", "format": "onnx"},
+        "scaling": {"minReplicas": 2, "maxReplicas": 10, "engine": "keda", "metric": "latency",
+                    "targetQueueWaitMilliseconds": 40, "scaleDownStabilizationSeconds": 600},
     },
     "gpu-memory-pvc-inline-config": {
         "model": {"storageUri": "pvc://model-store/llm/1", "format": "python",
@@ -188,7 +197,146 @@ def test_ensemble_with_a_missing_reference_names_the_step():
 
 @pytest.mark.parametrize("path", sorted(GOLDEN.glob("*.yaml")), ids=lambda p: p.stem)
 def test_rendered_children_pass_the_kubernetes_schemas(path):
+    """Kubernetes' kinds against its OpenAPI schemas, the others (KEDA's ScaledObject) against their own."""
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for obj in yaml.safe_load_all(path.read_text()):
-        if "kind" in obj:
+        if "kind" not in obj:
+            continue
+        if obj["apiVersion"] in THIRD_PARTY:
+            assert schemas.validate(obj) == [], obj["kind"]
+        else:
             kubernetes_validate.validate(obj, "1.30.0", strict=True)
+
+
+# ---------------------------------------------------------------- autoscaling
+
+AUTOSCALED = {"model": {"storageUri": "s3://bucket/resnet50", "format": "onnx"},
+              "scaling": {"minReplicas": 2, "maxReplicas": 10}}
+SELECTOR = 'namespace="models",app_kubernetes_io_instance="resnet"'
+
+
+def _autoscaled(settings: Settings = SETTINGS, **scaling: object) -> builders.Desired:
+    spec = {**AUTOSCALED, "scaling": {**AUTOSCALED["scaling"], **scaling}}
+    return builders.inference_model(owner(), api.parse_inference_model("resnet", spec), settings)
+
+
+def _one(desired: builders.Desired, kind: str) -> dict:
+    [found] = [o for o in desired.objects if o["kind"] == kind]
+    return found
+
+
+@pytest.mark.parametrize(("scaling", "metric", "average_value"), [
+    ({}, "sluice_queue_depth", "8"),
+    ({"metric": "queueDepth", "targetQueueDepth": 4}, "sluice_queue_depth", "4"),
+    ({"metric": "inflight", "targetInflight": 12}, "sluice_inflight_requests", "12"),
+    ({"metric": "latency", "targetQueueWaitMilliseconds": 40}, "sluice_queue_duration_seconds_p90", "40m"),
+], ids=["default", "queueDepth", "inflight", "latency"])
+def test_hpa_scales_on_the_chosen_pods_metric(scaling, metric, average_value):
+    desired = _autoscaled(**scaling)
+    hpa = _one(desired, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["metrics"] == [{"type": "Pods", "pods": {
+        "metric": {"name": metric}, "target": {"type": "AverageValue", "averageValue": average_value}}}]
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 10)
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "resnet"}
+    assert not [o for o in desired.objects if o["kind"] == "ScaledObject"]
+    assert ("keda.sh/v1alpha1", "ScaledObject", "resnet") in desired.absent
+    assert builders.HPA_METRICS[api.parse_inference_model("m", {**AUTOSCALED, "scaling": scaling}).scaling.metric] \
+        == metric
+
+
+@pytest.mark.parametrize(("scaling", "query", "threshold"), [
+    ({"targetQueueDepth": 4}, f"sum(sluice_queue_depth{{{SELECTOR}}})", "4"),
+    ({"metric": "inflight", "targetInflight": 12},
+     f"sum(max by (pod) (sluice_inflight_requests{{{SELECTOR}}}))", "12"),
+    ({"metric": "latency", "targetQueueWaitMilliseconds": 40},
+     "sum(1000 * histogram_quantile(0.9, sum by (pod, le) "
+     f"(rate(sluice_queue_duration_seconds_bucket{{{SELECTOR}}}[1m]))) >= 0) "
+     f"or (0 * sum(rate(sluice_queue_duration_seconds_count{{{SELECTOR}}}[1m])))", "40"),
+], ids=["queueDepth", "inflight", "latency"])
+def test_keda_scaled_object_queries_prometheus_for_the_chosen_metric(scaling, query, threshold):
+    desired = _autoscaled(engine="keda", **scaling)
+    scaled = _one(desired, "ScaledObject")
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    assert scaled["spec"]["triggers"] == [{"type": "prometheus", "metricType": "AverageValue", "metadata": {
+        "serverAddress": SETTINGS.prometheus_url, "query": query, "threshold": threshold,
+        "ignoreNullValues": "false"}}]
+    assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "resnet"}
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (2, 10)
+    assert scaled["spec"]["fallback"] == {"failureThreshold": 3, "replicas": 10}
+    # KEDA makes its own HPA (keda-hpa-resnet): ours must go, and the Deployment's count is left to it.
+    assert not [o for o in desired.objects if o["kind"] == "HorizontalPodAutoscaler"]
+    assert ("autoscaling/v2", "HorizontalPodAutoscaler", "resnet") in desired.absent
+    assert "replicas" not in _one(desired, "Deployment")["spec"]
+    assert schemas.validate(scaled) == []
+
+
+def test_keda_and_the_hpa_get_the_same_behaviour_fast_up_slowly_down():
+    hpa = _one(_autoscaled(), "HorizontalPodAutoscaler")
+    keda = _one(_autoscaled(engine="keda"), "ScaledObject")
+    behavior = hpa["spec"]["behavior"]
+    assert keda["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == behavior
+    assert behavior == {
+        "scaleUp": {"stabilizationWindowSeconds": 0, "selectPolicy": "Max", "policies": [
+            {"type": "Percent", "value": 100, "periodSeconds": 15}, {"type": "Pods", "value": 4, "periodSeconds": 15}]},
+        "scaleDown": {"stabilizationWindowSeconds": 300, "selectPolicy": "Max", "policies": [
+            {"type": "Percent", "value": 10, "periodSeconds": 60}, {"type": "Pods", "value": 1, "periodSeconds": 60}]},
+    }
+    windows = _one(_autoscaled(scaleUpStabilizationSeconds=30, scaleDownStabilizationSeconds=900),
+                   "HorizontalPodAutoscaler")["spec"]["behavior"]
+    assert (windows["scaleUp"]["stabilizationWindowSeconds"], windows["scaleDown"]["stabilizationWindowSeconds"]) \
+        == (30, 900)
+
+
+def test_keda_fallback_replicas_from_the_spec():
+    scaled = _one(_autoscaled(engine="keda", fallbackReplicas=4), "ScaledObject")
+    assert scaled["spec"]["fallback"] == {"failureThreshold": 3, "replicas": 4}
+
+
+def test_keda_without_a_prometheus_url_is_unsatisfiable_and_says_how_to_set_it():
+    with pytest.raises(builders.UnsatisfiableError) as caught:
+        _autoscaled(dataclasses.replace(SETTINGS, prometheus_url=None), engine="keda")
+    [problem] = caught.value.problems
+    assert problem.startswith("spec.scaling.engine: keda scales on a Prometheus query")
+    assert "SLUICE_PROMETHEUS_URL" in problem and "--set prometheus.url=" in problem and "engine hpa" in problem
+    _autoscaled(dataclasses.replace(SETTINGS, prometheus_url=None))  # engine hpa does not need it
+
+
+@pytest.mark.parametrize("engine", ["hpa", "keda"])
+def test_fixed_scaling_has_neither_autoscaler(engine):
+    spec = {**AUTOSCALED, "scaling": {"minReplicas": 3, "maxReplicas": 3, "engine": engine}}
+    desired = builders.inference_model(owner(), api.parse_inference_model("resnet", spec), SETTINGS)
+    assert not [o for o in desired.objects if o["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")]
+    assert {a for a in desired.absent if a[1] != "PodDisruptionBudget"} == {
+        ("autoscaling/v2", "HorizontalPodAutoscaler", "resnet"), ("keda.sh/v1alpha1", "ScaledObject", "resnet")}
+    assert _one(desired, "Deployment")["spec"]["replicas"] == 3
+
+
+@pytest.mark.parametrize("engine", ["hpa", "keda"])
+def test_an_autoscaler_for_another_deployment_targets_and_selects_that_one(engine):
+    """The canary's Deployment ``<name>-canary`` gets its own autoscaler from the same function."""
+    scaling = api.Scaling(min_replicas=1, max_replicas=3, engine=engine)
+    objects, absent = builders.autoscaler(owner(), "resnet-canary", scaling, SETTINGS)
+    [scaler] = objects
+    assert scaler["metadata"]["name"] == "resnet-canary"
+    assert scaler["spec"]["scaleTargetRef"]["name"] == "resnet-canary"
+    assert [name for _, _, name in absent] == ["resnet-canary"]
+    if engine == "keda":
+        assert 'app_kubernetes_io_instance="resnet-canary"' in scaler["spec"]["triggers"][0]["metadata"]["query"]
+
+
+def test_the_hpa_opts_out_of_kedas_ownership_check_for_the_switch_to_keda():
+    """The reconciler applies the ScaledObject before it deletes the old HPA; KEDA's webhook would refuse it."""
+    hpa = _one(_autoscaled(), "HorizontalPodAutoscaler")
+    assert hpa["metadata"]["annotations"] == {"validations.keda.sh/hpa-ownership": "false"}
+
+
+@pytest.mark.parametrize("engine", ["hpa", "keda"])
+def test_the_replica_handover_is_the_same_for_both_engines(engine):
+    scaling = api.Scaling(min_replicas=2, max_replicas=8, engine=engine)
+    ours = {"metadata": {"managedFields": [{"manager": "sluice-operator", "operation": "Apply",
+                                            "fieldsV1": {"f:spec": {"f:replicas": {}}}}]}, "spec": {"replicas": 5}}
+    theirs = {"metadata": {"managedFields": [{"manager": "kube-controller-manager", "operation": "Update",
+                                              "fieldsV1": {"f:spec": {"f:replicas": {}}}}]}, "spec": {"replicas": 5}}
+    assert builders.deployment_replicas(scaling, ours) == 5
+    assert builders.deployment_replicas(scaling, theirs) is None
+    assert builders.deployment_replicas(scaling, None) is None

@@ -18,7 +18,9 @@ import jsonschema
 import pytest
 import yaml
 
-from sluice.operator import api, crd
+from sluice.operator import api, builders, crd
+from sluice.operator.settings import Settings
+from sluice_testing import adapter, schemas
 from sluice_testing.apiserver import _strip_extensions, _structural
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -50,10 +52,14 @@ def template_error(*args: str) -> str:
 
 
 def validate(docs: list[dict]) -> None:
+    """Kubernetes' kinds against its schemas; prometheus-operator's against their published ones."""
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for doc in docs:
-        if doc["apiVersion"].startswith(("monitoring.coreos.com", "kopf.dev")):
-            continue  # prometheus-operator's and kopf's custom resources, not Kubernetes built-ins
+        if doc["apiVersion"].startswith("kopf.dev"):
+            continue  # kopf's peering objects: no published schema
+        if doc["apiVersion"].startswith("monitoring.coreos.com"):
+            assert schemas.validate(doc) == [], doc["kind"]
+            continue
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
@@ -122,6 +128,22 @@ def test_examples_pass_the_crd_schema_and_the_operator_checks(path):
         parse(doc["metadata"]["name"], pruned["spec"])  # the CEL-equivalent rules
 
 
+def test_scaling_defaults_of_the_crd_are_the_operators():
+    stored = _structural(SCHEMAS["InferenceModel"], {"spec": {
+        "model": {"storageUri": "s3://b/m", "format": "onnx"}, "scaling": {"minReplicas": 1, "maxReplicas": 3}}})
+    assert stored["spec"]["scaling"] == {
+        "minReplicas": 1, "maxReplicas": 3, "metric": "queueDepth", "targetQueueDepth": 8, "targetInflight": 8,
+        "targetQueueWaitMilliseconds": 50, "engine": "hpa", "scaleUpStabilizationSeconds": 0,
+        "scaleDownStabilizationSeconds": 300,
+    }
+    assert api.parse_inference_model("m", stored["spec"]).scaling == api.Scaling(max_replicas=3)
+    scaling = SCHEMAS["InferenceModel"]["properties"]["spec"]["properties"]["scaling"]
+    assert scaling["properties"]["metric"]["enum"] == list(api.SCALING_METRICS)
+    assert scaling["properties"]["engine"]["enum"] == list(api.SCALING_ENGINES)
+    rules = [r["rule"] for r in scaling["x-kubernetes-validations"]]
+    assert any("self.fallbackReplicas <= self.maxReplicas" in r for r in rules)
+
+
 def test_examples_cover_both_kinds():
     kinds = {doc["kind"] for path in EXAMPLES for doc in yaml.safe_load_all(path.read_text())}
     assert kinds == {"InferenceModel", "Ensemble"}
@@ -171,7 +193,9 @@ def test_helm_lint_is_clean():
     ["--set", "watchNamespaces={models,research}", "--set", "leaderElection.enabled=true",
      "--set", "replicaCount=2", "--set", "metrics.serviceMonitor.enabled=true", "--set", "debug=true"],
     ["--set", "crds.enabled=false", "--set", "metrics.enabled=false", "--set", "serviceAccount.create=false"],
-], ids=["defaults", "namespaced-ha", "minimal"])
+    ["--set", "autoscaling.podMonitor.enabled=true", "--set", "autoscaling.prometheusAdapter.rules.enabled=true",
+     "--set", "prometheus.url=http://prometheus-operated.monitoring.svc:9090"],
+], ids=["defaults", "namespaced-ha", "minimal", "autoscaling"])
 def test_helm_template_renders_valid_manifests(values):
     validate(template(*values))
 
@@ -222,6 +246,13 @@ def test_rbac_covers_every_kind_the_operator_writes():
 
 
 @pytest.mark.parametrize(("args", "message"), [
+    (["--set", "autoscaling.podMonitor.enabeld=true"], "additional properties 'enabeld' not allowed"),
+    (["--set", "prometheus.url=prometheus:9090"], "/prometheus/url"),
+    (["--set", "autoscaling.prometheusAdapter.rules.podLabel=pod-name"],
+     "/autoscaling/prometheusAdapter/rules/podLabel"),
+    (["--set", "autoscaling.prometheusAdapter.rules.enabled=true",
+      "--set", "autoscaling.prometheusAdapter.rules.podLabel=namespace"],
+     "namespaceLabel and podLabel must be different labels"),
     (["--set", "replicsCount=2"], "additional properties 'replicsCount' not allowed"),
     (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
     (["--set", "replicaCount=2"], "replicaCount > 1 needs leaderElection.enabled=true"),
@@ -265,6 +296,182 @@ def test_values_schema_forbids_unknown_keys_everywhere():
     assert all(node.get("additionalProperties") is False for _, node in objects(schema))
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     jsonschema.Draft7Validator(schema).validate(values)
+
+
+# ---------------------------------------------------------------- autoscaling values
+
+PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
+RUNTIME_POD_LABELS = builders.common_labels(builders.Owner("InferenceModel", "resnet", "models", "uid"))
+
+
+def _rendered(kind: str, *args: str) -> list[dict]:
+    return [d for d in template(*args) if d["kind"] == kind]
+
+
+def _rules_config_map(*args: str) -> dict:
+    [config_map] = [d for d in _rendered("ConfigMap", "--set", "autoscaling.prometheusAdapter.rules.enabled=true",
+                                         *args) if d["metadata"]["name"].endswith("-prometheus-adapter-rules")]
+    return config_map
+
+
+def _adapter_rules(*args: str) -> list[dict]:
+    config_map = _rules_config_map(*args)
+    rules = yaml.safe_load(config_map["data"]["config.yaml"])["rules"]
+    assert yaml.safe_load(config_map["data"]["values.yaml"]) == {"rules": {"default": False, "custom": rules}}
+    return rules
+
+
+def _operator_env(*args: str) -> dict[str, str]:
+    [deployment] = _rendered("Deployment", *args)
+    return {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_autoscaling_objects_are_off_by_default():
+    docs = template()
+    assert not [d for d in docs if d["kind"] == "PodMonitor"]
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-prometheus-adapter-rules")]
+    assert _operator_env()["SLUICE_PROMETHEUS_URL"] == ""
+
+
+def test_prometheus_url_reaches_the_operator_settings():
+    env = _operator_env("--set", f"prometheus.url={PROMETHEUS}")
+    assert Settings.from_env(env).prometheus_url == PROMETHEUS
+    assert Settings.from_env(_operator_env()).prometheus_url is None
+
+
+def test_pod_monitor_scrapes_the_runtime_pods_and_labels_series_with_the_model():
+    [monitor] = _rendered("PodMonitor", "--set", "autoscaling.podMonitor.enabled=true")
+    spec = monitor["spec"]
+    assert spec["selector"]["matchLabels"].items() <= RUNTIME_POD_LABELS.items()
+    assert spec["selector"]["matchLabels"]["app.kubernetes.io/name"] == "sluice-runtime"
+    [endpoint] = spec["podMetricsEndpoints"]
+    assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "15s"}
+    assert {"app.kubernetes.io/instance", "sluice.dev/inferencemodel", "sluice.dev/ensemble"} <= set(
+        spec["podTargetLabels"])
+    # the label the operator's KEDA queries filter on is what podTargetLabels makes of the pod label
+    assert builders.PROMETHEUS_LABELS["instance"] == "app.kubernetes.io/instance".replace(".", "_").replace("/", "_")
+    assert spec["namespaceSelector"] == {"any": True}
+    assert monitor["metadata"]["namespace"] == "sluice-system"
+    assert schemas.validate(monitor) == []
+
+
+def test_pod_monitor_follows_the_watched_namespaces_and_its_values():
+    [monitor] = _rendered(
+        "PodMonitor", "--set", "autoscaling.podMonitor.enabled=true", "--set", "watchNamespaces={models,research}",
+        "--set", "autoscaling.podMonitor.interval=30s", "--set", "autoscaling.podMonitor.namespace=monitoring",
+        "--set", "autoscaling.podMonitor.labels.release=kube-prometheus-stack",
+    )
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["models", "research"]}
+    assert monitor["spec"]["podMetricsEndpoints"][0]["interval"] == "30s"
+    assert monitor["metadata"]["namespace"] == "monitoring"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert schemas.validate(monitor) == []
+
+
+def test_the_runtime_pod_serves_metrics_on_the_port_the_pod_monitor_names():
+    spec = api.parse_inference_model("resnet", {"model": {"storageUri": "s3://b/m", "format": "onnx"}})
+    owner = builders.Owner("InferenceModel", "resnet", "models", "uid")
+    [deployment] = [o for o in builders.inference_model(owner, spec, Settings()).objects if o["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]
+    assert pod["metadata"]["labels"].items() >= RUNTIME_POD_LABELS.items()
+    assert "metrics" in {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+
+
+def test_adapter_rules_serve_every_metric_the_hpa_asks_for():
+    rules = _adapter_rules()
+    served = {rule["name"]["as"] for rule in rules}
+    assert served == set(builders.HPA_METRICS.values())
+    for rule in rules:
+        assert rule["resources"] == {"overrides": {"namespace": {"resource": "namespace"},
+                                                   "pod": {"resource": "pod"}}}
+
+
+def test_adapter_rules_namespace_and_label_overrides():
+    args = ["--set", "autoscaling.prometheusAdapter.rules.namespaceLabel=kubernetes_namespace",
+            "--set", "autoscaling.prometheusAdapter.rules.podLabel=kubernetes_pod_name",
+            "--set", "autoscaling.prometheusAdapter.rules.namespace=monitoring"]
+    for rule in _adapter_rules(*args):
+        assert rule["resources"] == {"overrides": {"kubernetes_namespace": {"resource": "namespace"},
+                                                   "kubernetes_pod_name": {"resource": "pod"}}}
+        assert rule["seriesQuery"].endswith('{kubernetes_namespace!="",kubernetes_pod_name!=""}')
+    assert _rules_config_map(*args)["metadata"]["namespace"] == "monitoring"
+
+
+# Series as Prometheus lists them once the PodMonitor scrapes two runtime pods of model resnet, plus
+# some that must not become metrics.
+def _series(namespace_label: str, pod_label: str) -> list[adapter.Series]:
+    def pod(name: str, pod_name: str, **extra: str) -> adapter.Series:
+        return adapter.Series(name, {namespace_label: "models", pod_label: pod_name, "model": "resnet",
+                                     "version": "1", "app_kubernetes_io_instance": "resnet", **extra})
+
+    return [
+        *(pod(metric, p) for metric in ("sluice_queue_depth", "sluice_inflight_requests",
+                                        "sluice_queue_duration_seconds_count", "sluice_queue_duration_seconds_sum")
+          for p in ("resnet-a", "resnet-b")),
+        *(pod("sluice_queue_duration_seconds_bucket", p, le=le) for p in ("resnet-a", "resnet-b")
+          for le in ("0.05", "0.1", "+Inf")),
+        adapter.Series("sluice_queue_depth", {"instance": "10.0.0.1:8002"}),  # scraped without pod labels
+        adapter.Series("up", {namespace_label: "models", pod_label: "resnet-a"}),
+    ]
+
+
+LATENCY = ("(histogram_quantile(0.9, sum by (le, {pod}) (rate(sluice_queue_duration_seconds_bucket{{{m}}}[1m]))) "
+           ">= 0) or (0 * sum by ({pod}) (rate(sluice_queue_duration_seconds_count{{{m}}}[1m])))")
+
+
+@pytest.mark.parametrize(("namespace_label", "pod_label"), [("namespace", "pod"),
+                                                            ("kubernetes_namespace", "kubernetes_pod_name")])
+def test_adapter_rules_against_sample_series_give_the_promql_the_hpa_gets(namespace_label, pod_label):
+    """What prometheus-adapter makes of the rendered rules: which series become which metric, and the
+    query it runs when the HPA asks for the metric on two pods (sluice_testing.adapter follows its code)."""
+    rules = _adapter_rules("--set", f"autoscaling.prometheusAdapter.rules.namespaceLabel={namespace_label}",
+                           "--set", f"autoscaling.prometheusAdapter.rules.podLabel={pod_label}")
+    series = _series(namespace_label, pod_label)
+    discovered = {}
+    for rule in rules:
+        discovered.update(adapter.metrics(rule, series))
+    assert discovered == {"sluice_queue_depth": "sluice_queue_depth",
+                          "sluice_inflight_requests": "sluice_inflight_requests",
+                          "sluice_queue_duration_seconds_p90": "sluice_queue_duration_seconds_bucket"}
+    assert not adapter.metrics(rules[0], _series("kubernetes_namespace", "kubernetes_pod_name")
+                               if namespace_label == "namespace" else _series("namespace", "pod"))
+    two = f'{namespace_label}="models",{pod_label}=~"resnet-a|resnet-b"'
+    by_metric = {rule["name"]["as"]: rule for rule in rules}
+    queries = {metric: adapter.expand_rule(rule, metric, "models", ["resnet-a", "resnet-b"])
+               for metric, rule in by_metric.items()}
+    assert queries == {
+        "sluice_queue_depth": f"sum by ({pod_label}) (sluice_queue_depth{{{two}}})",
+        "sluice_inflight_requests": f"max by ({pod_label}) (sluice_inflight_requests{{{two}}})",
+        "sluice_queue_duration_seconds_p90": LATENCY.format(pod=pod_label, m=two),
+    }
+    one = adapter.expand_rule(by_metric["sluice_queue_depth"], "sluice_queue_depth", "models", ["resnet-a"])
+    assert one == f'sum by ({pod_label}) (sluice_queue_depth{{{namespace_label}="models",{pod_label}="resnet-a"}})'
+
+
+def test_adapter_discovery_follows_series_filters_name_captures_and_resource_labels():
+    """sluice_testing.adapter on a rule shaped like prometheus-adapter's documented examples."""
+    rule = {"seriesQuery": '{__name__=~"^sluice_.*_total$",namespace!="",pod!=""}',
+            "seriesFilters": [{"isNot": "^sluice_rejected_total$"}], "resources": {"template": "<<.Resource>>"},
+            "name": {"matches": "^sluice_(.*)_total$", "as": "${1}_per_second"},
+            "metricsQuery": "sum(rate(<<.Series>>{<<.LabelMatchers>>}[2m])) by (<<.GroupBy>>)"}
+    labels = {"namespace": "models", "pod": "a"}
+    series = [adapter.Series("sluice_request_success_total", labels), adapter.Series("sluice_rejected_total", labels),
+              adapter.Series("sluice_queue_depth", labels),
+              adapter.Series("sluice_request_failure_total", {"pod": "a"})]  # no namespace: not served
+    assert adapter.metrics(rule, series) == {"request_success_per_second": "sluice_request_success_total"}
+    assert adapter.expand_rule(rule, "request_success_per_second", "models", ["a", "b"],
+                               series="sluice_request_success_total") == (
+        'sum(rate(sluice_request_success_total{namespace="models",pod=~"a|b"}[2m])) by (pod)')
+    assert adapter.selector_matches('x{a="1",b!~"2|3"}', adapter.Series("x", {"a": "1", "b": "4"}))
+    assert not adapter.selector_matches('x{a="1",b!~"2|3"}', adapter.Series("x", {"a": "1", "b": "3"}))
+
+
+def test_adapter_expansion_refuses_what_it_does_not_model():
+    [rule, *_] = _adapter_rules()
+    with pytest.raises(ValueError, match="does not serve 'sluice_inflight_requests'"):
+        adapter.expand_rule(rule, "sluice_inflight_requests", "models", ["a"])
+    with pytest.raises(ValueError, match=r"<<\.Namespace>> is not supported"):
+        adapter.expand_rule({**rule, "metricsQuery": "<<.Namespace>>"}, "sluice_queue_depth", "models", ["a"])
 
 
 # Distributions only the `test` extra installs: no shipped module may import them (the images lack them).

@@ -1,5 +1,8 @@
 """Test support for the Sluice operator: a realistic API-server emulator and an in-process operator.
 
+Also, as modules of their own: ``sluice_testing.schemas`` (third-party custom resources against their
+published schemas) and ``sluice_testing.adapter`` (prometheus-adapter's query templating).
+
 Needs the ``test`` extra (kmock, jsonschema). Used by ``tests/operator_`` and ``e2e/``; never imported
 by the operator itself, and not shipped: it lives in ``tests/support`` (on sys.path through pytest's
 ``pythonpath`` setting), outside the ``sluice`` packages that the wheel and the images install.
