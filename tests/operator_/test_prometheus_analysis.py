@@ -456,3 +456,60 @@ async def test_p99_from_prometheus_and_from_the_scraper_match_the_clients_within
         assert SLOW_MS / 1000 <= client < 0.1, (track, client)
         assert bucket_of(prom_p99) == bucket_of(client) == 0.1, (track, prom_p99, client)
         assert bucket_of(scrape_p99) == bucket_of(scrape_client) == 0.1, (track, scrape_p99, scrape_client)
+
+
+async def test_the_chart_s_prometheus_adapter_rules_answer_against_the_real_prometheus(world):
+    """The rules the chart ships, expanded as prometheus-adapter expands them (sluice_testing.adapter),
+    run against this Prometheus: discovery finds the runtime's series, and the metric query the HPA's
+    request turns into returns one value per pod."""
+    import json
+    import os
+    import urllib.parse
+
+    import yaml
+
+    from sluice_testing import adapter
+
+    helm = os.environ.get("HELM") or str(ROOT / ".tools" / "bin" / "helm")
+    if not os.access(helm, os.X_OK):
+        pytest.skip("no helm binary: run `bash .ci/tools.sh` (fetches .tools/bin/helm) or set $HELM")
+    rendered = subprocess.run(
+        [helm, "template", "sluice", str(ROOT / "helm" / "sluice"),
+         "--set", "autoscaling.prometheusAdapter.rules.enabled=true"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    [config_map] = [d for d in yaml.safe_load_all(rendered)
+                    if d and d["kind"] == "ConfigMap" and "config.yaml" in (d.get("data") or {})]
+    rules = yaml.safe_load(config_map["data"]["config.yaml"])["rules"]
+    pods = [pod_name("good", track) for track in (signals.STABLE, signals.CANARY)]
+
+    def api(path: str, **params: str) -> Any:
+        status, body = get(f"{world['prometheus']}{path}?{urllib.parse.urlencode(params)}")
+        assert status == 200, body
+        answer = json.loads(body)
+        assert answer["status"] == "success", answer
+        return answer["data"]
+
+    prom = sources.PrometheusSource(world["prometheus"])
+    try:
+        with Load(world["http"]["good", signals.STABLE], world["http"]["good", signals.CANARY]) as load:
+            load.weight = 50
+            await scraped_past(prom, "good", time.time())
+    finally:
+        await prom.aclose()
+    served: dict[str, str] = {}
+    for rule in rules:
+        listed = api("/api/v1/series", **{"match[]": rule["seriesQuery"]})
+        found = [adapter.Series(s.pop("__name__"), s) for s in listed]
+        assert found, (rule["seriesQuery"], api("/api/v1/label/__name__/values"))
+        served.update(adapter.metrics(rule, found))
+        for metric, series in adapter.metrics(rule, found).items():
+            query = adapter.expand_rule(rule, metric, NAMESPACE, pods, series=series)
+            deadline = time.monotonic() + 10  # rate() needs two samples in its range: a few scrapes
+            result = api("/api/v1/query", query=query)["result"]
+            while sorted(r["metric"]["pod"] for r in result) != sorted(pods) and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+                result = api("/api/v1/query", query=query)["result"]
+            assert sorted(r["metric"]["pod"] for r in result) == sorted(pods), (metric, query, result)
+            assert all(float(r["value"][1]) >= 0 for r in result), (metric, result)
+    assert {"sluice_queue_depth", "sluice_inflight_requests", "sluice_queue_duration_seconds_p90"} <= set(served)

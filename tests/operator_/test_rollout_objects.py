@@ -104,3 +104,26 @@ def test_after_the_rollout_the_route_and_canary_objects_are_listed_absent():
             ("VirtualService", "clf")} <= absent
     assert not any(o["metadata"]["name"].startswith("clf-canary") for o in desired.objects)
     assert [t["percent"] for t in desired.traffic] == [100]
+
+
+@pytest.mark.parametrize(("router", "settings"), [
+    ("gateway-api", Settings()), ("gateway-api", Settings(gateway="infra/public")), ("istio", Settings()),
+], ids=["gateway-api-gamma", "gateway-api-gateway", "istio"])
+def test_router_objects_validate_against_their_published_schemas(router, settings):
+    from sluice_testing import schemas
+    objects = render(SPEC, router=router, weight=25, settings=settings)
+    routes = [o for o in objects.values() if o["kind"] in ("HTTPRoute", "GRPCRoute", "VirtualService")]
+    assert routes
+    assert schemas.validate_all(routes) == [[] for _ in routes]
+
+
+def test_a_canary_tracks_own_autoscaler_validates_and_targets_the_canary():
+    from sluice_testing import schemas
+    spec = {**SPEC, "scaling": {"minReplicas": 1, "maxReplicas": 4, "engine": "keda"}}
+    objects = render(spec, settings=Settings(prometheus_url="http://prometheus.monitoring:9090"))
+    scaled = objects[("ScaledObject", "clf-canary")]
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "clf-canary"
+    assert 'app_kubernetes_io_instance="clf-canary"' in scaled["spec"]["triggers"][0]["metadata"]["query"]
+    assert schemas.validate(scaled) == []
+    hpa = render({**SPEC, "scaling": {"minReplicas": 1, "maxReplicas": 4}})[("HorizontalPodAutoscaler", "clf-canary")]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "clf-canary"
