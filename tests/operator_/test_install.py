@@ -234,6 +234,13 @@ def test_rbac_is_least_privilege():
         assert "update" not in rule["verbs"], "server-side apply and merge patches need patch, not update"
 
 
+def test_canary_values_reach_the_operator_and_its_settings_accept_them():
+    env = _operator_env("--set", "canary.router=istio", "--set", "canary.gateway=infra/public")
+    assert (env["SLUICE_ROUTER"], env["SLUICE_GATEWAY"]) == ("istio", "infra/public")
+    settings = Settings.from_env(_operator_env())  # the chart's defaults are settings the operator takes
+    assert (settings.router, settings.gateway, settings.prometheus_url) == ("auto", "", None)
+
+
 def test_rbac_covers_every_kind_the_operator_writes():
     from sluice.operator.kube import RESOURCES
     rules = [r for d in template() if d["kind"] == "ClusterRole" for r in d["rules"]]
@@ -253,6 +260,8 @@ def test_rbac_covers_every_kind_the_operator_writes():
     (["--set", "autoscaling.prometheusAdapter.rules.enabled=true",
       "--set", "autoscaling.prometheusAdapter.rules.podLabel=namespace"],
      "namespaceLabel and podLabel must be different labels"),
+    (["--set", "canary.router=linkerd"], "/canary/router': value must be one of 'auto', 'gateway-api', 'istio', 'none'"),
+    (["--set", "canary.gateway=infra/"], "/canary/gateway': 'infra/' does not match pattern"),
     (["--set", "replicsCount=2"], "additional properties 'replicsCount' not allowed"),
     (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
     (["--set", "replicaCount=2"], "replicaCount > 1 needs leaderElection.enabled=true"),
