@@ -178,6 +178,9 @@ async def test_a_healthy_canary_goes_5_25_50_100_and_is_promoted():
         assert stable["spec"]["selector"]["app.kubernetes.io/instance"] == "clf"  # never selects canary pods
         model = await env.cluster.get("InferenceModel", "clf")
         assert model["status"]["trafficSummary"] == "v1=95,v2=5"
+        stable_deployment = await env.cluster.get("Deployment", "clf")
+        assert model["status"]["selector"] == "app.kubernetes.io/instance=clf,sluice.dev/inferencemodel=clf"
+        assert model["status"]["readyReplicas"] == stable_deployment["status"]["readyReplicas"]
         assert model["status"]["canary"]["summary"] == "Progressing 1/4"
         target = env.metrics.targets[-1]
         assert (target.canary_instance, target.stable_instance, target.model, target.window_s) == \

@@ -205,8 +205,8 @@ class Reconciler:
                                    "Istio for SLUICE_ROUTER) or choose another engine or router")
                     return await self._report_problem(owner, body, REJECTIONS[exc.status], (problem,))
                 applied += 1
-                if obj["kind"] == "Deployment":
-                    deployment = result
+                if obj["kind"] == "Deployment" and obj["metadata"]["name"] == owner.name:
+                    deployment = result  # the stable one: a canary's Deployment does not make the model Ready
             for _, kind, name in desired.absent:
                 existing = await self._kube.get(kind, owner.namespace, name)
                 if existing is not None and _owned_by(existing, owner):

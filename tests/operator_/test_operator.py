@@ -273,3 +273,16 @@ async def test_pods_the_scheduler_cannot_place_give_a_condition_naming_what_is_m
     await apiserver.write_status("v1/pods", "models", "resnet-7d9f-x2k4p", {"phase": "Running", "conditions": []})
     await apiserver.complete_rollout("models", "resnet")
     await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded")["reason"] == "AsExpected")
+
+
+async def test_a_canary_that_is_not_ready_leaves_the_model_ready_on_its_stable_pods(client, operator, apiserver):
+    await client.create(client.IM, client.model(
+        scaling={"minReplicas": 2, "maxReplicas": 2},
+        canary={"storageUri": "s3://models/resnet50-v2", "version": 2, "trafficPercent": 20}))
+    await client.wait(lambda: client.read(DEPLOY, "resnet") and client.read(DEPLOY, "resnet-canary"))
+    await apiserver.complete_rollout("models", "resnet")  # the canary's pods never become ready
+    model = await client.wait(
+        lambda: (m := client.read(client.IM, "resnet")) and client.condition(m, "Ready")["status"] == "True" and m)
+    assert model["status"]["readyReplicas"] == 2
+    assert model["status"]["canary"]["phase"] == "Initializing" and model["status"]["canary"]["weight"] == 0
+    assert model["status"]["trafficSummary"] == "v1=100,v2=0"
