@@ -36,7 +36,16 @@ from sluice.runtime.errors import (
     Unsupported,
 )
 from sluice.runtime.tensor_bytes import bytes_elements, encode_bytes_elements
-from sluice.runtime.types import DATATYPES, ELEMENT_SIZE, WIRE_DTYPE, InferRequest, InferResponse, Tensor, numpy_dtype
+from sluice.runtime.types import (
+    DATATYPES,
+    ELEMENT_SIZE,
+    GRPC_CONTENTS_FIELD,
+    WIRE_DTYPE,
+    InferRequest,
+    InferResponse,
+    Tensor,
+    numpy_dtype,
+)
 
 MAX_MESSAGE_BYTES = 2**31 - 1
 """Channel bound on messages either way: the callers' own limits already bound what they send."""
@@ -64,20 +73,7 @@ _ERRORS_BY_STATUS: dict[str, type[SluiceError]] = {
     "INTERNAL": ModelError,
 }
 
-_TYPED_FIELD = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
+_TYPED_FIELD = GRPC_CONTENTS_FIELD
 
 
 class Unreachable(Unavailable):

@@ -153,3 +153,20 @@ class InferResponse:
     outputs: list[Tensor]
     id: str = ""
     parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+GRPC_CONTENTS_FIELD: dict[str, str] = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+"""The typed ``InferTensorContents`` field of each datatype in KServe V2 gRPC (FP16/BF16 have none)."""

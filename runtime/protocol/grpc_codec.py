@@ -18,6 +18,7 @@ from sluice.runtime.tensor_bytes import bytes_elements, encode_bytes_elements
 from sluice.runtime.types import (
     DATATYPES,
     ELEMENT_SIZE,
+    GRPC_CONTENTS_FIELD,
     WIRE_DTYPE,
     InferRequest,
     InferResponse,
@@ -26,20 +27,7 @@ from sluice.runtime.types import (
     numpy_dtype,
 )
 
-_TYPED_FIELD = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
-}
+_TYPED_FIELD = GRPC_CONTENTS_FIELD
 
 _FIELD_DTYPE = {
     "bool_contents": np.dtype(np.bool_),
