@@ -1,0 +1,463 @@
+"""The GPU planner: (inventory, requests) -> a placement and an explanation per request.
+
+A pure, deterministic function (:func:`plan`); the reconciler feeds it the cluster's inventory and every
+model's GPU need, keeps its own model's answer, renders it (``builders``) and shows it in status.
+
+Rules, in the order they apply:
+
+* A request whose current placement (``Request.pinned``, read back from its status) still answers the
+  same need and still exists in the cluster keeps it: adding a model never moves a running one. It
+  moves only when its GPU need changes, when its placement no longer exists, or when asked (the
+  ``sluice.dev/replan`` annotation changes).
+* Pinned requests book their capacity first, then the others in the order they were created.
+* A MIG profile request takes that profile (mixed strategy: ``nvidia.com/mig-<p>``; single strategy:
+  ``nvidia.com/gpu`` on nodes whose product is ``...-MIG-<p>``). A memory request (with an optional
+  compute share) takes the smallest MIG profile that fits and is free, then - only when the model
+  allows sharing - a time-sliced GPU whose share of memory fits, then a whole GPU with enough memory.
+  A whole-GPU request takes exclusive whole GPUs, never a MIG slice or a time-sliced GPU.
+* Capacity is counted per device: a node's slices and GPUs minus what other pods hold minus what the
+  plan booked. Each replica of a request books one device (``count`` devices on one node for a
+  multi-GPU request), first fit over nodes in name order, lowest GPU first, which packs.
+* A request that fits nowhere now is ``Pending`` when the cluster has enough such devices that are
+  only held (it runs once they free up) and ``Unsatisfiable`` when it does not; either way its
+  explanation names what is missing, and the MIG repartitioning that would fit it is advised.
+
+The plan never writes anything; :func:`repartition` is advice (``nvidia.com/mig.config`` layouts in
+MIG manager's config format) that is only ever applied by a person, or by the operator when opted in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from sluice.operator import gpus, inventory
+from sluice.operator.inventory import DRA, MIXED, SHARED, SINGLE, WHOLE
+
+PLACED = "Placed"
+PENDING = "Pending"
+UNSATISFIABLE = "Unsatisfiable"
+UNPLANNED = "Unplanned"
+"""No GPU inventory is visible (no GPU nodes, or no RBAC to read them): rendered from the spec alone."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What a pod asks for, rendered the same way on every node it may land on."""
+
+    kind: str
+    """One of ``inventory.KINDS``."""
+    resource: str
+    """The extended resource (a DRA shape: ``gpu`` or ``mig``)."""
+    count: int
+    """Devices per replica."""
+    profile: str = ""
+    products: tuple[str, ...] = ()
+    """Node ``nvidia.com/gpu.product`` values it may land on; empty: any node with the resource."""
+    memory_mib: int = 0
+    """The least memory a device of this shape has (what the pod can count on)."""
+    tolerations: tuple[Mapping[str, str], ...] = ()
+
+    def key(self) -> tuple[str, str, int, str, tuple[str, ...]]:
+        return (self.kind, self.resource, self.count, self.profile, self.products)
+
+    def describe(self) -> str:
+        if self.kind in (MIXED, SINGLE) or (self.kind == DRA and self.profile):
+            how = {MIXED: "mixed strategy", SINGLE: "single strategy", DRA: "DRA"}[self.kind]
+            return f"MIG {self.profile} ({how})"
+        noun = "time-sliced GPU share" if self.kind == SHARED else "whole GPU"
+        plural = "s" if self.count > 1 else ""
+        return f"{self.count} {noun}{plural}" + (" (DRA)" if self.kind == DRA else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One workload's GPU need (an InferenceModel, or a ModelPool the members of which share it)."""
+
+    key: str
+    """``<Kind>/<namespace>/<name>``: unique, and the order of equals."""
+    replicas: int
+    count: int = 0
+    """Whole GPUs per replica."""
+    profile: str = ""
+    memory_mib: int = 0
+    compute_percent: int = 0
+    shared: bool = False
+    """May take a time-sliced GPU (no memory isolation)."""
+    created: str = ""
+    """``creationTimestamp``: unpinned requests are planned oldest first."""
+    pinned: Shape | None = None
+    pinned_for: str = ""
+    """The :meth:`signature` the pin answered; a pin for another need is dropped."""
+
+    def signature(self) -> str:
+        """The need, as text; stored beside the pin so a changed need replans."""
+        if self.count:
+            need = f"gpus={self.count}"
+        elif self.profile:
+            need = f"mig={self.profile}"
+        else:
+            need = f"memory={self.memory_mib}Mi,compute={self.compute_percent}%,shared={str(self.shared).lower()}"
+        return need
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    key: str
+    state: str
+    """PLACED, PENDING, UNSATISFIABLE or UNPLANNED."""
+    shape: Shape | None
+    """What to render; None only when UNPLANNED or when no shape exists at all."""
+    reason: str
+    """Why this shape (PLACED), or what capacity is missing."""
+    nodes: tuple[str, ...] = ()
+    """Where the plan counted its replicas (the scheduler picks among the shape's nodes)."""
+    pools: tuple[str, ...] = ()
+    """The node pools of the shape's nodes."""
+    booked: int = 0
+    kept: bool = False
+    """The pinned placement was kept."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """A MIG layout for one node that would fit pending requests (never applied by the plan)."""
+
+    node: str
+    config: str
+    """The ``nvidia.com/mig.config`` label value to set."""
+    layouts: tuple[gpus.Layout, ...]
+    """Per GPU."""
+    serves: tuple[str, ...]
+    """Request keys it makes room for."""
+    disrupts: tuple[int, ...]
+    """GPUs whose partition changes (their pods restart)."""
+
+    def mig_parted(self, model: str) -> dict[str, Any]:
+        """MIG manager's (mig-parted) config document for this layout."""
+        groups: dict[str, list[int]] = {}
+        for index, layout in enumerate(self.layouts):
+            groups.setdefault(json.dumps(_counts(layout), sort_keys=True), []).append(index)
+        entries = []
+        for counts, devices in sorted(groups.items(), key=lambda item: item[1]):
+            parsed = json.loads(counts)
+            entries.append({"devices": devices, "mig-enabled": bool(parsed), "mig-devices": parsed})
+        return {"version": "v1", "mig-configs": {self.config: entries}, "x-sluice-gpu": model}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    verdicts: Mapping[str, Verdict]
+    advice: tuple[Advice, ...] = ()
+    gpus: frozenset[tuple[str, int]] = frozenset()
+    """(node, GPU index) of every physical GPU holding a device the plan booked."""
+
+
+def _counts(layout: gpus.Layout) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for profile, _ in layout:
+        counts[profile] = counts.get(profile, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: gpus.profile_sort_key(item[0])))
+
+
+class _Book:
+    """Free devices by shape class, with first-fit booking; the only mutable part of a plan."""
+
+    def __init__(self, inv: inventory.Inventory) -> None:
+        self.inv = inv
+        self.free: list[set[int]] = [set(node.free) for node in inv.nodes]
+        self.touched: set[tuple[str, int]] = set()
+        # (kind, resource, profile, product) -> [(node index, device index)], nodes by name, GPUs low first
+        self.classes: dict[tuple[str, str, str, str], list[tuple[int, int]]] = {}
+        for n, node in enumerate(inv.nodes):
+            for d, device in enumerate(node.devices):
+                key = (device.kind, _shape_resource(device), device.profile, device.product)
+                self.classes.setdefault(key, []).append((n, d))
+
+    def members(self, shape: Shape) -> list[tuple[str, str, str, str]]:
+        return [key for key in self.classes if _in_shape(key, shape)]
+
+    def capacity(self, shape: Shape, *, free: bool) -> int:
+        """Replicas of ``shape`` the cluster could hold (``free``: now, else if nothing else held any)."""
+        per_node: dict[int, int] = {}
+        for key in self.members(shape):
+            for n, d in self.classes[key]:
+                if not free or d in self.free[n]:
+                    per_node[n] = per_node.get(n, 0) + 1
+        return sum(count // shape.count for count in per_node.values())
+
+    def book(self, shape: Shape, replicas: int) -> tuple[int, tuple[str, ...]]:
+        """Book up to ``replicas`` replicas of ``shape``, first fit; (booked, node names)."""
+        by_node: dict[int, list[int]] = {}
+        for key in self.members(shape):
+            for n, d in self.classes[key]:
+                if d in self.free[n]:
+                    by_node.setdefault(n, []).append(d)
+        booked = 0
+        nodes: list[str] = []
+        for n in sorted(by_node):
+            devices = sorted(by_node[n], key=lambda d: (self.inv.nodes[n].devices[d].gpu, d))
+            while booked < replicas and len(devices) >= shape.count:
+                take, devices = devices[: shape.count], devices[shape.count:]
+                for d in take:
+                    self.free[n].discard(d)
+                    self.touched.add((self.inv.nodes[n].name, self.inv.nodes[n].devices[d].gpu))
+                booked += 1
+                nodes.append(self.inv.nodes[n].name)
+            if booked >= replicas:
+                break
+        return booked, tuple(nodes)
+
+    def pools(self, shape: Shape) -> tuple[str, ...]:
+        found = {self.inv.nodes[n].pool for key in self.members(shape) for n, _ in self.classes[key]}
+        return tuple(sorted(p for p in found if p))
+
+
+def _shape_resource(device: inventory.Device) -> str:
+    if device.kind == DRA:
+        return "mig" if device.profile else "gpu"
+    return device.resource
+
+
+def _in_shape(key: tuple[str, str, str, str], shape: Shape) -> bool:
+    kind, resource, profile, product = key
+    if kind != shape.kind or resource != shape.resource or profile != shape.profile:
+        return False
+    return not shape.products or product in shape.products
+
+
+def _tolerations(inv: inventory.Inventory, products: Iterable[str], kind: str) -> tuple[Mapping[str, str], ...]:
+    wanted = set(products)
+    found: dict[str, Mapping[str, str]] = {}
+    for node in inv.nodes:
+        if any(d.kind == kind and d.product in wanted for d in node.devices):
+            for taint in node.taints:
+                toleration = {"key": taint["key"], "operator": "Exists", "effect": taint["effect"]}
+                found[json.dumps(toleration, sort_keys=True)] = toleration
+    return tuple(found[k] for k in sorted(found))
+
+
+def shapes(request: Request, inv: inventory.Inventory) -> list[Shape]:
+    """The shapes that answer ``request`` in this inventory, most preferred first."""
+    by_kind: dict[tuple[str, str, str], dict[str, int]] = {}
+    """(kind, resource, profile) -> product -> least memory of such a device."""
+    compute: dict[tuple[str, str, str], float] = {}
+    for node in inv.nodes:
+        for device in node.devices:
+            key = (device.kind, _shape_resource(device), device.profile)
+            products = by_kind.setdefault(key, {})
+            products[device.product] = min(products.get(device.product, device.memory_mib), device.memory_mib)
+            compute[key] = device.compute
+    need_mib = request.memory_mib
+    need_compute = request.compute_percent / 100
+    result: list[tuple[tuple[Any, ...], Shape]] = []
+    for (kind, resource, profile), products in by_kind.items():
+        fitting = sorted(p for p, mib in products.items() if mib >= need_mib)
+        if not fitting:
+            continue
+        memory = min(products[p] for p in fitting)
+        is_mig = bool(profile)
+        if request.count:
+            if kind not in (WHOLE, DRA) or is_mig:
+                continue
+            rank: tuple[Any, ...] = (0, memory)
+        elif request.profile:
+            if profile != request.profile:
+                continue
+            rank = (0, 0)
+        else:
+            if kind == SHARED and not request.shared:
+                continue
+            if compute[(kind, resource, profile)] + 1e-9 < need_compute:
+                continue
+            tier = 0 if is_mig else 1 if kind == SHARED else 2
+            rank = (tier, memory, gpus.profile_sort_key(profile) if profile else ())
+        # Rendering: a mixed slice is named by its resource alone; every other shape is pinned to the
+        # products that qualify, so a whole-GPU pod never lands on a MIG or time-sliced node.
+        pinned_products = () if kind == MIXED else tuple(fitting)
+        if kind == MIXED and len(fitting) != len(products):
+            pinned_products = tuple(fitting)
+        shape = Shape(kind=kind, resource=resource, count=max(request.count, 1), profile=profile,
+                      products=pinned_products, memory_mib=memory,
+                      tolerations=_tolerations(inv, fitting, kind))
+        result.append(((*rank, ("mixed", "single", "dra", "shared", "whole").index(kind)
+                        if kind in ("mixed", "single", "dra", "shared", "whole") else 9, resource), shape))
+    result.sort(key=lambda item: item[0])
+    return [shape for _, shape in result]
+
+
+def _need(request: Request) -> str:
+    if request.count:
+        return f"{request.replicas} x {request.count} whole GPU(s)"
+    if request.profile:
+        return f"{request.replicas} x MIG {request.profile}"
+    text = f"{request.replicas} x a GPU or MIG slice with >= {_gib(request.memory_mib)} memory"
+    if request.compute_percent:
+        text += f" and >= {request.compute_percent}% compute"
+    return text
+
+
+def _gib(mib: int) -> str:
+    return f"{mib / 1024:.3g} GiB" if mib >= 1024 else f"{mib} MiB"
+
+
+def plan(inv: inventory.Inventory, requests: Sequence[Request], *, advise: bool = True) -> Plan:
+    """Place every request; see the module docstring for the rules. Deterministic in its inputs."""
+    book = _Book(inv)
+    verdicts: dict[str, Verdict] = {}
+    pending: list[Request] = []
+    pinned = [r for r in requests if r.pinned is not None and r.pinned_for == r.signature()]
+    rest = [r for r in requests if not (r.pinned is not None and r.pinned_for == r.signature())]
+    pinned.sort(key=lambda r: (r.created, r.key))
+    rest.sort(key=lambda r: (r.created, r.key))
+    for request in pinned:
+        shape = request.pinned
+        assert shape is not None
+        if book.capacity(shape, free=False) == 0:
+            rest.append(request)  # its placement is gone from the cluster: plan it again
+            continue
+        booked, nodes = book.book(shape, request.replicas)
+        state = PLACED if booked >= request.replicas else PENDING
+        reason = "kept where it runs" if state == PLACED else (
+            f"kept {shape.describe()}, but only {booked} of {request.replicas} replica(s) fit now")
+        verdicts[request.key] = Verdict(request.key, state, shape, reason, nodes, book.pools(shape), booked,
+                                        kept=True)
+        if state != PLACED:
+            pending.append(request)
+    rest.sort(key=lambda r: (r.created, r.key))
+    if inv.empty:
+        for request in rest:
+            verdicts[request.key] = Verdict(request.key, UNPLANNED, None, "no GPU nodes are visible")
+        return Plan(verdicts=verdicts)
+    for request in rest:
+        candidates = shapes(request, inv)
+        chosen = next((s for s in candidates if book.capacity(s, free=True) >= request.replicas), None)
+        if chosen is not None:
+            booked, nodes = book.book(chosen, request.replicas)
+            verdicts[request.key] = Verdict(request.key, PLACED, chosen, _why(request, chosen, candidates),
+                                            nodes, book.pools(chosen), booked)
+            continue
+        total = next((s for s in candidates if book.capacity(s, free=False) >= request.replicas), None)
+        shape = total or (candidates[0] if candidates else None)
+        booked, nodes = book.book(shape, request.replicas) if shape is not None else (0, ())
+        missing = _missing(request, candidates, book)
+        state = PENDING if total is not None else UNSATISFIABLE
+        verdicts[request.key] = Verdict(request.key, state, shape, missing, nodes,
+                                        book.pools(shape) if shape else (), booked)
+        pending.append(request)
+    advice = repartition(inv, book, pending) if advise and pending else ()
+    return Plan(verdicts=verdicts, advice=advice, gpus=frozenset(book.touched))
+
+
+def _why(request: Request, shape: Shape, candidates: Sequence[Shape]) -> str:
+    if request.count:
+        return f"{shape.describe()} per replica on exclusive GPUs ({', '.join(shape.products)})"
+    if request.profile:
+        return f"the requested MIG profile {request.profile}"
+    first = candidates[0] if candidates else shape
+    text = f"the smallest free device with >= {_gib(request.memory_mib)}"
+    if request.compute_percent:
+        text += f" and >= {request.compute_percent}% compute"
+    text += f": {shape.describe()} ({_gib(shape.memory_mib)})"
+    if first.key() != shape.key():
+        text += f"; {first.describe()} would fit but has no free capacity"
+    return text
+
+
+def _missing(request: Request, candidates: Sequence[Shape], book: _Book) -> str:
+    need = _need(request)
+    if not candidates:
+        what = "whole exclusive GPUs" if request.count else (
+            f"MIG {request.profile}" if request.profile else
+            f"a GPU or MIG slice with >= {_gib(request.memory_mib)}" + (" (time-sliced GPUs excluded: set "
+                                                                        "gpu.shared to allow them)"
+                                                                        if not request.shared else ""))
+        return f"needs {need}; no node offers {what}"
+    parts = [f"{s.describe()}: {book.capacity(s, free=True)} free of {book.capacity(s, free=False)}"
+             for s in candidates[:4]]
+    return f"needs {need}; the cluster has {'; '.join(parts)} (replicas counted per shape)"
+
+
+def repartition(inv: inventory.Inventory, book: _Book, pending: Sequence[Request]) -> tuple[Advice, ...]:
+    """MIG layouts that would fit ``pending``, per node: held and booked slices stay where they are,
+    free ones may be replaced. Nodes in name order; each node's first GPU with room first."""
+    layouts: dict[str, list[gpus.Layout]] = {}
+    keep: dict[str, list[gpus.Layout]] = {}
+    serves: dict[str, list[str]] = {}
+    for n, node in enumerate(inv.nodes):
+        model = gpus.CATALOGUE_BY_KEY.get(node.model)
+        if model is None or not model.mig_capable or node.dra or node.strategy == SHARED:
+            continue
+        if node.strategy == SINGLE and len(book.free[n]) < len(node.devices):
+            continue  # one profile for the whole node: only an idle node can change it
+        per_gpu: list[gpus.Layout] = []
+        for index in range(max(node.gpus, 1)):
+            held = [(d, dev) for d, dev in enumerate(node.devices) if dev.gpu == index]
+            if any(dev.kind == WHOLE and d not in book.free[n] for d, dev in held):
+                per_gpu.append(((".busy", 0),))  # a whole GPU in use cannot be partitioned
+                continue
+            layout = node.layouts[index] if index < len(node.layouts) and node.strategy == MIXED else ()
+            used = _used_instances(layout, [(dev.profile, d in book.free[n]) for d, dev in held
+                                            if dev.kind == MIXED])
+            per_gpu.append(used)
+        layouts[node.name] = list(per_gpu)
+        keep[node.name] = list(per_gpu)
+    for request in pending:
+        for _ in range(request.replicas):
+            placed = False
+            for name, per_gpu in layouts.items():
+                node = next(x for x in inv.nodes if x.name == name)
+                model = gpus.CATALOGUE_BY_KEY[node.model]
+                profile = request.profile or _smallest(model, request)
+                if not profile:
+                    continue
+                for index, layout in enumerate(per_gpu):
+                    if layout and layout[0][0] == ".busy":
+                        continue
+                    grown = gpus.pack(model, [profile], layout)
+                    if grown is not None:
+                        per_gpu[index] = grown
+                        serves.setdefault(name, []).append(request.key)
+                        placed = True
+                        break
+                if placed:
+                    break
+    advice = []
+    for name, per_gpu in layouts.items():
+        if name not in serves:
+            continue
+        node = next(x for x in inv.nodes if x.name == name)
+        changed = tuple(i for i, layout in enumerate(per_gpu) if layout != keep[name][i]
+                        or (node.strategy == MIXED and i < len(node.layouts) and layout != node.layouts[i]))
+        final = tuple(() if (layout and layout[0][0] == ".busy") else layout for layout in per_gpu)
+        digest = hashlib.sha256(json.dumps(final).encode()).hexdigest()[:8]
+        advice.append(Advice(node=name, config=f"sluice-{digest}", layouts=final,
+                             serves=tuple(dict.fromkeys(serves[name])), disrupts=changed))
+    return tuple(advice)
+
+
+def _used_instances(layout: gpus.Layout, devices: Sequence[tuple[str, bool]]) -> gpus.Layout:
+    """The instances of ``layout`` that stay: as many of each profile as are held or booked."""
+    busy: dict[str, int] = {}
+    for profile, free in devices:
+        if not free:
+            busy[profile] = busy.get(profile, 0) + 1
+    kept = []
+    for profile, start in layout:
+        if busy.get(profile, 0) > 0:
+            busy[profile] -= 1
+            kept.append((profile, start))
+    return tuple(kept)
+
+
+def _smallest(model: gpus.GpuModel, request: Request) -> str:
+    """The smallest profile of ``model`` with the request's memory and compute, media-less."""
+    if request.count:
+        return ""
+    fitting = [p for p in model.profiles if not p.media and p.memory_mib >= request.memory_mib
+               and p.compute / model.compute_slices * 100 + 1e-9 >= request.compute_percent]
+    fitting.sort(key=lambda p: (p.memory_mib, p.compute, p.name))
+    return fitting[0].name if fitting else ""
