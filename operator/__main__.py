@@ -75,6 +75,9 @@ def _environment_help(defaults: Settings) -> str:
         ("SLUICE_PROMETHEUS_URL", "scrape the pods", "Prometheus for canary analysis and KEDA triggers"),
         ("SLUICE_ROUTER", defaults.router, "canary split: auto, gateway-api, istio or none"),
         ("SLUICE_GATEWAY", "the model's Service", "namespace/name of the Gateway routes attach to"),
+        ("SLUICE_GPU_ALLOCATION", defaults.gpu_allocation, "GPUs by extended-resources or dra"),
+        ("SLUICE_PLACEMENT_REFRESH_SECONDS", f"{defaults.placement_refresh_seconds:g}",
+         "how long a GPU inventory read is reused"),
     ]
     width = max(len(name) for name, _, _ in rows)
     lines = [f"  {name:<{width}}  {what} (default: {default})" for name, default, what in rows]

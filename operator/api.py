@@ -17,6 +17,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from sluice.operator import gpus
+
 GROUP = "sluice.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -133,11 +135,18 @@ class RuntimeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Gpu:
-    """Exactly one of the three is set."""
+    """Exactly one of ``count``, ``mig_profile`` and ``memory`` is set."""
 
     count: int | None = None
     mig_profile: str | None = None
     memory: str | None = None
+    compute_percent: int | None = None
+    """With ``memory``: the least share of one GPU's compute (a MIG slice of 2 of 7 compute slices is 28 %)."""
+    shared: bool = False
+    """With ``memory``: a time-sliced GPU (no memory isolation between its pods) may be used."""
+
+    def memory_mib(self) -> int:
+        return int(quantity_to_float(self.memory) / 2**20) if self.memory else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -468,10 +477,28 @@ class _Reader:
                     "set exactly one of count (whole GPUs), migProfile (e.g. 1g.10gb) or memory (e.g. 16Gi)"
                     + (f", got {', '.join(forms)}" if forms else ", got none"),
                 )
+            profile = self.string(raw, "migProfile", sub, pattern=MIG_PROFILE_PATTERN)
+            if profile is not None and re.fullmatch(MIG_PROFILE_PATTERN, profile) and not gpus.models_with(profile):
+                self.problem(f"{sub}.migProfile", f"{profile!r} is not a MIG profile of any GPU Sluice knows; "
+                             f"known: {', '.join(gpus.known_profiles())}")
+            compute = None
+            if raw.get("computePercent") is not None:
+                compute = self.integer(raw, "computePercent", sub, 100, 1, 100)
+                if raw.get("memory") is None:
+                    self.problem(f"{sub}.computePercent", "only goes with gpu.memory (a MIG profile or whole GPUs "
+                                 "already fix the compute)")
+            shared = raw.get("shared", False)
+            if not isinstance(shared, bool):
+                self.problem(f"{sub}.shared", f"must be true or false, got {shared!r}")
+                shared = False
+            elif shared and raw.get("memory") is None:
+                self.problem(f"{sub}.shared", "only goes with gpu.memory (how much of a shared GPU the model needs)")
             gpu = Gpu(
                 count=self.integer(raw, "count", sub, 1, 1, MAX_GPUS) if "count" in raw else None,
-                mig_profile=self.string(raw, "migProfile", sub, pattern=MIG_PROFILE_PATTERN),
+                mig_profile=profile,
                 memory=self.string(raw, "memory", sub, pattern=QUANTITY_PATTERN),
+                compute_percent=compute,
+                shared=shared,
             )
         return Resources(cpu=cpu, memory=memory, gpu=gpu)
 

@@ -18,7 +18,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sluice.operator import api
+from sluice.operator import api, placement
+from sluice.operator import gpus as gpu_catalogue
+from sluice.operator.placement import Shape
 from sluice.operator.settings import FIELD_MANAGER, Settings
 
 Obj = dict[str, Any]
@@ -36,6 +38,7 @@ ROUTERS = ("gateway-api", "istio", "none")
 MODEL_REPOSITORY = "/models"
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 RUNTIME_UID = 10001
 
 
@@ -240,20 +243,97 @@ def _restricted_security_context(*, read_only_root: bool = True) -> Obj:
     }
 
 
-def _gpu_scheduling(gpus: Sequence[api.Gpu]) -> tuple[dict[str, str], Obj | None]:
-    """Extended-resource limits and node affinity for a pod's GPU needs."""
+@dataclasses.dataclass(frozen=True)
+class GpuRendering:
+    """How a pod asks for its GPUs: extended resources and node constraints, or a DRA claim."""
+
+    limits: dict[str, str]
+    affinity: Obj | None = None
+    tolerations: tuple[Obj, ...] = ()
+    claim: Obj | None = None
+    """DRA: the ``spec`` of the ResourceClaimTemplate the pod's claim is made from."""
+
+    @property
+    def gpu(self) -> bool:
+        return bool(self.limits) or self.claim is not None
+
+
+GPU_TOLERATION: Obj = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+DRA_API_VERSION = "resource.k8s.io/v1"
+DRA_CLAIM = "gpu"
+"""The pod-level name of the GPU claim (``spec.resourceClaims[].name``)."""
+DRA_GPU_CLASS = "gpu.nvidia.com"
+DRA_MIG_CLASS = "mig.nvidia.com"
+
+
+def _product_affinity(products: Sequence[str]) -> Obj:
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": GPU_PRODUCT_LABEL, "operator": "In", "values": sorted(products)}]},
+    ]}}}
+
+
+def _cel_string(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _dra_request(device_class: str, count: int, selectors: Sequence[str]) -> Obj:
+    request: Obj = {"deviceClassName": device_class, "count": count}
+    if selectors:
+        request["selectors"] = [{"cel": {"expression": expression}} for expression in selectors]
+    return request
+
+
+def _dra_claim(gpu: api.Gpu, shape: placement.Shape | None) -> Obj:
+    """A ResourceClaimTemplate spec for NVIDIA's DRA driver (``resource.k8s.io/v1``)."""
+    attr = "device.attributes['gpu.nvidia.com']"
+    memory = gpu.memory_mib()
+    memory_cel = f"device.capacity['gpu.nvidia.com'].memory.compareTo(quantity('{memory}Mi')) >= 0"
+    products = []
+    if shape is not None and shape.products:
+        products = [f"{attr}.productName in [{', '.join(_cel_string(p) for p in shape.products)}]"]
+    profile = (shape.profile if shape is not None else "") or gpu.mig_profile or ""
+    if profile:
+        exactly = _dra_request(DRA_MIG_CLASS, 1, [f"{attr}.profile == {_cel_string(profile)}", *products])
+        request: Obj = {"name": DRA_CLAIM, "exactly": exactly}
+    elif gpu.memory is not None and shape is None:
+        # Nothing seen to plan on: the smallest way DRA can say "a MIG slice with this much, else a GPU".
+        request = {"name": DRA_CLAIM, "firstAvailable": [
+            {"name": "mig", **_dra_request(DRA_MIG_CLASS, 1, [memory_cel])},
+            {"name": "gpu", **_dra_request(DRA_GPU_CLASS, 1, [memory_cel])},
+        ]}
+    else:
+        selectors = [*products, *([memory_cel] if memory else [])]
+        request = {"name": DRA_CLAIM, "exactly": _dra_request(DRA_GPU_CLASS, gpu.count or 1, selectors)}
+    return {"spec": {"devices": {"requests": [request]}}}
+
+
+def gpu_rendering(
+    gpus: Sequence[api.Gpu], shape: placement.Shape | None = None, *, dra: bool = False,
+) -> GpuRendering:
+    """How a pod asks for ``gpus``: from the planner's ``shape`` when there is one (one GPU need),
+    else from the spec alone (no inventory visible, or an Ensemble's colocated steps)."""
+    if not gpus:
+        return GpuRendering(limits={})
+    if dra and len(gpus) == 1:
+        return GpuRendering(limits={}, claim=_dra_claim(gpus[0], shape))
+    if shape is not None and len(gpus) == 1:
+        tolerations = [GPU_TOLERATION, *(dict(t) for t in shape.tolerations if dict(t) != GPU_TOLERATION)]
+        return GpuRendering(
+            limits={shape.resource: str(shape.count)},
+            affinity=_product_affinity(shape.products) if shape.products else None,
+            tolerations=tuple(tolerations),
+        )
     limits: dict[str, int] = {}
     min_memory: float | None = None
     for gpu in gpus:
         if gpu.count is not None:
             limits[GPU_RESOURCE] = limits.get(GPU_RESOURCE, 0) + gpu.count
         elif gpu.mig_profile is not None:
-            key = f"nvidia.com/mig-{gpu.mig_profile}"
+            key = gpu_catalogue.resource_name(gpu.mig_profile)  # 1g.10gb+me -> nvidia.com/mig-1g.10gb.me
             limits[key] = limits.get(key, 0) + 1
         elif gpu.memory is not None:
             limits[GPU_RESOURCE] = limits.get(GPU_RESOURCE, 0) + 1
-            mib = api.quantity_to_float(gpu.memory) / 2**20
-            min_memory = max(min_memory or 0.0, mib)
+            min_memory = max(min_memory or 0.0, float(gpu.memory_mib()))
     affinity = None
     if min_memory is not None:
         # GPU feature discovery publishes the per-GPU memory in MiB; Gt is strict, hence the -1.
@@ -262,7 +342,17 @@ def _gpu_scheduling(gpus: Sequence[api.Gpu]) -> tuple[dict[str, str], Obj | None
                 {"key": GPU_MEMORY_LABEL, "operator": "Gt", "values": [str(int(min_memory) - 1)]},
             ]},
         ]}}}
-    return {key: str(value) for key, value in sorted(limits.items())}, affinity
+    return GpuRendering(limits={key: str(value) for key, value in sorted(limits.items())}, affinity=affinity,
+                        tolerations=(GPU_TOLERATION,))
+
+
+def claim_template(owner: Owner, name: str, rendering: GpuRendering, track: str = STABLE) -> Obj:
+    assert rendering.claim is not None
+    return {
+        "apiVersion": DRA_API_VERSION, "kind": "ResourceClaimTemplate",
+        "metadata": _meta(owner, name, common_labels(owner, track)),
+        "spec": rendering.claim,
+    }
 
 
 def _fetch(
@@ -301,6 +391,7 @@ def deployment(
     owner: Owner, *, name: str, models: Sequence[ServedModel], config_map_name: str, files: Mapping[str, str],
     resources: api.Resources, gpus: Sequence[api.Gpu], replicas: int | None, storage: api.Storage,
     shutdown: api.Shutdown, settings: Settings, track: str = STABLE, split: bool = False, candidate: str = "",
+    shape: placement.Shape | None = None,
 ) -> Obj:
     """The runtime Deployment; ``replicas`` ``None`` leaves the count to its owner (the HPA).
 
@@ -345,13 +436,14 @@ def deployment(
         volumes.append({"name": "split", "configMap": {"name": f"{owner.name}-split", "optional": True}})
         mounts.append({"name": "split", "mountPath": SPLIT_DIRECTORY, "readOnly": True})
         args = ["--split-file", f"{SPLIT_DIRECTORY}/{SPLIT_FILE}"]
-    gpu_limits, affinity = _gpu_scheduling(gpus)
+    rendering = gpu_rendering(gpus, shape, dra=settings.gpu_allocation == "dra")
+    gpu_limits, affinity = rendering.limits, rendering.affinity
     cpu = resources.cpu or settings.default_resources.cpu
     memory = resources.memory or settings.default_resources.memory
     http, grpc, metrics = settings.http_port, settings.grpc_port, settings.metrics_port
     container: Obj = {
         "name": "runtime",
-        "image": settings.runtime_gpu_image if gpu_limits else settings.runtime_image,
+        "image": settings.runtime_gpu_image if rendering.gpu else settings.runtime_image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["sluice"],
         # The runtime listens on loopback unless told otherwise; probes and the Service reach the pod IP.
@@ -401,8 +493,11 @@ def deployment(
         pod_spec["automountServiceAccountToken"] = False
     if init_containers:
         pod_spec["initContainers"] = init_containers
-    if gpu_limits:
-        pod_spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    if rendering.claim is not None:
+        container["resources"]["claims"] = [{"name": DRA_CLAIM}]
+        pod_spec["resourceClaims"] = [{"name": DRA_CLAIM, "resourceClaimTemplateName": f"{name}-gpu"}]
+    if rendering.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in rendering.tolerations]
     if affinity:
         pod_spec["affinity"] = affinity
     spec: Obj = {
@@ -646,20 +741,26 @@ def _config_key(served: ServedModel) -> str:
 def _track(
     owner: Owner, models: Sequence[ServedModel], *, track: str, resources: api.Resources, gpus: Sequence[api.Gpu],
     scaling: api.Scaling, storage: api.Storage, shutdown: api.Shutdown, settings: Settings,
-    live: Mapping[str, Any] | None, split: bool = False, candidate: str = "",
+    live: Mapping[str, Any] | None, split: bool = False, candidate: str = "", shape: placement.Shape | None = None,
 ) -> tuple[list[Obj], list[tuple[str, str, str]]]:
-    """One track's objects (ConfigMap, Deployment, Service, PDB/HPA) and the optional ones that must go."""
+    """One track's objects (ConfigMap, Deployment, Service, PDB/HPA, DRA claim template) and the optional
+    ones that must go."""
     name = instance(owner, track)
     cm_name = f"{name}-config"
     files = {_config_key(served): served.config_text for served in models}
-    objects: list[Obj] = [
-        config_map(owner, cm_name, files, track),
+    rendering = gpu_rendering(gpus, shape, dra=settings.gpu_allocation == "dra")
+    objects: list[Obj] = [config_map(owner, cm_name, files, track)]
+    absent: list[tuple[str, str, str]] = []
+    if rendering.claim is not None:
+        objects.append(claim_template(owner, f"{name}-gpu", rendering, track))  # before the pods that use it
+    elif settings.gpu_allocation == "dra":
+        absent.append((DRA_API_VERSION, "ResourceClaimTemplate", f"{name}-gpu"))
+    objects += [
         deployment(owner, name=name, models=models, config_map_name=cm_name, files=files, resources=resources,
                    gpus=gpus, replicas=deployment_replicas(scaling, live), storage=storage, shutdown=shutdown,
-                   settings=settings, track=track, split=split, candidate=candidate),
+                   settings=settings, track=track, split=split, candidate=candidate, shape=shape),
         service(owner, name, settings, track),
     ]
-    absent: list[tuple[str, str, str]] = []
     if scaling.max_replicas >= 2:
         objects.append(pod_disruption_budget(owner, name, track))
     else:
@@ -676,7 +777,7 @@ def _track_names(owner: Owner, track: str) -> list[tuple[str, str, str]]:
     return [
         ("apps/v1", "Deployment", name), ("v1", "Service", name), ("v1", "ConfigMap", f"{name}-config"),
         ("policy/v1", "PodDisruptionBudget", name), ("autoscaling/v2", "HorizontalPodAutoscaler", name),
-        ("keda.sh/v1alpha1", "ScaledObject", name),
+        ("keda.sh/v1alpha1", "ScaledObject", name), (DRA_API_VERSION, "ResourceClaimTemplate", f"{name}-gpu"),
     ]
 
 
@@ -685,12 +786,12 @@ def _workload(
     gpus: Sequence[api.Gpu], scaling: api.Scaling, storage: api.Storage, shutdown: api.Shutdown,
     settings: Settings, traffic: tuple[Obj, ...], notes: tuple[str, ...] = (), placement: str | None = None,
     live: Mapping[str, Any] | None = None, split: bool = False, candidate: str = "",
-    extra: Sequence[Obj] = (), extra_absent: Sequence[tuple[str, str, str]] = (),
+    extra: Sequence[Obj] = (), extra_absent: Sequence[tuple[str, str, str]] = (), shape: Shape | None = None,
 ) -> Desired:
     name = owner.name
     objects, absent = _track(owner, models, track=STABLE, resources=resources, gpus=gpus, scaling=scaling,
                              storage=storage, shutdown=shutdown, settings=settings, live=live, split=split,
-                             candidate=candidate)
+                             candidate=candidate, shape=shape)
     host = f"{name}.{owner.namespace}.svc.{settings.cluster_domain}"
     http_url = f"http://{host}:{settings.http_port}"
     return Desired(
@@ -813,6 +914,7 @@ def _route_names(owner: Owner) -> list[tuple[str, str, str]]:
 def inference_model(
     owner: Owner, spec: api.InferenceModelSpec, settings: Settings, *, live: Mapping[str, Any] | None = None,
     live_canary: Mapping[str, Any] | None = None, rollout: Rollout | None = None,
+    shape: placement.Shape | None = None,
 ) -> Desired:
     """Children of an InferenceModel: ConfigMap, Deployment, Service, and PDB/HPA/ScaledObject when scaling
     asks; during a canary rollout also the candidate's own set (``<name>-canary``) and the router's objects.
@@ -820,6 +922,7 @@ def inference_model(
     ``live``/``live_canary`` are the Deployments as the API server has them now (``None`` if absent); they
     only decide the replica counts during an HPA handover (:func:`deployment_replicas`). ``rollout`` is
     what the canary decision wants; ``None`` when the model never had a canary (nothing to clean up).
+    ``shape`` is where the GPU planner put the model (``placement.plan``); both tracks render it.
     """
     # A runtime that cannot load the model would crash-loop: render nothing instead.
     if problems := unserved_formats([("spec.model", spec.model)]):
@@ -850,7 +953,8 @@ def inference_model(
             objects, absent = _track(
                 owner, [served_model(source, candidate_runtime, gpu=bool(gpus))], track=CANARY,
                 resources=spec.resources, gpus=gpus, scaling=spec.scaling, storage=spec.storage,
-                shutdown=spec.shutdown, settings=settings, live=live_canary, candidate=rollout.candidate)
+                shutdown=spec.shutdown, settings=settings, live=live_canary, candidate=rollout.candidate,
+                shape=shape)
             extra += objects
             extra_absent += absent
             traffic = (
@@ -862,7 +966,7 @@ def inference_model(
     return _workload(
         owner, [served], model_name=spec.model.name, resources=spec.resources, gpus=gpus,
         scaling=spec.scaling, storage=spec.storage, shutdown=spec.shutdown, settings=settings, traffic=traffic,
-        live=live, split=True, candidate=candidate, extra=extra, extra_absent=extra_absent,
+        live=live, split=True, candidate=candidate, extra=extra, extra_absent=extra_absent, shape=shape,
     )
 
 

@@ -80,22 +80,35 @@ def _model_source(description: str) -> Schema:
 
 def _resources() -> Schema:
     gpu = _obj(
-        "GPU need, in exactly one form: whole GPUs, one MIG slice, or one GPU with at least this much memory.",
+        "GPU need, in exactly one form: whole GPUs, one MIG slice, or a device with at least this much "
+        "memory (the operator picks the smallest free MIG profile that fits, else a whole GPU; see "
+        "status.placement).",
         {
-            "count": _int("Number of whole GPUs (nvidia.com/gpu).", 1, api.MAX_GPUS),
+            "count": _int("Number of whole, exclusive GPUs (never a MIG slice or a time-sliced GPU).", 1,
+                          api.MAX_GPUS),
             "migProfile": _str(
-                "One MIG slice of this profile (nvidia.com/mig-<profile>), e.g. 1g.10gb or 3g.40gb.",
+                "One MIG slice of this profile, e.g. 1g.10gb, 3g.40gb or 1g.10gb+me; rendered as the node's "
+                "MIG strategy needs (mixed: nvidia.com/mig-<profile>; single: nvidia.com/gpu on nodes of "
+                "that profile).",
                 pattern=api.MIG_PROFILE_PATTERN,
             ),
             "memory": _quantity(
-                "One whole GPU on a node whose GPUs have at least this much memory (node label "
-                "nvidia.com/gpu.memory from GPU feature discovery), e.g. 24Gi."
+                "The least GPU memory the model needs, e.g. 8Gi: the smallest free MIG slice with that "
+                "much, else (with shared) a time-sliced GPU whose share has it, else a whole GPU."
             ),
+            "computePercent": _int(
+                "With memory: the least share of one GPU's compute, e.g. 25 (a 2g slice of 7 is 28 %).",
+                1, 100),
+            "shared": {"type": "boolean", "description":
+                       "With memory: time-sliced GPUs may be used (no memory isolation from their other "
+                       "pods). Default false."},
         },
-        rules=[_rule(
-            "[has(self.count), has(self.migProfile), has(self.memory)].filter(x, x).size() == 1",
-            "set exactly one of gpu.count, gpu.migProfile or gpu.memory",
-        )],
+        rules=[
+            _rule("[has(self.count), has(self.migProfile), has(self.memory)].filter(x, x).size() == 1",
+                  "set exactly one of gpu.count, gpu.migProfile or gpu.memory"),
+            _rule("!has(self.computePercent) || has(self.memory)", "gpu.computePercent only goes with gpu.memory"),
+            _rule("!has(self.shared) || !self.shared || has(self.memory)", "gpu.shared only goes with gpu.memory"),
+        ],
     )
     return _obj(
         "Compute for each runtime pod. Requests equal limits (Guaranteed QoS) so latency is predictable.",
@@ -427,6 +440,40 @@ def _canary_status() -> Schema:
     })
 
 
+def _placement_status() -> Schema:
+    strings = {"type": "array", "items": {"type": "string"}}
+    return _obj("Where the GPU planner put the model and why (docs/operator.md, \"GPUs and MIG\"). The model "
+                "keeps this placement while it still answers the same need: adding models never moves it.", {
+        "state": _str("Placed, Pending (the capacity exists but is held), Unsatisfiable (no such capacity) or "
+                      "Unplanned (no GPU nodes visible: rendered from the spec alone)."),
+        "reason": _str("Why this device, or exactly what capacity is missing."),
+        "need": _str("The GPU need this placement answers; a different need is planned again."),
+        "device": _str("The device each replica gets, e.g. MIG 1g.10gb (mixed strategy)."),
+        "kind": _str("mixed, single, shared, whole or dra."),
+        "resource": _str("The extended resource asked for (dra: gpu or mig)."),
+        "count": {"type": "integer", "format": "int32", "description": "Devices per replica."},
+        "profile": _str("The MIG profile, when it is a slice."),
+        "memoryMiB": {"type": "integer", "format": "int64", "description": "Least memory of the device."},
+        "products": {**strings, "description": "nvidia.com/gpu.product values the pods are pinned to."},
+        "tolerations": {"type": "array", "description": "Taints of those nodes the pods tolerate.",
+                        "items": _obj("A toleration.", {"key": _str("Taint key."), "operator": _str("Exists."),
+                                                        "effect": _str("NoSchedule or NoExecute.")})},
+        "nodePools": {**strings, "description": "Node pools of the nodes it may land on."},
+        "nodes": {**strings, "description": "Nodes the plan counted its replicas on (first 10)."},
+        "replanToken": _str("The sluice.dev/replan annotation this placement was made for."),
+        "advice": {"type": "array", "description": "MIG repartitionings that would fit the model (advice only).",
+                   "items": _obj("One node's new MIG layout.", {
+                       "node": _str("The node."),
+                       "migConfig": _str("The nvidia.com/mig.config label value."),
+                       "layout": {**strings, "description": "Per GPU, its instances."},
+                       "disruptsGpus": {"type": "array", "items": {"type": "integer"},
+                                        "description": "GPUs whose partition changes (their pods restart)."},
+                       "howTo": _str("How to apply it."),
+                       "migParted": _str("MIG manager's config document (JSON) for this layout."),
+                   })},
+    })
+
+
 def _crd(kind: str, plural: str, short_names: list[str], description: str, spec: Schema,
          status_extra: dict[str, Schema] | None = None,
          columns: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -495,11 +542,14 @@ def inference_model_crd() -> dict[str, Any]:
     return _crd(
         api.INFERENCE_MODEL_KIND, api.INFERENCE_MODEL_PLURAL, ["im", "ims"],
         "InferenceModel serves one model (with an optional canary) over KServe V2 HTTP and gRPC.", spec,
-        status_extra={"canary": _canary_status()},
+        status_extra={"canary": _canary_status(), "placement": _placement_status()},
         columns=[*_PRINTER_COLUMNS[:3],
                  {"name": "Canary", "type": "string", "jsonPath": ".status.canary.summary",
                   "description": "The canary rollout's phase and step."},
-                 *_PRINTER_COLUMNS[3:]],
+                 _PRINTER_COLUMNS[3],
+                 {"name": "GPU", "type": "string", "jsonPath": ".status.placement.device", "priority": 1,
+                  "description": "The GPU device each replica gets."},
+                 *_PRINTER_COLUMNS[4:]],
     )
 
 

@@ -40,15 +40,26 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "VirtualService": ("networking.istio.io/v1beta1", "virtualservices"),
     # KEDA's CRD, installed or not: a GET where it is missing answers 404, which reads as absent.
     "ScaledObject": ("keda.sh/v1alpha1", "scaledobjects"),
+    # GPU placement: read only, cluster-wide (Node and ResourceSlice are cluster-scoped).
+    "Node": ("v1", "nodes"),
+    "ResourceSlice": ("resource.k8s.io/v1", "resourceslices"),
+    "ResourceClaim": ("resource.k8s.io/v1", "resourceclaims"),
+    # Written with gpus.allocation dra: one per runtime Deployment.
+    "ResourceClaimTemplate": ("resource.k8s.io/v1", "resourceclaimtemplates"),
     api.INFERENCE_MODEL_KIND: (api.API_VERSION, api.INFERENCE_MODEL_PLURAL),
     api.ENSEMBLE_KIND: (api.API_VERSION, api.ENSEMBLE_PLURAL),
 }
 
 
+CLUSTER_SCOPED = frozenset({"Node", "ResourceSlice"})
+
+
 def path(kind: str, namespace: str, name: str | None = None) -> str:
+    """The URL path of a kind's collection or object; an empty ``namespace`` lists across all of them."""
     api_version, plural = RESOURCES[kind]
     prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    return f"{prefix}/namespaces/{namespace}/{plural}" + (f"/{name}" if name else "")
+    where = f"/namespaces/{namespace}" if namespace and kind not in CLUSTER_SCOPED else ""
+    return f"{prefix}{where}/{plural}" + (f"/{name}" if name else "")
 
 
 class Kube:
@@ -115,6 +126,8 @@ class Kube:
         return await self._request("GET", path(kind, namespace, name))
 
     async def list(self, kind: str, namespace: str) -> list[Obj]:
+        """Every ``kind`` in ``namespace`` (``""``: in all namespaces, or a cluster-scoped kind); a kind the
+        cluster does not serve lists as empty."""
         result = await self._request("GET", path(kind, namespace))
         api_version = RESOURCES[kind][0]
         # List items carry no apiVersion/kind; add them so items look like fetched objects.

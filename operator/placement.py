@@ -127,6 +127,8 @@ class Advice:
     """A MIG layout for one node that would fit pending requests (never applied by the plan)."""
 
     node: str
+    model: str
+    """The node's GPU (catalogue key)."""
     config: str
     """The ``nvidia.com/mig.config`` label value to set."""
     layouts: tuple[gpus.Layout, ...]
@@ -136,7 +138,7 @@ class Advice:
     disrupts: tuple[int, ...]
     """GPUs whose partition changes (their pods restart)."""
 
-    def mig_parted(self, model: str) -> dict[str, Any]:
+    def mig_parted(self) -> dict[str, Any]:
         """MIG manager's (mig-parted) config document for this layout."""
         groups: dict[str, list[int]] = {}
         for index, layout in enumerate(self.layouts):
@@ -145,7 +147,7 @@ class Advice:
         for counts, devices in sorted(groups.items(), key=lambda item: item[1]):
             parsed = json.loads(counts)
             entries.append({"devices": devices, "mig-enabled": bool(parsed), "mig-devices": parsed})
-        return {"version": "v1", "mig-configs": {self.config: entries}, "x-sluice-gpu": model}
+        return {"version": "v1", "mig-configs": {self.config: entries}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,7 +436,7 @@ def repartition(inv: inventory.Inventory, book: _Book, pending: Sequence[Request
                         or (node.strategy == MIXED and i < len(node.layouts) and layout != node.layouts[i]))
         final = tuple(() if (layout and layout[0][0] == ".busy") else layout for layout in per_gpu)
         digest = hashlib.sha256(json.dumps(final).encode()).hexdigest()[:8]
-        advice.append(Advice(node=name, config=f"sluice-{digest}", layouts=final,
+        advice.append(Advice(node=name, model=node.model, config=f"sluice-{digest}", layouts=final,
                              serves=tuple(dict.fromkeys(serves[name])), disrupts=changed))
     return tuple(advice)
 

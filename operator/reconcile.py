@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
-from sluice.operator import api, builders, canary, conditions
+from sluice.operator import api, builders, canary, conditions, gpus, inventory, placement
 from sluice.operator.conditions import FALSE, TRUE, Condition
 from sluice.operator.settings import Settings
 
@@ -86,6 +87,33 @@ class Outcome:
     deleted: int
     requeue_after_s: float | None = None
     """Reconcile again after this long (a canary interval ends), sooner than the resync timer."""
+
+
+REPLAN_ANNOTATION = "sluice.dev/replan"
+"""Change its value to have the GPU planner place a model again instead of keeping where it runs."""
+GPU_PLACED = "GpuPlaced"
+"""Condition type of a model with a GPU need: whether the planner found capacity for it."""
+PLACEMENT_REASONS = {
+    placement.PLACED: (TRUE, "Placed"), placement.PENDING: (FALSE, "CapacityFull"),
+    placement.UNSATISFIABLE: (FALSE, "NoMatchingCapacity"), placement.UNPLANNED: (conditions.UNKNOWN, "NoInventory"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _GpuView:
+    """The cluster as the planner sees it, read at ``read_at`` (reused for ``placement_refresh_seconds``)."""
+
+    inventory: inventory.Inventory
+    models: tuple[Obj, ...]
+    read_at: float
+    problem: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placed:
+    verdict: placement.Verdict
+    advice: tuple[placement.Advice, ...]
+    request: placement.Request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +190,7 @@ class Reconciler:
         self._gate = gate
         self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
         self._router: tuple[str, float] | None = None
+        self._gpu_view: _GpuView | None = None
 
     def _lock(self, body: Mapping[str, Any]) -> asyncio.Lock:
         meta = body["metadata"]
@@ -184,7 +213,7 @@ class Reconciler:
             body = fresh
             owner = _owner(body)
             try:
-                desired, rollout = await self._decide(owner, body)
+                desired, rollout, placed = await self._decide(owner, body)
             except (api.SpecError, builders.UnsatisfiableError) as exc:
                 reason = ("InvalidSpec" if isinstance(exc, api.SpecError)
                           else "NotImplemented" if isinstance(exc, builders.NotServedError) else "Unsatisfiable")
@@ -217,6 +246,8 @@ class Reconciler:
                 waiting = conditions.unschedulable(await self._pods(owner))
                 if waiting is not None:  # more telling than a stalled rollout: it names what is missing
                     found = [c for c in found if c.type != conditions.DEGRADED] + [waiting]
+            if placed is not None:
+                found += self._placement_conditions(placed, found)
             if not any(c.type == conditions.DEGRADED for c in found):
                 if desired.notes:
                     found.append(Condition(conditions.DEGRADED, TRUE, "NotImplemented", " ".join(desired.notes)))
@@ -234,9 +265,14 @@ class Reconciler:
             if desired.placement is not None:
                 status["placement"] = desired.placement
             requeue = None
+            if placed is not None:
+                status["placement"] = _placement_status(placed, body)
+                if placed.verdict.state != placement.PLACED:
+                    requeue = self._settings.placement_refresh_seconds  # capacity may free up
             if rollout is not None:
                 status["canary"] = rollout.status
-                requeue = rollout.decision.requeue_after_s
+                if rollout.decision.requeue_after_s is not None:
+                    requeue = min(requeue or rollout.decision.requeue_after_s, rollout.decision.requeue_after_s)
             outcome = await self._write_status(body, found, status)
             if rollout is not None and outcome.status_written:
                 for action in rollout.decision.actions:
@@ -253,20 +289,21 @@ class Reconciler:
 
     async def _decide(
         self, owner: builders.Owner, body: Mapping[str, Any],
-    ) -> tuple[builders.Desired, _CanaryPass | None]:
+    ) -> tuple[builders.Desired, _CanaryPass | None, _Placed | None]:
         spec = body.get("spec") or {}
         # The live Deployment decides the replica count while an HPA takes the field over.
         live = await self._kube.get("Deployment", owner.namespace, owner.name)
         if owner.kind == api.INFERENCE_MODEL_KIND:
             model = api.parse_inference_model(owner.name, spec)
+            placed = await self._place(owner, body, model) if model.resources.gpu is not None else None
             stored = (body.get("status") or {}).get("canary")
             rollout = None
             if model.canary is not None or stored:
                 rollout = await self._canary(owner, model, stored, live)
             desired = builders.inference_model(
                 owner, model, self._settings, live=live, live_canary=rollout.live_canary if rollout else None,
-                rollout=rollout.rollout if rollout else None)
-            return desired, rollout
+                rollout=rollout.rollout if rollout else None, shape=placed.verdict.shape if placed else None)
+            return desired, rollout, placed
         parsed = api.parse_ensemble(owner.name, spec)
         referenced: dict[str, api.InferenceModelSpec] = {}
         problems: list[str] = []
@@ -282,7 +319,104 @@ class Reconciler:
                 problems.append(f"InferenceModel {step.model_ref!r} is invalid ({exc}); fix it first")
         if problems:
             raise builders.UnsatisfiableError(problems)
-        return builders.ensemble(owner, parsed, referenced, self._settings, live=live), None
+        return builders.ensemble(owner, parsed, referenced, self._settings, live=live), None, None
+
+    # ------------------------------------------------------------ GPU placement
+
+    async def _view(self) -> _GpuView:
+        """Nodes, pods, DRA objects and every InferenceModel, reused for ``placement_refresh_seconds``."""
+        now = self._clock().timestamp()
+        view = self._gpu_view
+        if view is not None and now - view.read_at < self._settings.placement_refresh_seconds:
+            return view
+        namespaces = self._settings.namespaces or ("",)
+        models: list[Obj] = []
+        for namespace in namespaces:
+            models += await self._kube.list(api.INFERENCE_MODEL_KIND, namespace)
+        problem = ""
+        try:
+            nodes = await self._kube.list("Node", "")
+            pods = await self._kube.list("Pod", "")
+        except ApiError as exc:
+            if exc.status != 403:
+                raise
+            nodes, pods = [], []
+            problem = ("the operator may not list Nodes and Pods cluster-wide (403): grant it the chart's "
+                       "discovery ClusterRole")
+        planned = {(m["metadata"]["namespace"], m["metadata"]["name"]) for m in models}
+
+        def ours(obj: Mapping[str, Any]) -> bool:
+            meta = obj.get("metadata") or {}
+            labels = meta.get("labels") or {}
+            owner_name = labels.get("sluice.dev/" + api.INFERENCE_MODEL_KIND.lower())
+            return labels.get("app.kubernetes.io/managed-by") == builders.MANAGED_BY and \
+                (meta.get("namespace"), owner_name) in planned
+
+        if self._settings.gpu_allocation == "dra":
+            slices = await self._kube.list("ResourceSlice", "")
+            claims = await self._kube.list("ResourceClaim", "")
+            found = inventory.from_resource_slices(slices, claims, nodes, planned=ours)
+        else:
+            found = inventory.from_nodes(nodes, pods, planned=ours)
+        self._gpu_view = _GpuView(inventory=found, models=tuple(models), read_at=now, problem=problem)
+        return self._gpu_view
+
+    async def _place(self, owner: builders.Owner, body: Mapping[str, Any], spec: api.InferenceModelSpec) -> _Placed:
+        """Plan every model's GPU need and return this one's (``placement.plan`` is pure; this gathers)."""
+        view = await self._view()
+        key = _request_key(owner.namespace, owner.name)
+        requests: dict[str, placement.Request] = {}
+        for other in view.models:
+            meta = other["metadata"]
+            if (meta.get("namespace"), meta.get("name")) == (owner.namespace, owner.name):
+                continue
+            try:
+                parsed = api.parse_inference_model(meta["name"], other.get("spec") or {})
+            except api.SpecError:
+                continue  # reported on that model; it holds nothing it was not placed on
+            if parsed.resources.gpu is not None and not meta.get("deletionTimestamp"):
+                request = _request(meta, other.get("status") or {}, parsed)
+                requests[request.key] = request
+        mine = _request(body["metadata"], body.get("status") or {}, spec)
+        requests[key] = mine
+        gpu = spec.resources.gpu
+        assert gpu is not None
+        if gpu.mig_profile and not view.inventory.empty:
+            offered = _offered_profiles(view.inventory)
+            if gpu.mig_profile not in {p for profiles in offered.values() for p in profiles}:
+                listing = "; ".join(f"{model}: {', '.join(profiles)}" for model, profiles in sorted(offered.items()))
+                raise api.SpecError([
+                    f"spec.resources.gpu.migProfile: {gpu.mig_profile!r} is not a MIG profile of any GPU in this "
+                    f"cluster; " + (f"its GPUs offer {listing}" if listing else "it has no MIG-capable GPU")
+                    + "; or ask by memory (gpu.memory) to get the smallest profile that fits"])
+        result = placement.plan(view.inventory, list(requests.values()))
+        verdict = result.verdicts[key]
+        if verdict.state == placement.UNPLANNED and view.problem:
+            verdict = dataclasses.replace(verdict, reason=view.problem)
+        advice = tuple(a for a in result.advice if key in a.serves)
+        return _Placed(verdict=verdict, advice=advice, request=mine)
+
+    def _placement_conditions(self, placed: _Placed, found: list[Condition]) -> list[Condition]:
+        verdict = placed.verdict
+        status, reason = PLACEMENT_REASONS[verdict.state]
+        if verdict.state == placement.PLACED:
+            where = f" on {', '.join(verdict.pools)}" if verdict.pools else ""
+            message = f"{verdict.shape.describe() if verdict.shape else 'GPU'}{where}: {verdict.reason}."
+        elif verdict.state == placement.UNPLANNED:
+            message = f"Rendered from the spec alone: {verdict.reason}."
+        else:
+            message = f"No GPU capacity for this model now: {verdict.reason}."
+            if placed.advice:
+                message += (f" A MIG repartitioning would fit it (status.placement.advice: "
+                            f"{', '.join(a.node for a in placed.advice)}).")
+        result = [Condition(GPU_PLACED, status, reason, message)]
+        if verdict.state in (placement.PENDING, placement.UNSATISFIABLE):
+            # More telling than the scheduler's Unschedulable: it names the capacity that is missing.
+            for condition in [c for c in found if c.type == conditions.DEGRADED and c.reason == "Unschedulable"]:
+                found.remove(condition)
+            if not any(c.type == conditions.DEGRADED for c in found):
+                result.append(Condition(conditions.DEGRADED, TRUE, reason, message))
+        return result
 
     # ------------------------------------------------------------ canary rollouts
 
@@ -433,6 +567,98 @@ class Reconciler:
                 continue  # Progressing flips on every rollout; the Deployment's own events cover it
             self._events(body, type="Warning" if warning else "Normal", reason=condition["reason"],
                           message=condition["message"])
+
+
+def _request_key(namespace: str, name: str) -> str:
+    return f"{api.INFERENCE_MODEL_KIND}/{namespace}/{name}"
+
+
+def _request(meta: Mapping[str, Any], status: Mapping[str, Any], spec: api.InferenceModelSpec) -> placement.Request:
+    """A model's GPU need as the planner takes it, with the placement it has (its pin) from status."""
+    gpu = spec.resources.gpu
+    assert gpu is not None
+    replicas = max(spec.scaling.min_replicas, _as_int(status.get("replicas")))
+    canary_status = status.get("canary") if isinstance(status.get("canary"), dict) else {}
+    if spec.canary is not None and canary_status.get("phase") in canary.ACTIVE:
+        replicas += spec.scaling.min_replicas  # the candidate's own pods take the same kind of device
+    request = placement.Request(
+        key=_request_key(str(meta.get("namespace")), str(meta.get("name"))), replicas=replicas,
+        count=gpu.count or 0, profile=gpu.mig_profile or "", memory_mib=gpu.memory_mib(),
+        compute_percent=gpu.compute_percent or 0, shared=gpu.shared, created=str(meta.get("creationTimestamp", "")),
+    )
+    stored = status.get("placement")
+    token = ((meta.get("annotations") or {}).get(REPLAN_ANNOTATION) or "")
+    if isinstance(stored, dict) and stored.get("kind") and stored.get("replanToken", "") == token:
+        try:
+            shape = placement.Shape(
+                kind=str(stored["kind"]), resource=str(stored["resource"]), count=int(stored.get("count", 1)),
+                profile=str(stored.get("profile", "")), products=tuple(str(p) for p in stored.get("products", ())),
+                memory_mib=int(stored.get("memoryMiB", 0)),
+                tolerations=tuple(dict(t) for t in stored.get("tolerations", ()) if isinstance(t, dict)))
+        except (KeyError, TypeError, ValueError):
+            return request
+        request = dataclasses.replace(request, pinned=shape, pinned_for=str(stored.get("need", "")))
+    return request
+
+
+def _as_int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _offered_profiles(found: inventory.Inventory) -> dict[str, tuple[str, ...]]:
+    """GPU model -> the MIG profiles its GPUs can be partitioned into (a node's current layout or not)."""
+    result: dict[str, tuple[str, ...]] = {}
+    for node in found.nodes:
+        model = gpus.CATALOGUE_BY_KEY.get(node.model)
+        if model is not None and model.mig_capable:
+            result[model.key] = tuple(p.name for p in model.profiles)
+        for device in node.devices:
+            if device.profile and device.profile not in result.get(node.model or node.product, ()):
+                result[node.model or node.product] = (*result.get(node.model or node.product, ()), device.profile)
+    return result
+
+
+def _placement_status(placed: _Placed, body: Mapping[str, Any]) -> Obj:
+    """``status.placement``: where the GPU planner put the model and why; its shape is the pin."""
+    verdict = placed.verdict
+    token = ((body["metadata"].get("annotations") or {}).get(REPLAN_ANNOTATION) or "")
+    result: Obj = {"state": verdict.state, "reason": verdict.reason, "need": placed.request.signature()}
+    shape = verdict.shape
+    if shape is not None:
+        result.update({
+            "device": shape.describe(), "kind": shape.kind, "resource": shape.resource, "count": shape.count,
+            "memoryMiB": shape.memory_mib,
+        })
+        if shape.profile:
+            result["profile"] = shape.profile
+        if shape.products:
+            result["products"] = list(shape.products)
+        if shape.tolerations:
+            result["tolerations"] = [dict(t) for t in shape.tolerations]
+    if verdict.pools:
+        result["nodePools"] = list(verdict.pools)
+    if verdict.nodes:
+        result["nodes"] = sorted(set(verdict.nodes))[:10]
+    if token:
+        result["replanToken"] = token
+    if placed.advice and verdict.state != placement.PLACED:
+        result["advice"] = [{
+            "node": a.node, "migConfig": a.config,
+            "layout": [_layout_text(layout) for layout in a.layouts],
+            "disruptsGpus": list(a.disrupts),
+            "howTo": (f"add mig-configs.{a.config} (status.placement.advice[].migParted) to MIG manager's config, "
+                      f"drain the GPU pods of node {a.node}, then: kubectl label node {a.node} "
+                      f"nvidia.com/mig.config={a.config} --overwrite"),
+            "migParted": json.dumps(a.mig_parted(), sort_keys=True),
+        } for a in placed.advice[:3]]
+    return result
+
+
+def _layout_text(layout: Any) -> str:
+    counts: dict[str, int] = {}
+    for profile, _ in layout:
+        counts[profile] = counts.get(profile, 0) + 1
+    return " + ".join(f"{n}x{p}" for p, n in counts.items()) or "whole GPU (MIG off)"
 
 
 def _runs(deployment: Mapping[str, Any] | None, candidate: str, *, fully: bool) -> bool:

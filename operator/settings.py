@@ -81,6 +81,14 @@ class Settings:
     """``namespace/name`` of the Gateway the HTTPRoute/GRPCRoute attach to; empty attaches them to
     the model's Service (Gateway API for service mesh, GAMMA)."""
 
+    gpu_allocation: str = "extended-resources"
+    """How runtime pods ask for GPUs: ``extended-resources`` (the NVIDIA device plugin's
+    ``nvidia.com/gpu`` / ``nvidia.com/mig-<profile>``) or ``dra`` (a ResourceClaimTemplate per Deployment
+    for NVIDIA's DRA driver, ``resource.k8s.io/v1``, Kubernetes >= 1.34)."""
+    placement_refresh_seconds: float = 30.0
+    """How long the GPU inventory (Nodes, Pods, ResourceSlices) read for planning is reused before it is
+    listed again."""
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
         """Build settings from ``SLUICE_*`` variables (the Helm chart sets them); absent ones keep defaults."""
@@ -115,10 +123,15 @@ class Settings:
             prometheus_url=_url(env.get("SLUICE_PROMETHEUS_URL") or None),
             router=_one_of("SLUICE_ROUTER", env.get("SLUICE_ROUTER", defaults.router), ROUTER_CHOICES),
             gateway=_gateway(env.get("SLUICE_GATEWAY", defaults.gateway)),
+            gpu_allocation=_one_of("SLUICE_GPU_ALLOCATION", env.get("SLUICE_GPU_ALLOCATION", defaults.gpu_allocation),
+                                   GPU_ALLOCATION_CHOICES),
+            placement_refresh_seconds=float(
+                env.get("SLUICE_PLACEMENT_REFRESH_SECONDS", defaults.placement_refresh_seconds)),
         )
 
 
 ROUTER_CHOICES = ("auto", "gateway-api", "istio", "none")
+GPU_ALLOCATION_CHOICES = ("extended-resources", "dra")
 
 
 def _one_of(variable: str, value: str, allowed: tuple[str, ...]) -> str:

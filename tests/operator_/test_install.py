@@ -81,8 +81,9 @@ def test_crd_schema_is_complete(definition):
     assert undocumented == []
     assert version["subresources"]["status"] == {}
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.scaling.minReplicas"
-    columns = ["Ready", "Replicas", "Traffic", *(["Canary"] if definition["spec"]["names"]["kind"] == "InferenceModel"
-                                                  else []), "URL", "Age"]
+    model = definition["spec"]["names"]["kind"] == "InferenceModel"
+    columns = ["Ready", "Replicas", "Traffic", *(["Canary"] if model else []), "URL", *(["GPU"] if model else []),
+               "Age"]
     assert [c["name"] for c in version["additionalPrinterColumns"]] == columns
     assert definition["spec"]["names"]["shortNames"]
     rules = [r["rule"] for _, s in walk(schema) for r in s.get("x-kubernetes-validations", [])]
@@ -247,8 +248,8 @@ def test_rbac_covers_every_kind_the_operator_writes():
     for kind, (api_version, plural) in RESOURCES.items():
         group = api_version.rpartition("/")[0]
         verbs = {v for r in rules if group in r["apiGroups"] and plural in r["resources"] for v in r["verbs"]}
-        wanted = {"get", "list"} if kind == "Pod" else {"get", "patch"} if group == "sluice.dev" else \
-            {"get", "create", "patch", "delete"}
+        wanted = {"get", "list"} if kind in ("Pod", "Node", "ResourceSlice", "ResourceClaim") else \
+            {"get", "patch"} if group == "sluice.dev" else {"get", "create", "patch", "delete"}
         assert wanted <= verbs, f"{kind} ({group}/{plural}): the chart grants {sorted(verbs)}"
 
 

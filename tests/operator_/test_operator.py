@@ -230,7 +230,7 @@ async def test_printer_columns_and_scale_paths_read_what_the_operator_writes(cli
     [version] = inference_model_crd()["spec"]["versions"]
     columns = {c["name"]: json_path(model, c["jsonPath"]) for c in version["additionalPrinterColumns"]}
     assert columns == {
-        "Ready": "True", "Replicas": 2, "Traffic": "v1=100", "Canary": None,
+        "Ready": "True", "Replicas": 2, "Traffic": "v1=100", "Canary": None, "GPU": None,
         "URL": "http://resnet.models.svc.cluster.local:8000/v2/models/resnet",
         "Age": model["metadata"]["creationTimestamp"],
     }
