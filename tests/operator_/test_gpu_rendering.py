@@ -1,0 +1,211 @@
+"""How a model's GPU need becomes a pod spec, per node strategy: planner (pure) + builders (pure).
+
+Table-driven over Node objects shaped as GPU feature discovery and NVIDIA's device plugin publish them;
+every rendered object is validated against the Kubernetes schema (``kubernetes_validate``, 1.34 for DRA).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sluice.operator import api, builders, inventory, placement
+from sluice.operator.settings import Settings
+
+OWNER = builders.Owner(kind="InferenceModel", name="m", namespace="models", uid="u-1")
+TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+
+
+def node(name: str, labels: dict[str, str], allocatable: dict[str, str], *, taints: Any = ()) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels},
+            "spec": {"taints": list(taints)}, "status": {"allocatable": {"cpu": "32", **allocatable}}}
+
+
+A100_MIXED = node("a100-0", {
+    "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.count": "1", "nvidia.com/gpu.memory": "81920",
+    "nvidia.com/mig.strategy": "mixed", "nvidia.com/mig.capable": "true", "nvidia.com/mig.config": "all-balanced",
+    "nvidia.com/mig-1g.10gb.memory": "9728", "cloud.google.com/gke-nodepool": "a100",
+}, {"nvidia.com/mig-1g.10gb": "2", "nvidia.com/mig-2g.20gb": "1", "nvidia.com/mig-3g.40gb": "1"}, taints=[TAINT])
+A100_ME = node("a100-me", {
+    "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.count": "2", "nvidia.com/mig.strategy": "mixed",
+}, {"nvidia.com/mig-1g.10gb.me": "1", "nvidia.com/mig-3g.40gb": "3"})
+H100_SINGLE = node("h100-0", {
+    "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb", "nvidia.com/gpu.count": "7",
+    "nvidia.com/gpu.memory": "9984", "nvidia.com/mig.strategy": "single", "nvidia.com/mig.capable": "true",
+    "karpenter.sh/nodepool": "h100",
+}, {"nvidia.com/gpu": "7"})
+T4_SHARED = node("t4-0", {
+    "nvidia.com/gpu.product": "Tesla-T4-SHARED", "nvidia.com/gpu.count": "1", "nvidia.com/gpu.replicas": "4",
+    "nvidia.com/gpu.memory": "15360",
+}, {"nvidia.com/gpu": "4"})
+L4_WHOLE = node("l4-0", {
+    "nvidia.com/gpu.product": "NVIDIA-L4", "nvidia.com/gpu.count": "2", "nvidia.com/gpu.memory": "23034",
+}, {"nvidia.com/gpu": "2"})
+H100_WHOLE = node("h100-w", {
+    "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/gpu.count": "8", "nvidia.com/gpu.memory": "81559",
+    "nvidia.com/mig.capable": "true", "nvidia.com/mig.strategy": "none",
+}, {"nvidia.com/gpu": "8"})
+CLUSTER = [A100_MIXED, H100_SINGLE, T4_SHARED, L4_WHOLE]
+
+
+def gpu(**fields: Any) -> api.Gpu:
+    spec = api.parse_inference_model("m", {"model": {"storageUri": "s3://b/m", "format": "onnx"},
+                                           "resources": {"gpu": fields}})
+    assert spec.resources.gpu is not None
+    return spec.resources.gpu
+
+
+def place(nodes: list[dict[str, Any]], need: api.Gpu, replicas: int = 1) -> placement.Verdict:
+    request = placement.Request(key="InferenceModel/models/m", replicas=replicas, count=need.count or 0,
+                                profile=need.mig_profile or "", memory_mib=need.memory_mib(),
+                                compute_percent=need.compute_percent or 0, shared=need.shared)
+    return placement.plan(inventory.from_nodes(nodes), [request]).verdicts[request.key]
+
+
+def pod_of(need: api.Gpu, shape: placement.Shape | None, *, dra: bool = False) -> tuple[dict[str, Any], list[Any]]:
+    settings = Settings(gpu_allocation="dra" if dra else "extended-resources")
+    spec = api.parse_inference_model("m", {"model": {"storageUri": "s3://b/m", "format": "onnx"},
+                                           "resources": {"gpu": {k: v for k, v in {
+                                               "count": need.count, "migProfile": need.mig_profile,
+                                               "memory": need.memory, "computePercent": need.compute_percent,
+                                               "shared": need.shared or None}.items() if v is not None}}})
+    desired = builders.inference_model(OWNER, spec, settings, shape=shape)
+    [deployment] = [o for o in desired.objects if o["kind"] == "Deployment"]
+    return deployment["spec"]["template"]["spec"], list(desired.objects)
+
+
+def product_terms(pod: dict[str, Any]) -> list[str] | None:
+    affinity = pod.get("affinity")
+    if not affinity:
+        return None
+    [term] = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    [expression] = term["matchExpressions"]
+    assert expression["key"] == "nvidia.com/gpu.product" and expression["operator"] == "In"
+    return list(expression["values"])
+
+
+@pytest.mark.parametrize(("nodes", "need", "limits", "products", "device"), [
+    # mixed: the slice is named by its resource; any node with it will do
+    (CLUSTER, {"migProfile": "1g.10gb"}, {"nvidia.com/mig-1g.10gb": "1"}, None, "MIG 1g.10gb (mixed strategy)"),
+    # +me is published as .me ('+' is not legal in a resource name)
+    ([A100_ME], {"migProfile": "1g.10gb+me"}, {"nvidia.com/mig-1g.10gb.me": "1"}, None,
+     "MIG 1g.10gb+me (mixed strategy)"),
+    # single: nvidia.com/gpu, pinned to the nodes whose product carries the profile
+    ([H100_SINGLE], {"migProfile": "1g.10gb"}, {"nvidia.com/gpu": "1"}, ["NVIDIA-H100-80GB-HBM3-MIG-1g.10gb"],
+     "MIG 1g.10gb (single strategy)"),
+    # memory: the smallest free slice that fits (1g.10gb has 9.5 GiB)
+    (CLUSTER, {"memory": "8Gi"}, {"nvidia.com/mig-1g.10gb": "1"}, None, "MIG 1g.10gb (mixed strategy)"),
+    (CLUSTER, {"memory": "12Gi"}, {"nvidia.com/mig-2g.20gb": "1"}, None, "MIG 2g.20gb (mixed strategy)"),
+    # compute share: 1g is 14 %, 2g 28 %, 3g 42 %
+    (CLUSTER, {"memory": "4Gi", "computePercent": 40}, {"nvidia.com/mig-3g.40gb": "1"}, None,
+     "MIG 3g.40gb (mixed strategy)"),
+    # no slice is big enough: a whole exclusive GPU, never the time-sliced T4 or a MIG node
+    (CLUSTER, {"memory": "20Gi", "computePercent": 60}, {"nvidia.com/gpu": "1"}, ["NVIDIA-L4"], "1 whole GPU"),
+    # a time-sliced GPU only when the model allows it (T4 over 4 replicas: 3.75 GiB each)
+    ([T4_SHARED, L4_WHOLE], {"memory": "3Gi", "shared": True}, {"nvidia.com/gpu": "1"}, ["Tesla-T4-SHARED"],
+     "1 time-sliced GPU share"),
+    ([T4_SHARED, L4_WHOLE], {"memory": "3Gi"}, {"nvidia.com/gpu": "1"}, ["NVIDIA-L4"], "1 whole GPU"),
+    # whole GPUs: exclusive ones only, even where a MIG-single node advertises nvidia.com/gpu
+    (CLUSTER, {"count": 2}, {"nvidia.com/gpu": "2"}, ["NVIDIA-L4"], "2 whole GPUs"),
+])
+def test_each_strategy_renders_what_its_nodes_advertise(nodes, need, limits, products, device):
+    need_gpu = gpu(**need)
+    verdict = place(nodes, need_gpu)
+    assert verdict.state == placement.PLACED, verdict.reason
+    assert verdict.shape is not None and verdict.shape.describe() == device
+    pod, objects = pod_of(need_gpu, verdict.shape)
+    [container] = pod["containers"]
+    assert {k: v for k, v in container["resources"]["limits"].items() if k.startswith("nvidia.com/")} == limits
+    assert container["resources"]["requests"]["nvidia.com/" + next(iter(limits))[len("nvidia.com/"):]] == \
+        next(iter(limits.values()))
+    assert product_terms(pod) == products
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)
+
+
+def test_a_full_profile_is_pending_and_a_missing_one_unsatisfiable():
+    taken = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "other", "namespace": "team-b"},
+             "spec": {"nodeName": "a100-0", "containers": [
+                 {"name": "c", "resources": {"limits": {"nvidia.com/mig-3g.40gb": "1"}}}]},
+             "status": {"phase": "Running"}}
+    two_gpus = node("a100-0", {**A100_MIXED["metadata"]["labels"], "nvidia.com/gpu.count": "2"},
+                    {"nvidia.com/mig-1g.10gb": "4", "nvidia.com/mig-2g.20gb": "2", "nvidia.com/mig-3g.40gb": "2"})
+    inv = inventory.from_nodes([two_gpus], [taken, {**taken, "metadata": {"name": "other-2", "namespace": "team-b"}}])
+    full = placement.plan(inv, [placement.Request("IM/x/a", 1, profile="3g.40gb")]).verdicts["IM/x/a"]
+    assert full.state == placement.PENDING
+    assert "MIG 3g.40gb (mixed strategy): 0 free of 2" in full.reason
+    assert full.shape is not None and full.shape.resource == "nvidia.com/mig-3g.40gb"  # runs once it frees
+    never = placement.plan(inv, [placement.Request("IM/x/b", 1, profile="7g.80gb")])
+    verdict = never.verdicts["IM/x/b"]
+    assert verdict.state == placement.UNSATISFIABLE and verdict.shape is None
+    assert verdict.reason == "needs 1 x MIG 7g.80gb; no node offers MIG 7g.80gb"
+    # Both GPUs hold a 3g.40gb another pod uses, so no GPU can become a 7g.80gb: no advice.
+    assert never.advice == ()
+    # A 2g.20gb fits beside the held 3g.40gb once the free 1g/2g slices are reshaped: advised, not done.
+    [advice] = placement.plan(inv, [placement.Request("IM/x/c", 3, profile="2g.20gb")]).advice
+    assert advice.node == "a100-0" and advice.serves == ("IM/x/c",)
+    assert advice.layouts == ((("2g.20gb", 0), ("2g.20gb", 2), ("3g.40gb", 4)),) * 2
+    assert advice.mig_parted() == {"version": "v1", "mig-configs": {advice.config: [
+        {"devices": [0, 1], "mig-enabled": True, "mig-devices": {"2g.20gb": 2, "3g.40gb": 1}}]}}
+
+
+def test_taints_of_the_chosen_nodes_are_tolerated():
+    tainted = node("l4-t", {"nvidia.com/gpu.product": "NVIDIA-L4", "nvidia.com/gpu.count": "1"},
+                   {"nvidia.com/gpu": "1"}, taints=[{"key": "nvidia.com/dedicated", "value": "ml", "effect": "NoExecute"},
+                                                    {"key": "team", "value": "x", "effect": "NoSchedule"}])
+    verdict = place([tainted], gpu(count=1))
+    pod, _ = pod_of(gpu(count=1), verdict.shape)
+    assert pod["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "nvidia.com/dedicated", "operator": "Exists", "effect": "NoExecute"},
+    ]  # a GPU taint is tolerated; someone else's (team=x) is not
+
+
+@pytest.mark.parametrize(("need", "limits"), [
+    ({"migProfile": "1g.10gb+me"}, {"nvidia.com/mig-1g.10gb.me": "1"}),
+    ({"count": 2}, {"nvidia.com/gpu": "2"}),
+    ({"memory": "16Gi"}, {"nvidia.com/gpu": "1"}),
+])
+def test_without_inventory_the_spec_alone_renders_legal_names(need, limits):
+    pod, _ = pod_of(gpu(**need), None)
+    assert {k: v for k, v in pod["containers"][0]["resources"]["limits"].items() if k.startswith("nvidia")} == limits
+
+
+def test_dra_renders_a_claim_template_per_deployment():
+    slices = [{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": "a-gpu"},
+               "spec": {"driver": "gpu.nvidia.com", "nodeName": "a100-0", "pool": {"name": "a100-0"}, "devices": [
+                   {"name": "gpu-0-mig-19-0-1", "attributes": {
+                       "type": {"string": "mig"}, "profile": {"string": "1g.10gb"},
+                       "productName": {"string": "NVIDIA A100-SXM4-80GB"}},
+                    "capacity": {"memory": {"value": "9728Mi"}}},
+                   {"name": "gpu-1", "attributes": {
+                       "type": {"string": "gpu"}, "productName": {"string": "NVIDIA A100-SXM4-80GB"}},
+                    "capacity": {"memory": {"value": "80Gi"}}}]}}]
+    inv = inventory.from_resource_slices(slices)
+    need = gpu(memory="8Gi")
+    request = placement.Request("InferenceModel/models/m", 1, memory_mib=need.memory_mib())
+    verdict = placement.plan(inv, [request]).verdicts[request.key]
+    assert verdict.state == placement.PLACED and verdict.shape is not None and verdict.shape.profile == "1g.10gb"
+    pod, objects = pod_of(need, verdict.shape, dra=True)
+    [template] = [o for o in objects if o["kind"] == "ResourceClaimTemplate"]
+    assert template["metadata"]["name"] == "m-gpu"
+    [req] = template["spec"]["spec"]["devices"]["requests"]
+    assert req["exactly"]["deviceClassName"] == "mig.nvidia.com"
+    assert [s["cel"]["expression"] for s in req["exactly"]["selectors"]] == [
+        "device.attributes['gpu.nvidia.com'].profile == '1g.10gb'",
+        "device.attributes['gpu.nvidia.com'].productName in ['NVIDIA A100-SXM4-80GB']",
+    ]
+    assert pod["resourceClaims"] == [{"name": "gpu", "resourceClaimTemplateName": "m-gpu"}]
+    assert pod["containers"][0]["resources"]["claims"] == [{"name": "gpu"}]
+    assert not any(k.startswith("nvidia.com/") for k in pod["containers"][0]["resources"]["limits"])
+    # Nothing visible to plan on: "a MIG slice with this much, else a GPU", in DRA's own words.
+    _, unplanned = pod_of(need, None, dra=True)
+    [template] = [o for o in unplanned if o["kind"] == "ResourceClaimTemplate"]
+    [req] = template["spec"]["spec"]["devices"]["requests"]
+    assert [s["deviceClassName"] for s in req["firstAvailable"]] == ["mig.nvidia.com", "gpu.nvidia.com"]
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for obj in [*objects, *unplanned]:
+        kubernetes_validate.validate(obj, "1.34.0", strict=True)
