@@ -101,7 +101,9 @@ PLACEMENT_REASONS = {
 
 @dataclasses.dataclass(frozen=True)
 class _GpuView:
-    """The cluster as the planner sees it, read at ``read_at`` (reused for ``placement_refresh_seconds``)."""
+    """The cluster's GPUs as the planner sees them, read at ``read_at`` (reused for
+    ``placement_refresh_seconds``); the models themselves are listed fresh on every plan, so a
+    placement another model just wrote to its status is always honoured."""
 
     inventory: inventory.Inventory
     models: tuple[Obj, ...]
@@ -326,13 +328,13 @@ class Reconciler:
     async def _view(self) -> _GpuView:
         """Nodes, pods, DRA objects and every InferenceModel, reused for ``placement_refresh_seconds``."""
         now = self._clock().timestamp()
-        view = self._gpu_view
-        if view is not None and now - view.read_at < self._settings.placement_refresh_seconds:
-            return view
         namespaces = self._settings.namespaces or ("",)
         models: list[Obj] = []
         for namespace in namespaces:
             models += await self._kube.list(api.INFERENCE_MODEL_KIND, namespace)
+        view = self._gpu_view
+        if view is not None and now - view.read_at < self._settings.placement_refresh_seconds:
+            return dataclasses.replace(view, models=tuple(models))
         problem = ""
         try:
             nodes = await self._kube.list("Node", "")
