@@ -153,9 +153,10 @@ def test_a_full_profile_is_pending_and_a_missing_one_unsatisfiable():
 
 
 def test_taints_of_the_chosen_nodes_are_tolerated():
+    taints = [{"key": "nvidia.com/dedicated", "value": "ml", "effect": "NoExecute"},
+              {"key": "team", "value": "x", "effect": "NoSchedule"}]
     tainted = node("l4-t", {"nvidia.com/gpu.product": "NVIDIA-L4", "nvidia.com/gpu.count": "1"},
-                   {"nvidia.com/gpu": "1"}, taints=[{"key": "nvidia.com/dedicated", "value": "ml", "effect": "NoExecute"},
-                                                    {"key": "team", "value": "x", "effect": "NoSchedule"}])
+                   {"nvidia.com/gpu": "1"}, taints=taints)
     verdict = place([tainted], gpu(count=1))
     pod, _ = pod_of(gpu(count=1), verdict.shape)
     assert pod["tolerations"] == [
