@@ -8,7 +8,7 @@ a real API server does (listed in ``e2e/README.md``):
   apply emits no watch event), ``creationTimestamp``, ``generation`` (bumped on non-metadata,
   non-status changes only);
 * the ``status`` subresource: writes to the main resource ignore ``status``; ``/status`` writes
-  change nothing else;
+  change nothing else; a Node keeps the status it is created with (a kubelet registers it so);
 * server-side apply (``application/apply-patch+yaml``): creates when absent; merges the applied
   configuration; lists are treated as atomic (a real server merges keyed lists such as containers by
   name);
