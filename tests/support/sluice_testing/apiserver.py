@@ -392,7 +392,7 @@ class ApiServer(kmock.KubernetesEmulator):
         if request.namespace is not None and meta.get("namespace") != request.namespace:
             return False
         assert request.resource is not None
-        for field, equal, value in _field_terms(request.resource.plural, request.params.get("fieldSelector", "")):
+        for field, equal, value in _field_terms(str(request.resource.plural), request.params.get("fieldSelector", "")):
             if (_field_value(obj, field) == value) != equal:
                 return False
         selector = request.params.get("labelSelector")
@@ -400,7 +400,7 @@ class ApiServer(kmock.KubernetesEmulator):
 
     async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
         assert request.resource is not None
-        _field_terms(request.resource.plural, request.params.get("fieldSelector", ""))  # 400 before anything
+        _field_terms(str(request.resource.plural), request.params.get("fieldSelector", ""))  # 400 before anything
         payload = await super()._serve_list(request)
         if isinstance(payload, dict):
             payload["items"] = [item for item in payload["items"] if self._visible(request, item)]
@@ -411,7 +411,7 @@ class ApiServer(kmock.KubernetesEmulator):
         # A watch from a resourceVersion gets the events after it (from the log), not a replay of
         # every object: kopf lists first and then watches from the list's version, as with a real server.
         assert request.resource is not None
-        _field_terms(request.resource.plural, request.params.get("fieldSelector", ""))  # 400 before streaming
+        _field_terms(str(request.resource.plural), request.params.get("fieldSelector", ""))  # 400 before streaming
         yield b""
         bus = self._buses[request.resource]
         since = request.params.get("resourceVersion", "")
@@ -806,7 +806,7 @@ class ApiServer(kmock.KubernetesEmulator):
         state = pod.setdefault("status", {})
         state.setdefault("phase", "Pending")
         conditions = [c for c in state.get("conditions") or [] if c.get("type") != "PodScheduled"]
-        previous = next((c for c in state.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
+        previous: Obj = next((c for c in state.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
         condition: Obj = {"type": "PodScheduled", "status": status, "lastProbeTime": None,
                           "lastTransitionTime": previous.get("lastTransitionTime")
                           if previous.get("status") == status else _now()}

@@ -47,8 +47,9 @@ TEMPLATE_HASH_LABEL = "pod-template-hash"
 _TERMINAL = ("Succeeded", "Failed")
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {"n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000), "k": 10**3,
-            "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+_DECIMAL = {"n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000), "k": Fraction(10**3),
+            "M": Fraction(10**6), "G": Fraction(10**9), "T": Fraction(10**12), "P": Fraction(10**15),
+            "E": Fraction(10**18)}
 
 
 def quantity(value: Any) -> Fraction:
@@ -286,7 +287,7 @@ def _max_unavailable(spec: Obj, replicas: int) -> int:
 
 def _condition(old: Sequence[Obj], type_: str, status: str, reason: str, message: str, now: str) -> Obj:
     """A Deployment condition; its times move only when its status (transition) or content (update) does."""
-    previous: Obj = next((c for c in old if c.get("type") == type_), None) or {}
+    previous: Obj = next((c for c in old if c.get("type") == type_), {})
     same = previous.get("status") == status
     unchanged = same and (previous.get("reason"), previous.get("message")) == (reason, message)
     return {"type": type_, "status": status, "reason": reason, "message": message,
