@@ -350,7 +350,9 @@ class ApiServer(kmock.KubernetesEmulator):
         self._rejections.pop(kmock.resource(resource), None)
 
     async def complete_rollout(self, namespace: str, name: str) -> None:
-        """Act as the Deployment controller and kubelet: all desired pods exist, run the spec and are ready."""
+        """Act as the Deployment controller and kubelet: all desired pods exist, run the spec and are ready.
+
+        Not with ``simulate_scheduling``, whose controllers count the real pods and overwrite this."""
         deployment = self.read("apps/v1/deployments", namespace, name)
         assert deployment is not None, f"no Deployment {namespace}/{name}"
         replicas = deployment["spec"].get("replicas", 1)
