@@ -1,7 +1,10 @@
 """Test support for the Sluice operator: a realistic API-server emulator and an in-process operator.
 
 Also, as modules of their own: ``sluice_testing.schemas`` (third-party custom resources against their
-published schemas) and ``sluice_testing.adapter`` (prometheus-adapter's query templating).
+published schemas), ``sluice_testing.adapter`` (prometheus-adapter's query templating),
+``sluice_testing.scheduler`` (kube-scheduler's filters, which ``ApiServer(simulate_scheduling=True)``
+runs) and ``sluice_testing.gpu_nodes`` (GPU clusters as NVIDIA's GFD, device plugin and DRA driver
+publish them, with ``load()`` to put them into an ``ApiServer``).
 
 Needs the ``test`` extra (kmock, jsonschema). Used by ``tests/operator_`` and ``e2e/``; never imported
 by the operator itself, and not shipped: it lives in ``tests/support`` (on sys.path through pytest's

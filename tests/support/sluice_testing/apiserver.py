@@ -8,7 +8,7 @@ a real API server does (listed in ``e2e/README.md``):
   apply emits no watch event), ``creationTimestamp``, ``generation`` (bumped on non-metadata,
   non-status changes only);
 * the ``status`` subresource: writes to the main resource ignore ``status``; ``/status`` writes
-  change nothing else;
+  change nothing else; a Node keeps the status it is created with (a kubelet registers it so);
 * server-side apply (``application/apply-patch+yaml``): creates when absent; merges the applied
   configuration; lists are treated as atomic (a real server merges keyed lists such as containers by
   name);
@@ -28,7 +28,19 @@ a real API server does (listed in ``e2e/README.md``):
 * discovery of the built-in groups only: kmock's bundled Gateway API and metrics.k8s.io resources are
   removed (a fresh cluster serves them only once their CRDs or adapter are installed);
 * a Deployment "controller" on demand (:meth:`ApiServer.complete_rollout`) or for every rollout
-  (``simulate_rollouts=True``) that marks all pods updated and ready.
+  (``simulate_rollouts=True``) that marks all pods updated and ready;
+* with ``simulate_scheduling=True`` instead: the Deployment and ReplicaSet controllers (``spec.replicas``
+  Pods named ``<deployment>-<pod-template-hash>-<n>``), kube-scheduler's filters
+  (:mod:`sluice_testing.scheduler`: unschedulable and NotReady nodes, taints and tolerations,
+  nodeSelector and required node affinity, pods and every requested resource against
+  ``allocatable``), binding, a kubelet that reports bound pods Running and Ready, PodGC for a deleted
+  Node's pods, and Deployment status counted from the bound pods. Pending pods are retried whenever
+  Nodes, Pods or Deployments change;
+* ``fieldSelector`` on list and watch (``metadata.name``/``namespace``; for Pods ``spec.nodeName``,
+  ``status.phase`` and the other fields the API server indexes; for Nodes ``spec.unschedulable``);
+* with ``serve_dra=True``: the ``resource.k8s.io/v1`` resources (Dynamic Resource Allocation, on by
+  default from Kubernetes 1.34): ResourceSlice and DeviceClass (cluster-scoped), ResourceClaim
+  (with ``/status``) and ResourceClaimTemplate.
 
 Requires the ``test`` extra (kmock, jsonschema). Not imported by the operator itself.
 """
@@ -52,11 +64,32 @@ import kmock
 from kmock._internal import dicts as kmock_dicts  # the emulator's own merge/JSON-patch implementation
 from kmock._internal import rendering  # the emulator's own request type; no public alias exists
 
+from sluice_testing import scheduler
+
 Obj = dict[str, Any]
 APPLY = "application/apply-patch+yaml"
 
 
 _ADDONS = ("gateway.networking.k8s.io", "metrics.k8s.io")
+DEPLOYMENTS = kmock.resource("apps/v1/deployments")
+PODS = kmock.resource("v1/pods")
+NODES = kmock.resource("v1/nodes")
+_CONTROLLED = (DEPLOYMENTS, PODS, NODES)
+"""What the emulated controllers and scheduler react to."""
+# resource.k8s.io/v1 (GA in Kubernetes 1.34): plural -> (kind, namespaced, subresources).
+_DRA = {
+    "resourceslices": ("ResourceSlice", False, set()),
+    "deviceclasses": ("DeviceClass", False, set()),
+    "resourceclaims": ("ResourceClaim", True, {"status"}),
+    "resourceclaimtemplates": ("ResourceClaimTemplate", True, set()),
+}
+# Field labels the API server indexes beyond metadata.name/namespace (pkg/registry/core/*/strategy.go).
+_FIELD_LABELS = {
+    "pods": {"spec.nodeName", "spec.restartPolicy", "spec.schedulerName", "spec.serviceAccountName",
+             "spec.hostNetwork", "status.phase", "status.podIP", "status.nominatedNodeName"},
+    "nodes": {"spec.unschedulable"},
+}
+_BOOLEAN_FIELDS = {"spec.hostNetwork", "spec.unschedulable"}
 
 
 class Invalid(kmock.KubernetesError):
@@ -83,6 +116,34 @@ def _selector_matches(selector: str, labels: Mapping[str, str]) -> bool:
         elif term not in labels:
             return False
     return True
+
+
+def _field_terms(plural: str, selector: str) -> list[tuple[str, bool, str]]:
+    """``(field, equal, value)`` per term of a ``fieldSelector``; 400 for a field the server does not index.
+
+    Only Pods and Nodes are checked for their own field labels; other resources keep answering as
+    kmock does (their non-metadata terms are ignored)."""
+    terms = []
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        equal = "!=" not in term
+        field, value = term.replace("!=", "=").replace("==", "=").split("=", 1) if "=" in term else (term, "")
+        field = field.strip()
+        if field not in ("metadata.name", "metadata.namespace") and field not in _FIELD_LABELS.get(plural, ()):
+            if plural not in _FIELD_LABELS:
+                continue
+            raise kmock.KubernetesError(status=400, reason="BadRequest",
+                                        message=f'field label not supported: {field}')
+        terms.append((field, equal, value.strip()))
+    return terms
+
+
+def _field_value(obj: Mapping[str, Any], field: str) -> str:
+    value: Any = obj
+    for key in field.split("."):
+        value = value.get(key) if isinstance(value, Mapping) else None
+    if field in _BOOLEAN_FIELDS:
+        return "true" if value else "false"
+    return "" if value is None else str(value)
 
 
 def _merge(base: Any, patch: Any) -> Any:
@@ -208,8 +269,15 @@ class ApiServer(kmock.KubernetesEmulator):
     _log: list[tuple[int, Any, Obj]] = attrs.field(factory=list, init=False)
     _last_version: int = attrs.field(default=0, init=False)
     _rejections: dict[Any, kmock.KubernetesError] = attrs.field(factory=dict, init=False)
+    _dirty: bool = attrs.field(default=False, init=False)
     simulate_rollouts: bool = attrs.field(default=False)
     """Act as the Deployment controller: every new Deployment generation becomes fully ready at once."""
+    simulate_scheduling: bool = attrs.field(default=False)
+    """Act as the Deployment/ReplicaSet controllers, kube-scheduler and the kubelet (implies a rollout
+    simulation): Deployments get Pods, Pods are bound where kube-scheduler's filters allow or stay
+    Pending with its message, and Deployment status counts the bound ones."""
+    serve_dra: bool = attrs.field(default=False)
+    """Serve ``resource.k8s.io/v1`` (Dynamic Resource Allocation), as a Kubernetes 1.34+ cluster does."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -218,6 +286,12 @@ class ApiServer(kmock.KubernetesEmulator):
         # CRDs (or an adapter) are installed: drop them, so discovery answers as a fresh cluster does.
         for resource in [r for r in self.resources if r.group in _ADDONS]:
             del self.resources[resource]
+        if self.serve_dra:
+            for plural, (kind, namespaced, subresources) in _DRA.items():
+                self.resources[kmock.resource("resource.k8s.io", "v1", plural)] = kmock.ResourceInfo(
+                    kind=kind, singular=kind.lower(), namespaced=namespaced, subresources=subresources,
+                    verbs={"get", "list", "watch", "create", "patch", "update", "delete", "deletecollection"},
+                )
 
     # ------------------------------------------------------------ setup helpers
 
@@ -242,6 +316,31 @@ class ApiServer(kmock.KubernetesEmulator):
             return None
         return copy.deepcopy(self.objects[key].raw)
 
+    def read_all(self, resource: str, namespace: str | None = None) -> list[Obj]:
+        """The stored objects of ``resource`` (in ``namespace``, or all), as plain dicts in name order."""
+        res = kmock.resource(resource)
+        found = [copy.deepcopy(item.raw) for (r, ns, _), item in self.objects.items()
+                 if r == res and not item.deleted and (namespace is None or ns == namespace)]
+        return sorted(found, key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
+
+    async def create(self, obj: Mapping[str, Any], manager: str = "unknown") -> Obj:
+        """Create ``obj`` as a client's POST would (its resource found from apiVersion and kind)."""
+        group, _, version = str(obj["apiVersion"]).rpartition("/")
+        resource = next((r for r in self.resources if (r.group, r.version) == (group, version)
+                         and self.resources[r].kind == obj["kind"]), None)
+        if resource is None:
+            raise LookupError(f"the emulator does not serve {obj['apiVersion']} {obj['kind']}"
+                              + (" (ApiServer(serve_dra=True) serves resource.k8s.io/v1)" if group == "resource.k8s.io"
+                                 else ""))
+        meta = obj.get("metadata") or {}
+        namespace = meta.get("namespace") if self.resources[resource].namespaced else None
+        request = rendering.Request(resource=resource, namespace=namespace, data=copy.deepcopy(dict(obj)),
+                                    params={"fieldManager": manager})
+        async with self._lock:
+            created = await self._create(request)
+            await self._settle()
+        return created
+
     def reject_writes(self, resource: str, status: int = 403, message: str = "forbidden by the test") -> None:
         """Answer every write to ``resource`` with ``status`` (e.g. missing RBAC, an admission webhook)."""
         self._rejections[kmock.resource(resource)] = kmock.KubernetesError(
@@ -251,7 +350,9 @@ class ApiServer(kmock.KubernetesEmulator):
         self._rejections.pop(kmock.resource(resource), None)
 
     async def complete_rollout(self, namespace: str, name: str) -> None:
-        """Act as the Deployment controller and kubelet: all desired pods exist, run the spec and are ready."""
+        """Act as the Deployment controller and kubelet: all desired pods exist, run the spec and are ready.
+
+        Not with ``simulate_scheduling``, whose controllers count the real pods and overwrite this."""
         deployment = self.read("apps/v1/deployments", namespace, name)
         assert deployment is not None, f"no Deployment {namespace}/{name}"
         replicas = deployment["spec"].get("replicas", 1)
@@ -269,6 +370,7 @@ class ApiServer(kmock.KubernetesEmulator):
             new["spec"]["replicas"] = replicas
             self._take_updated((res, namespace, name), old, new, manager)
             await self._store(res, namespace, name, old, new)
+            await self._settle()
 
     async def write_status(self, resource: str, namespace: str | None, name: str, status: Obj) -> None:
         """Write ``status`` as a controller would (through the status subresource semantics)."""
@@ -278,6 +380,7 @@ class ApiServer(kmock.KubernetesEmulator):
             new = copy.deepcopy(current)
             new["status"] = status
             await self._store(res, namespace, name, current, new)
+            await self._settle()
 
     @property
     def version(self) -> int:
@@ -290,10 +393,16 @@ class ApiServer(kmock.KubernetesEmulator):
         meta = obj.get("metadata", {})
         if request.namespace is not None and meta.get("namespace") != request.namespace:
             return False
+        assert request.resource is not None
+        for field, equal, value in _field_terms(str(request.resource.plural), request.params.get("fieldSelector", "")):
+            if (_field_value(obj, field) == value) != equal:
+                return False
         selector = request.params.get("labelSelector")
         return not selector or _selector_matches(selector, meta.get("labels", {}) or {})
 
     async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+        assert request.resource is not None
+        _field_terms(str(request.resource.plural), request.params.get("fieldSelector", ""))  # 400 before anything
         payload = await super()._serve_list(request)
         if isinstance(payload, dict):
             payload["items"] = [item for item in payload["items"] if self._visible(request, item)]
@@ -303,8 +412,9 @@ class ApiServer(kmock.KubernetesEmulator):
     async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
         # A watch from a resourceVersion gets the events after it (from the log), not a replay of
         # every object: kopf lists first and then watches from the list's version, as with a real server.
-        yield b""
         assert request.resource is not None
+        _field_terms(str(request.resource.plural), request.params.get("fieldSelector", ""))  # 400 before streaming
+        yield b""
         bus = self._buses[request.resource]
         since = request.params.get("resourceVersion", "")
         async with self._lock:
@@ -343,6 +453,7 @@ class ApiServer(kmock.KubernetesEmulator):
                     result = await self._update(request)
                 else:
                     result = await self._delete(request)
+                await self._settle()
         except kmock.KubernetesError as exc:
             return await self._render_error(exc)
         return aiohttp.web.json_response(result, status=201 if request.action == kmock.action.CREATE else 200)
@@ -391,12 +502,13 @@ class ApiServer(kmock.KubernetesEmulator):
         else:
             self.objects[key] = new
         await self._publish(resource, {"type": "ADDED" if old is None else "MODIFIED", "object": new})
+        self._dirty = self._dirty or resource in _CONTROLLED
         if old is None and self._orphaned(new):
             # The garbage collector removes dependents whose owners are all gone (e.g. a child applied
             # by a reconcile that raced with the owner's deletion).
             await self._remove(resource, namespace, name)
             return new
-        if (self.simulate_rollouts and resource == kmock.resource("apps/v1/deployments")
+        if (self.simulate_rollouts and not self.simulate_scheduling and resource == DEPLOYMENTS
                 and (old is None or old["metadata"].get("generation") != meta["generation"])):
             replicas = new.get("spec", {}).get("replicas", 1)
             ready = {"observedGeneration": meta["generation"], "replicas": replicas, "updatedReplicas": replicas,
@@ -478,8 +590,8 @@ class ApiServer(kmock.KubernetesEmulator):
             raise kmock.KubernetesError(status=409, reason="AlreadyExists", message=f"{name!r} already exists")
         for field in ("uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp"):
             meta.pop(field, None)
-        if self._has_status_subresource(request.resource):
-            obj.pop("status", None)
+        if self._has_status_subresource(request.resource) and request.resource != NODES:
+            obj.pop("status", None)  # but a kubelet registers its Node with the status it measured
         obj = self._admit(request.resource, obj)
         holder = (manager or request.params.get("fieldManager") or "unknown", operation)
         owners = self._owners[key] = {path: {holder} for path in _fields(obj)
@@ -565,6 +677,12 @@ class ApiServer(kmock.KubernetesEmulator):
         obj = copy.deepcopy(obj)
         obj["metadata"]["resourceVersion"] = str(next(self._counter))
         await self._publish(resource, {"type": "DELETED", "object": obj})
+        self._dirty = self._dirty or resource in _CONTROLLED
+        if self.simulate_scheduling and resource == NODES:
+            # PodGC deletes the pods bound to a Node that is gone (their controllers make new ones).
+            for (res, ns, pod_name), item in list(self.objects.items()):
+                if res == PODS and not item.deleted and (item.raw.get("spec") or {}).get("nodeName") == name:
+                    await self._remove(PODS, ns, pod_name)
         uid = obj["metadata"].get("uid")
         dependents = [
             (res, ns, nm) for (res, ns, nm), item in list(self.objects.items())
@@ -575,3 +693,156 @@ class ApiServer(kmock.KubernetesEmulator):
         for dependent in dependents:
             if not self.objects[dependent].deleted:
                 await self._remove(*dependent)
+
+    # ------------------------------------------------------------ controllers (simulate_scheduling)
+
+    async def _settle(self) -> None:
+        """After a write: run the emulated controllers until they change nothing more."""
+        for _ in range(20):
+            if not (self._dirty and self.simulate_scheduling):
+                self._dirty = False
+                return
+            self._dirty = False
+            await self._sync_deployments()
+            await self._schedule()
+            await self._report_deployments()
+        raise RuntimeError("the emulated controllers kept changing the cluster (a bug in the emulator)")
+
+    def _live(self, resource: Any) -> list[Obj]:
+        return [item.raw for (res, _, _), item in self.objects.items() if res == resource and not item.deleted]
+
+    def _pods_of(self, deployment: Obj) -> list[Obj]:
+        uid = deployment["metadata"]["uid"]
+        return [pod for pod in self._live(PODS) if any(
+            ref.get("uid") == uid and ref.get("controller") for ref in pod["metadata"].get("ownerReferences") or [])]
+
+    async def _write(self, resource: Any, namespace: str | None, name: str, new: Obj, manager: str) -> None:
+        key = (resource, namespace, name)
+        old = self._current(resource, namespace, name) if key in self.objects and not self.objects[key].deleted \
+            else None
+        self._take_updated(key, old, new, manager)
+        await self._store(resource, namespace, name, old, new)
+
+    async def _sync_deployments(self) -> None:
+        """The Deployment and ReplicaSet controllers: ``spec.replicas`` pods of the current template.
+
+        A template change replaces every pod at once (no surge: a strategy is not modelled), scaling
+        down deletes the highest indices first, and a missing pod is made again under its old name."""
+        for deployment in self._live(DEPLOYMENTS):
+            meta, spec = deployment["metadata"], deployment.get("spec") or {}
+            if meta.get("deletionTimestamp"):
+                continue
+            template = spec.get("template") or {}
+            current = scheduler.template_hash(template)
+            prefix = f"{meta['name']}-{current}-"
+            indices: dict[int, Obj] = {}
+            for pod in self._pods_of(deployment):
+                name = pod["metadata"]["name"]
+                suffix = name[len(prefix):] if name.startswith(prefix) else ""
+                if suffix.isdigit() and int(suffix) not in indices:
+                    indices[int(suffix)] = pod
+                else:
+                    await self._remove(PODS, meta["namespace"], name)  # an older template's pod
+            wanted = int(spec.get("replicas", 1))
+            for index in sorted(indices, reverse=True)[:max(len(indices) - wanted, 0)]:
+                await self._remove(PODS, meta["namespace"], indices.pop(index)["metadata"]["name"])
+            free = (i for i in itertools.count() if i not in indices)
+            for _ in range(wanted - len(indices)):
+                name = f"{prefix}{next(free)}"
+                await self._write(PODS, meta["namespace"], name, self._pod_for(deployment, current, name),
+                                  "kube-controller-manager")
+
+    @staticmethod
+    def _pod_for(deployment: Obj, current: str, name: str) -> Obj:
+        """The pod the ReplicaSet controller makes from the template (owned by the Deployment here)."""
+        meta = deployment["metadata"]
+        template = deployment["spec"].get("template") or {}
+        template_meta = template.get("metadata") or {}
+        pod_meta: Obj = {
+            "name": name, "generateName": f"{meta['name']}-{current}-", "namespace": meta["namespace"],
+            "labels": {**(template_meta.get("labels") or {}), scheduler.TEMPLATE_HASH_LABEL: current},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": meta["name"],
+                                 "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}],
+        }
+        if template_meta.get("annotations"):
+            pod_meta["annotations"] = copy.deepcopy(template_meta["annotations"])
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": pod_meta,
+                "spec": copy.deepcopy(template.get("spec") or {}), "status": {"phase": "Pending"}}
+
+    async def _schedule(self) -> None:
+        """kube-scheduler, oldest pod first, then the kubelet: bound pods run and are ready.
+
+        Pods with ``spec.resourceClaims`` are placed by their other constraints only: their claims are
+        neither allocated nor checked against ResourceSlices (no CEL), a gap ``e2e/README.md`` names."""
+        nodes = [node for node in self._live(NODES) if not node["metadata"].get("deletionTimestamp")]
+        node_names = {node["metadata"]["name"] for node in nodes}
+        pods = {(p["metadata"].get("namespace"), p["metadata"]["name"]): p for p in self._live(PODS)}
+        waiting = sorted((p for p in pods.values() if not (p.get("spec") or {}).get("nodeName")
+                          and not p["metadata"].get("deletionTimestamp")
+                          and (p.get("status") or {}).get("phase", "Pending") == "Pending"
+                          and (p.get("spec") or {}).get("schedulerName", "default-scheduler") == "default-scheduler"),
+                         key=lambda p: uuid.UUID(p["metadata"]["uid"]).int)
+        for pod in waiting:
+            key = (pod["metadata"].get("namespace"), pod["metadata"]["name"])
+            new = copy.deepcopy(pod)
+            if (pod.get("spec") or {}).get("schedulingGates"):
+                self._set_scheduled(new, "False", "SchedulingGated", scheduler.GATED)
+                await self._write(PODS, *key, new, "kube-scheduler")
+                continue
+            verdict = scheduler.schedule(pod, nodes, pods.values())
+            if verdict.node is None:
+                self._set_scheduled(new, "False", "Unschedulable", verdict.message)
+                await self._write(PODS, *key, new, "kube-scheduler")
+            else:
+                new["spec"]["nodeName"] = verdict.node
+                self._set_scheduled(new, "True", None, None)
+                await self._write(PODS, *key, new, "kube-scheduler")
+            pods[key] = self._current(PODS, *key)
+        for key, pod in pods.items():
+            if (pod.get("spec") or {}).get("nodeName") in node_names \
+                    and (pod.get("status") or {}).get("phase", "Pending") == "Pending":
+                await self._write(PODS, *key, self._running(pod), "kubelet")
+
+    @staticmethod
+    def _set_scheduled(pod: Obj, status: str, reason: str | None, message: str | None) -> None:
+        state = pod.setdefault("status", {})
+        state.setdefault("phase", "Pending")
+        conditions = [c for c in state.get("conditions") or [] if c.get("type") != "PodScheduled"]
+        previous: Obj = next((c for c in state.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
+        condition: Obj = {"type": "PodScheduled", "status": status, "lastProbeTime": None,
+                          "lastTransitionTime": previous.get("lastTransitionTime")
+                          if previous.get("status") == status else _now()}
+        if reason is not None:
+            condition.update(reason=reason, message=message)
+        state["conditions"] = [condition, *conditions]
+
+    @staticmethod
+    def _running(pod: Obj) -> Obj:
+        """What the kubelet reports once the pod's containers run (no probes: ready at once)."""
+        new = copy.deepcopy(pod)
+        now = _now()
+        scheduled = next((c for c in (pod.get("status") or {}).get("conditions") or []
+                          if c.get("type") == "PodScheduled"), None) or \
+            {"type": "PodScheduled", "status": "True", "lastProbeTime": None, "lastTransitionTime": now}
+        conditions = [{"type": type_, "status": "True", "lastProbeTime": None, "lastTransitionTime": now}
+                      for type_ in ("PodReadyToStartContainers", "Initialized", "Ready", "ContainersReady")]
+        new["status"] = {
+            "phase": "Running", "conditions": [*conditions, scheduled], "startTime": now,
+            "containerStatuses": [
+                {"name": c.get("name"), "image": c.get("image"), "ready": True, "started": True, "restartCount": 0,
+                 "state": {"running": {"startedAt": now}}}
+                for c in (pod.get("spec") or {}).get("containers") or []],
+        }
+        return new
+
+    async def _report_deployments(self) -> None:
+        """The Deployment controller's status: counts of the pods that exist, are current and are ready."""
+        for deployment in self._live(DEPLOYMENTS):
+            meta = deployment["metadata"]
+            status = scheduler.deployment_status(deployment, self._pods_of(deployment), _now())
+            if status != deployment.get("status"):
+                await self._write_deployment_status(meta["namespace"], meta["name"], status)
+
+    async def _write_deployment_status(self, namespace: str, name: str, status: Obj) -> None:
+        current = self._current(DEPLOYMENTS, namespace, name)
+        await self._store(DEPLOYMENTS, namespace, name, current, {**copy.deepcopy(current), "status": status})
