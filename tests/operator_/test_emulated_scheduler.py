@@ -425,18 +425,26 @@ async def test_without_simulate_scheduling_deployments_get_no_pods():
 
 # ---------------------------------------------------------------- the operator against it
 
-async def test_a_gpu_model_is_unschedulable_until_a_node_can_take_it(client, operator, apiserver):
+async def test_a_gpu_model_is_unschedulable_until_a_node_can_take_it(client, operator, apiserver, clock):
     nodes, holders = gpu_nodes.fragmented_a100()
     await gpu_nodes.load(apiserver, nodes, holders)
     await client.create(client.IM, client.model(resources={"cpu": "2", "memory": "4Gi", "gpu": {"count": 1}},
                                                 scaling={"minReplicas": 1, "maxReplicas": 1}))
+    # The planner knows before the scheduler does: MIG nodes have no whole GPU to give.
     degraded = await client.wait(lambda: (c := client.condition(client.read(client.IM, "resnet"), "Degraded"))
-                                 and c["reason"] == "Unschedulable" and c)
-    assert "not enough nvidia.com/gpu on any node" in degraded["message"]
+                                 and c["reason"] == "NoMatchingCapacity" and c)
+    assert "needs 1 x 1 whole GPU(s); no node offers whole exclusive GPUs" in degraded["message"]
     assert client.condition(client.read(client.IM, "resnet"), "Ready")["status"] == "False"
+    # Rendered from the spec meanwhile: the scheduler leaves it Pending, naming the same thing.
+    pending = await client.wait(lambda: [p for p in apiserver.read_all("v1/pods", NS)
+                                         if p["status"].get("phase") == "Pending"])
+    assert "Insufficient nvidia.com/gpu" in pending[0]["status"]["conditions"][0]["message"]
 
     await gpu_nodes.load(apiserver, [gpu_nodes.l4("l4-a")])
+    clock.advance(31)  # the operator's GPU inventory is read again (placement_refresh_seconds)
+    await client.patch(client.IM, "resnet", {"metadata": {"labels": {"nudge": "1"}}})
     await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Ready")["status"] == "True")
-    assert client.condition(client.read(client.IM, "resnet"), "Degraded")["reason"] == "AsExpected"
+    await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded")["reason"] == "AsExpected")
+    assert client.read(client.IM, "resnet")["status"]["placement"]["products"] == ["NVIDIA-L4"]
     [pod] = [p for p in apiserver.read_all("v1/pods", NS)]
     assert pod["spec"]["nodeName"] == "l4-a"
