@@ -20,42 +20,9 @@ import kopf
 
 from sluice.operator.crd import all_crds
 from sluice.operator.settings import Settings
-from sluice_testing import ApiServer, Cluster, FakeClock, OperatorHarness
+from sluice_testing import ApiServer, Cluster, FakeClock, OperatorHarness, gpu_nodes
 
 NAMESPACE = "e2e"
-TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
-
-
-def _node(name: str, labels: dict[str, str], allocatable: dict[str, str], taints: Any = ()) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels},
-            "spec": {"taints": list(taints)},
-            "status": {"allocatable": {"cpu": "64", "memory": "512Gi", "pods": "110", **allocatable},
-                       "conditions": [{"type": "Ready", "status": "True"}]}}
-
-
-def a100_mixed(name: str, gpus: int = 1) -> dict[str, Any]:
-    """A100-80GB, mixed strategy, MIG manager's all-balanced: 2x1g.10gb + 2g.20gb + 3g.40gb per GPU."""
-    return _node(name, {
-        "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.count": str(gpus),
-        "nvidia.com/gpu.memory": "81920", "nvidia.com/mig.capable": "true", "nvidia.com/mig.strategy": "mixed",
-        "nvidia.com/mig.config": "all-balanced", "nvidia.com/mig.config.state": "success",
-        "nvidia.com/mig-1g.10gb.count": str(2 * gpus), "nvidia.com/mig-1g.10gb.memory": "9728",
-        "cloud.google.com/gke-nodepool": "a100",
-    }, {"nvidia.com/mig-1g.10gb": str(2 * gpus), "nvidia.com/mig-2g.20gb": str(gpus),
-        "nvidia.com/mig-3g.40gb": str(gpus)}, [TAINT])
-
-
-def l4(name: str) -> dict[str, Any]:
-    return _node(name, {"nvidia.com/gpu.product": "NVIDIA-L4", "nvidia.com/gpu.count": "1",
-                        "nvidia.com/gpu.memory": "23034", "eks.amazonaws.com/nodegroup": "l4"},
-                 {"nvidia.com/gpu": "1"})
-
-
-def foreign_pod(name: str, node: str, resource: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "team-b"},
-            "spec": {"nodeName": node, "containers": [{"name": "c", "image": "x",
-                                                       "resources": {"limits": {resource: "1"}}}]},
-            "status": {"phase": "Running"}}
 
 
 def model(name: str, gpu: dict[str, Any], replicas: int = 1) -> dict[str, Any]:
@@ -71,19 +38,24 @@ class Env:
     clock: FakeClock
 
     async def add(self, *objects: dict[str, Any]) -> None:
+        """Nodes, pods and DRA objects as their kubelets and drivers publish them; models as a user applies."""
         for obj in objects:
-            if obj["kind"] == "Node":
-                status, body = await self.cluster.call("POST", "/api/v1/nodes", obj)
-                assert status < 300, body
-                await self.server.write_status("v1/nodes", None, obj["metadata"]["name"], obj["status"])
-            elif obj["kind"] == "Pod":
-                ns = obj["metadata"]["namespace"]
-                status, body = await self.cluster.call("POST", f"/api/v1/namespaces/{ns}/pods", obj)
-                assert status < 300, body
-                await self.server.write_status("v1/pods", ns, obj["metadata"]["name"], obj["status"])
-            else:
+            if obj["kind"] == "InferenceModel":
                 status, body = await self.cluster.create(obj)
                 assert status < 300, body
+            else:
+                await gpu_nodes.load(self.server, [obj] if obj["kind"] == "Node" else [],
+                                     [obj] if obj["kind"] == "Pod" else [],
+                                     [obj] if obj["kind"] not in ("Node", "Pod") else [])
+
+    async def bound(self, name: str, replicas: int = 1) -> list[str]:
+        """The nodes the scheduler bound ``name``'s runtime pods to, once all ``replicas`` are."""
+        async def check() -> list[str] | None:
+            pods = [p for p in self.server.read_all("v1/pods", NAMESPACE)
+                    if (p["metadata"].get("labels") or {}).get("app.kubernetes.io/instance") == name]
+            nodes = sorted(p["spec"].get("nodeName") or "" for p in pods)
+            return nodes if len(nodes) == replicas and all(nodes) else None
+        return await self.cluster.wait(check, f"{replicas} pod(s) of {name} bound to nodes")
 
     async def placement(self, name: str, **expected: Any) -> dict[str, Any]:
         async def check() -> dict[str, Any] | None:
@@ -103,13 +75,14 @@ class Env:
 
 
 @contextlib.asynccontextmanager
-async def environment() -> AsyncIterator[Env]:
-    async with ApiServer(simulate_rollouts=True) as server, kmock.Server(server):
+async def environment(*, dra: bool = False) -> AsyncIterator[Env]:
+    async with ApiServer(simulate_scheduling=True, serve_dra=dra) as server, kmock.Server(server):
         for definition in all_crds():
             server.register_crd(copy.deepcopy(definition))
         info = kopf.ConnectionInfo(server=str(server.url).rstrip("/"), insecure=True)
         clock = FakeClock()
-        settings = Settings(resync_seconds=0.1, placement_refresh_seconds=30)
+        settings = Settings(resync_seconds=0.1, placement_refresh_seconds=30,
+                            gpu_allocation="dra" if dra else "extended-resources")
         env = Env(server, Cluster(info, NAMESPACE, timeout=15), clock)
         try:
             async with OperatorHarness(settings=settings, connection=info, clock=clock):
@@ -125,11 +98,12 @@ def gpu_limits(pod: dict[str, Any]) -> dict[str, str]:
 
 async def test_memory_need_takes_the_smallest_free_slice_and_keeps_it() -> None:
     async with environment() as env:
-        await env.add(a100_mixed("a100-a"), l4("l4-a"))
+        await env.add(gpu_nodes.a100_mixed("a100-a"), gpu_nodes.l4("l4-a"))
         await env.add(model("small", {"memory": "8Gi"}, replicas=2))
         placed = await env.placement("small", state="Placed")
         assert placed["device"] == "MIG 1g.10gb (mixed strategy)"
-        assert placed["resource"] == "nvidia.com/mig-1g.10gb" and placed["nodePools"] == ["a100"]
+        assert placed["resource"] == "nvidia.com/mig-1g.10gb" and placed["nodePools"] == ["a100-mixed"]
+        assert await env.bound("small", 2) == ["a100-a", "a100-a"]
         assert placed["need"] == "memory=8192Mi,compute=0%,shared=false"
         assert (await env.condition("small", "GpuPlaced", status="True"))["reason"] == "Placed"
         pod = await env.pod_spec("small")
@@ -141,12 +115,14 @@ async def test_memory_need_takes_the_smallest_free_slice_and_keeps_it() -> None:
         nxt = await env.placement("next", state="Placed")
         assert nxt["device"] == "MIG 2g.20gb (mixed strategy)"
         assert "MIG 1g.10gb (mixed strategy) would fit but has no free capacity" in nxt["reason"]
+        assert await env.bound("next") == ["a100-a"]
         env.clock.advance(31)  # a fresh inventory read: still where it was
         assert (await env.placement("small"))["device"] == "MIG 1g.10gb (mixed strategy)"
 
         # Whole GPUs are exclusive ones only: the L4, never a slice of the MIG node.
         await env.add(model("big", {"count": 1}))
         assert (await env.placement("big", state="Placed"))["products"] == ["NVIDIA-L4"]
+        assert await env.bound("big") == ["l4-a"]
         pod = await env.pod_spec("big")
         assert gpu_limits(pod) == {"nvidia.com/gpu": "1"}
         assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == {
@@ -156,7 +132,8 @@ async def test_memory_need_takes_the_smallest_free_slice_and_keeps_it() -> None:
 
 async def test_full_then_freed_and_never_satisfiable_are_told_apart() -> None:
     async with environment() as env:
-        await env.add(a100_mixed("a100-a"), foreign_pod("holder", "a100-a", "nvidia.com/mig-3g.40gb"))
+        await env.add(gpu_nodes.a100_mixed("a100-a"),
+                      gpu_nodes.pod_holding("holder", "a100-a", {"nvidia.com/mig-3g.40gb": 1}, namespace="team-b"))
         await env.add(model("wide", {"migProfile": "3g.40gb"}))
         waiting = await env.condition("wide", "GpuPlaced", status="False")
         assert waiting["reason"] == "CapacityFull"
@@ -165,6 +142,7 @@ async def test_full_then_freed_and_never_satisfiable_are_told_apart() -> None:
         assert degraded["reason"] == "CapacityFull"
         # It is rendered anyway: it runs as soon as the slice frees up.
         assert gpu_limits(await env.pod_spec("wide")) == {"nvidia.com/mig-3g.40gb": "1"}
+        assert Cluster.condition(await env.cluster.get("InferenceModel", "wide"), "Ready")["status"] == "False"
 
         # A profile the A100-80GB offers but no node is partitioned into: never, unless repartitioned.
         await env.add(model("huge", {"migProfile": "7g.80gb"}))
@@ -178,11 +156,13 @@ async def test_full_then_freed_and_never_satisfiable_are_told_apart() -> None:
         env.clock.advance(31)
         assert (await env.condition("wide", "GpuPlaced", status="True"))["reason"] == "Placed"
         await env.condition("wide", "Degraded", status="False")
+        assert await env.bound("wide") == ["a100-a"]
+        await env.condition("wide", "Ready", status="True")
 
 
 async def test_a_profile_no_gpu_of_the_cluster_has_is_an_invalid_spec() -> None:
     async with environment() as env:
-        await env.add(a100_mixed("a100-a"))
+        await env.add(gpu_nodes.a100_mixed("a100-a"))
         await env.add(model("old", {"migProfile": "1g.5gb"}))  # an A100-40GB profile; this cluster has 80GB
         degraded = await env.condition("old", "Degraded", status="True", reason="InvalidSpec")
         assert "'1g.5gb' is not a MIG profile of any GPU in this cluster; its GPUs offer A100-80GB: 1g.10gb, " \
@@ -192,8 +172,9 @@ async def test_a_profile_no_gpu_of_the_cluster_has_is_an_invalid_spec() -> None:
 
 async def test_replan_annotation_moves_a_model_to_what_fits_best_now() -> None:
     async with environment() as env:
-        await env.add(a100_mixed("a100-a"), foreign_pod("h1", "a100-a", "nvidia.com/mig-1g.10gb"),
-                      foreign_pod("h2", "a100-a", "nvidia.com/mig-1g.10gb"))
+        await env.add(gpu_nodes.a100_mixed("a100-a"),
+                      *[gpu_nodes.pod_holding(n, "a100-a", {"nvidia.com/mig-1g.10gb": 1}, namespace="team-b")
+                        for n in ("h1", "h2")])
         await env.add(model("m", {"memory": "8Gi"}))
         assert (await env.placement("m", state="Placed"))["device"] == "MIG 2g.20gb (mixed strategy)"
         for name in ("h1", "h2"):
@@ -210,3 +191,63 @@ async def test_replan_annotation_moves_a_model_to_what_fits_best_now() -> None:
         moved = await env.placement("m", device="MIG 1g.10gb (mixed strategy)")
         assert moved["replanToken"] == "1"
         assert gpu_limits(await env.pod_spec("m")) == {"nvidia.com/mig-1g.10gb": "1"}
+
+
+async def test_single_strategy_and_whole_gpus_never_mix_up() -> None:
+    """Under the single strategy a MIG slice is advertised as nvidia.com/gpu: without the product pin a
+    whole-GPU pod would land on it and get a 1g.10gb slice (and a slice pod on a whole GPU)."""
+    async with environment() as env:
+        await env.add(gpu_nodes.h100_single("h100-mig"), gpu_nodes.l4("l4-a"))
+        await env.add(model("slice", {"migProfile": "1g.10gb"}, replicas=3), model("whole", {"count": 1}))
+        placed = await env.placement("slice", state="Placed")
+        assert placed["device"] == "MIG 1g.10gb (single strategy)"
+        assert placed["products"] == ["NVIDIA-H100-80GB-HBM3-MIG-1g.10gb"]
+        assert gpu_limits(await env.pod_spec("slice")) == {"nvidia.com/gpu": "1"}
+        assert await env.bound("slice", 3) == ["h100-mig"] * 3
+        assert await env.bound("whole") == ["l4-a"]  # h100-mig sorts first and has free nvidia.com/gpu
+
+
+async def test_time_sliced_gpus_only_when_the_model_allows_sharing() -> None:
+    async with environment() as env:
+        await env.add(gpu_nodes.t4_time_sliced("t4-a"), gpu_nodes.l4("l4-a"))
+        await env.add(model("tolerant", {"memory": "3Gi", "shared": True}, replicas=2),
+                      model("strict", {"memory": "3Gi"}))
+        assert (await env.placement("tolerant", state="Placed"))["device"] == "1 time-sliced GPU share"
+        assert await env.bound("tolerant", 2) == ["t4-a", "t4-a"]
+        assert (await env.placement("strict", state="Placed"))["products"] == ["NVIDIA-L4"]
+        assert await env.bound("strict") == ["l4-a"]
+        # A share is the GPU's memory over its replicas (15 GiB / 4): a 6Gi model does not fit one.
+        await env.add(model("roomy", {"memory": "6Gi", "shared": True}))
+        roomy = await env.condition("roomy", "GpuPlaced", status="False")
+        assert roomy["reason"] == "CapacityFull" and "1 whole GPU: 0 free of 1" in roomy["message"]
+
+
+async def test_a_fragmented_pool_takes_the_next_size_up_and_explains_a_full_profile() -> None:
+    async with environment() as env:
+        nodes, holders = gpu_nodes.fragmented_a100()
+        await env.add(*nodes, *holders)
+        await env.add(model("fits", {"memory": "8Gi"}), model("exact", {"migProfile": "1g.10gb"}))
+        fits = await env.placement("fits", state="Placed")
+        assert fits["device"] == "MIG 2g.20gb (mixed strategy)"  # every 1g.10gb is held
+        assert await env.bound("fits") == ["a100-2"]
+        exact = await env.condition("exact", "GpuPlaced", status="False")
+        assert exact["reason"] == "CapacityFull"
+        assert "MIG 1g.10gb (mixed strategy): 0 free of 6" in exact["message"]
+
+
+async def test_dra_renders_claims_planned_on_the_drivers_resource_slices() -> None:
+    async with environment(dra=True) as env:
+        node, slice_ = gpu_nodes.dra_a100("a100-dra", mig="all-balanced")
+        await env.add(node, slice_, *gpu_nodes.device_classes())
+        await env.add(model("claimed", {"memory": "8Gi"}))
+        placed = await env.placement("claimed", state="Placed")
+        assert placed["kind"] == "dra" and placed["profile"] == "1g.10gb"
+        template = await env.cluster.wait(
+            lambda: env.cluster.get("ResourceClaimTemplate", "claimed-gpu"), "the ResourceClaimTemplate")
+        [request] = template["spec"]["spec"]["devices"]["requests"]
+        assert request["exactly"]["deviceClassName"] == "mig.nvidia.com"
+        assert "device.attributes['gpu.nvidia.com'].profile == '1g.10gb'" in [
+            s["cel"]["expression"] for s in request["exactly"]["selectors"]]
+        pod = await env.pod_spec("claimed")
+        assert pod["resourceClaims"] == [{"name": "gpu", "resourceClaimTemplateName": "claimed-gpu"}]
+        assert gpu_limits(pod) == {}
