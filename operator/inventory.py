@@ -27,6 +27,8 @@ from typing import Any
 from sluice.operator import gpus
 
 Obj = Mapping[str, Any]
+Layout = gpus.Layout
+"""Re-exported: inside :class:`Node` the field ``gpus`` hides the module of that name."""
 
 POOL_LABELS = (
     "sluice.dev/node-pool",
@@ -97,7 +99,7 @@ class Node:
     mig_capable: bool
     mig_config: str
     mig_state: str
-    layouts: tuple[gpus.Layout, ...]
+    layouts: tuple[Layout, ...]
     """Per GPU, its MIG partition as far as the published counts tell (empty: not partitioned)."""
     taints: tuple[Mapping[str, str], ...]
     """``nvidia.com/*`` NoSchedule/NoExecute taints, which GPU pods tolerate."""
