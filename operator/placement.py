@@ -242,23 +242,24 @@ def _tolerations(inv: inventory.Inventory, products: Iterable[str], kind: str) -
 
 def shapes(request: Request, inv: inventory.Inventory) -> list[Shape]:
     """The shapes that answer ``request`` in this inventory, most preferred first."""
-    by_kind: dict[tuple[str, str, str], dict[str, int]] = {}
-    """(kind, resource, profile) -> product -> least memory of such a device."""
-    compute: dict[tuple[str, str, str], float] = {}
+    by_kind: dict[tuple[str, str, str], dict[str, tuple[int, float]]] = {}
+    """(kind, resource, profile) -> product -> (least memory, least compute share) of such a device: a shape
+    names products, and the scheduler may pick any node of them (time-sliced nodes of one product may have
+    different replica counts)."""
     for node in inv.nodes:
         for device in node.devices:
             key = (device.kind, _shape_resource(device), device.profile)
             products = by_kind.setdefault(key, {})
-            products[device.product] = min(products.get(device.product, device.memory_mib), device.memory_mib)
-            compute[key] = device.compute
+            mib, share = products.get(device.product, (device.memory_mib, device.compute))
+            products[device.product] = (min(mib, device.memory_mib), min(share, device.compute))
     need_mib = request.memory_mib
-    need_compute = request.compute_percent / 100
+    need_compute = 0.0 if request.count or request.profile else request.compute_percent / 100
     result: list[tuple[tuple[Any, ...], Shape]] = []
     for (kind, resource, profile), products in by_kind.items():
-        fitting = sorted(p for p, mib in products.items() if mib >= need_mib)
+        fitting = sorted(p for p, (mib, share) in products.items() if mib >= need_mib and share + 1e-9 >= need_compute)
         if not fitting:
             continue
-        memory = min(products[p] for p in fitting)
+        memory = min(products[p][0] for p in fitting)
         is_mig = bool(profile)
         if request.count:
             if kind not in (WHOLE, DRA) or is_mig:
@@ -270,8 +271,6 @@ def shapes(request: Request, inv: inventory.Inventory) -> list[Shape]:
             rank = (0, 0)
         else:
             if kind == SHARED and not request.shared:
-                continue
-            if compute[(kind, resource, profile)] + 1e-9 < need_compute:
                 continue
             tier = 0 if is_mig else 1 if kind == SHARED else 2
             rank = (tier, memory, gpus.profile_sort_key(profile) if profile else ())
