@@ -347,7 +347,8 @@ def plan(inv: inventory.Inventory, requests: Sequence[Request], *, advise: bool 
         verdicts[request.key] = Verdict(request.key, state, shape, missing, nodes,
                                         book.pools(shape) if shape else (), booked)
         pending.append(request)
-    advice = repartition(inv, book, pending) if advise and pending else ()
+    fitting = {key: verdict.booked for key, verdict in verdicts.items()}
+    advice = repartition(inv, book, pending, fitting) if advise and pending else ()
     return Plan(verdicts=verdicts, advice=advice, gpus=frozenset(book.touched))
 
 
@@ -380,12 +381,17 @@ def _missing(request: Request, candidates: Sequence[Shape], book: _Book) -> str:
     return f"needs {need}; the cluster has {'; '.join(parts)} (replicas counted per shape)"
 
 
-def repartition(inv: inventory.Inventory, book: _Book, pending: Sequence[Request]) -> tuple[Advice, ...]:
+def repartition(
+    inv: inventory.Inventory, book: _Book, pending: Sequence[Request], booked: Mapping[str, int] | None = None,
+) -> tuple[Advice, ...]:
     """MIG layouts that would fit ``pending``, per node: held and booked slices stay where they are,
-    free ones may be replaced. Nodes in name order; each node's first GPU with room first."""
+    free ones may be replaced. Nodes in name order; each node's first GPU with room first. Only the
+    replicas not ``booked`` yet are made room for, and a GPU no replica needs keeps its partition."""
     layouts: dict[str, list[gpus.Layout]] = {}
     keep: dict[str, list[gpus.Layout]] = {}
     serves: dict[str, list[str]] = {}
+    grown: dict[str, set[int]] = {}
+    nodes = {node.name: node for node in inv.nodes}
     for n, node in enumerate(inv.nodes):
         model = gpus.CATALOGUE_BY_KEY.get(node.model)
         if model is None or not model.mig_capable or node.dra or node.strategy == SHARED:
@@ -405,21 +411,21 @@ def repartition(inv: inventory.Inventory, book: _Book, pending: Sequence[Request
         layouts[node.name] = list(per_gpu)
         keep[node.name] = list(per_gpu)
     for request in pending:
-        for _ in range(request.replicas):
+        for _ in range(max(request.replicas - (booked or {}).get(request.key, 0), 0)):
             placed = False
             for name, per_gpu in layouts.items():
-                node = next(x for x in inv.nodes if x.name == name)
-                model = gpus.CATALOGUE_BY_KEY[node.model]
+                model = gpus.CATALOGUE_BY_KEY[nodes[name].model]
                 profile = request.profile or _smallest(model, request)
                 if not profile:
                     continue
                 for index, layout in enumerate(per_gpu):
                     if layout and layout[0][0] == ".busy":
                         continue
-                    grown = gpus.pack(model, [profile], layout)
-                    if grown is not None:
-                        per_gpu[index] = grown
+                    bigger = gpus.pack(model, [profile], layout)
+                    if bigger is not None:
+                        per_gpu[index] = bigger
                         serves.setdefault(name, []).append(request.key)
+                        grown.setdefault(name, set()).add(index)
                         placed = True
                         break
                 if placed:
@@ -428,14 +434,33 @@ def repartition(inv: inventory.Inventory, book: _Book, pending: Sequence[Request
     for name, per_gpu in layouts.items():
         if name not in serves:
             continue
-        node = next(x for x in inv.nodes if x.name == name)
-        changed = tuple(i for i, layout in enumerate(per_gpu) if layout != keep[name][i]
-                        or (node.strategy == MIXED and i < len(node.layouts) and layout != node.layouts[i]))
-        final = tuple(() if (layout and layout[0][0] == ".busy") else layout for layout in per_gpu)
+        node = nodes[name]
+        model = gpus.CATALOGUE_BY_KEY[node.model]
+        current = [node.layouts[i] if i < len(node.layouts) else () for i in range(len(per_gpu))]
+        final_layouts = []
+        for index, layout in enumerate(per_gpu):
+            if index not in grown[name]:
+                final_layouts.append(current[index])  # no replica needs it: left as it is
+                continue
+            # Repartitioned anyway: the free instances it had come back where they still fit.
+            for profile in _dropped(current[index], keep[name][index]):
+                layout = gpus.pack(model, [profile], layout) or layout
+            final_layouts.append(layout)
+        final = tuple(final_layouts)
+        changed = tuple(i for i, layout in enumerate(final) if layout != current[i])
         digest = hashlib.sha256(json.dumps(final).encode()).hexdigest()[:8]
         advice.append(Advice(node=name, config=f"sluice-{digest}", layouts=final,
                              serves=tuple(dict.fromkeys(serves[name])), disrupts=changed))
     return tuple(advice)
+
+
+def _dropped(current: gpus.Layout, kept: gpus.Layout) -> list[str]:
+    """The profiles of ``current`` not in ``kept``, largest first."""
+    rest = list(current)
+    for instance in kept:
+        if instance in rest:
+            rest.remove(instance)
+    return sorted((profile for profile, _ in rest), key=gpus.profile_sort_key, reverse=True)
 
 
 def _used_instances(layout: gpus.Layout, devices: Sequence[tuple[str, bool]]) -> gpus.Layout:

@@ -112,7 +112,7 @@ def _node(draw: st.DrawFn, index: int) -> tuple[dict[str, Any], list[dict[str, A
         "spec": {"unschedulable": draw(st.integers(0, 9)) == 0},
         "status": {"allocatable": {"cpu": "64", **{k: str(v) for k, v in allocatable.items()}}},
     }
-    pods = []
+    pods: list[dict[str, Any]] = []
     for resource, amount in sorted(allocatable.items()):
         held = draw(st.integers(0, amount))
         if held:
@@ -125,7 +125,8 @@ def _node(draw: st.DrawFn, index: int) -> tuple[dict[str, Any], list[dict[str, A
 
 @st.composite
 def clusters(draw: st.DrawFn) -> Cluster:
-    nodes, pods = [], []
+    nodes: list[dict[str, Any]] = []
+    pods: list[dict[str, Any]] = []
     for index in range(draw(st.integers(1, 6))):
         node, held = draw(_node(index))
         nodes.append(node)
@@ -239,6 +240,15 @@ TIME_SLICED_ONE_PRODUCT_TWO_REPLICA_COUNTS = (
                        created=_created(0))],
 )
 
+ONE_4G_ON_FOUR_ALL_BALANCED_GPUS = (
+    # Advice for one 4g.40gb wiped the free slices of all four GPUs and disrupted each of them.
+    Cluster((_fixed_node("node-0", {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.count": "4",
+                                    "nvidia.com/mig.strategy": "mixed"},
+                         {"nvidia.com/mig-1g.10gb": 8, "nvidia.com/mig-2g.20gb": 4, "nvidia.com/mig-3g.40gb": 4}),),
+            ()),
+    [placement.Request("InferenceModel/models/m00", 1, profile="4g.40gb", created=_created(0))],
+)
+
 
 # The properties.
 
@@ -291,6 +301,7 @@ def test_placed_requests_get_what_they_asked_for(cluster, requests):
 
 @PROPERTIES
 @given(clusters(), request_lists())
+@example(*ONE_4G_ON_FOUR_ALL_BALANCED_GPUS)
 def test_inferred_and_advised_layouts_are_valid(cluster, requests):
     inv = cluster.inventory()
     for node in inv.nodes:
@@ -309,7 +320,11 @@ def test_inferred_and_advised_layouts_are_valid(cluster, requests):
             compute, memory = gpus.used_slices(model, layout)
             assert compute <= model.compute_slices and memory <= model.memory_slices
         assert set(advice.serves) <= {r.key for r in requests}
-        assert all(0 <= i < node.gpus for i in advice.disrupts)
+        # Only GPUs a replica needs change, and those listed as disrupted are exactly the ones that do.
+        current = [node.layouts[i] if i < len(node.layouts) else () for i in range(node.gpus)]
+        assert advice.disrupts == tuple(i for i in range(node.gpus) if advice.layouts[i] != current[i])
+        missing = sum(r.replicas - result.verdicts[r.key].booked for r in requests if r.key in advice.serves)
+        assert len(advice.disrupts) <= missing
 
 
 @PROPERTIES
