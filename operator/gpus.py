@@ -71,7 +71,14 @@ class GpuModel:
         return bool(self.profiles)
 
     def profile(self, name: str) -> MigProfile | None:
-        return next((p for p in self.profiles if p.name == name), None)
+        return self._by_name.get(name)
+
+    def __hash__(self) -> int:  # the key names one entry; hashing every profile made cached lookups slow
+        return hash(self.key)
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, MigProfile]:
+        return {p.name: p for p in self.profiles}
 
 
 def _gib(gb: int) -> int:
@@ -224,6 +231,12 @@ def pack(model: GpuModel, wanted: Sequence[str], fixed: Layout = ()) -> Layout |
     """A valid layout holding every instance of ``fixed`` where it is plus one instance per entry of
     ``wanted``, or None when they do not fit on one GPU. Deterministic: largest profiles are placed
     first, each at its lowest free allowed start."""
+    return _pack(model, tuple(wanted), tuple(fixed))
+
+
+@functools.lru_cache(maxsize=65536)
+def _pack(model: GpuModel, wanted: tuple[str, ...], fixed: Layout) -> Layout | None:
+    """:func:`pack`, remembered: a planner asks the same question of every GPU partitioned alike."""
     profiles = []
     for name in wanted:
         profile = model.profile(name)
