@@ -249,6 +249,17 @@ ONE_4G_ON_FOUR_ALL_BALANCED_GPUS = (
     [placement.Request("InferenceModel/models/m00", 1, profile="4g.40gb", created=_created(0))],
 )
 
+TIME_SLICED_A100_IN_USE = (
+    # A time-sliced A100 with a replica in use was advised to be partitioned for a MIG request.
+    Cluster((_fixed_node("node-0", {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB-SHARED",
+                                    "nvidia.com/gpu.count": "1", "nvidia.com/gpu.replicas": "2",
+                                    "nvidia.com/mig.capable": "true"},
+                         {"nvidia.com/gpu": 2}),),
+            ({"metadata": {"name": "user"}, "status": {"phase": "Running"},
+              "spec": {"nodeName": "node-0", "containers": [{"resources": {"limits": {"nvidia.com/gpu": "1"}}}]}},)),
+    [placement.Request("InferenceModel/models/m00", 1, profile="1g.5gb", created=_created(0))],
+)
+
 
 # The properties.
 
@@ -302,6 +313,7 @@ def test_placed_requests_get_what_they_asked_for(cluster, requests):
 @PROPERTIES
 @given(clusters(), request_lists())
 @example(*ONE_4G_ON_FOUR_ALL_BALANCED_GPUS)
+@example(*TIME_SLICED_A100_IN_USE)
 def test_inferred_and_advised_layouts_are_valid(cluster, requests):
     inv = cluster.inventory()
     for node in inv.nodes:
@@ -325,6 +337,12 @@ def test_inferred_and_advised_layouts_are_valid(cluster, requests):
         assert advice.disrupts == tuple(i for i in range(node.gpus) if advice.layouts[i] != current[i])
         missing = sum(r.replicas - result.verdicts[r.key].booked for r in requests if r.key in advice.serves)
         assert len(advice.disrupts) <= missing
+        # Time-sliced nodes are never partitioned, nor a GPU handed out whole that is in use.
+        assert not any(d.kind == inventory.SHARED for d in node.devices), advice.node
+        for i in advice.disrupts:
+            in_use = [d for j, d in enumerate(node.devices) if d.gpu == i and d.kind != inventory.MIXED
+                      and (j not in node.free or (node.name, i) in result.gpus)]
+            assert not in_use, (advice.node, i)
 
 
 @PROPERTIES
