@@ -71,7 +71,14 @@ class GpuModel:
         return bool(self.profiles)
 
     def profile(self, name: str) -> MigProfile | None:
-        return next((p for p in self.profiles if p.name == name), None)
+        return self._by_name.get(name)
+
+    def __hash__(self) -> int:  # the key names one entry; hashing every profile made cached lookups slow
+        return hash(self.key)
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, MigProfile]:
+        return {p.name: p for p in self.profiles}
 
 
 def _gib(gb: int) -> int:
@@ -224,6 +231,12 @@ def pack(model: GpuModel, wanted: Sequence[str], fixed: Layout = ()) -> Layout |
     """A valid layout holding every instance of ``fixed`` where it is plus one instance per entry of
     ``wanted``, or None when they do not fit on one GPU. Deterministic: largest profiles are placed
     first, each at its lowest free allowed start."""
+    return _pack(model, tuple(wanted), tuple(fixed))
+
+
+@functools.lru_cache(maxsize=65536)
+def _pack(model: GpuModel, wanted: tuple[str, ...], fixed: Layout) -> Layout | None:
+    """:func:`pack`, remembered: a planner asks the same question of every GPU partitioned alike."""
     profiles = []
     for name in wanted:
         profile = model.profile(name)
@@ -234,19 +247,24 @@ def pack(model: GpuModel, wanted: Sequence[str], fixed: Layout = ()) -> Layout |
     if not valid_layout(model, fixed):
         return None
 
-    def place(index: int, layout: Layout) -> Layout | None:
+    def place(index: int, layout: Layout, after: int) -> Layout | None:
         if index == len(profiles):
             return layout
         profile = profiles[index]
         for start in profile.starts:
+            # Instances of one profile are interchangeable: trying them in rising starts only finds the
+            # same first layout without retrying every order of them (8 x 1g that cannot fit took ~1 s).
+            if start <= after:
+                continue
             candidate = tuple(sorted((*layout, (profile.name, start)), key=lambda item: (item[1], item[0])))
             if valid_layout(model, candidate):
-                found = place(index + 1, candidate)
+                same = index + 1 < len(profiles) and profiles[index + 1].name == profile.name
+                found = place(index + 1, candidate, start if same else -1)
                 if found is not None:
                     return found
         return None
 
-    return place(0, tuple(sorted(fixed, key=lambda item: (item[1], item[0]))))
+    return place(0, tuple(sorted(fixed, key=lambda item: (item[1], item[0]))), -1)
 
 
 @functools.lru_cache(maxsize=512)

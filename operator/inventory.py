@@ -27,6 +27,8 @@ from typing import Any
 from sluice.operator import gpus
 
 Obj = Mapping[str, Any]
+Layout = gpus.Layout
+"""Re-exported: inside :class:`Node` the field ``gpus`` hides the module of that name."""
 
 POOL_LABELS = (
     "sluice.dev/node-pool",
@@ -97,7 +99,7 @@ class Node:
     mig_capable: bool
     mig_config: str
     mig_state: str
-    layouts: tuple[gpus.Layout, ...]
+    layouts: tuple[Layout, ...]
     """Per GPU, its MIG partition as far as the published counts tell (empty: not partitioned)."""
     taints: tuple[Mapping[str, str], ...]
     """``nvidia.com/*`` NoSchedule/NoExecute taints, which GPU pods tolerate."""
@@ -225,15 +227,19 @@ def _devices_of(
 
     if mig and model is not None:
         strategy = MIXED
-        gpu_count = gpu_count or 1
-        layouts = mixed_layouts(model, mig, gpu_count)
+        # gpu.count counts physical GPUs here; those still advertised as nvidia.com/gpu have MIG disabled,
+        # so the slices lie on the others (GPUs 0.. hold slices, the whole ones come after them).
+        slices = sum(found.memory * n for p, n in mig.items() if (found := model.profile(p)) is not None)
+        mig_gpus = max(gpu_count - whole, 1) if gpu_count else max(-(-slices // model.memory_slices), 1)
+        gpu_count = mig_gpus + whole
+        layouts = mixed_layouts(model, mig, mig_gpus)
         for index, layout in enumerate(layouts):
             for profile, _start in layout:
                 devices.append(Device(name, index, MIXED, gpus.resource_name(profile), profile,
                                       profile_memory(profile), compute_of(profile), product))
-        # Whole GPUs a mixed node still has (MIG disabled on some of them).
         for i in range(whole):
-            devices.append(Device(name, len(layouts) + i, WHOLE, gpus.GPU_RESOURCE, "", memory, 1.0, product))
+            devices.append(Device(name, mig_gpus + i, WHOLE, gpus.GPU_RESOURCE, "", memory, 1.0, product))
+        layouts += ((),) * whole
     elif product.endswith("-MIG-INVALID"):
         strategy = SINGLE  # GFD could not label it (mixed profiles under the single strategy): nothing to use
     elif single is not None and whole > 0:
@@ -274,14 +280,33 @@ def _held(pods: Iterable[Obj], skip: Callable[[Obj], bool]) -> dict[str, dict[st
         phase = (pod.get("status") or {}).get("phase")
         if not node or phase in ("Succeeded", "Failed") or skip(pod):
             continue
-        for container in list(spec.get("containers") or []) + list(spec.get("initContainers") or []):
-            resources = container.get("resources") or {}
-            wanted = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
-            for resource, amount in wanted.items():
-                if resource.startswith("nvidia.com/"):
-                    per_node = held.setdefault(node, {})
-                    per_node[resource] = per_node.get(resource, 0) + _int(amount)
+        # As the scheduler counts a pod: its containers and sidecars (restartable init containers) together,
+        # or its largest plain init container if that is more (the kubelet hands init containers' devices
+        # on to the containers, so the two are not added).
+        running: dict[str, int] = {}
+        init: dict[str, int] = {}
+        for container in spec.get("containers") or []:
+            _add(running, container)
+        for container in spec.get("initContainers") or []:
+            if container.get("restartPolicy") == "Always":
+                _add(running, container)
+            else:
+                for resource, amount in _add({}, container).items():
+                    init[resource] = max(init.get(resource, 0), amount)
+        for resource in sorted(set(running) | set(init)):
+            per_node = held.setdefault(node, {})
+            per_node[resource] = per_node.get(resource, 0) + max(running.get(resource, 0), init.get(resource, 0))
     return held
+
+
+def _add(total: dict[str, int], container: Obj) -> dict[str, int]:
+    """Add a container's ``nvidia.com/*`` requests (limits, for extended resources the same) to ``total``."""
+    resources = container.get("resources") or {}
+    wanted = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+    for resource, amount in wanted.items():
+        if resource.startswith("nvidia.com/"):
+            total[resource] = total.get(resource, 0) + _int(amount)
+    return total
 
 
 def from_nodes(

@@ -29,6 +29,7 @@ MIG manager's config format) that is only ever applied by a person, or by the op
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -165,57 +166,152 @@ def _counts(layout: gpus.Layout) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda item: gpus.profile_sort_key(item[0])))
 
 
+Base = tuple[str, str, str]
+"""(kind, shape resource, profile): what a device is, short of its product."""
+
+
+class _Offer:
+    """What the inventory offers, summarised once per plan: per device base and product the least memory
+    and compute share, and the tolerations the nodes of each (kind, product) need."""
+
+    def __init__(self, inv: inventory.Inventory) -> None:
+        self.by_base: dict[Base, dict[str, tuple[int, float]]] = {}
+        """Base -> product -> (least memory, least compute share) of such a device: a shape names products,
+        and the scheduler may pick any node of them (time-sliced nodes of one product may have different
+        replica counts)."""
+        self.taints: dict[tuple[str, str], dict[str, Mapping[str, str]]] = {}
+        for node in inv.nodes:
+            for device in node.devices:
+                products = self.by_base.setdefault((device.kind, _shape_resource(device), device.profile), {})
+                mib, share = products.get(device.product, (device.memory_mib, device.compute))
+                products[device.product] = (min(mib, device.memory_mib), min(share, device.compute))
+                found = self.taints.setdefault((device.kind, device.product), {})
+                for taint in node.taints:
+                    toleration = {"key": taint["key"], "operator": "Exists", "effect": taint["effect"]}
+                    found[json.dumps(toleration, sort_keys=True)] = toleration
+
+    def tolerations(self, products: Iterable[str], kind: str) -> tuple[Mapping[str, str], ...]:
+        found: dict[str, Mapping[str, str]] = {}
+        for product in products:
+            found.update(self.taints.get((kind, product), {}))
+        return tuple(found[k] for k in sorted(found))
+
+
 class _Book:
-    """Free devices by shape class, with first-fit booking; the only mutable part of a plan."""
+    """Free devices by shape, with first-fit booking; the only mutable part of a plan.
+
+    Devices are indexed by base, node and product, free ones kept in GPU order, and each shape asked about
+    gets its nodes, its capacity (kept up to date as devices are booked) and a first-fit cursor, so a plan
+    costs about the same per request however large the cluster."""
 
     def __init__(self, inv: inventory.Inventory) -> None:
         self.inv = inv
+        self.offer = _Offer(inv)
         self.free: list[set[int]] = [set(node.free) for node in inv.nodes]
         self.touched: set[tuple[str, int]] = set()
-        # (kind, resource, profile, product) -> [(node index, device index)], nodes by name, GPUs low first
-        self.classes: dict[tuple[str, str, str, str], list[tuple[int, int]]] = {}
+        # Base -> node index -> product -> free device indices, lowest GPU first; and the totals.
+        self.lists: dict[Base, dict[int, dict[str, list[int]]]] = {}
+        self.totals: dict[Base, dict[int, dict[str, int]]] = {}
         for n, node in enumerate(inv.nodes):
-            for d, device in enumerate(node.devices):
-                key = (device.kind, _shape_resource(device), device.profile, device.product)
-                self.classes.setdefault(key, []).append((n, d))
+            order = sorted(range(len(node.devices)), key=lambda d: (node.devices[d].gpu, d))
+            for d in order:
+                device = node.devices[d]
+                base = (device.kind, _shape_resource(device), device.profile)
+                products = self.totals.setdefault(base, {}).setdefault(n, {})
+                products[device.product] = products.get(device.product, 0) + 1
+                free = self.lists.setdefault(base, {}).setdefault(n, {}).setdefault(device.product, [])
+                if d in self.free[n]:
+                    free.append(d)
+        self._shapes: dict[tuple[Any, ...], _Tracked] = {}
+        self._by_base: dict[Base, list[_Tracked]] = {}
 
-    def members(self, shape: Shape) -> list[tuple[str, str, str, str]]:
-        return [key for key in self.classes if _in_shape(key, shape)]
+    def _tracked(self, shape: Shape) -> _Tracked:
+        key = shape.key()
+        tracked = self._shapes.get(key)
+        if tracked is None:
+            base = (shape.kind, shape.resource, shape.profile)
+            wanted = set(shape.products)
+            nodes = []
+            total = 0
+            for n, products in self.totals.get(base, {}).items():
+                matching = [p for p in products if not wanted or p in wanted]
+                if matching:
+                    nodes.append((n, tuple(matching)))
+                    total += sum(products[p] for p in matching) // shape.count
+            tracked = _Tracked(base, shape.count, nodes, {n for n, _ in nodes}, total, 0,
+                               tuple(sorted({self.inv.nodes[n].pool for n, _ in nodes} - {""})))
+            tracked.free = sum(self._units(tracked, i) for i in range(len(nodes)))
+            self._shapes[key] = tracked
+            self._by_base.setdefault(base, []).append(tracked)
+        return tracked
+
+    def _units(self, tracked: _Tracked, i: int) -> int:
+        n, products = tracked.nodes[i]
+        lists = self.lists[tracked.base][n]
+        return sum(len(lists[p]) for p in products) // tracked.count
 
     def capacity(self, shape: Shape, *, free: bool) -> int:
         """Replicas of ``shape`` the cluster could hold (``free``: now, else if nothing else held any)."""
-        per_node: dict[int, int] = {}
-        for key in self.members(shape):
-            for n, d in self.classes[key]:
-                if not free or d in self.free[n]:
-                    per_node[n] = per_node.get(n, 0) + 1
-        return sum(count // shape.count for count in per_node.values())
+        tracked = self._tracked(shape)
+        return tracked.free if free else tracked.total
 
     def book(self, shape: Shape, replicas: int) -> tuple[int, tuple[str, ...]]:
         """Book up to ``replicas`` replicas of ``shape``, first fit; (booked, node names)."""
-        by_node: dict[int, list[int]] = {}
-        for key in self.members(shape):
-            for n, d in self.classes[key]:
-                if d in self.free[n]:
-                    by_node.setdefault(n, []).append(d)
+        tracked = self._tracked(shape)
         booked = 0
         nodes: list[str] = []
-        for n in sorted(by_node):
-            devices = sorted(by_node[n], key=lambda d: (self.inv.nodes[n].devices[d].gpu, d))
-            while booked < replicas and len(devices) >= shape.count:
-                take, devices = devices[: shape.count], devices[shape.count:]
-                for d in take:
-                    self.free[n].discard(d)
-                    self.touched.add((self.inv.nodes[n].name, self.inv.nodes[n].devices[d].gpu))
-                booked += 1
-                nodes.append(self.inv.nodes[n].name)
-            if booked >= replicas:
-                break
+        i = tracked.cursor
+        while booked < replicas and i < len(tracked.nodes):
+            units = self._units(tracked, i)
+            if units == 0:
+                if i == tracked.cursor:
+                    tracked.cursor += 1  # free devices only ever go: a node passed empty stays empty
+                i += 1
+                continue
+            n, products = tracked.nodes[i]
+            node = self.inv.nodes[n]
+            lists = self.lists[tracked.base][n]
+            devices = (sorted((d for p in products for d in lists[p]), key=lambda d: (node.devices[d].gpu, d))
+                       if len(products) > 1 else lists[products[0]])
+            take = min(units, replicas - booked) * tracked.count
+            taken = devices[:take]
+            before = [(other, other.index(n)) for other in self._by_base[tracked.base] if n in other.members]
+            counts = [self._units(other, j) for other, j in before]
+            for d in taken:
+                lists[node.devices[d].product].remove(d)
+                self.free[n].discard(d)
+                self.touched.add((node.name, node.devices[d].gpu))
+            for (other, j), count in zip(before, counts, strict=True):
+                other.free -= count - self._units(other, j)
+            booked += take // tracked.count
+            nodes.extend([node.name] * (take // tracked.count))
+            i += 1
         return booked, tuple(nodes)
 
     def pools(self, shape: Shape) -> tuple[str, ...]:
-        found = {self.inv.nodes[n].pool for key in self.members(shape) for n, _ in self.classes[key]}
-        return tuple(sorted(p for p in found if p))
+        return self._tracked(shape).pools
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """One shape's view of the book."""
+
+    base: Base
+    count: int
+    nodes: list[tuple[int, tuple[str, ...]]]
+    """(node index, its products in the shape), nodes in name order."""
+    members: set[int]
+    total: int
+    free: int
+    pools: tuple[str, ...]
+    cursor: int = 0
+    """Nodes before it have no free replica of the shape left."""
+    _positions: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def index(self, n: int) -> int:
+        if not self._positions:
+            self._positions.update((node, i) for i, (node, _) in enumerate(self.nodes))
+        return self._positions[n]
 
 
 def _shape_resource(device: inventory.Device) -> str:
@@ -224,43 +320,17 @@ def _shape_resource(device: inventory.Device) -> str:
     return device.resource
 
 
-def _in_shape(key: tuple[str, str, str, str], shape: Shape) -> bool:
-    kind, resource, profile, product = key
-    if kind != shape.kind or resource != shape.resource or profile != shape.profile:
-        return False
-    return not shape.products or product in shape.products
-
-
-def _tolerations(inv: inventory.Inventory, products: Iterable[str], kind: str) -> tuple[Mapping[str, str], ...]:
-    wanted = set(products)
-    found: dict[str, Mapping[str, str]] = {}
-    for node in inv.nodes:
-        if any(d.kind == kind and d.product in wanted for d in node.devices):
-            for taint in node.taints:
-                toleration = {"key": taint["key"], "operator": "Exists", "effect": taint["effect"]}
-                found[json.dumps(toleration, sort_keys=True)] = toleration
-    return tuple(found[k] for k in sorted(found))
-
-
-def shapes(request: Request, inv: inventory.Inventory) -> list[Shape]:
+def shapes(request: Request, inv: inventory.Inventory, offer: _Offer | None = None) -> list[Shape]:
     """The shapes that answer ``request`` in this inventory, most preferred first."""
-    by_kind: dict[tuple[str, str, str], dict[str, int]] = {}
-    """(kind, resource, profile) -> product -> least memory of such a device."""
-    compute: dict[tuple[str, str, str], float] = {}
-    for node in inv.nodes:
-        for device in node.devices:
-            key = (device.kind, _shape_resource(device), device.profile)
-            products = by_kind.setdefault(key, {})
-            products[device.product] = min(products.get(device.product, device.memory_mib), device.memory_mib)
-            compute[key] = device.compute
+    offer = offer or _Offer(inv)
     need_mib = request.memory_mib
-    need_compute = request.compute_percent / 100
+    need_compute = 0.0 if request.count or request.profile else request.compute_percent / 100
     result: list[tuple[tuple[Any, ...], Shape]] = []
-    for (kind, resource, profile), products in by_kind.items():
-        fitting = sorted(p for p, mib in products.items() if mib >= need_mib)
+    for (kind, resource, profile), products in offer.by_base.items():
+        fitting = sorted(p for p, (mib, share) in products.items() if mib >= need_mib and share + 1e-9 >= need_compute)
         if not fitting:
             continue
-        memory = min(products[p] for p in fitting)
+        memory = min(products[p][0] for p in fitting)
         is_mig = bool(profile)
         if request.count:
             if kind not in (WHOLE, DRA) or is_mig:
@@ -273,8 +343,6 @@ def shapes(request: Request, inv: inventory.Inventory) -> list[Shape]:
         else:
             if kind == SHARED and not request.shared:
                 continue
-            if compute[(kind, resource, profile)] + 1e-9 < need_compute:
-                continue
             tier = 0 if is_mig else 1 if kind == SHARED else 2
             rank = (tier, memory, gpus.profile_sort_key(profile) if profile else ())
         # Rendering: a mixed slice is named by its resource alone; every other shape is pinned to the
@@ -284,7 +352,7 @@ def shapes(request: Request, inv: inventory.Inventory) -> list[Shape]:
             pinned_products = tuple(fitting)
         shape = Shape(kind=kind, resource=resource, count=max(request.count, 1), profile=profile,
                       products=pinned_products, memory_mib=memory,
-                      tolerations=_tolerations(inv, fitting, kind))
+                      tolerations=offer.tolerations(fitting, kind))
         result.append(((*rank, ("mixed", "single", "dra", "shared", "whole").index(kind)
                         if kind in ("mixed", "single", "dra", "shared", "whole") else 9, resource), shape))
     result.sort(key=lambda item: item[0])
@@ -335,7 +403,7 @@ def plan(inv: inventory.Inventory, requests: Sequence[Request], *, advise: bool 
             verdicts[request.key] = Verdict(request.key, UNPLANNED, None, "no GPU nodes are visible")
         return Plan(verdicts=verdicts)
     for request in rest:
-        candidates = shapes(request, inv)
+        candidates = shapes(request, inv, book.offer)
         chosen = next((s for s in candidates if book.capacity(s, free=True) >= request.replicas), None)
         if chosen is not None:
             booked, nodes = book.book(chosen, request.replicas)
@@ -350,7 +418,8 @@ def plan(inv: inventory.Inventory, requests: Sequence[Request], *, advise: bool 
         verdicts[request.key] = Verdict(request.key, state, shape, missing, nodes,
                                         book.pools(shape) if shape else (), booked)
         pending.append(request)
-    advice = repartition(inv, book, pending) if advise and pending else ()
+    fitting = {key: verdict.booked for key, verdict in verdicts.items()}
+    advice = repartition(inv, book, pending, fitting) if advise and pending else ()
     return Plan(verdicts=verdicts, advice=advice, gpus=frozenset(book.touched))
 
 
@@ -383,62 +452,113 @@ def _missing(request: Request, candidates: Sequence[Shape], book: _Book) -> str:
     return f"needs {need}; the cluster has {'; '.join(parts)} (replicas counted per shape)"
 
 
-def repartition(inv: inventory.Inventory, book: _Book, pending: Sequence[Request]) -> tuple[Advice, ...]:
+def repartition(
+    inv: inventory.Inventory, book: _Book, pending: Sequence[Request], booked: Mapping[str, int] | None = None,
+) -> tuple[Advice, ...]:
     """MIG layouts that would fit ``pending``, per node: held and booked slices stay where they are,
-    free ones may be replaced. Nodes in name order; each node's first GPU with room first."""
-    layouts: dict[str, list[gpus.Layout]] = {}
-    keep: dict[str, list[gpus.Layout]] = {}
-    serves: dict[str, list[str]] = {}
+    free ones may be replaced. Nodes in name order; each node's first GPU with room first. Only the
+    replicas not ``booked`` yet are made room for, and a GPU no replica needs keeps its partition."""
+    # Nodes that may be repartitioned, by GPU model, in name order; each node's GPUs are read when first
+    # tried. Partitions only grow while replicas are added, so a profile that does not fit a GPU never
+    # will: per (model, profile) a cursor passes the nodes with no room left, per node the GPUs are noted.
+    by_model: dict[str, list[int]] = {}
     for n, node in enumerate(inv.nodes):
         model = gpus.CATALOGUE_BY_KEY.get(node.model)
-        if model is None or not model.mig_capable or node.dra or node.strategy == SHARED:
-            continue
+        if model is None or not model.mig_capable or node.dra or any(d.kind == SHARED for d in node.devices):
+            continue  # time-sliced nodes are shared as a whole: not partitioned
         if node.strategy == SINGLE and len(book.free[n]) < len(node.devices):
             continue  # one profile for the whole node: only an idle node can change it
-        per_gpu: list[gpus.Layout] = []
-        for index in range(max(node.gpus, 1)):
-            held = [(d, dev) for d, dev in enumerate(node.devices) if dev.gpu == index]
-            if any(dev.kind == WHOLE and d not in book.free[n] for d, dev in held):
-                per_gpu.append(((".busy", 0),))  # a whole GPU in use cannot be partitioned
+        by_model.setdefault(node.model, []).append(n)
+    layouts: dict[int, list[gpus.Layout]] = {}
+    keep: dict[int, list[gpus.Layout]] = {}
+    serves: dict[int, list[str]] = {}
+    grown: dict[int, set[int]] = {}
+    cursor: dict[tuple[str, str], int] = {}
+    no_room: dict[tuple[int, str], set[int]] = {}
+
+    def per_gpu(n: int) -> list[gpus.Layout]:
+        if n not in layouts:
+            layouts[n] = _kept_instances(inv.nodes[n], book.free[n])
+            keep[n] = list(layouts[n])
+        return layouts[n]
+
+    def room(n: int, model: gpus.GpuModel, profile: str) -> bool:
+        """Add one ``profile`` instance to node ``n``'s first GPU with room; whether there was one."""
+        tried = no_room.setdefault((n, profile), set())
+        partitions = per_gpu(n)
+        for index, layout in enumerate(partitions):
+            if index in tried or (layout and layout[0][0] == ".busy"):
                 continue
-            layout = node.layouts[index] if index < len(node.layouts) and node.strategy == MIXED else ()
-            used = _used_instances(layout, [(dev.profile, d in book.free[n]) for d, dev in held
-                                            if dev.kind == MIXED])
-            per_gpu.append(used)
-        layouts[node.name] = list(per_gpu)
-        keep[node.name] = list(per_gpu)
+            bigger = gpus.pack(model, [profile], layout)
+            if bigger is not None:
+                partitions[index] = bigger
+                grown.setdefault(n, set()).add(index)
+                return True
+            tried.add(index)
+        return False
+
     for request in pending:
-        for _ in range(request.replicas):
-            placed = False
-            for name, per_gpu in layouts.items():
-                node = next(x for x in inv.nodes if x.name == name)
-                model = gpus.CATALOGUE_BY_KEY[node.model]
-                profile = request.profile or _smallest(model, request)
-                if not profile:
-                    continue
-                for index, layout in enumerate(per_gpu):
-                    if layout and layout[0][0] == ".busy":
-                        continue
-                    grown = gpus.pack(model, [profile], layout)
-                    if grown is not None:
-                        per_gpu[index] = grown
-                        serves.setdefault(name, []).append(request.key)
-                        placed = True
-                        break
-                if placed:
+        for _ in range(max(request.replicas - (booked or {}).get(request.key, 0), 0)):
+            while True:
+                best: tuple[int, str, str] | None = None
+                for key, positions in by_model.items():
+                    profile = request.profile or _smallest(gpus.CATALOGUE_BY_KEY[key], request)
+                    at = cursor.get((key, profile), 0)
+                    if profile and at < len(positions) and (best is None or positions[at] < best[0]):
+                        best = (positions[at], key, profile)
+                if best is None:
+                    break  # no node has room for this replica
+                n, key, profile = best
+                if room(n, gpus.CATALOGUE_BY_KEY[key], profile):
+                    serves.setdefault(n, []).append(request.key)
                     break
+                cursor[(key, profile)] = cursor.get((key, profile), 0) + 1
     advice = []
-    for name, per_gpu in layouts.items():
-        if name not in serves:
-            continue
-        node = next(x for x in inv.nodes if x.name == name)
-        changed = tuple(i for i, layout in enumerate(per_gpu) if layout != keep[name][i]
-                        or (node.strategy == MIXED and i < len(node.layouts) and layout != node.layouts[i]))
-        final = tuple(() if (layout and layout[0][0] == ".busy") else layout for layout in per_gpu)
+    for n in sorted(serves):
+        node = inv.nodes[n]
+        model = gpus.CATALOGUE_BY_KEY[node.model]
+        current = [node.layouts[i] if i < len(node.layouts) else () for i in range(len(layouts[n]))]
+        final_layouts = []
+        for index, layout in enumerate(layouts[n]):
+            if index not in grown[n]:
+                final_layouts.append(current[index])  # no replica needs it: left as it is
+                continue
+            # Repartitioned anyway: the free instances it had come back where they still fit.
+            for profile in _dropped(current[index], keep[n][index]):
+                layout = gpus.pack(model, [profile], layout) or layout
+            final_layouts.append(layout)
+        final = tuple(final_layouts)
+        changed = tuple(i for i, layout in enumerate(final) if layout != current[i])
         digest = hashlib.sha256(json.dumps(final).encode()).hexdigest()[:8]
-        advice.append(Advice(node=name, model=node.model, config=f"sluice-{digest}", layouts=final,
-                             serves=tuple(dict.fromkeys(serves[name])), disrupts=changed))
+        advice.append(Advice(node=node.name, model=node.model, config=f"sluice-{digest}", layouts=final,
+                             serves=tuple(dict.fromkeys(serves[n])), disrupts=changed))
     return tuple(advice)
+
+
+def _kept_instances(node: inventory.Node, free: set[int]) -> list[gpus.Layout]:
+    """Per GPU, what a repartition keeps: the MIG instances in use (held or booked); ``.busy`` for a GPU
+    handed out whole or time-sliced that is in use, which cannot be partitioned at all."""
+    on_gpu: dict[int, list[int]] = {}
+    for d, device in enumerate(node.devices):
+        on_gpu.setdefault(device.gpu, []).append(d)
+    result: list[gpus.Layout] = []
+    for index in range(max(node.gpus, 1)):
+        held = [(d, node.devices[d]) for d in on_gpu.get(index, [])]
+        if any(dev.kind != MIXED and d not in free for d, dev in held):
+            result.append(((".busy", 0),))
+            continue
+        layout = node.layouts[index] if index < len(node.layouts) and node.strategy == MIXED else ()
+        result.append(_used_instances(layout, [(dev.profile, d in free) for d, dev in held if dev.kind == MIXED]))
+    return result
+
+
+def _dropped(current: gpus.Layout, kept: gpus.Layout) -> list[str]:
+    """The profiles of ``current`` not in ``kept``, largest first."""
+    rest = list(current)
+    for instance in kept:
+        if instance in rest:
+            rest.remove(instance)
+    return sorted((profile for profile, _ in rest), key=gpus.profile_sort_key, reverse=True)
 
 
 def _used_instances(layout: gpus.Layout, devices: Sequence[tuple[str, bool]]) -> gpus.Layout:
@@ -459,7 +579,12 @@ def _smallest(model: gpus.GpuModel, request: Request) -> str:
     """The smallest profile of ``model`` with the request's memory and compute, media-less."""
     if request.count:
         return ""
-    fitting = [p for p in model.profiles if not p.media and p.memory_mib >= request.memory_mib
-               and p.compute / model.compute_slices * 100 + 1e-9 >= request.compute_percent]
+    return _smallest_for(model, request.memory_mib, request.compute_percent)
+
+
+@functools.lru_cache(maxsize=4096)
+def _smallest_for(model: gpus.GpuModel, memory_mib: int, compute_percent: int) -> str:
+    fitting = [p for p in model.profiles if not p.media and p.memory_mib >= memory_mib
+               and p.compute / model.compute_slices * 100 + 1e-9 >= compute_percent]
     fitting.sort(key=lambda p: (p.memory_mib, p.compute, p.name))
     return fitting[0].name if fitting else ""

@@ -147,9 +147,13 @@ def test_a_full_profile_is_pending_and_a_missing_one_unsatisfiable():
     # A 2g.20gb fits beside the held 3g.40gb once the free 1g/2g slices are reshaped: advised, not done.
     [advice] = placement.plan(inv, [placement.Request("IM/x/c", 3, profile="2g.20gb")]).advice
     assert advice.node == "a100-0" and advice.serves == ("IM/x/c",)
-    assert advice.layouts == ((("2g.20gb", 0), ("2g.20gb", 2), ("3g.40gb", 4)),) * 2
+    # Two replicas take the free 2g.20gb slices; the third needs one more, so only GPU 0 is reshaped.
+    assert advice.layouts == ((("2g.20gb", 0), ("2g.20gb", 2), ("3g.40gb", 4)),
+                              (("2g.20gb", 0), ("1g.10gb", 2), ("1g.10gb", 3), ("3g.40gb", 4)))
+    assert advice.disrupts == (0,)
     assert advice.mig_parted() == {"version": "v1", "mig-configs": {advice.config: [
-        {"devices": [0, 1], "mig-enabled": True, "mig-devices": {"2g.20gb": 2, "3g.40gb": 1}}]}}
+        {"devices": [0], "mig-enabled": True, "mig-devices": {"2g.20gb": 2, "3g.40gb": 1}},
+        {"devices": [1], "mig-enabled": True, "mig-devices": {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}}]}}
 
 
 def test_taints_of_the_chosen_nodes_are_tolerated():
