@@ -9,7 +9,8 @@ GPUs, a MIG profile, or memory with a compute share, time-sliced GPUs allowed or
    advertises; nothing is booked on a node that is not schedulable; every GPU the plan names exists.
 2. Fit: a placed request gets what it asked for on every device its shape may land on (memory, compute,
    profile); time-sliced shapes only when the request allows sharing; whole-GPU requests only whole GPUs.
-3. Layouts: every partition the inventory infers and every partition the planner advises is one NVIDIA allows.
+3. Layouts: every partition the inventory infers and every partition the planner advises is one NVIDIA allows;
+   advice changes only GPUs its replicas need, never a time-sliced node or a whole GPU in use.
 4. Determinism: the same input, requests and nodes in any order, gives the same plan.
 5. Stability: a request created later never moves one already placed, pinned or not.
 6. Economy: the plan never touches more physical GPUs than one model replica per whole GPU would.
@@ -231,7 +232,7 @@ def _renamed_l4(name: str, replicas: int) -> dict[str, Any]:
     return _fixed_node(name, labels, {gpus.SHARED_GPU_RESOURCE: replicas})
 
 
-# Regressions hypothesis found, kept as explicit examples.
+# Regressions, kept as explicit examples: the first found by hypothesis, the other two in review.
 TIME_SLICED_ONE_PRODUCT_TWO_REPLICA_COUNTS = (
     # Two time-sliced L4 nodes, 4 and 2 replicas: a 50 % compute share fits only the second, but the shape
     # named the product NVIDIA-L4 (both nodes) because the planner kept one compute share per device class.
