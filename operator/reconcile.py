@@ -580,8 +580,9 @@ def _request(meta: Mapping[str, Any], status: Mapping[str, Any], spec: api.Infer
     gpu = spec.resources.gpu
     assert gpu is not None
     replicas = max(spec.scaling.min_replicas, _as_int(status.get("replicas")))
-    canary_status = status.get("canary") if isinstance(status.get("canary"), dict) else {}
-    if spec.canary is not None and canary_status.get("phase") in canary.ACTIVE:
+    stored_canary = status.get("canary")
+    phase = stored_canary.get("phase") if isinstance(stored_canary, dict) else None
+    if spec.canary is not None and phase in canary.ACTIVE:
         replicas += spec.scaling.min_replicas  # the candidate's own pods take the same kind of device
     request = placement.Request(
         key=_request_key(str(meta.get("namespace")), str(meta.get("name"))), replicas=replicas,
