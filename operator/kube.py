@@ -42,6 +42,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ScaledObject": ("keda.sh/v1alpha1", "scaledobjects"),
     api.INFERENCE_MODEL_KIND: (api.API_VERSION, api.INFERENCE_MODEL_PLURAL),
     api.ENSEMBLE_KIND: (api.API_VERSION, api.ENSEMBLE_PLURAL),
+    api.MODEL_POOL_KIND: (api.API_VERSION, api.MODEL_POOL_PLURAL),
 }
 
 

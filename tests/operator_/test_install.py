@@ -81,8 +81,10 @@ def test_crd_schema_is_complete(definition):
     assert undocumented == []
     assert version["subresources"]["status"] == {}
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.scaling.minReplicas"
-    columns = ["Ready", "Replicas", "Traffic", *(["Canary"] if definition["spec"]["names"]["kind"] == "InferenceModel"
-                                                  else []), "URL", "Age"]
+    kind = definition["spec"]["names"]["kind"]
+    columns = ["Ready", "Replicas", "Traffic", *(["Canary"] if kind == "InferenceModel" else []), "URL", "Age"]
+    if kind == "ModelPool":
+        columns = ["Ready", "Members", "Free", "Replicas", "Age"]
     assert [c["name"] for c in version["additionalPrinterColumns"]] == columns
     assert definition["spec"]["names"]["shortNames"]
     rules = [r["rule"] for _, s in walk(schema) for r in s.get("x-kubernetes-validations", [])]
@@ -124,7 +126,8 @@ def test_examples_pass_the_crd_schema_and_the_operator_checks(path):
         assert list(unknown_fields(schema, doc)) == []
         pruned = _structural(schema, copy.deepcopy(doc))  # what the API server stores: pruned and defaulted
         jsonschema.Draft7Validator(_strip_extensions(schema)).validate(pruned)
-        parse = api.parse_inference_model if doc["kind"] == "InferenceModel" else api.parse_ensemble
+        parse = {"InferenceModel": api.parse_inference_model, "Ensemble": api.parse_ensemble,
+                 "ModelPool": api.parse_model_pool}[doc["kind"]]
         parse(doc["metadata"]["name"], pruned["spec"])  # the CEL-equivalent rules
 
 
@@ -144,9 +147,9 @@ def test_scaling_defaults_of_the_crd_are_the_operators():
     assert any("self.fallbackReplicas <= self.maxReplicas" in r for r in rules)
 
 
-def test_examples_cover_both_kinds():
+def test_examples_cover_every_kind():
     kinds = {doc["kind"] for path in EXAMPLES for doc in yaml.safe_load_all(path.read_text())}
-    assert kinds == {"InferenceModel", "Ensemble"}
+    assert kinds == {"InferenceModel", "Ensemble", "ModelPool"}
 
 
 # ---------------------------------------------------------------- generated files
@@ -202,7 +205,8 @@ def test_helm_template_renders_valid_manifests(values):
 
 def test_crds_toggle_and_keep():
     kept = [d for d in template() if d["kind"] == "CustomResourceDefinition"]
-    assert {d["metadata"]["name"] for d in kept} == {"inferencemodels.sluice.dev", "ensembles.sluice.dev"}
+    assert {d["metadata"]["name"] for d in kept} == {"inferencemodels.sluice.dev", "ensembles.sluice.dev",
+                                                     "modelpools.sluice.dev"}
     assert all(d["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" for d in kept)
     dropped = [d for d in template("--set", "crds.keep=false") if d["kind"] == "CustomResourceDefinition"]
     assert all("annotations" not in d["metadata"] for d in dropped)
