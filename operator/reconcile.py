@@ -113,6 +113,8 @@ class _Membership:
     verdict: pools.Verdict
     deployment: Obj | None
     """The pool's Deployment as the API has it."""
+    degraded: Mapping[str, Any] | None = None
+    """The pool's Degraded condition when it is True (its pods cannot be scheduled, its spec is invalid)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,7 +407,9 @@ class Reconciler:
         desired = builders.pool_member(owner, model, pool, self._settings, had_canary=had_canary)
         verdict = pools.verdict_from(found.get("status"), owner.name)
         deployment = await self._kube.get("Deployment", owner.namespace, model.pool)
-        return _Plan(desired, membership=_Membership(model.pool, verdict, deployment))
+        degraded = conditions.find((found.get("status") or {}).get("conditions"), conditions.DEGRADED)
+        return _Plan(desired, membership=_Membership(
+            model.pool, verdict, deployment, degraded if (degraded or {}).get("status") == TRUE else None))
 
     # ------------------------------------------------------------ canary rollouts
 
@@ -647,6 +651,10 @@ def _member_conditions(body: Mapping[str, Any], membership: _Membership) -> tupl
     for index, condition in enumerate(found):
         if condition.type == conditions.DEGRADED:
             found[index] = dataclasses.replace(condition, message=f"Pool {pool}: {condition.message}")
+    if membership.degraded is not None and not any(c.type == conditions.DEGRADED for c in found):
+        # What troubles the pool troubles its members (pods that cannot be scheduled, an invalid pool spec).
+        found.append(Condition(conditions.DEGRADED, TRUE, str(membership.degraded.get("reason") or "PoolDegraded"),
+                               f"Pool {pool}: {membership.degraded.get('message', '')}"))
     was_ready = ((body.get("status") or {}).get("pool") or {}).get("state") == pools.ADMITTED and \
         (conditions.find((body.get("status") or {}).get("conditions"), conditions.READY) or {}).get("status") == TRUE
     label = builders.member_label(body["metadata"]["name"])

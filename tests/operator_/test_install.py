@@ -360,8 +360,8 @@ def test_pod_monitor_scrapes_the_runtime_pods_and_labels_series_with_the_model()
     assert spec["selector"]["matchLabels"]["app.kubernetes.io/name"] == "sluice-runtime"
     [endpoint] = spec["podMetricsEndpoints"]
     assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "15s"}
-    assert {"app.kubernetes.io/instance", "sluice.dev/inferencemodel", "sluice.dev/ensemble"} <= set(
-        spec["podTargetLabels"])
+    assert {"app.kubernetes.io/instance", "sluice.dev/inferencemodel", "sluice.dev/ensemble",
+            "sluice.dev/modelpool"} <= set(spec["podTargetLabels"])
     # the label the operator's KEDA queries filter on is what podTargetLabels makes of the pod label
     assert builders.PROMETHEUS_LABELS["instance"] == "app.kubernetes.io/instance".replace(".", "_").replace("/", "_")
     assert spec["namespaceSelector"] == {"any": True}
