@@ -2,7 +2,8 @@
 
 The CRD schema (``crd.py``) makes the API server reject most bad specs, but CEL rules are not enforced
 by every server (older clusters, test emulators) and some problems only show once a spec meets the
-operator. :func:`parse_inference_model` and :func:`parse_ensemble` re-check every rule and raise
+operator. :func:`parse_inference_model`, :func:`parse_ensemble` and :func:`parse_model_pool` re-check every
+rule and raise
 :class:`SpecError` listing each problem with what to change; the reconciler turns it into a Degraded
 condition instead of crashing. Defaults live here once and ``crd.py`` publishes the same values.
 
@@ -26,6 +27,8 @@ INFERENCE_MODEL_KIND = "InferenceModel"
 INFERENCE_MODEL_PLURAL = "inferencemodels"
 ENSEMBLE_KIND = "Ensemble"
 ENSEMBLE_PLURAL = "ensembles"
+MODEL_POOL_KIND = "ModelPool"
+MODEL_POOL_PLURAL = "modelpools"
 
 FORMATS = ("onnx", "torchscript", "tensorrt", "python")
 """Model formats, mapped to the Triton backend the runtime loads them with (see ``BACKEND_BY_FORMAT``)."""
@@ -79,6 +82,8 @@ NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}$"
 STORAGE_URI_PATTERN = r"^(s3|gs|https|pvc)://[^\s]+$"
 MIG_PROFILE_PATTERN = r"^[1-7]g\.[0-9]+gb(\+me)?$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+POOL_NAME_PATTERN = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
+"""A ModelPool's name: it names the pool's Deployment and Service, so a DNS-1035 label."""
 
 _BINARY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL_SUFFIXES = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
@@ -141,7 +146,8 @@ class Gpu:
     mig_profile: str | None = None
     memory: str | None = None
     compute_percent: int | None = None
-    """With ``memory``: the least share of one GPU's compute (a MIG slice of 2 of 7 compute slices is 28 %)."""
+    """With ``memory``: the least share of one GPU's compute (a MIG slice of 2 of 7 compute slices is 28 %).
+    A ModelPool admits members while their shares add up to at most 100 per device."""
     shared: bool = False
     """With ``memory``: a time-sliced GPU (no memory isolation between its pods) may be used."""
 
@@ -251,6 +257,20 @@ class InferenceModelSpec:
     scaling: Scaling = Scaling()
     canary: Canary | None = None
     storage: Storage = Storage()
+    shutdown: Shutdown = Shutdown()
+    pool: str | None = None
+    """The ModelPool (same namespace) whose pods serve this model; ``None``: its own Deployment."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPoolSpec:
+    """A runtime Deployment that several InferenceModels join (``spec.pool``) to share one device."""
+
+    gpu: Gpu
+    """The device every pool replica gets; members declare shares of it."""
+    resources: Resources = Resources()
+    """cpu and memory of the runtime container (``gpu`` is always ``None`` here)."""
+    scaling: Scaling = Scaling()
     shutdown: Shutdown = Shutdown()
 
 
@@ -468,39 +488,42 @@ class _Reader:
         cpu = self.string(data, "cpu", path, pattern=QUANTITY_PATTERN)
         memory = self.string(data, "memory", path, pattern=QUANTITY_PATTERN)
         gpu = None
-        if (raw := self.obj(data, "gpu", path)) is not None:
-            sub = f"{path}.gpu"
-            forms = [key for key in ("count", "migProfile", "memory") if raw.get(key) is not None]
-            if len(forms) != 1:
-                self.problem(
-                    sub,
-                    "set exactly one of count (whole GPUs), migProfile (e.g. 1g.10gb) or memory (e.g. 16Gi)"
-                    + (f", got {', '.join(forms)}" if forms else ", got none"),
-                )
-            profile = self.string(raw, "migProfile", sub, pattern=MIG_PROFILE_PATTERN)
-            if profile is not None and re.fullmatch(MIG_PROFILE_PATTERN, profile) and not gpus.models_with(profile):
-                self.problem(f"{sub}.migProfile", f"{profile!r} is not a MIG profile of any GPU Sluice knows; "
-                             f"known: {', '.join(gpus.known_profiles())}")
-            compute = None
-            if raw.get("computePercent") is not None:
-                compute = self.integer(raw, "computePercent", sub, 100, 1, 100)
-                if raw.get("memory") is None:
-                    self.problem(f"{sub}.computePercent", "only goes with gpu.memory (a MIG profile or whole GPUs "
-                                 "already fix the compute)")
-            shared = raw.get("shared", False)
-            if not isinstance(shared, bool):
-                self.problem(f"{sub}.shared", f"must be true or false, got {shared!r}")
-                shared = False
-            elif shared and raw.get("memory") is None:
-                self.problem(f"{sub}.shared", "only goes with gpu.memory (how much of a shared GPU the model needs)")
-            gpu = Gpu(
-                count=self.integer(raw, "count", sub, 1, 1, MAX_GPUS) if "count" in raw else None,
-                mig_profile=profile,
-                memory=self.string(raw, "memory", sub, pattern=QUANTITY_PATTERN),
-                compute_percent=compute,
-                shared=shared,
-            )
+        gpu = self.gpu(self.obj(data, "gpu", path), f"{path}.gpu")
         return Resources(cpu=cpu, memory=memory, gpu=gpu)
+
+    def gpu(self, raw: Mapping[str, Any] | None, path: str) -> Gpu | None:
+        if raw is None:
+            return None
+        forms = [key for key in ("count", "migProfile", "memory") if raw.get(key) is not None]
+        if len(forms) != 1:
+            self.problem(
+                path,
+                "set exactly one of count (whole GPUs), migProfile (e.g. 1g.10gb) or memory (e.g. 16Gi)"
+                + (f", got {', '.join(forms)}" if forms else ", got none"),
+            )
+        profile = self.string(raw, "migProfile", path, pattern=MIG_PROFILE_PATTERN)
+        if profile is not None and re.fullmatch(MIG_PROFILE_PATTERN, profile) and not gpus.models_with(profile):
+            self.problem(f"{path}.migProfile", f"{profile!r} is not a MIG profile of any GPU Sluice knows; "
+                         f"known: {', '.join(gpus.known_profiles())}")
+        compute = None
+        if raw.get("computePercent") is not None:
+            compute = self.integer(raw, "computePercent", path, 100, 1, 100)
+            if raw.get("memory") is None:
+                self.problem(f"{path}.computePercent", "only goes with gpu.memory (a MIG profile or whole GPUs "
+                             "already fix the compute); remove one of them")
+        shared = raw.get("shared", False)
+        if not isinstance(shared, bool):
+            self.problem(f"{path}.shared", f"must be true or false, got {shared!r}")
+            shared = False
+        elif shared and raw.get("memory") is None:
+            self.problem(f"{path}.shared", "only goes with gpu.memory (how much of a shared GPU the model needs)")
+        return Gpu(
+            count=self.integer(raw, "count", path, 1, 1, MAX_GPUS) if raw.get("count") is not None else None,
+            mig_profile=profile,
+            memory=self.string(raw, "memory", path, pattern=QUANTITY_PATTERN),
+            compute_percent=compute,
+            shared=shared,
+        )
 
     def scaling(self, data: Mapping[str, Any] | None, path: str) -> Scaling:
         if data is None:
@@ -629,6 +652,65 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
         scaling=read.scaling(read.obj(spec, "scaling", "spec"), "spec.scaling"),
         canary=canary,
         storage=read.storage(read.obj(spec, "storage", "spec"), "spec.storage"),
+        shutdown=read.shutdown(read.obj(spec, "shutdown", "spec"), "spec.shutdown"),
+        pool=read.string(spec, "pool", "spec", pattern=POOL_NAME_PATTERN),
+    )
+    if result.pool is not None:
+        _check_member(read, name, result)
+    if read.problems:
+        raise SpecError(read.problems)
+    return result
+
+
+def _check_member(read: _Reader, name: str, spec: InferenceModelSpec) -> None:
+    """The rules for an InferenceModel with ``spec.pool``: it declares a share of the pool's device and
+    leaves devices, canaries and replica counts to the pool."""
+    gpu = spec.resources.gpu
+    leave = "or remove spec.pool to serve the model on its own"
+    if gpu is None or gpu.memory is None:
+        read.problem("spec.resources.gpu.memory", f"is required for a member of pool {spec.pool!r}: declare the "
+                     f"model's share of the pool's GPU memory, e.g. 6Gi ({leave})")
+    elif quantity_to_float(gpu.memory) < 2**20:
+        read.problem("spec.resources.gpu.memory", f"must be at least 1Mi for a pool member, got {gpu.memory!r}")
+    if gpu is not None:
+        for key, value in (("count", gpu.count), ("migProfile", gpu.mig_profile)):
+            if value is not None:
+                read.problem(f"spec.resources.gpu.{key}", f"cannot be set on a member of pool {spec.pool!r}: "
+                             "the pool's spec.gpu is the device; declare the model's share with gpu.memory (and "
+                             f"gpu.computePercent) instead, {leave}")
+    if spec.canary is not None:
+        read.problem("spec.canary", f"a member of pool {spec.pool!r} cannot have a canary: move the model out "
+                     "of the pool first (remove spec.pool), or run the candidate as its own InferenceModel")
+    if (spec.scaling.min_replicas, spec.scaling.max_replicas) != (DEFAULT_MIN_REPLICAS, DEFAULT_MAX_REPLICAS):
+        read.problem("spec.scaling", f"a member of pool {spec.pool!r} is scaled with the pool (ModelPool "
+                     f"{spec.pool} spec.scaling); remove minReplicas/maxReplicas here ({spec.scaling.min_replicas}/"
+                     f"{spec.scaling.max_replicas}), {leave}")
+    if spec.pool == name:
+        read.problem("spec.pool", f"a member cannot have its pool's name ({name!r}): both would own the Service "
+                     f"{name!r}; rename the pool or the model")
+
+
+def parse_model_pool(name: str, spec: Mapping[str, Any]) -> ModelPoolSpec:
+    """Validate a ModelPool ``spec`` or raise :class:`SpecError`."""
+    read = _Reader()
+    raw_gpu = read.obj(spec, "gpu", "spec")
+    gpu = read.gpu(raw_gpu, "spec.gpu")
+    if gpu is None:
+        read.problem("spec.gpu", "is required: the device every pool replica gets, as count (whole GPUs), "
+                     "migProfile (e.g. 3g.40gb) or memory (e.g. 40Gi)")
+        gpu = Gpu(memory="0")
+    elif gpu.compute_percent is not None:
+        read.problem("spec.gpu.computePercent", "is a member's share; a pool gets whole devices: remove it")
+    resources = read.resources(read.obj(spec, "resources", "spec"), "spec.resources")
+    if resources.gpu is not None:
+        read.problem("spec.resources.gpu", "the pool's device is spec.gpu: move it there")
+    if not re.fullmatch(POOL_NAME_PATTERN, name):
+        read.problem("metadata.name", f"{name!r} names the pool's Deployment and Service, so it must be a DNS "
+                     "label: lower-case letters, digits and '-', starting with a letter, at most 63 characters")
+    result = ModelPoolSpec(
+        gpu=gpu,
+        resources=dataclasses.replace(resources, gpu=None),
+        scaling=read.scaling(read.obj(spec, "scaling", "spec"), "spec.scaling"),
         shutdown=read.shutdown(read.obj(spec, "shutdown", "spec"), "spec.shutdown"),
     )
     if read.problems:

@@ -1,8 +1,8 @@
 """Pure builders: a validated spec + settings -> the Kubernetes objects that should exist.
 
 No I/O, no clock, no randomness: the same input always gives the same objects, so golden files pin
-them and re-running a reconcile changes nothing. ``reconcile`` calls :func:`inference_model` and
-:func:`ensemble`; ``kube`` applies what they return.
+them and re-running a reconcile changes nothing. ``reconcile`` calls :func:`inference_model`,
+:func:`ensemble`, :func:`model_pool` and :func:`pool_member`; ``kube`` applies what they return.
 
 Layout of a runtime pod: an emptyDir at ``/models`` is the model repository; each model's files land
 in ``/models/<name>/<version>`` (fetched by an init container, or a PVC sub-path mounted read-only),
@@ -100,6 +100,8 @@ class ServedModel:
     source: api.ModelSource
     config_name: str
     config_text: str
+    storage: api.Storage | None = None
+    """Credentials of this model's fetch; ``None``: the pod's (a pool's members each bring their own)."""
 
 
 # ---------------------------------------------------------------- model configs
@@ -146,11 +148,13 @@ def _single_file(uri: str) -> str | None:
     return last
 
 
-def served_model(source: api.ModelSource, runtime: api.RuntimeConfig, *, gpu: bool) -> ServedModel:
+def served_model(
+    source: api.ModelSource, runtime: api.RuntimeConfig, *, gpu: bool, storage: api.Storage | None = None,
+) -> ServedModel:
     if source.config is not None:
-        return ServedModel(source, f"config.{source.config_format}", source.config)
+        return ServedModel(source, f"config.{source.config_format}", source.config, storage)
     text = json.dumps(model_config(source, runtime, gpu=gpu), indent=2, sort_keys=True) + "\n"
-    return ServedModel(source, "config.json", text)
+    return ServedModel(source, "config.json", text, storage)
 
 
 def ensemble_config(name: str, spec: api.EnsembleSpec, step_models: Mapping[str, str],
@@ -391,14 +395,15 @@ def deployment(
     owner: Owner, *, name: str, models: Sequence[ServedModel], config_map_name: str, files: Mapping[str, str],
     resources: api.Resources, gpus: Sequence[api.Gpu], replicas: int | None, storage: api.Storage,
     shutdown: api.Shutdown, settings: Settings, track: str = STABLE, split: bool = False, candidate: str = "",
-    shape: placement.Shape | None = None,
+    shape: placement.Shape | None = None, pod_labels: Mapping[str, str] | None = None,
 ) -> Obj:
     """The runtime Deployment; ``replicas`` ``None`` leaves the count to its owner (the HPA).
 
     ``split`` mounts the ``<owner>-split`` ConfigMap (optional: absent means no split) and points
     ``--split-file`` at it, so stable pods forward a canary's share without a mesh; it is always on for
     an InferenceModel's stable pods, so starting a canary never rolls them. ``candidate`` is recorded
-    in an annotation on the Deployment itself to tell which candidate it runs.
+    in an annotation on the Deployment itself to tell which candidate it runs. ``pod_labels`` go on
+    the pods only (never into the selector, which cannot change): a pool's per-member labels.
     """
     labels = common_labels(owner, track)
     init_containers: list[Obj] = []
@@ -415,7 +420,7 @@ def deployment(
     ]
     for index, served in enumerate(models):
         if served.source.storage_uri:
-            init, volume, mount = _fetch(served.source, index, storage, settings)
+            init, volume, mount = _fetch(served.source, index, served.storage or storage, settings)
         else:
             # A model with nothing to fetch (an ensemble) still needs its version directory.
             init, volume = None, {"name": "empty-version", "emptyDir": {}}
@@ -506,7 +511,7 @@ def deployment(
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "template": {
             "metadata": {
-                "labels": labels,
+                "labels": {**labels, **dict(sorted((pod_labels or {}).items()))},
                 "annotations": {
                     CONFIG_HASH_ANNOTATION: config_hash(files),
                     "prometheus.io/scrape": "true",
@@ -525,13 +530,16 @@ def deployment(
     }
 
 
-def service(owner: Owner, name: str, settings: Settings, track: str = STABLE) -> Obj:
+def service(
+    owner: Owner, name: str, settings: Settings, track: str = STABLE, selector: Mapping[str, str] | None = None,
+) -> Obj:
+    """The Service of ``owner``'s pods (of ``track``), or of the pods ``selector`` names (a pool member's)."""
     return {
         "apiVersion": "v1", "kind": "Service",
         "metadata": _meta(owner, name, common_labels(owner, track)),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(owner, track),
+            "selector": dict(selector) if selector is not None else selector_labels(owner, track),
             "ports": [
                 {"name": "http", "port": settings.http_port, "targetPort": "http", "protocol": "TCP",
                  "appProtocol": "http"},
@@ -742,6 +750,7 @@ def _track(
     owner: Owner, models: Sequence[ServedModel], *, track: str, resources: api.Resources, gpus: Sequence[api.Gpu],
     scaling: api.Scaling, storage: api.Storage, shutdown: api.Shutdown, settings: Settings,
     live: Mapping[str, Any] | None, split: bool = False, candidate: str = "", shape: placement.Shape | None = None,
+    pod_labels: Mapping[str, str] | None = None,
 ) -> tuple[list[Obj], list[tuple[str, str, str]]]:
     """One track's objects (ConfigMap, Deployment, Service, PDB/HPA, DRA claim template) and the optional
     ones that must go."""
@@ -758,7 +767,8 @@ def _track(
     objects += [
         deployment(owner, name=name, models=models, config_map_name=cm_name, files=files, resources=resources,
                    gpus=gpus, replicas=deployment_replicas(scaling, live), storage=storage, shutdown=shutdown,
-                   settings=settings, track=track, split=split, candidate=candidate, shape=shape),
+                   settings=settings, track=track, split=split, candidate=candidate, shape=shape,
+                   pod_labels=pod_labels),
         service(owner, name, settings, track),
     ]
     if scaling.max_replicas >= 2:
@@ -787,11 +797,12 @@ def _workload(
     settings: Settings, traffic: tuple[Obj, ...], notes: tuple[str, ...] = (), placement: str | None = None,
     live: Mapping[str, Any] | None = None, split: bool = False, candidate: str = "",
     extra: Sequence[Obj] = (), extra_absent: Sequence[tuple[str, str, str]] = (), shape: Shape | None = None,
+    pod_labels: Mapping[str, str] | None = None,
 ) -> Desired:
     name = owner.name
     objects, absent = _track(owner, models, track=STABLE, resources=resources, gpus=gpus, scaling=scaling,
                              storage=storage, shutdown=shutdown, settings=settings, live=live, split=split,
-                             candidate=candidate, shape=shape)
+                             candidate=candidate, shape=shape, pod_labels=pod_labels)
     host = f"{name}.{owner.namespace}.svc.{settings.cluster_domain}"
     http_url = f"http://{host}:{settings.http_port}"
     return Desired(
@@ -1058,4 +1069,66 @@ def ensemble(
         scaling=spec.scaling, storage=spec.storage, shutdown=spec.shutdown, settings=settings,
         traffic=({"revision": "stable", "version": 1, "percent": 100},),
         placement="Colocated" if colocate else "Remote", live=live,
+    )
+
+
+# ---------------------------------------------------------------- model pools
+
+POOL_MEMBER_LABEL_PREFIX = "member.sluice.dev/"
+"""``member.sluice.dev/<member>: "true"`` on a pool's pods that serve that member: the member's Service
+selects only pods that load its model, also while the pool rolls out a change of membership."""
+
+
+def member_label(member: str) -> str:
+    """The pod label key saying a pool pod serves InferenceModel ``member`` (a label name holds 63
+    characters; a longer member name is cut and made unique with a hash)."""
+    if len(member) > 63:
+        member = f"{member[:52]}-{hashlib.sha256(member.encode()).hexdigest()[:10]}"
+    return POOL_MEMBER_LABEL_PREFIX + member
+
+
+def model_pool(
+    owner: Owner, spec: api.ModelPoolSpec, members: Sequence[tuple[str, api.InferenceModelSpec]],
+    settings: Settings, *, service_account: str | None = None, live: Mapping[str, Any] | None = None,
+    shape: placement.Shape | None = None,
+) -> Desired:
+    """Children of a ModelPool: one runtime Deployment (with ConfigMap, Service, PDB and autoscaler, as an
+    InferenceModel's) serving the model of every admitted member in ``members`` ((name, spec), the
+    reconciler's admission); each member's files are fetched with its own ``storage`` credentials, and the
+    pods run as ``service_account`` (the one the members share, ``pools.Admission.service_account``).
+    The device is the pool's ``spec.gpu``, rendered where the GPU planner put it (``shape``); the members'
+    shares of it are bookkeeping (``pools``)."""
+    if problems := unserved_formats([(f"InferenceModel {name!r} spec.model", m.model) for name, m in members]):
+        raise NotServedError(problems)
+    served = [served_model(m.model, m.runtime, gpu=True, storage=m.storage) for _, m in members]
+    return _workload(
+        owner, served, model_name="", resources=dataclasses.replace(spec.resources, gpu=spec.gpu),
+        gpus=[spec.gpu], scaling=spec.scaling, storage=api.Storage(service_account_name=service_account),
+        shutdown=spec.shutdown, settings=settings, traffic=(), live=live,
+        pod_labels={member_label(name): "true" for name, _ in members}, shape=shape,
+    )
+
+
+def pool_member(
+    owner: Owner, spec: api.InferenceModelSpec, pool: Owner, settings: Settings, *, had_canary: bool = False,
+) -> Desired:
+    """Children of an InferenceModel in ``pool``: its own Service only (the name clients already use),
+    selecting the pool's pods that serve it. Everything a standalone model owns is named absent, so a
+    model that joins a pool gives its Deployment, ConfigMap, PDB and autoscaler up; so is what its
+    canary owned when it ``had_canary`` (its status still shows one)."""
+    if problems := unserved_formats([("spec.model", spec.model)]):
+        raise NotServedError(problems)
+    selector = {**selector_labels(pool), member_label(owner.name): "true"}
+    own_service = ("v1", "Service", owner.name)
+    absent = [a for a in _track_names(owner, STABLE) if a != own_service]
+    if had_canary:
+        absent += _track_names(owner, CANARY) + _route_names(owner)
+    host = f"{owner.name}.{owner.namespace}.svc.{settings.cluster_domain}"
+    http_url = f"http://{host}:{settings.http_port}"
+    return Desired(
+        objects=(service(owner, owner.name, settings, selector=selector),), absent=tuple(absent),
+        selector=",".join(f"{k}={v}" for k, v in sorted(selector.items())),
+        http_url=http_url, grpc_target=f"{host}:{settings.grpc_port}",
+        model_url=f"{http_url}/v2/models/{spec.model.name}",
+        traffic=({"revision": STABLE, "version": spec.model.version, "percent": 100},),
     )

@@ -78,45 +78,60 @@ def _model_source(description: str) -> Schema:
     )
 
 
-def _resources() -> Schema:
-    gpu = _obj(
-        "GPU need, in exactly one form: whole GPUs, one MIG slice, or a device with at least this much "
-        "memory (the operator picks the smallest free MIG profile that fits, else a whole GPU; see "
-        "status.placement).",
-        {
-            "count": _int("Number of whole, exclusive GPUs (never a MIG slice or a time-sliced GPU).", 1,
-                          api.MAX_GPUS),
-            "migProfile": _str(
-                "One MIG slice of this profile, e.g. 1g.10gb, 3g.40gb or 1g.10gb+me; rendered as the node's "
-                "MIG strategy needs (mixed: nvidia.com/mig-<profile>; single: nvidia.com/gpu on nodes of "
-                "that profile).",
-                pattern=api.MIG_PROFILE_PATTERN,
-            ),
-            "memory": _quantity(
-                "The least GPU memory the model needs, e.g. 8Gi: the smallest free MIG slice with that "
-                "much, else (with shared) a time-sliced GPU whose share has it, else a whole GPU."
-            ),
-            "computePercent": _int(
-                "With memory: the least share of one GPU's compute, e.g. 25 (a 2g slice of 7 is 28 %).",
-                1, 100),
-            "shared": {"type": "boolean", "description":
-                       "With memory: time-sliced GPUs may be used (no memory isolation from their other "
-                       "pods). Default false."},
-        },
-        rules=[
-            _rule("[has(self.count), has(self.migProfile), has(self.memory)].filter(x, x).size() == 1",
-                  "set exactly one of gpu.count, gpu.migProfile or gpu.memory"),
+def _gpu(description: str, *, share: bool) -> Schema:
+    """``gpu`` of an InferenceModel (``share``: memory may be a pool member's share) or of a ModelPool."""
+    properties: dict[str, Schema] = {
+        "count": _int("Number of whole, exclusive GPUs (never a MIG slice or a time-sliced GPU).", 1,
+                      api.MAX_GPUS),
+        "migProfile": _str(
+            "One MIG slice of this profile, e.g. 1g.10gb, 3g.40gb or 1g.10gb+me; rendered as the node's "
+            "MIG strategy needs (mixed: nvidia.com/mig-<profile>; single: nvidia.com/gpu on nodes of "
+            "that profile).",
+            pattern=api.MIG_PROFILE_PATTERN,
+        ),
+        "memory": _quantity(
+            "The least GPU memory the model needs, e.g. 8Gi: the smallest free MIG slice with that "
+            "much, else (with shared) a time-sliced GPU whose share has it, else a whole GPU. In a pool "
+            "member (spec.pool): the model's share of the pool's device memory instead."
+            if share else
+            "The pool's device: the smallest free MIG slice with this much memory, else a whole GPU "
+            "with it, e.g. 40Gi; the pool's capacity."
+        ),
+    }
+    rules = [_rule(
+        "[has(self.count), has(self.migProfile), has(self.memory)].filter(x, x).size() == 1",
+        "set exactly one of gpu.count, gpu.migProfile or gpu.memory",
+    )]
+    if share:
+        properties["computePercent"] = _int(
+            "With memory: the least share of one GPU's compute, e.g. 25 (a 2g slice of 7 is 28 %). A ModelPool "
+            "admits members while their shares add up to at most 100 per device (declared, not enforced).",
+            1, 100)
+        properties["shared"] = {"type": "boolean", "description":
+                                "With memory: time-sliced GPUs may be used (no memory isolation from their "
+                                "other pods). Default false."}
+        rules += [
             _rule("!has(self.computePercent) || has(self.memory)", "gpu.computePercent only goes with gpu.memory"),
             _rule("!has(self.shared) || !self.shared || has(self.memory)", "gpu.shared only goes with gpu.memory"),
-        ],
-    )
+        ]
+    return _obj(description, properties, rules=rules)
+
+
+def _resources(*, gpu: bool = True) -> Schema:
+    properties: dict[str, Schema] = {
+        "cpu": _quantity("CPU for the runtime container, e.g. 2 or 500m. Operator default if unset."),
+        "memory": _quantity("Memory for the runtime container, e.g. 4Gi. Operator default if unset."),
+    }
+    if gpu:
+        properties["gpu"] = _gpu(
+            "GPU need, in exactly one form: whole GPUs, one MIG slice, or a device with at least this much "
+            "memory (the operator picks the smallest free MIG profile that fits, else a whole GPU; see "
+            "status.placement).",
+            share=True,
+        )
     return _obj(
         "Compute for each runtime pod. Requests equal limits (Guaranteed QoS) so latency is predictable.",
-        {
-            "cpu": _quantity("CPU for the runtime container, e.g. 2 or 500m. Operator default if unset."),
-            "memory": _quantity("Memory for the runtime container, e.g. 4Gi. Operator default if unset."),
-            "gpu": gpu,
-        },
+        properties,
     )
 
 
@@ -363,7 +378,7 @@ def _condition() -> Schema:
     )
 
 
-def _status(extra: dict[str, Schema] | None = None) -> Schema:
+def _status(extra: dict[str, Schema] | None = None, *, serves_model: bool = True) -> Schema:
     properties: dict[str, Schema] = {
         "observedGeneration": {"type": "integer", "format": "int64",
                                "description": "metadata.generation the operator last reconciled."},
@@ -389,6 +404,9 @@ def _status(extra: dict[str, Schema] | None = None) -> Schema:
         },
         "trafficSummary": _str("The traffic split in one word for `kubectl get`, e.g. v1=100."),
     }
+    if not serves_model:  # a pool: its members have the URLs and the traffic
+        for key in ("url", "traffic", "trafficSummary"):
+            del properties[key]
     properties.update(extra or {})
     return _obj("Observed state, written by the operator only.", properties)
 
@@ -476,7 +494,7 @@ def _placement_status() -> Schema:
 
 def _crd(kind: str, plural: str, short_names: list[str], description: str, spec: Schema,
          status_extra: dict[str, Schema] | None = None,
-         columns: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+         columns: list[dict[str, Any]] | None = None, serves_model: bool = True) -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -508,7 +526,7 @@ def _crd(kind: str, plural: str, short_names: list[str], description: str, spec:
                         "kind": _str("Kind of this object."),
                         "metadata": {"type": "object"},
                         "spec": spec,
-                        "status": _status(status_extra),
+                        "status": _status(status_extra, serves_model=serves_model),
                     },
                     required=("spec",),
                 )},
@@ -528,6 +546,13 @@ def inference_model_crd() -> dict[str, Any]:
             "canary": _canary(),
             "storage": _storage(),
             "shutdown": _shutdown(),
+            "pool": _str(
+                "A ModelPool in the same namespace whose runtime pods serve this model next to other members "
+                "on one GPU or MIG slice, instead of a Deployment of its own. A member declares its share in "
+                "resources.gpu.memory (and optionally computePercent), and sets no gpu.count or migProfile, "
+                "no canary and no replica bounds: the pool scales. Its Service keeps its name.",
+                pattern=api.POOL_NAME_PATTERN, maxLength=63,
+            ),
         },
         required=("model",),
         rules=[
@@ -537,12 +562,27 @@ def inference_model_crd() -> dict[str, Any]:
                   "self.canary.storageUri != self.model.storageUri || has(self.canary.runtime) || "
                   "has(self.canary.config)",
                   "spec.canary must differ from spec.model in version, storageUri, config or runtime"),
+            _rule("!has(self.pool) || (has(self.resources) && has(self.resources.gpu) && "
+                  "has(self.resources.gpu.memory))",
+                  "a pool member must declare spec.resources.gpu.memory, its share of the pool's GPU memory"),
+            _rule("!has(self.pool) || !has(self.canary)",
+                  "a pool member cannot have spec.canary: move it out of the pool first, or run the candidate "
+                  "as its own InferenceModel"),
+            _rule("!has(self.pool) || !has(self.scaling) || "
+                  "(self.scaling.minReplicas == 1 && self.scaling.maxReplicas == 1)",
+                  "a pool member is scaled with its pool: remove spec.scaling's minReplicas and maxReplicas"),
         ],
     )
     return _crd(
         api.INFERENCE_MODEL_KIND, api.INFERENCE_MODEL_PLURAL, ["im", "ims"],
         "InferenceModel serves one model (with an optional canary) over KServe V2 HTTP and gRPC.", spec,
-        status_extra={"canary": _canary_status(), "placement": _placement_status()},
+        status_extra={"canary": _canary_status(), "placement": _placement_status(), "pool": _obj(
+            "Where a pool member stands in its pool (spec.pool).", {
+                "name": _str("The ModelPool."),
+                "state": _str("Admitted (served by the pool's pods) or Waiting (not served: see reason)."),
+                "reason": _str("Why it waits: what is missing, e.g. needs 6 GiB, pool small has 2 GiB free of "
+                               "40 GiB."),
+            })},
         columns=[*_PRINTER_COLUMNS[:3],
                  {"name": "Canary", "type": "string", "jsonPath": ".status.canary.summary",
                   "description": "The canary rollout's phase and step."},
@@ -616,5 +656,70 @@ def ensemble_crd() -> dict[str, Any]:
     )
 
 
+def model_pool_crd() -> dict[str, Any]:
+    spec = _obj(
+        "Desired state: one runtime Deployment whose pods each get one device (gpu) and serve every admitted "
+        "member, the InferenceModels whose spec.pool names this pool.",
+        {
+            "gpu": _gpu(
+                "The device each pool replica gets, in exactly one form: whole GPUs, one MIG slice, or one GPU "
+                "with at least this much memory. Members declare shares of its memory (capacity: gpu.memory; "
+                "for migProfile the profile's nominal memory; for count unknown, so members are admitted on "
+                "computePercent alone).", share=False,
+            ),
+            "resources": _resources(gpu=False),
+            "scaling": {**_scaling(), "description": "Replica bounds of the pool: it scales as one, on its pods' "
+                        "runtime metric summed over every member (members have no autoscaling of their own)."},
+            "shutdown": _shutdown(),
+        },
+        required=("gpu",),
+    )
+    member = _obj("An admitted member.", {
+        "name": _str("The InferenceModel."),
+        "memoryMiB": {"type": "integer", "format": "int64", "description": "Its share of device memory, MiB."},
+        "computePercent": {"type": "integer", "format": "int32", "description": "Its share of compute, percent."},
+    })
+    waiting = _obj("A member that is not served.", {
+        "name": _str("The InferenceModel."),
+        "cause": _str("PoolFull (not enough memory or compute) or PoolConflict (it cannot share the pods)."),
+        "reason": _str("What is missing, e.g. needs 6 GiB, pool small has 2 GiB free of 40 GiB."),
+    })
+    nullable_int = {"type": "integer", "format": "int64", "nullable": True}
+    status_extra = {
+        "placement": _placement_status(),
+        "members": {"type": "array", "description": "Admitted members, oldest first.", "items": member},
+        "waiting": {"type": "array", "description": "Members that wait for room, oldest first.", "items": waiting},
+        "membersSummary": _str("Admitted and waiting members for `kubectl get mpool`."),
+        "capacity": _obj("The device's memory and compute, and how much the admitted members declared.", {
+            "memoryMiB": {**nullable_int, "description": "Device memory in MiB; null when unknown (see note)."},
+            "usedMiB": {"type": "integer", "format": "int64", "description": "Declared by admitted members."},
+            "freeMiB": {**nullable_int, "description": "memoryMiB - usedMiB; null when unknown."},
+            "computePercent": {"type": "integer", "format": "int32",
+                               "description": "Compute shares available in all: 100 per device."},
+            "computePercentUsed": {"type": "integer", "format": "int32",
+                                   "description": "Compute shares declared by admitted members."},
+            "summary": _str("Free memory for `kubectl get mpool`, e.g. 4 GiB of 40 GiB."),
+            "note": _str("Why the memory is unknown, when it is."),
+        }),
+    }
+    columns = [
+        {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+         "description": "Whether a pool replica is available."},
+        {"name": "Members", "type": "string", "jsonPath": ".status.membersSummary",
+         "description": "Admitted and waiting members."},
+        {"name": "Free", "type": "string", "jsonPath": ".status.capacity.summary",
+         "description": "Device memory the admitted members leave free."},
+        {"name": "Replicas", "type": "integer", "jsonPath": ".status.readyReplicas",
+         "description": "Ready runtime pods."},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+    return _crd(
+        api.MODEL_POOL_KIND, api.MODEL_POOL_PLURAL, ["mpool", "mpools"],
+        "ModelPool serves several small InferenceModels (spec.pool) from one runtime Deployment, each replica "
+        "on one GPU or MIG slice, admitting them while their declared memory and compute shares fit.",
+        spec, status_extra, columns, serves_model=False,
+    )
+
+
 def all_crds() -> list[dict[str, Any]]:
-    return [inference_model_crd(), ensemble_crd()]
+    return [inference_model_crd(), ensemble_crd(), model_pool_crd()]

@@ -7,7 +7,10 @@ registry, nothing at import time). Triggers, all level-triggered into the same r
 * a child (Deployment, Service, ConfigMap, PDB, HPA carrying our managed-by label) changes or is
   deleted: the owner named in its controller ownerReference is reconciled, which repairs drift
   (a KEDA ScaledObject is not watched, see ``CHILD_KINDS``: the timer repairs it);
-* an InferenceModel changes: the Ensembles that reference it are reconciled;
+* an InferenceModel changes: the Ensembles that reference it are reconciled; when its spec changes (or
+  it is created or deleted), so are the ModelPool it names and the one it left (old spec, ``status.pool``);
+* a reconcile names others whose status follows from it (``Outcome.then``: a pool's members after its
+  admission or readiness changed): they are reconciled next; a deleted ModelPool's members likewise;
 * a timer every ``Settings.resync_seconds`` as a backstop for anything the watches missed.
 
 Deletion needs no handler: children carry ownerReferences, so the garbage collector removes them.
@@ -34,7 +37,7 @@ CHILD_KINDS = ("Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "Hor
 # Not KEDA's ScaledObject: its CRD is installed only where KEDA is, and kopf watching a resource the
 # cluster does not serve fails instead of waiting for it. A ScaledObject edited by hand is put back by
 # the resync timer (resyncSeconds) instead of at once.
-CUSTOM_PLURALS = (api.INFERENCE_MODEL_PLURAL, api.ENSEMBLE_PLURAL)
+CUSTOM_PLURALS = (api.INFERENCE_MODEL_PLURAL, api.ENSEMBLE_PLURAL, api.MODEL_POOL_PLURAL)
 MANAGED_SELECTOR = f"app.kubernetes.io/managed-by={builders.MANAGED_BY}"
 
 
@@ -86,6 +89,7 @@ def register(
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
+        stopping.set()  # handlers still finishing start nothing new
         for handle in requeues.values():
             handle.cancel()
         requeues.clear()
@@ -94,6 +98,7 @@ def register(
         await kube.aclose()
 
     requeues: dict[tuple[str, str, str], asyncio.TimerHandle] = {}
+    stopping = asyncio.Event()
 
     def requeue(body: Mapping[str, Any], delay: float) -> None:
         # A canary interval that ends before the next resync: reconcile again then (one timer per object).
@@ -135,6 +140,27 @@ def register(
             metrics.status_writes.labels(kind).inc()
         if outcome is not None and outcome.requeue_after_s is not None and outcome.requeue_after_s < resync:
             requeue(body, max(outcome.requeue_after_s, 1.0))
+        if outcome is not None:
+            namespace = body["metadata"]["namespace"]
+            for kind, name in outcome.then:
+                follow(kind, namespace, name)
+
+    def follow(kind: str, namespace: str, name: str) -> None:
+        # Its own task: a failure there is that object's (logged; its watch events and the timer retry),
+        # and a chain of follow-ups (pool -> members -> the pool a member left) never nests.
+        if stopping.is_set():
+            return
+        ref = {"kind": kind, "apiVersion": api.API_VERSION, "metadata": {"namespace": namespace, "name": name}}
+
+        async def reconcile() -> None:
+            try:
+                await run(ref)
+            except Exception:
+                log.exception("Follow-up reconcile of %s %s/%s failed", kind, namespace, name)
+
+        task = asyncio.get_running_loop().create_task(reconcile())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     async def on_change(body: kopf.Body, **_: Any) -> None:
         await run(body)
@@ -160,7 +186,7 @@ def register(
     async def on_child(body: kopf.Body, **_: Any) -> None:
         refs = body.get("metadata", {}).get("ownerReferences", []) or []
         ref = next((r for r in refs if r.get("controller") and r.get("apiVersion") == api.API_VERSION), None)
-        if ref is None or ref.get("kind") not in (api.INFERENCE_MODEL_KIND, api.ENSEMBLE_KIND):
+        if ref is None or ref.get("kind") not in (api.INFERENCE_MODEL_KIND, api.ENSEMBLE_KIND, api.MODEL_POOL_KIND):
             return
         namespace = body["metadata"]["namespace"]
         owner = await kube.get(ref["kind"], namespace, ref["name"])
@@ -181,8 +207,39 @@ def register(
             if any((step.get("modelRef") or {}).get("name") == name for step in steps if isinstance(step, dict)):
                 await run(ensemble)
 
+    async def on_model_pools(body: kopf.Body, old: Mapping[str, Any] | None = None, **_: Any) -> None:
+        # A pool admits its members from their specs (never their status): when a model's spec changes, is
+        # created or deleted, the pool it names (joined, grew, left) and the one it named before (the old
+        # spec, or its status: it moved to another pool or out) admit again.
+        namespace = body["metadata"]["namespace"]
+        named = (body.get("spec") or {}).get("pool")
+        previous = ((old or {}).get("spec") or {}).get("pool")
+        before = ((body.get("status") or {}).get("pool") or {}).get("name")
+        for pool in sorted({p for p in (named, previous, before) if isinstance(p, str)}):
+            found = await kube.get(api.MODEL_POOL_KIND, namespace, pool)
+            if found is not None:
+                await run(found)
+
+    async def on_pool_event(body: kopf.Body, type: str | None = None, **_: Any) -> None:
+        # A pool that is gone admits no one: its members report PoolNotFound.
+        if type != "DELETED":
+            return
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        for model in await kube.list(api.INFERENCE_MODEL_KIND, namespace):
+            if (model.get("spec") or {}).get("pool") == name:
+                follow(api.INFERENCE_MODEL_KIND, namespace, model["metadata"]["name"])
+
     kopf.on.event(api.GROUP, api.VERSION, api.INFERENCE_MODEL_PLURAL, registry=registry,
                   id="ensembles-of-model")(on_model_event)
+    # Spec changes only (kopf's change detection ignores status): a member's status writes, which follow
+    # its pool, must not make the pool reconcile again.
+    model = (api.GROUP, api.VERSION, api.INFERENCE_MODEL_PLURAL)
+    kopf.on.resume(*model, registry=registry, id="pools-of-model", backoff=5)(on_model_pools)
+    kopf.on.create(*model, registry=registry, id="pools-of-model", backoff=5)(on_model_pools)
+    kopf.on.update(*model, registry=registry, id="pools-of-model", backoff=5)(on_model_pools)
+    kopf.on.delete(*model, registry=registry, id="pools-of-model", optional=True)(on_model_pools)
+    kopf.on.event(api.GROUP, api.VERSION, api.MODEL_POOL_PLURAL, registry=registry,
+                  id="members-of-pool")(on_pool_event)
 
     for kind in CHILD_KINDS:
         group, version = _split(RESOURCES[kind][0])

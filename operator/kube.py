@@ -48,6 +48,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ResourceClaimTemplate": ("resource.k8s.io/v1", "resourceclaimtemplates"),
     api.INFERENCE_MODEL_KIND: (api.API_VERSION, api.INFERENCE_MODEL_PLURAL),
     api.ENSEMBLE_KIND: (api.API_VERSION, api.ENSEMBLE_PLURAL),
+    api.MODEL_POOL_KIND: (api.API_VERSION, api.MODEL_POOL_PLURAL),
 }
 
 

@@ -1,10 +1,15 @@
-"""Reconcile one InferenceModel or Ensemble: gather -> decide (pure builders) -> apply -> status.
+"""Reconcile one InferenceModel, Ensemble or ModelPool: gather -> decide (pure builders) -> apply -> status.
 
 Level-triggered and idempotent: every call renders the full desired state from the current spec and
 applies it, so a repeated call changes nothing, and a call after someone edited or deleted a child
 puts it back. Status is computed from what the API returned and written in one patch, only when it
 differs from what is stored. A spec the builders cannot satisfy becomes a Degraded condition (and a
 Warning event) instead of an exception, and the children of the last good spec are left running.
+
+A ModelPool's reconcile admits its members (``pools.admit``) and renders them into its Deployment; a
+member's reconcile reads that verdict from the pool's status and renders only its Service. Each says in
+:attr:`Outcome.then` whom a change concerns next (the pool's members; the pool a member left), and the
+handlers reconcile those.
 
 Callers: ``handlers`` (kopf). I/O goes through the :class:`Api` protocol (``kube.Kube`` implements it),
 with an injected clock and event sink.
@@ -20,7 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
-from sluice.operator import api, builders, canary, conditions, gpus, inventory, placement
+from sluice.operator import api, builders, canary, conditions, gpus, inventory, placement, pools
 from sluice.operator.conditions import FALSE, TRUE, Condition
 from sluice.operator.settings import Settings
 
@@ -87,6 +92,44 @@ class Outcome:
     deleted: int
     requeue_after_s: float | None = None
     """Reconcile again after this long (a canary interval ends), sooner than the resync timer."""
+    then: tuple[tuple[str, str], ...] = ()
+    """(kind, name) in the same namespace to reconcile next, because their status follows from this
+    one's: a pool's members after its admission or readiness changed, the pool a member left."""
+
+
+class PoolNotFoundError(builders.UnsatisfiableError):
+    """An InferenceModel's ``spec.pool`` names a ModelPool that does not exist."""
+
+    def __init__(self, pool: str, namespace: str) -> None:
+        self.pool = pool
+        super().__init__([f"spec.pool: ModelPool {pool!r} does not exist in namespace {namespace!r}; create it "
+                          "or fix spec.pool (the model's previous pods, if any, keep serving meanwhile)"])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Membership:
+    """A pool member's view of its pool, gathered by its reconcile."""
+
+    pool: str
+    verdict: pools.Verdict
+    deployment: Obj | None
+    """The pool's Deployment as the API has it."""
+    degraded: Mapping[str, Any] | None = None
+    """The pool's Degraded condition when it is True (its pods cannot be scheduled, its spec is invalid)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What :meth:`Reconciler._decide` decided: objects, and what status needs beyond the Deployment."""
+
+    desired: builders.Desired
+    canary: _CanaryPass | None = None
+    membership: _Membership | None = None
+    """Set for an InferenceModel in a pool: its conditions follow the pool."""
+    admission: pools.Admission | None = None
+    """Set for a ModelPool."""
+    placed: _Placed | None = None
+    """Where the GPU planner put it (an InferenceModel with its own GPU need, or a ModelPool)."""
 
 
 REPLAN_ANNOTATION = "sluice.dev/replan"
@@ -215,11 +258,16 @@ class Reconciler:
             body = fresh
             owner = _owner(body)
             try:
-                desired, rollout, placed = await self._decide(owner, body)
+                plan = await self._decide(owner, body)
+            except PoolNotFoundError as exc:
+                pool = {"name": exc.pool, "state": pools.WAITING, "reason": "the ModelPool does not exist"}
+                outcome = await self._report_problem(owner, body, "PoolNotFound", exc.problems, {"pool": pool})
+                return dataclasses.replace(outcome, then=self._left_pool(body, exc.pool))
             except (api.SpecError, builders.UnsatisfiableError) as exc:
                 reason = ("InvalidSpec" if isinstance(exc, api.SpecError)
                           else "NotImplemented" if isinstance(exc, builders.NotServedError) else "Unsatisfiable")
                 return await self._report_problem(owner, body, reason, exc.problems)
+            desired, rollout, placed = plan.desired, plan.canary, plan.placed
             applied = deleted = 0
             deployment: Obj | None = None
             for obj in desired.objects:
@@ -243,27 +291,42 @@ class Reconciler:
                 if existing is not None and _owned_by(existing, owner):
                     deleted += await self._kube.delete(kind, owner.namespace, name,
                                                        uid=existing["metadata"].get("uid"))
-            found, replicas, ready = _rollout(deployment)
-            if deployment is not None and ready < int((deployment.get("spec") or {}).get("replicas", 1)):
-                waiting = conditions.unschedulable(await self._pods(owner))
-                if waiting is not None:  # more telling than a stalled rollout: it names what is missing
-                    found = [c for c in found if c.type != conditions.DEGRADED] + [waiting]
+            if plan.membership is not None:
+                found, replicas, ready = _member_conditions(body, plan.membership)
+            else:
+                found, replicas, ready = _rollout(deployment)
+                if deployment is not None and ready < int((deployment.get("spec") or {}).get("replicas", 1)):
+                    waiting = conditions.unschedulable(await self._pods(owner))
+                    if waiting is not None:  # more telling than a stalled rollout: it names what is missing
+                        found = [c for c in found if c.type != conditions.DEGRADED] + [waiting]
             if placed is not None:
                 found += self._placement_conditions(placed, found)
             if not any(c.type == conditions.DEGRADED for c in found):
                 if desired.notes:
                     found.append(Condition(conditions.DEGRADED, TRUE, "NotImplemented", " ".join(desired.notes)))
+                elif plan.admission is not None and plan.admission.waiting:
+                    found.append(Condition(conditions.DEGRADED, FALSE, "MembersWaiting", _waiting_message(
+                        plan.admission)))
                 else:
                     found.append(Condition(conditions.DEGRADED, FALSE, "AsExpected", "Nothing needs attention."))
             status: Obj = {
                 "replicas": replicas,
                 "readyReplicas": ready,
                 "selector": desired.selector,
-                "url": desired.model_url,
-                "endpoints": {"http": desired.http_url, "grpc": desired.grpc_target},
-                "traffic": list(desired.traffic),
-                "trafficSummary": _traffic_summary(desired.traffic),
             }
+            if plan.admission is not None:
+                status["endpoints"] = {"http": desired.http_url, "grpc": desired.grpc_target}
+                status.update(pools.status_to(plan.admission))
+            else:
+                status.update({
+                    "url": desired.model_url,
+                    "endpoints": {"http": desired.http_url, "grpc": desired.grpc_target},
+                    "traffic": list(desired.traffic),
+                    "trafficSummary": _traffic_summary(desired.traffic),
+                })
+            if plan.membership is not None:
+                verdict = plan.membership.verdict
+                status["pool"] = {"name": plan.membership.pool, "state": verdict.state, "reason": verdict.reason}
             if desired.placement is not None:
                 status["placement"] = desired.placement
             requeue = None
@@ -281,7 +344,22 @@ class Reconciler:
                     if isinstance(action, canary.Event):
                         self._events(body, type="Warning" if action.warning else "Normal", reason=action.reason,
                                      message=action.message)
-            return dataclasses.replace(outcome, applied=applied, deleted=deleted, requeue_after_s=requeue)
+            then: tuple[tuple[str, str], ...] = ()
+            if plan.admission is not None and outcome.status_written:
+                # The members' status follows the pool's admission and its Deployment: let them catch up.
+                named = pools.named_in(body.get("status")) | pools.named_in(outcome.status)
+                then = tuple((api.INFERENCE_MODEL_KIND, name) for name in sorted(named))
+            elif owner.kind == api.INFERENCE_MODEL_KIND:
+                then = self._left_pool(body, plan.membership.pool if plan.membership else None)
+            return dataclasses.replace(outcome, applied=applied, deleted=deleted, requeue_after_s=requeue,
+                                       then=then)
+
+    @staticmethod
+    def _left_pool(body: Mapping[str, Any], pool: str | None) -> tuple[tuple[str, str], ...]:
+        """The pool a member's status still names when its spec names another one or none: that pool
+        must drop it (the handlers also see the change, but may only see a later copy of the object)."""
+        before = ((body.get("status") or {}).get("pool") or {}).get("name")
+        return ((api.MODEL_POOL_KIND, before),) if isinstance(before, str) and before != pool else ()
 
     async def _pods(self, owner: builders.Owner) -> list[Obj]:
         """The runtime pods of ``owner`` (its Deployment's selector labels)."""
@@ -289,15 +367,17 @@ class Reconciler:
         pods = await self._kube.list("Pod", owner.namespace)
         return [p for p in pods if all((p["metadata"].get("labels") or {}).get(k) == v for k, v in labels.items())]
 
-    async def _decide(
-        self, owner: builders.Owner, body: Mapping[str, Any],
-    ) -> tuple[builders.Desired, _CanaryPass | None, _Placed | None]:
+    async def _decide(self, owner: builders.Owner, body: Mapping[str, Any]) -> _Plan:
         spec = body.get("spec") or {}
+        if owner.kind == api.INFERENCE_MODEL_KIND:
+            model = api.parse_inference_model(owner.name, spec)
+            if model.pool is not None:
+                return await self._member(owner, body, model)
         # The live Deployment decides the replica count while an HPA takes the field over.
         live = await self._kube.get("Deployment", owner.namespace, owner.name)
         if owner.kind == api.INFERENCE_MODEL_KIND:
-            model = api.parse_inference_model(owner.name, spec)
-            placed = await self._place(owner, body, model) if model.resources.gpu is not None else None
+            placed = await self._place(owner, body, model.resources.gpu, model.scaling.min_replicas,
+                                       model.canary is not None) if model.resources.gpu is not None else None
             stored = (body.get("status") or {}).get("canary")
             rollout = None
             if model.canary is not None or stored:
@@ -305,7 +385,9 @@ class Reconciler:
             desired = builders.inference_model(
                 owner, model, self._settings, live=live, live_canary=rollout.live_canary if rollout else None,
                 rollout=rollout.rollout if rollout else None, shape=placed.verdict.shape if placed else None)
-            return desired, rollout, placed
+            return _Plan(desired, canary=rollout, placed=placed)
+        if owner.kind == api.MODEL_POOL_KIND:
+            return await self._pool(owner, body, live)
         parsed = api.parse_ensemble(owner.name, spec)
         referenced: dict[str, api.InferenceModelSpec] = {}
         problems: list[str] = []
@@ -321,17 +403,70 @@ class Reconciler:
                 problems.append(f"InferenceModel {step.model_ref!r} is invalid ({exc}); fix it first")
         if problems:
             raise builders.UnsatisfiableError(problems)
-        return builders.ensemble(owner, parsed, referenced, self._settings, live=live), None, None
+        return _Plan(builders.ensemble(owner, parsed, referenced, self._settings, live=live))
+
+    # ------------------------------------------------------------ model pools
+
+    async def _pool(self, owner: builders.Owner, body: Mapping[str, Any], live: Obj | None) -> _Plan:
+        """Admit the pool's members (``pools.admit``, pure) and render the admitted ones."""
+        pool = api.parse_model_pool(owner.name, body.get("spec") or {})
+        members: list[pools.Member] = []
+        specs: dict[str, api.InferenceModelSpec] = {}
+        for item in await self._kube.list(api.INFERENCE_MODEL_KIND, owner.namespace):
+            meta = item.get("metadata") or {}
+            if (item.get("spec") or {}).get("pool") != owner.name or meta.get("deletionTimestamp"):
+                continue
+            try:
+                spec = api.parse_inference_model(meta["name"], item.get("spec") or {})
+            except api.SpecError:
+                continue  # not a candidate: the member reports its own spec (Degraded InvalidSpec)
+            if builders.unserved_formats([("spec.model", spec.model)]) or spec.resources.gpu is None \
+                    or spec.resources.gpu.memory is None:
+                continue  # likewise (NotImplemented): its pods would never become ready, nor the pool's
+            specs[meta["name"]] = spec
+            members.append(pools.Member(
+                name=meta["name"], memory_mib=pools.mib(spec.resources.gpu.memory, round_up=True),
+                compute_percent=spec.resources.gpu.compute_percent or 0,
+                created=str(meta.get("creationTimestamp") or ""), model=spec.model.name,
+                service_account=spec.storage.service_account_name,
+            ))
+        # The pool's device is placed like a model's; a gpu.count pool learns its GPUs' memory from it.
+        placed = await self._place(owner, body, pool.gpu, pool.scaling.min_replicas, False)
+        shape = placed.verdict.shape
+        gpu_memory = shape.memory_mib if shape is not None and shape.memory_mib and pool.gpu.count else None
+        capacity = pools.capacity(owner.name, pool.gpu, gpu_memory_mib=gpu_memory)
+        admission = pools.admit(capacity, members, pools.admitted_from(body.get("status")))
+        desired = builders.model_pool(
+            owner, pool, [(m.name, specs[m.name]) for m in sorted(admission.admitted, key=lambda m: m.name)],
+            self._settings, service_account=admission.service_account, live=live, shape=shape)
+        return _Plan(desired, admission=admission, placed=placed)
+
+    async def _member(self, owner: builders.Owner, body: Mapping[str, Any], model: api.InferenceModelSpec) -> _Plan:
+        """An InferenceModel in a pool: its Service, and its verdict from the pool's last admission."""
+        assert model.pool is not None
+        found = await self._kube.get(api.MODEL_POOL_KIND, owner.namespace, model.pool)
+        if found is None or found["metadata"].get("deletionTimestamp"):
+            raise PoolNotFoundError(model.pool, owner.namespace)
+        pool = _owner(found)
+        had_canary = bool((body.get("status") or {}).get("canary"))
+        desired = builders.pool_member(owner, model, pool, self._settings, had_canary=had_canary)
+        verdict = pools.verdict_from(found.get("status"), owner.name)
+        deployment = await self._kube.get("Deployment", owner.namespace, model.pool)
+        degraded = conditions.find((found.get("status") or {}).get("conditions"), conditions.DEGRADED)
+        return _Plan(desired, membership=_Membership(
+            model.pool, verdict, deployment, degraded if (degraded or {}).get("status") == TRUE else None))
 
     # ------------------------------------------------------------ GPU placement
 
     async def _view(self) -> _GpuView:
-        """Nodes, pods, DRA objects and every InferenceModel, reused for ``placement_refresh_seconds``."""
+        """Nodes, pods and DRA objects, reused for ``placement_refresh_seconds``; the InferenceModels and
+        ModelPools that need GPUs are listed fresh every time."""
         now = self._clock().timestamp()
         namespaces = self._settings.namespaces or ("",)
         models: list[Obj] = []
         for namespace in namespaces:
             models += await self._kube.list(api.INFERENCE_MODEL_KIND, namespace)
+            models += await self._kube.list(api.MODEL_POOL_KIND, namespace)
         view = self._gpu_view
         if view is not None and now - view.read_at < self._settings.placement_refresh_seconds:
             return dataclasses.replace(view, models=tuple(models))
@@ -345,14 +480,16 @@ class Reconciler:
             nodes, pods = [], []
             problem = ("the operator may not list Nodes and Pods cluster-wide (403): grant it the chart's "
                        "discovery ClusterRole")
-        planned = {(m["metadata"]["namespace"], m["metadata"]["name"]) for m in models}
+        planned = {(m["metadata"]["namespace"], m["kind"], m["metadata"]["name"]) for m in models}
 
         def ours(obj: Mapping[str, Any]) -> bool:
+            """A runtime pod (or DRA claim) of a workload the plan books itself."""
             meta = obj.get("metadata") or {}
             labels = meta.get("labels") or {}
-            owner_name = labels.get("sluice.dev/" + api.INFERENCE_MODEL_KIND.lower())
-            return labels.get("app.kubernetes.io/managed-by") == builders.MANAGED_BY and \
-                (meta.get("namespace"), owner_name) in planned
+            if labels.get("app.kubernetes.io/managed-by") != builders.MANAGED_BY:
+                return False
+            return any((meta.get("namespace"), kind, labels.get("sluice.dev/" + kind.lower())) in planned
+                       for kind in (api.INFERENCE_MODEL_KIND, api.MODEL_POOL_KIND))
 
         if self._settings.gpu_allocation == "dra":
             slices = await self._kube.list("ResourceSlice", "")
@@ -363,32 +500,44 @@ class Reconciler:
         self._gpu_view = _GpuView(inventory=found, models=tuple(models), read_at=now, problem=problem)
         return self._gpu_view
 
-    async def _place(self, owner: builders.Owner, body: Mapping[str, Any], spec: api.InferenceModelSpec) -> _Placed:
-        """Plan every model's GPU need and return this one's (``placement.plan`` is pure; this gathers)."""
+    async def _place(
+        self, owner: builders.Owner, body: Mapping[str, Any], gpu: api.Gpu, min_replicas: int, canary_spec: bool,
+    ) -> _Placed:
+        """Plan every GPU need (InferenceModels with their own, ModelPools) and return ``owner``'s
+        (``placement.plan`` is pure; this gathers). Pool members are not planned: they share their pool's."""
         view = await self._view()
-        key = _request_key(owner.namespace, owner.name)
+        key = _request_key(owner.kind, owner.namespace, owner.name)
         requests: dict[str, placement.Request] = {}
         for other in view.models:
             meta = other["metadata"]
-            if (meta.get("namespace"), meta.get("name")) == (owner.namespace, owner.name):
+            if (other.get("kind"), meta.get("namespace"), meta.get("name")) == (owner.kind, owner.namespace,
+                                                                                 owner.name):
+                continue
+            if meta.get("deletionTimestamp"):
                 continue
             try:
-                parsed = api.parse_inference_model(meta["name"], other.get("spec") or {})
+                if other.get("kind") == api.MODEL_POOL_KIND:
+                    pool = api.parse_model_pool(meta["name"], other.get("spec") or {})
+                    need, replicas, has_canary = pool.gpu, pool.scaling.min_replicas, False
+                else:
+                    parsed = api.parse_inference_model(meta["name"], other.get("spec") or {})
+                    if parsed.pool is not None or parsed.resources.gpu is None:
+                        continue
+                    need, replicas, has_canary = parsed.resources.gpu, parsed.scaling.min_replicas, \
+                        parsed.canary is not None
             except api.SpecError:
-                continue  # reported on that model; it holds nothing it was not placed on
-            if parsed.resources.gpu is not None and not meta.get("deletionTimestamp"):
-                request = _request(meta, other.get("status") or {}, parsed)
-                requests[request.key] = request
-        mine = _request(body["metadata"], body.get("status") or {}, spec)
+                continue  # reported on that object; it holds nothing it was not placed on
+            request = _request(str(other.get("kind")), meta, other.get("status") or {}, need, replicas, has_canary)
+            requests[request.key] = request
+        mine = _request(owner.kind, body["metadata"], body.get("status") or {}, gpu, min_replicas, canary_spec)
         requests[key] = mine
-        gpu = spec.resources.gpu
-        assert gpu is not None
+        field = "spec.resources.gpu" if owner.kind == api.INFERENCE_MODEL_KIND else "spec.gpu"
         if gpu.mig_profile and not view.inventory.empty:
             offered = _offered_profiles(view.inventory)
             if gpu.mig_profile not in {p for profiles in offered.values() for p in profiles}:
                 listing = "; ".join(f"{model}: {', '.join(profiles)}" for model, profiles in sorted(offered.items()))
                 raise api.SpecError([
-                    f"spec.resources.gpu.migProfile: {gpu.mig_profile!r} is not a MIG profile of any GPU in this "
+                    f"{field}.migProfile: {gpu.mig_profile!r} is not a MIG profile of any GPU in this "
                     f"cluster; " + (f"its GPUs offer {listing}" if listing else "it has no MIG-capable GPU")
                     + "; or ask by memory (gpu.memory) to get the smallest profile that fits"])
         result = placement.plan(view.inventory, list(requests.values()))
@@ -512,6 +661,7 @@ class Reconciler:
 
     async def _report_problem(
         self, owner: builders.Owner, body: Mapping[str, Any], reason: str, problems: tuple[str, ...],
+        fields: Mapping[str, Any] | None = None,
     ) -> Outcome:
         # Keep whatever the last good spec created running; report on it and on the problem.
         deployment = await self._kube.get("Deployment", owner.namespace, owner.name)
@@ -527,7 +677,7 @@ class Reconciler:
         ]
         old = body.get("status") or {}
         status = {k: old[k] for k in old if k not in ("conditions", "observedGeneration")}
-        status.update({"replicas": replicas, "readyReplicas": ready})
+        status.update({"replicas": replicas, "readyReplicas": ready, **(fields or {})})
         return await self._write_status(body, found, status)
 
     async def _write_status(self, body: Mapping[str, Any], found: list[Condition], fields: Obj) -> Outcome:
@@ -571,21 +721,22 @@ class Reconciler:
                           message=condition["message"])
 
 
-def _request_key(namespace: str, name: str) -> str:
-    return f"{api.INFERENCE_MODEL_KIND}/{namespace}/{name}"
+def _request_key(kind: str, namespace: str, name: str) -> str:
+    return f"{kind}/{namespace}/{name}"
 
 
-def _request(meta: Mapping[str, Any], status: Mapping[str, Any], spec: api.InferenceModelSpec) -> placement.Request:
-    """A model's GPU need as the planner takes it, with the placement it has (its pin) from status."""
-    gpu = spec.resources.gpu
-    assert gpu is not None
-    replicas = max(spec.scaling.min_replicas, _as_int(status.get("replicas")))
+def _request(
+    kind: str, meta: Mapping[str, Any], status: Mapping[str, Any], gpu: api.Gpu, min_replicas: int,
+    canary_spec: bool,
+) -> placement.Request:
+    """A GPU need as the planner takes it, with the placement it has (its pin) from status."""
+    replicas = max(min_replicas, _as_int(status.get("replicas")))
     stored_canary = status.get("canary")
     phase = stored_canary.get("phase") if isinstance(stored_canary, dict) else None
-    if spec.canary is not None and phase in canary.ACTIVE:
-        replicas += spec.scaling.min_replicas  # the candidate's own pods take the same kind of device
+    if canary_spec and phase in canary.ACTIVE:
+        replicas += min_replicas  # the candidate's own pods take the same kind of device
     request = placement.Request(
-        key=_request_key(str(meta.get("namespace")), str(meta.get("name"))), replicas=replicas,
+        key=_request_key(kind, str(meta.get("namespace")), str(meta.get("name"))), replicas=replicas,
         count=gpu.count or 0, profile=gpu.mig_profile or "", memory_mib=gpu.memory_mib(),
         compute_percent=gpu.compute_percent or 0, shared=gpu.shared, created=str(meta.get("creationTimestamp", "")),
     )
@@ -727,6 +878,73 @@ def _canary_help(status: canary.Status, spec: api.InferenceModelSpec) -> str:
         return ("To abort: remove spec.canary (all traffic goes back to stable first). To promote by hand: "
                 "copy spec.canary into spec.model and remove spec.canary.")
     return ""
+
+
+def _member_conditions(body: Mapping[str, Any], membership: _Membership) -> tuple[list[Condition], int, int]:
+    """A pool member's conditions and replica counts: its verdict, then the pool's Deployment."""
+    pool, verdict = membership.pool, membership.verdict
+    if verdict.state == pools.WAITING:
+        return [
+            Condition(conditions.READY, FALSE, verdict.cause, f"Not served: waiting for room in pool {pool}."),
+            Condition(conditions.PROGRESSING, FALSE, verdict.cause, f"Waiting for room in pool {pool}."),
+            Condition(conditions.DEGRADED, TRUE, verdict.cause, f"Pool {pool} cannot take the model: "
+                      f"{verdict.reason}. Free room (lower a member's gpu.memory or gpu.computePercent, or move a "
+                      "member out of the pool) or give the pool a larger spec.gpu; the model is admitted as soon "
+                      "as it fits."),
+        ], 0, 0
+    if verdict.state == pools.JOINING:
+        return [
+            Condition(conditions.READY, FALSE, "JoiningPool", f"Pool {pool} has not admitted the model yet."),
+            Condition(conditions.PROGRESSING, TRUE, "JoiningPool", f"Waiting for pool {pool} to admit the model."),
+        ], 0, 0
+    deployment = membership.deployment
+    found, replicas, ready = _rollout(deployment)
+    found = [c for c in found if c.type != conditions.READY]
+    for index, condition in enumerate(found):
+        if condition.type == conditions.DEGRADED:
+            found[index] = dataclasses.replace(condition, message=f"Pool {pool}: {condition.message}")
+    if membership.degraded is not None and not any(c.type == conditions.DEGRADED for c in found):
+        # What troubles the pool troubles its members (pods that cannot be scheduled, an invalid pool spec).
+        found.append(Condition(conditions.DEGRADED, TRUE, str(membership.degraded.get("reason") or "PoolDegraded"),
+                               f"Pool {pool}: {membership.degraded.get('message', '')}"))
+    was_ready = ((body.get("status") or {}).get("pool") or {}).get("state") == pools.ADMITTED and \
+        (conditions.find((body.get("status") or {}).get("conditions"), conditions.READY) or {}).get("status") == TRUE
+    label = builders.member_label(body["metadata"]["name"])
+    if _serves(deployment, label, was_ready=was_ready):
+        available = int(((deployment or {}).get("status") or {}).get("availableReplicas", 0))
+        found.insert(0, Condition(conditions.READY, TRUE, "ServedByPool",
+                                  f"Served by pool {pool}: {available} runtime replica(s) available."))
+    elif deployment is None:
+        found.insert(0, Condition(conditions.READY, FALSE, "PoolDeploymentMissing",
+                                  f"Admitted to pool {pool}, whose Deployment does not exist yet."))
+    else:
+        found.insert(0, Condition(conditions.READY, FALSE, "LoadingInPool",
+                                  f"Admitted to pool {pool}; waiting for its pods to load the model (they roll out "
+                                  "with it and must pass /v2/health/ready)."))
+    return found, replicas, ready
+
+
+def _serves(deployment: Mapping[str, Any] | None, label: str, *, was_ready: bool) -> bool:
+    """Whether a pool's Deployment has an available pod that serves the member with pod label ``label``:
+    its pods carry the label and it has an available pod, and either every pod runs the current template
+    or the member was served already (then older pods had it too, and rolling keeps them until new ones
+    are available)."""
+    if not deployment:
+        return False
+    template = ((deployment.get("spec") or {}).get("template") or {}).get("metadata") or {}
+    if (template.get("labels") or {}).get(label) != "true":
+        return False
+    status = deployment.get("status") or {}
+    if int(status.get("availableReplicas", 0)) < 1:
+        return False
+    generation = (deployment.get("metadata") or {}).get("generation")
+    current = generation is None or status.get("observedGeneration") == generation
+    return was_ready or (current and int(status.get("updatedReplicas", 0)) >= int(status.get("replicas", 0)))
+
+
+def _waiting_message(admission: pools.Admission) -> str:
+    waiting = "; ".join(f"{w.member.name}: {w.reason}" for w in admission.waiting)
+    return f"{len(admission.waiting)} member(s) wait for room: {waiting}."
 
 
 def _owned_by(obj: Mapping[str, Any], owner: builders.Owner) -> bool:

@@ -19,9 +19,11 @@ from sluice_testing import ApiServer, FakeClock, OperatorHarness
 NAMESPACE = "models"
 IM = "sluice.dev/v1alpha1/inferencemodels"
 ENS = "sluice.dev/v1alpha1/ensembles"
+POOL = "sluice.dev/v1alpha1/modelpools"
 PATHS = {
     IM: "/apis/sluice.dev/v1alpha1/namespaces/{ns}/inferencemodels",
     ENS: "/apis/sluice.dev/v1alpha1/namespaces/{ns}/ensembles",
+    POOL: "/apis/sluice.dev/v1alpha1/namespaces/{ns}/modelpools",
     "apps/v1/deployments": "/apis/apps/v1/namespaces/{ns}/deployments",
     "v1/services": "/api/v1/namespaces/{ns}/services",
     "v1/configmaps": "/api/v1/namespaces/{ns}/configmaps",
@@ -53,6 +55,7 @@ class Client:
 
     IM = IM
     ENS = ENS
+    POOL = POOL
     NAMESPACE = NAMESPACE
     model = staticmethod(_inference_model)
     condition = staticmethod(_condition)

@@ -154,3 +154,75 @@ def test_canary_analysis_defaults_and_fields():
 def test_bad_canary_analysis_says_what_to_change(analysis, expected):
     found = problems({"model": MODEL, "canary": {**CANARY, "analysis": analysis}})
     assert any(expected in p for p in found), found
+
+
+# ---------------------------------------------------------------- model pools
+
+MEMBER = {"model": MODEL, "pool": "small", "resources": {"gpu": {"memory": "6Gi", "computePercent": 30}}}
+
+
+def test_compute_percent_is_a_share_of_one_gpu():
+    spec = api.parse_inference_model("m", {"model": MODEL, "resources": {"gpu": {"memory": "24Gi",
+                                                                                 "computePercent": 50}}})
+    assert spec.resources.gpu == api.Gpu(memory="24Gi", compute_percent=50)
+    assert api.parse_inference_model("m", {"model": MODEL, "resources": {"gpu": {"count": 1}}}).resources.gpu \
+        == api.Gpu(count=1)
+    assert any("computePercent: must be from 1 to 100, got 0" in p
+               for p in problems({"model": MODEL, "resources": {"gpu": {"memory": "1Gi", "computePercent": 0}}}))
+    assert any("computePercent: only goes with gpu.memory" in p
+               for p in problems({"model": MODEL, "resources": {"gpu": {"count": 1, "computePercent": 50}}}))
+
+
+def test_a_member_names_its_pool_and_its_share():
+    spec = api.parse_inference_model("m", MEMBER)
+    assert spec.pool == "small"
+    assert spec.resources.gpu == api.Gpu(memory="6Gi", compute_percent=30)
+    assert api.parse_inference_model("m", {"model": MODEL}).pool is None
+
+
+@pytest.mark.parametrize(("change", "field", "advice"), [
+    ({"resources": {}}, "spec.resources.gpu.memory: is required for a member of pool 'small'", "e.g. 6Gi"),
+    ({"resources": {"gpu": {"memory": "0"}}}, "spec.resources.gpu.memory: must be at least 1Mi", ""),
+    ({"resources": {"gpu": {"count": 1}}}, "spec.resources.gpu.count: cannot be set on a member of pool 'small'",
+     "declare the model's share with gpu.memory"),
+    ({"resources": {"gpu": {"migProfile": "1g.10gb"}}}, "spec.resources.gpu.migProfile: cannot be set", "spec.gpu"),
+    ({"canary": {"storageUri": "s3://bucket/m2", "version": 2}}, "spec.canary: a member of pool 'small' cannot",
+     "move the model out of the pool first (remove spec.pool), or run the candidate as its own InferenceModel"),
+    ({"scaling": {"minReplicas": 1, "maxReplicas": 4}},
+     "spec.scaling: a member of pool 'small' is scaled with the pool", "remove minReplicas/maxReplicas here (1/4)"),
+    ({"pool": "m"}, "spec.pool: a member cannot have its pool's name", "rename the pool or the model"),
+    ({"pool": "Small_Pool"}, "spec.pool: 'Small_Pool' does not match", ""),
+], ids=["no-share", "zero-share", "count", "mig", "canary", "scaling", "own-name", "bad-name"])
+def test_invalid_members_say_what_to_do(change, field, advice):
+    found = problems({**MEMBER, **change})
+    assert any(field in p and advice in p for p in found), found
+
+
+def test_a_member_may_restate_the_default_replica_bounds():
+    scaling = {"minReplicas": 1, "maxReplicas": 1, "metric": "latency"}
+    spec = api.parse_inference_model("m", {**MEMBER, "scaling": scaling})
+    assert spec.scaling.max_replicas == 1
+
+
+def test_model_pool_spec():
+    pool = api.parse_model_pool("small", {"gpu": {"migProfile": "3g.40gb"}, "resources": {"cpu": "4", "memory": "8Gi"},
+                                          "scaling": {"minReplicas": 2, "maxReplicas": 4}})
+    assert pool.gpu == api.Gpu(mig_profile="3g.40gb")
+    assert pool.resources == api.Resources(cpu="4", memory="8Gi")
+    assert (pool.scaling.min_replicas, pool.scaling.max_replicas) == (2, 4)
+    assert pool.shutdown == api.Shutdown()
+
+
+@pytest.mark.parametrize(("name", "spec", "expected"), [
+    ("small", {}, "spec.gpu: is required"),
+    ("small", {"gpu": {"memory": "40Gi", "count": 1}}, "spec.gpu: set exactly one of count"),
+    ("small", {"gpu": {"memory": "40Gi", "computePercent": 50}}, "spec.gpu.computePercent: is a member's share"),
+    ("small", {"gpu": {"memory": "40Gi"}, "resources": {"gpu": {"count": 1}}}, "spec.resources.gpu: the pool's "
+     "device is spec.gpu"),
+    ("small.pool", {"gpu": {"memory": "40Gi"}}, "metadata.name: 'small.pool' names the pool's Deployment"),
+    ("small", {"gpu": {"memory": "40Gi"}, "scaling": {"minReplicas": 3, "maxReplicas": 2}}, "minReplicas (3)"),
+])
+def test_invalid_pools_say_what_to_change(name, spec, expected):
+    with pytest.raises(api.SpecError) as info:
+        api.parse_model_pool(name, spec)
+    assert any(expected in p for p in info.value.problems), info.value.problems

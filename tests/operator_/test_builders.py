@@ -195,6 +195,100 @@ def test_ensemble_with_a_missing_reference_names_the_step():
                           SETTINGS)
 
 
+# ---------------------------------------------------------------- model pools
+
+POOL = {"gpu": {"migProfile": "3g.40gb"}, "resources": {"cpu": "4", "memory": "16Gi"},
+        "scaling": {"minReplicas": 2, "maxReplicas": 4}}
+MEMBERS = {
+    "intent": {"pool": "small-nlp", "model": {"storageUri": "s3://bucket/intent", "format": "onnx", "version": 4},
+               "runtime": {"maxBatchSize": 32, "dynamicBatching": {"maxQueueDelayMicroseconds": 500}},
+               "resources": {"gpu": {"memory": "12Gi", "computePercent": 40}},
+               "storage": {"secretRef": {"name": "s3-credentials"}, "serviceAccountName": "model-reader"}},
+    "sentiment": {"pool": "small-nlp",
+                  "model": {"storageUri": "https://example.com/models/sentiment.onnx", "format": "onnx"},
+                  "resources": {"gpu": {"memory": "6Gi"}}},
+}
+
+
+def _pool(members: tuple[str, ...] = ("intent", "sentiment"), spec: dict | None = None) -> builders.Desired:
+    parsed = [(name, api.parse_inference_model(name, MEMBERS[name])) for name in members]
+    return builders.model_pool(owner("ModelPool", "small-nlp"), api.parse_model_pool("small-nlp", spec or POOL),
+                               parsed, SETTINGS, service_account="model-reader")
+
+
+def test_model_pool_matches_golden():
+    desired = _pool()
+    check_golden("modelpool", [*desired.objects, {"absent": [list(a) for a in desired.absent]}])
+
+
+def test_a_pool_serves_every_admitted_member_from_one_deployment():
+    desired = _pool()
+    deployment = _one(desired, "Deployment")
+    assert deployment["metadata"]["name"] == "small-nlp"
+    assert deployment["metadata"]["labels"] == builders.common_labels(owner("ModelPool", "small-nlp"))
+    pod = deployment["spec"]["template"]
+    assert pod["metadata"]["labels"]["member.sluice.dev/intent"] == "true"
+    assert pod["metadata"]["labels"]["member.sluice.dev/sentiment"] == "true"
+    assert deployment["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/instance": "small-nlp",
+                                                             "sluice.dev/modelpool": "small-nlp"}
+    # One fetch per member, each with that member's own credentials; the pods run as the shared account.
+    fetches = pod["spec"]["initContainers"]
+    assert [f["args"] for f in fetches] == [["s3://bucket/intent", "/models/intent/4"],
+                                            ["https://example.com/models/sentiment.onnx", "/models/sentiment/1"]]
+    assert fetches[0]["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
+    assert "envFrom" not in fetches[1]
+    assert pod["spec"]["serviceAccountName"] == "model-reader"
+    container = pod["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/mig-3g.40gb"] == "1"
+    assert container["image"] == SETTINGS.runtime_gpu_image
+    config_map = _one(desired, "ConfigMap")
+    configs = {key: json.loads(text) for key, text in config_map["data"].items()}
+    assert set(configs) == {"intent.config.json", "sentiment.config.json"}
+    assert configs["intent.config.json"]["instance_group"] == [{"count": 1, "kind": "KIND_GPU"}]
+    assert configs["sentiment.config.json"]["default_model_filename"] == "sentiment.onnx"
+    assert _one(desired, "HorizontalPodAutoscaler")["spec"]["scaleTargetRef"]["name"] == "small-nlp"
+    assert _one(desired, "PodDisruptionBudget")["metadata"]["name"] == "small-nlp"
+    assert _one(desired, "Service")["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_a_pool_without_members_still_holds_its_device():
+    desired = _pool(())
+    assert _one(desired, "ConfigMap")["data"] == {}
+    assert "initContainers" not in _one(desired, "Deployment")["spec"]["template"]["spec"]
+
+
+def test_a_membership_change_rolls_the_pool():
+    hashes = {
+        members: _one(_pool(members), "Deployment")["spec"]["template"]["metadata"]["annotations"][
+            builders.CONFIG_HASH_ANNOTATION]
+        for members in (("intent",), ("intent", "sentiment"))
+    }
+    assert len(set(hashes.values())) == 2
+
+
+def test_pool_member_matches_golden():
+    spec = api.parse_inference_model("intent", MEMBERS["intent"])
+    desired = builders.pool_member(owner(name="intent"), spec, owner("ModelPool", "small-nlp"), SETTINGS,
+                                   had_canary=True)
+    check_golden("inferencemodel-pool-member", [*desired.objects, {"absent": [list(a) for a in desired.absent]}])
+    [service] = desired.objects
+    assert service["metadata"]["name"] == "intent"  # the name clients already use
+    pool_pods = _one(_pool(), "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pool_pods.items()
+    assert ("apps/v1", "Deployment", "intent") in desired.absent
+    assert ("v1", "ConfigMap", "intent-config") in desired.absent
+    assert ("apps/v1", "Deployment", "intent-canary") in desired.absent
+    assert desired.model_url == "http://intent.models.svc.cluster.local:8000/v2/models/intent"
+    plain = builders.pool_member(owner(name="intent"), spec, owner("ModelPool", "small-nlp"), SETTINGS)
+    assert {name for _, _, name in plain.absent} == {"intent", "intent-config", "intent-gpu"}  # no canary
+
+
+def test_member_labels_fit_a_label_name():
+    assert builders.member_label("bert") == "member.sluice.dev/bert"
+    long = builders.member_label("x" * 70)
+    assert len(long.split("/", 1)[1]) == 63 and long != builders.member_label("x" * 71)
+
+
 @pytest.mark.parametrize("path", sorted(GOLDEN.glob("*.yaml")), ids=lambda p: p.stem)
 def test_rendered_children_pass_the_kubernetes_schemas(path):
     """Kubernetes' kinds against its OpenAPI schemas, the others (KEDA's ScaledObject) against their own."""

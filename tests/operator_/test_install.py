@@ -81,9 +81,12 @@ def test_crd_schema_is_complete(definition):
     assert undocumented == []
     assert version["subresources"]["status"] == {}
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.scaling.minReplicas"
-    model = definition["spec"]["names"]["kind"] == "InferenceModel"
+    kind = definition["spec"]["names"]["kind"]
+    model = kind == "InferenceModel"
     columns = ["Ready", "Replicas", "Traffic", *(["Canary"] if model else []), "URL", *(["GPU"] if model else []),
                "Age"]
+    if kind == "ModelPool":
+        columns = ["Ready", "Members", "Free", "Replicas", "Age"]
     assert [c["name"] for c in version["additionalPrinterColumns"]] == columns
     assert definition["spec"]["names"]["shortNames"]
     rules = [r["rule"] for _, s in walk(schema) for r in s.get("x-kubernetes-validations", [])]
@@ -125,7 +128,8 @@ def test_examples_pass_the_crd_schema_and_the_operator_checks(path):
         assert list(unknown_fields(schema, doc)) == []
         pruned = _structural(schema, copy.deepcopy(doc))  # what the API server stores: pruned and defaulted
         jsonschema.Draft7Validator(_strip_extensions(schema)).validate(pruned)
-        parse = api.parse_inference_model if doc["kind"] == "InferenceModel" else api.parse_ensemble
+        parse = {"InferenceModel": api.parse_inference_model, "Ensemble": api.parse_ensemble,
+                 "ModelPool": api.parse_model_pool}[doc["kind"]]
         parse(doc["metadata"]["name"], pruned["spec"])  # the CEL-equivalent rules
 
 
@@ -145,9 +149,9 @@ def test_scaling_defaults_of_the_crd_are_the_operators():
     assert any("self.fallbackReplicas <= self.maxReplicas" in r for r in rules)
 
 
-def test_examples_cover_both_kinds():
+def test_examples_cover_every_kind():
     kinds = {doc["kind"] for path in EXAMPLES for doc in yaml.safe_load_all(path.read_text())}
-    assert kinds == {"InferenceModel", "Ensemble"}
+    assert kinds == {"InferenceModel", "Ensemble", "ModelPool"}
 
 
 # ---------------------------------------------------------------- generated files
@@ -203,7 +207,8 @@ def test_helm_template_renders_valid_manifests(values):
 
 def test_crds_toggle_and_keep():
     kept = [d for d in template() if d["kind"] == "CustomResourceDefinition"]
-    assert {d["metadata"]["name"] for d in kept} == {"inferencemodels.sluice.dev", "ensembles.sluice.dev"}
+    assert {d["metadata"]["name"] for d in kept} == {"inferencemodels.sluice.dev", "ensembles.sluice.dev",
+                                                     "modelpools.sluice.dev"}
     assert all(d["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" for d in kept)
     dropped = [d for d in template("--set", "crds.keep=false") if d["kind"] == "CustomResourceDefinition"]
     assert all("annotations" not in d["metadata"] for d in dropped)
@@ -357,8 +362,8 @@ def test_pod_monitor_scrapes_the_runtime_pods_and_labels_series_with_the_model()
     assert spec["selector"]["matchLabels"]["app.kubernetes.io/name"] == "sluice-runtime"
     [endpoint] = spec["podMetricsEndpoints"]
     assert endpoint == {"port": "metrics", "path": "/metrics", "interval": "15s"}
-    assert {"app.kubernetes.io/instance", "sluice.dev/inferencemodel", "sluice.dev/ensemble"} <= set(
-        spec["podTargetLabels"])
+    assert {"app.kubernetes.io/instance", "sluice.dev/inferencemodel", "sluice.dev/ensemble",
+            "sluice.dev/modelpool"} <= set(spec["podTargetLabels"])
     # the label the operator's KEDA queries filter on is what podTargetLabels makes of the pod label
     assert builders.PROMETHEUS_LABELS["instance"] == "app.kubernetes.io/instance".replace(".", "_").replace("/", "_")
     assert spec["namespaceSelector"] == {"any": True}

@@ -1,0 +1,78 @@
+"""The real operator with a ModelPool, Deployment controller on demand: a member is Ready only once the
+pool's pods serve it, and stays Ready while the pool rolls for another member; what troubles the pool
+(pods the scheduler cannot place) shows on its members."""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEPLOY = "apps/v1/deployments"
+POOL: dict[str, Any] = {
+    "apiVersion": "sluice.dev/v1alpha1", "kind": "ModelPool", "metadata": {"name": "small", "namespace": "models"},
+    "spec": {"gpu": {"migProfile": "3g.40gb"}, "scaling": {"minReplicas": 2, "maxReplicas": 2}},
+}
+
+
+def member(client, name: str, memory: str = "8Gi") -> dict[str, Any]:
+    body = client.model(name, pool="small", resources={"gpu": {"memory": memory, "computePercent": 20}},
+                        scaling={"minReplicas": 1, "maxReplicas": 1})
+    body["spec"]["model"] = {"storageUri": f"s3://models/{name}", "format": "onnx"}
+    return body
+
+
+def ready(client, name: str) -> dict[str, Any]:
+    return client.condition(client.read(client.IM, name), "Ready") or {}
+
+
+async def test_a_member_is_ready_once_the_pool_pods_serve_it_and_stays_ready_while_another_joins(
+        client, operator, apiserver):
+    await client.create(client.POOL, POOL)
+    await client.create(client.IM, member(client, "a"))
+    await client.wait(lambda: ready(client, "a").get("reason") == "LoadingInPool")
+    model = client.read(client.IM, "a")
+    assert model["status"]["pool"] == {"name": "small", "state": "Admitted", "reason": ""}
+    assert client.condition(model, "Progressing")["status"] == "True"
+
+    await apiserver.complete_rollout("models", "small")
+    await client.wait(lambda: ready(client, "a").get("reason") == "ServedByPool")
+    model = client.read(client.IM, "a")
+    assert model["status"]["readyReplicas"] == 2
+    # The selector the scale subresource publishes is the member's Service's: the pool pods that serve it.
+    pod_labels = client.read(DEPLOY, "small")["spec"]["template"]["metadata"]["labels"]
+    assert all(pod_labels.get(k) == v for k, v in (t.split("=") for t in model["status"]["selector"].split(",")))
+    pool = client.read(client.POOL, "small")
+    assert pool["status"]["capacity"]["summary"] == "30 GiB of 38 GiB"
+    assert pool["status"]["capacity"]["computePercentUsed"] == 20
+
+    # b joins: the pool rolls; a keeps being served by the pods that had it, b waits for the new ones.
+    await client.create(client.IM, member(client, "b"))
+    await client.wait(lambda: ready(client, "b").get("reason") == "LoadingInPool")
+    deployment = client.read(DEPLOY, "small")
+    assert deployment["spec"]["template"]["metadata"]["labels"]["member.sluice.dev/b"] == "true"
+    assert deployment["metadata"]["generation"] != deployment["status"].get("observedGeneration")
+    await client.settle()
+    assert ready(client, "a")["status"] == "True"
+    await apiserver.complete_rollout("models", "small")
+    await client.wait(lambda: ready(client, "b").get("reason") == "ServedByPool")
+
+
+async def test_pool_pods_the_scheduler_cannot_place_degrade_the_pool_and_its_members(client, operator, apiserver):
+    await client.create(client.POOL, POOL)
+    await client.create(client.IM, member(client, "a"))
+    deployment = await client.wait(lambda: client.read(DEPLOY, "small"))
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    await client.post("/api/v1/namespaces/models/pods", {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "small-5f6d-abcde", "namespace": "models",
+                                                        "labels": labels},
+        "spec": {"containers": [{"name": "runtime", "image": "sluice-runtime:test-cuda"}]}})
+    message = "0/3 nodes are available: 3 Insufficient nvidia.com/mig-3g.40gb."
+    await apiserver.write_status("v1/pods", "models", "small-5f6d-abcde", {
+        "phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}]})
+    await apiserver.write_status(DEPLOY, "models", "small", {
+        "observedGeneration": deployment["metadata"]["generation"], "replicas": 2, "unavailableReplicas": 2})
+    degraded = await client.wait(lambda: (c := client.condition(client.read(client.IM, "a"), "Degraded"))
+                                 and c["reason"] == "Unschedulable" and c)
+    assert degraded["message"].startswith("Pool small: 1 runtime pod(s) cannot be scheduled: not enough "
+                                          "nvidia.com/mig-3g.40gb on any node")
+    assert client.condition(client.read(client.POOL, "small"), "Degraded")["reason"] == "Unschedulable"
