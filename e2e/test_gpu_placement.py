@@ -40,7 +40,7 @@ class Env:
     async def add(self, *objects: dict[str, Any]) -> None:
         """Nodes, pods and DRA objects as their kubelets and drivers publish them; models as a user applies."""
         for obj in objects:
-            if obj["kind"] == "InferenceModel":
+            if obj["kind"] in ("InferenceModel", "ModelPool"):
                 status, body = await self.cluster.create(obj)
                 assert status < 300, body
             else:
@@ -251,3 +251,28 @@ async def test_dra_renders_claims_planned_on_the_drivers_resource_slices() -> No
         pod = await env.pod_spec("claimed")
         assert pod["resourceClaims"] == [{"name": "gpu", "resourceClaimTemplateName": "claimed-gpu"}]
         assert gpu_limits(pod) == {}
+
+
+async def test_a_pool_is_placed_like_a_model_and_its_members_share_that_device() -> None:
+    async with environment() as env:
+        await env.add(gpu_nodes.a100_mixed("a100-a"))
+        await env.add({"apiVersion": "sluice.dev/v1alpha1", "kind": "ModelPool", "metadata": {"name": "small"},
+                       "spec": {"gpu": {"memory": "16Gi"}, "scaling": {"minReplicas": 1, "maxReplicas": 1}}})
+        member = model("tiny", {"memory": "6Gi", "computePercent": 20})
+        member["spec"]["pool"] = "small"
+        member["spec"].pop("scaling")
+        await env.add(member, model("solo", {"memory": "8Gi"}))
+
+        async def pool_placement() -> dict[str, Any] | None:
+            status = ((await env.cluster.get("ModelPool", "small")) or {}).get("status") or {}
+            return status.get("placement") if (status.get("placement") or {}).get("state") == "Placed" else None
+        placed = await env.cluster.wait(pool_placement, "the pool's placement")
+        assert placed["device"] == "MIG 2g.20gb (mixed strategy)"  # the smallest slice with 16 GiB
+        pod = await env.pod_spec("small")
+        assert gpu_limits(pod) == {"nvidia.com/mig-2g.20gb": "1"}
+        assert await env.bound("small") == ["a100-a"]
+        # The member's 6Gi is a share of the pool's slice, not a slice of its own: a 1g.10gb is left for solo.
+        assert (await env.placement("solo", state="Placed"))["device"] == "MIG 1g.10gb (mixed strategy)"
+        tiny = await env.cluster.wait(lambda: env.cluster.get("InferenceModel", "tiny"), "tiny")
+        assert "placement" not in (tiny.get("status") or {})
+        assert await env.cluster.get("Deployment", "tiny") is None
