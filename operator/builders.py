@@ -393,9 +393,9 @@ def _fetch(
 
 def deployment(
     owner: Owner, *, name: str, models: Sequence[ServedModel], config_map_name: str, files: Mapping[str, str],
-    resources: api.Resources, gpus: Sequence[api.Gpu], replicas: int | None, storage: api.Storage,
+    resources: api.Resources, rendering: GpuRendering, replicas: int | None, storage: api.Storage,
     shutdown: api.Shutdown, settings: Settings, track: str = STABLE, split: bool = False, candidate: str = "",
-    shape: placement.Shape | None = None, pod_labels: Mapping[str, str] | None = None,
+    pod_labels: Mapping[str, str] | None = None,
 ) -> Obj:
     """The runtime Deployment; ``replicas`` ``None`` leaves the count to its owner (the HPA).
 
@@ -441,7 +441,6 @@ def deployment(
         volumes.append({"name": "split", "configMap": {"name": f"{owner.name}-split", "optional": True}})
         mounts.append({"name": "split", "mountPath": SPLIT_DIRECTORY, "readOnly": True})
         args = ["--split-file", f"{SPLIT_DIRECTORY}/{SPLIT_FILE}"]
-    rendering = gpu_rendering(gpus, shape, dra=settings.gpu_allocation == "dra")
     gpu_limits, affinity = rendering.limits, rendering.affinity
     cpu = resources.cpu or settings.default_resources.cpu
     memory = resources.memory or settings.default_resources.memory
@@ -766,8 +765,8 @@ def _track(
         absent.append((DRA_API_VERSION, "ResourceClaimTemplate", f"{name}-gpu"))
     objects += [
         deployment(owner, name=name, models=models, config_map_name=cm_name, files=files, resources=resources,
-                   gpus=gpus, replicas=deployment_replicas(scaling, live), storage=storage, shutdown=shutdown,
-                   settings=settings, track=track, split=split, candidate=candidate, shape=shape,
+                   rendering=rendering, replicas=deployment_replicas(scaling, live), storage=storage,
+                   shutdown=shutdown, settings=settings, track=track, split=split, candidate=candidate,
                    pod_labels=pod_labels),
         service(owner, name, settings, track),
     ]

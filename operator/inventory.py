@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from sluice.operator import gpus
+from sluice.operator import api, gpus
 
 Obj = Mapping[str, Any]
 Layout = gpus.Layout
@@ -131,15 +131,9 @@ def _int(value: Any, default: int = 0) -> int:
 
 
 def _quantity_mib(value: Any) -> int:
-    text = str(value)
-    for suffix, factor in (("Ki", 1 / 1024), ("Mi", 1), ("Gi", 1024), ("Ti", 1024**2)):
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * factor)
-    for suffix, factor in (("k", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12)):
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * factor / 2**20)
+    """A DRA capacity quantity (``80Gi``, ``85899345920``) in MiB; 0 when it is not one."""
     try:
-        return int(float(text) / 2**20)
+        return int(api.quantity_to_float(str(value)) / 2**20)
     except ValueError:
         return 0
 

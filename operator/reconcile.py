@@ -557,6 +557,9 @@ class Reconciler:
             message = f"Rendered from the spec alone: {verdict.reason}."
         else:
             message = f"No GPU capacity for this model now: {verdict.reason}."
+            message += (" It runs once that capacity frees up." if verdict.state == placement.PENDING else
+                        " Add nodes with such GPUs, repartition MIG, or ask for less (gpu.memory picks the "
+                        "smallest device that fits).")
             if placed.advice:
                 message += (f" A MIG repartitioning would fit it (status.placement.advice: "
                             f"{', '.join(a.node for a in placed.advice)}).")
@@ -760,16 +763,16 @@ def _as_int(value: Any) -> int:
 
 
 def _offered_profiles(found: inventory.Inventory) -> dict[str, tuple[str, ...]]:
-    """GPU model -> the MIG profiles its GPUs can be partitioned into (a node's current layout or not)."""
-    result: dict[str, tuple[str, ...]] = {}
+    """GPU model (catalogue key, else the product label) -> the MIG profiles its GPUs can be partitioned
+    into (the catalogue's for a MIG-capable GPU, plus whatever a node publishes)."""
+    result: dict[str, set[str]] = {}
     for node in found.nodes:
         model = gpus.CATALOGUE_BY_KEY.get(node.model)
+        offered = result.setdefault(node.model or node.product, set())
         if model is not None and model.mig_capable:
-            result[model.key] = tuple(p.name for p in model.profiles)
-        for device in node.devices:
-            if device.profile and device.profile not in result.get(node.model or node.product, ()):
-                result[node.model or node.product] = (*result.get(node.model or node.product, ()), device.profile)
-    return result
+            offered.update(p.name for p in model.profiles)
+        offered.update(d.profile for d in node.devices if d.profile)
+    return {key: tuple(sorted(names, key=gpus.profile_sort_key)) for key, names in result.items() if names}
 
 
 def _placement_status(placed: _Placed, body: Mapping[str, Any]) -> Obj:

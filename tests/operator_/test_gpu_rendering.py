@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import kubernetes_validate  # a test dependency: these checks must run, never skip
 import pytest
 
 from sluice.operator import api, builders, inventory, placement
@@ -121,7 +122,6 @@ def test_each_strategy_renders_what_its_nodes_advertise(nodes, need, limits, pro
         next(iter(limits.values()))
     assert product_terms(pod) == products
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for obj in objects:
         kubernetes_validate.validate(obj, "1.30.0", strict=True)
 
@@ -211,6 +211,5 @@ def test_dra_renders_a_claim_template_per_deployment():
     [template] = [o for o in unplanned if o["kind"] == "ResourceClaimTemplate"]
     [req] = template["spec"]["spec"]["devices"]["requests"]
     assert [s["deviceClassName"] for s in req["firstAvailable"]] == ["mig.nvidia.com", "gpu.nvidia.com"]
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for obj in [*objects, *unplanned]:
         kubernetes_validate.validate(obj, "1.34.0", strict=True)
