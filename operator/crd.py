@@ -709,9 +709,8 @@ def model_pool_crd() -> dict[str, Any]:
          "description": "Admitted and waiting members."},
         {"name": "Free", "type": "string", "jsonPath": ".status.capacity.summary",
          "description": "Device memory the admitted members leave free."},
-        {"name": "Replicas", "type": "integer", "jsonPath": ".status.readyReplicas",
-         "description": "Ready runtime pods."},
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        _PRINTER_COLUMNS[1],  # Replicas
+        _PRINTER_COLUMNS[-1],  # Age
     ]
     return _crd(
         api.MODEL_POOL_KIND, api.MODEL_POOL_PLURAL, ["mpool", "mpools"],
