@@ -44,6 +44,9 @@ DATA_TYPES = (
     "TYPE_INT32", "TYPE_INT64", "TYPE_FP16", "TYPE_FP32", "TYPE_FP64", "TYPE_STRING", "TYPE_BF16",
 )
 PLACEMENTS = ("Auto", "Colocated", "Remote")
+DEPLOYMENT_MODE, SIDECAR_MODE = "Deployment", "Sidecar"
+MODES = (DEPLOYMENT_MODE, SIDECAR_MODE)
+"""``spec.mode``: runtime pods of its own, or injected into application pods (``sidecar``)."""
 SCALING_METRICS = ("queueDepth", "inflight", "latency")
 """What an autoscaled model scales on, per pod: queued requests (``sluice_queue_depth``), requests queued
 or executing (``sluice_inflight_requests``), or the p90 time requests wait in the queue
@@ -260,6 +263,8 @@ class InferenceModelSpec:
     shutdown: Shutdown = Shutdown()
     pool: str | None = None
     """The ModelPool (same namespace) whose pods serve this model; ``None``: its own Deployment."""
+    mode: str = DEPLOYMENT_MODE
+    """``Sidecar``: no Deployment; the admission webhook injects the runtime into the pods asking for it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -654,9 +659,12 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
         storage=read.storage(read.obj(spec, "storage", "spec"), "spec.storage"),
         shutdown=read.shutdown(read.obj(spec, "shutdown", "spec"), "spec.shutdown"),
         pool=read.string(spec, "pool", "spec", pattern=POOL_NAME_PATTERN),
+        mode=read.string(spec, "mode", "spec", choices=MODES) or DEPLOYMENT_MODE,
     )
     if result.pool is not None:
         _check_member(read, name, result)
+    if result.mode == SIDECAR_MODE:
+        _check_sidecar(read, result)
     if read.problems:
         raise SpecError(read.problems)
     return result
@@ -688,6 +696,19 @@ def _check_member(read: _Reader, name: str, spec: InferenceModelSpec) -> None:
     if spec.pool == name:
         read.problem("spec.pool", f"a member cannot have its pool's name ({name!r}): both would own the Service "
                      f"{name!r}; rename the pool or the model")
+
+
+def _check_sidecar(read: _Reader, spec: InferenceModelSpec) -> None:
+    """A Sidecar model runs in each application pod that asks for it: nothing to pool, split or scale."""
+    why = "a Sidecar model runs inside its application's pods"
+    if spec.pool is not None:
+        read.problem("spec.pool", f"{why}, not in a pool: remove spec.pool or spec.mode")
+    if spec.canary is not None:
+        read.problem("spec.canary", f"{why}: roll a new version out by changing spec.model and restarting the "
+                     "application's pods; remove spec.canary")
+    if (spec.scaling.min_replicas, spec.scaling.max_replicas) != (DEFAULT_MIN_REPLICAS, DEFAULT_MAX_REPLICAS):
+        read.problem("spec.scaling", f"{why}, so it scales with them: remove minReplicas/maxReplicas "
+                     f"({spec.scaling.min_replicas}/{spec.scaling.max_replicas})")
 
 
 def parse_model_pool(name: str, spec: Mapping[str, Any]) -> ModelPoolSpec:

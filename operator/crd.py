@@ -553,6 +553,14 @@ def inference_model_crd() -> dict[str, Any]:
                 "no canary and no replica bounds: the pool scales. Its Service keeps its name.",
                 pattern=api.POOL_NAME_PATTERN, maxLength=63,
             ),
+            "mode": _str(
+                "Deployment (the default): runtime pods of its own behind a Service. Sidecar: no Deployment, "
+                "Service or autoscaler; the operator renders the model config and its admission webhook injects "
+                "the runtime into application pods annotated sluice.dev/inject: <this name>, in namespaces "
+                "labelled sluice.dev/injection: enabled (docs/operator.md, \"Sidecar mode\"). A Sidecar model "
+                "has no pool, no canary and no replica bounds.",
+                enum=list(api.MODES), default=api.DEPLOYMENT_MODE,
+            ),
         },
         required=("model",),
         rules=[
@@ -571,6 +579,9 @@ def inference_model_crd() -> dict[str, Any]:
             _rule("!has(self.pool) || !has(self.scaling) || "
                   "(self.scaling.minReplicas == 1 && self.scaling.maxReplicas == 1)",
                   "a pool member is scaled with its pool: remove spec.scaling's minReplicas and maxReplicas"),
+            _rule("!has(self.mode) || self.mode != 'Sidecar' || (!has(self.pool) && !has(self.canary) && "
+                  "(!has(self.scaling) || (self.scaling.minReplicas == 1 && self.scaling.maxReplicas == 1)))",
+                  "a Sidecar model runs in its application's pods: remove spec.pool, spec.canary and spec.scaling"),
         ],
     )
     return _crd(

@@ -13,6 +13,10 @@ registry, nothing at import time). Triggers, all level-triggered into the same r
   admission or readiness changed): they are reconciled next; a deleted ModelPool's members likewise;
 * a timer every ``Settings.resync_seconds`` as a backstop for anything the watches missed.
 
+With ``Settings.webhook.port``, also the sidecar-injection admission webhook: a kopf index of the
+InferenceModels (``sidecar.indexed``) and a mutating handler on pod creation that answers with
+``sidecar.admit``'s patch, served by ``webhook.InjectorServer``.
+
 Deletion needs no handler: children carry ownerReferences, so the garbage collector removes them.
 """
 
@@ -26,7 +30,7 @@ from typing import Any, cast
 
 import kopf
 
-from sluice.operator import api, builders
+from sluice.operator import api, builders, sidecar, webhook
 from sluice.operator.kube import RESOURCES, Kube
 from sluice.operator.metrics import OperatorMetrics
 from sluice.operator.reconcile import Reconciler
@@ -67,6 +71,7 @@ def register(
     """Register all handlers of the Sluice operator into ``registry``."""
     log = logging.getLogger("sluice.operator")
     resync = settings.resync_seconds
+    injector = webhook.Injector(settings, kube) if settings.webhook.port else None
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -79,6 +84,10 @@ def register(
         for kind in CHILD_KINDS:
             api_version, plural = RESOURCES[kind]
             settings.watching.label_selectors[f"{api_version}/{plural}"] = MANAGED_SELECTOR
+        if injector is not None:
+            # The chart (or manifests/) installs the MutatingWebhookConfiguration: kopf manages none.
+            settings.admission.server = webhook.server(injector)
+            settings.admission.managed = None
 
     @kopf.on.login(registry=registry)
     async def authenticate(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -231,6 +240,8 @@ def register(
 
     kopf.on.event(api.GROUP, api.VERSION, api.INFERENCE_MODEL_PLURAL, registry=registry,
                   id="ensembles-of-model")(on_model_event)
+    if injector is not None:
+        _register_injection(registry, injector)
     # Spec changes only (kopf's change detection ignores status): a member's status writes, which follow
     # its pool, must not make the pool reconcile again.
     model = (api.GROUP, api.VERSION, api.INFERENCE_MODEL_PLURAL)
@@ -245,3 +256,26 @@ def register(
         group, version = _split(RESOURCES[kind][0])
         kopf.on.event(group, version, RESOURCES[kind][1], registry=registry, id=f"child-{kind.lower()}",
                       labels={"app.kubernetes.io/managed-by": builders.MANAGED_BY})(on_child)
+
+
+def _register_injection(registry: kopf.OperatorRegistry, injector: webhook.Injector) -> None:
+    """The sidecar webhook: InferenceModels indexed by (namespace, name), and the mutating pod handler."""
+
+    def sidecar_models(name: str, namespace: str, spec: kopf.Spec, **_: Any) -> dict[tuple[str, str], Any]:
+        return {(namespace, name): sidecar.indexed(name, spec)}
+
+    kopf.index(api.GROUP, api.VERSION, api.INFERENCE_MODEL_PLURAL, registry=registry,
+               id="sidecar_models")(sidecar_models)
+
+    def inject(body: kopf.Body, patch: kopf.Patch, sidecar_models: kopf.Index[Any, Any], **_: Any) -> None:
+        try:
+            ops = injector.review(body, sidecar_models)
+        except sidecar.Denied as exc:
+            raise kopf.AdmissionError(str(exc), code=403) from exc
+        if ops:
+            # kopf diffs the pod before and after its patch functions into the response's JSON patch.
+            patch.fns.append(lambda pod: sidecar.apply(pod, ops))
+
+    kopf.on.mutate("v1", "pods", registry=registry, id=webhook.HANDLER_ID, operations=["CREATE"],
+                   persistent=True, side_effects=False, ignore_failures=False)(inject)
+

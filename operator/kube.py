@@ -46,13 +46,16 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ResourceClaim": ("resource.k8s.io/v1", "resourceclaims"),
     # Written with gpus.allocation dra: one per runtime Deployment.
     "ResourceClaimTemplate": ("resource.k8s.io/v1", "resourceclaimtemplates"),
+    # The sidecar webhook's self-managed TLS: its Secret, and the caBundle of its configuration.
+    "Secret": ("v1", "secrets"),
+    "MutatingWebhookConfiguration": ("admissionregistration.k8s.io/v1", "mutatingwebhookconfigurations"),
     api.INFERENCE_MODEL_KIND: (api.API_VERSION, api.INFERENCE_MODEL_PLURAL),
     api.ENSEMBLE_KIND: (api.API_VERSION, api.ENSEMBLE_PLURAL),
     api.MODEL_POOL_KIND: (api.API_VERSION, api.MODEL_POOL_PLURAL),
 }
 
 
-CLUSTER_SCOPED = frozenset({"Node", "ResourceSlice"})
+CLUSTER_SCOPED = frozenset({"Node", "ResourceSlice", "MutatingWebhookConfiguration"})
 
 
 def path(kind: str, namespace: str, name: str | None = None) -> str:
@@ -70,13 +73,21 @@ class Kube:
         self._info = info
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
+        self._connected = asyncio.Event()
+        if info is not None:
+            self._connected.set()
 
     def connect(self, info: kopf.ConnectionInfo) -> None:
         """Use ``info`` from now on (called by the login handler, also after a credentials refresh)."""
         self._info = info
+        self._connected.set()
         old, self._session = self._session, None
         if old is not None:
             asyncio.get_running_loop().create_task(old.close())
+
+    async def connected(self) -> None:
+        """Wait until the login handler gave credentials (work that starts with kopf, before its login)."""
+        await self._connected.wait()
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -145,6 +156,20 @@ class Kube:
             if exc.status == 409:  # the uid precondition failed: a newer object took the name
                 return False
             raise
+
+    async def create(self, obj: Mapping[str, Any]) -> Obj:
+        """POST ``obj``; an :class:`ApiError` 409 when it exists already."""
+        meta = obj["metadata"]
+        return await self._request("POST", path(obj["kind"], meta.get("namespace", "")), body=obj) or {}
+
+    async def json_patch(self, kind: str, namespace: str, name: str, ops: list[Obj]) -> Obj:
+        """An RFC 6902 patch (a ``test`` op that fails answers 422: someone else changed it first)."""
+        return await self._request("PATCH", path(kind, namespace, name), body=ops,
+                                   content_type="application/json-patch+json") or {}
+
+    async def version(self) -> Obj:
+        """The API server's ``/version`` (``major``, ``minor``, ``gitVersion``)."""
+        return await self._request("GET", "/version") or {}
 
     async def served(self, api_version: str, kind: str) -> bool:
         """Whether the API server serves ``kind`` in ``api_version`` (discovery; a missing group is False)."""

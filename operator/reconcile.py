@@ -25,7 +25,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
-from sluice.operator import api, builders, canary, conditions, gpus, inventory, placement, pools
+from sluice.operator import api, builders, canary, conditions, gpus, inventory, placement, pools, sidecar
 from sluice.operator.conditions import FALSE, TRUE, Condition
 from sluice.operator.settings import Settings
 
@@ -130,6 +130,8 @@ class _Plan:
     """Set for a ModelPool."""
     placed: _Placed | None = None
     """Where the GPU planner put it (an InferenceModel with its own GPU need, or a ModelPool)."""
+    sidecar: bool = False
+    """An InferenceModel in Sidecar mode: only its config is rendered; the webhook injects it into pods."""
 
 
 REPLAN_ANNOTATION = "sluice.dev/replan"
@@ -293,6 +295,8 @@ class Reconciler:
                                                        uid=existing["metadata"].get("uid"))
             if plan.membership is not None:
                 found, replicas, ready = _member_conditions(body, plan.membership)
+            elif plan.sidecar:
+                found, replicas, ready = _sidecar_conditions(owner), 0, 0
             else:
                 found, replicas, ready = _rollout(deployment)
                 if deployment is not None and ready < int((deployment.get("spec") or {}).get("replicas", 1)):
@@ -373,6 +377,8 @@ class Reconciler:
             model = api.parse_inference_model(owner.name, spec)
             if model.pool is not None:
                 return await self._member(owner, body, model)
+            if model.mode == api.SIDECAR_MODE:
+                return _Plan(sidecar.children(owner, model, self._settings), sidecar=True)
         # The live Deployment decides the replica count while an HPA takes the field over.
         live = await self._kube.get("Deployment", owner.namespace, owner.name)
         if owner.kind == api.INFERENCE_MODEL_KIND:
@@ -521,8 +527,8 @@ class Reconciler:
                     need, replicas, has_canary = pool.gpu, pool.scaling.min_replicas, False
                 else:
                     parsed = api.parse_inference_model(meta["name"], other.get("spec") or {})
-                    if parsed.pool is not None or parsed.resources.gpu is None:
-                        continue
+                    if parsed.pool is not None or parsed.resources.gpu is None or parsed.mode == api.SIDECAR_MODE:
+                        continue  # a Sidecar model's GPU is its application pods' (held by them, not planned)
                     need, replicas, has_canary = parsed.resources.gpu, parsed.scaling.min_replicas, \
                         parsed.canary is not None
             except api.SpecError:
@@ -925,6 +931,19 @@ def _member_conditions(body: Mapping[str, Any], membership: _Membership) -> tupl
                                   f"Admitted to pool {pool}; waiting for its pods to load the model (they roll out "
                                   "with it and must pass /v2/health/ready)."))
     return found, replicas, ready
+
+
+def _sidecar_conditions(owner: builders.Owner) -> list[Condition]:
+    """A Sidecar model is ready once its config is rendered: the webhook can inject it from then on (how
+    many pods carry it is not tracked: that would mean watching every pod of the namespace)."""
+    return [
+        Condition(conditions.READY, TRUE, "ReadyToInject",
+                  f"Config rendered in ConfigMap {sidecar.config_map_name(owner.name)}; pods annotated "
+                  f"{sidecar.INJECT_ANNOTATION}: {owner.name} in a namespace labelled "
+                  f"{sidecar.NAMESPACE_LABEL}: enabled get the runtime as a sidecar."),
+        Condition(conditions.PROGRESSING, FALSE, "Rendered", "Nothing to roll out: the runtime runs in the "
+                  "application's pods, which pick a changed config up when they are recreated."),
+    ]
 
 
 def _serves(deployment: Mapping[str, Any] | None, label: str, *, was_ready: bool) -> bool:

@@ -31,6 +31,34 @@ class DefaultResources:
 
 
 @dataclasses.dataclass(frozen=True)
+class Webhook:
+    """The sidecar-injection admission webhook (docs/operator.md, "Sidecar mode")."""
+
+    port: int = 0
+    """HTTPS port of the mutating webhook server; 0: no webhook (Sidecar-mode models are then only rendered)."""
+    cert_dir: str = "/tmp/sluice-webhook"
+    """Where the serving certificate is read from (``tls.crt``, ``tls.key``): written there by the operator
+    (``tls: self-managed``) or mounted from cert-manager's Secret (``tls: cert-manager``)."""
+    tls: str = "self-managed"
+    """``self-managed``: the operator keeps a CA and serving certificate in ``secret`` and publishes the CA in
+    the MutatingWebhookConfiguration's ``caBundle``; ``cert-manager``: the files in ``cert_dir`` are used as
+    they are and cert-manager's CA injector fills the caBundle."""
+    namespace: str = "sluice-system"
+    """Namespace of the operator, its webhook Service and the certificate Secret."""
+    service: str = "sluice-webhook"
+    """The webhook Service: the serving certificate is issued for its DNS names."""
+    secret: str = "sluice-webhook-tls"
+    """Secret holding the self-managed CA and serving certificate (shared by replicas, kept across restarts)."""
+    configuration: str = "sluice-sidecar-injector"
+    """The MutatingWebhookConfiguration whose ``caBundle`` the self-managed mode keeps current."""
+    native_sidecars: str = "auto"
+    """``true``: inject the runtime as a native sidecar (an init container with ``restartPolicy: Always``,
+    Kubernetes >= 1.29); ``false``: as a regular container; ``auto``: ask the API server's ``/version``."""
+    shm_size: str = "1Gi"
+    """``sizeLimit`` of the memory-backed ``/dev/shm`` shared by the runtime and the application containers."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     """Everything the operator needs to know that is not in an InferenceModel or Ensemble."""
 
@@ -88,6 +116,8 @@ class Settings:
     placement_refresh_seconds: float = 30.0
     """How long the GPU inventory (Nodes, Pods, ResourceSlices) read for planning is reused before it is
     listed again."""
+    webhook: Webhook = dataclasses.field(default_factory=Webhook)
+    """The sidecar-injection webhook."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -127,7 +157,30 @@ class Settings:
                                    GPU_ALLOCATION_CHOICES),
             placement_refresh_seconds=float(
                 env.get("SLUICE_PLACEMENT_REFRESH_SECONDS", defaults.placement_refresh_seconds)),
+            webhook=_webhook(env, defaults.webhook),
         )
+
+
+WEBHOOK_TLS_CHOICES = ("self-managed", "cert-manager")
+NATIVE_SIDECAR_CHOICES = ("auto", "true", "false")
+
+
+def _webhook(env: Mapping[str, str], defaults: Webhook) -> Webhook:
+    port = env.get("SLUICE_WEBHOOK_PORT", str(defaults.port))
+    if not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"SLUICE_WEBHOOK_PORT={port!r} is not allowed; allowed: 0 (no webhook) or a port 1-65535")
+    return Webhook(
+        port=int(port),
+        cert_dir=env.get("SLUICE_WEBHOOK_CERT_DIR", defaults.cert_dir),
+        tls=_one_of("SLUICE_WEBHOOK_TLS", env.get("SLUICE_WEBHOOK_TLS", defaults.tls), WEBHOOK_TLS_CHOICES),
+        namespace=env.get("SLUICE_WEBHOOK_NAMESPACE") or env.get("POD_NAMESPACE") or defaults.namespace,
+        service=env.get("SLUICE_WEBHOOK_SERVICE", defaults.service),
+        secret=env.get("SLUICE_WEBHOOK_SECRET", defaults.secret),
+        configuration=env.get("SLUICE_WEBHOOK_CONFIGURATION", defaults.configuration),
+        native_sidecars=_one_of("SLUICE_NATIVE_SIDECARS", env.get("SLUICE_NATIVE_SIDECARS", defaults.native_sidecars),
+                                NATIVE_SIDECAR_CHOICES),
+        shm_size=env.get("SLUICE_SIDECAR_SHM_SIZE", defaults.shm_size),
+    )
 
 
 ROUTER_CHOICES = ("auto", "gateway-api", "istio", "none")

@@ -38,6 +38,8 @@ a real API server does (listed in ``e2e/README.md``):
   Nodes, Pods or Deployments change;
 * ``fieldSelector`` on list and watch (``metadata.name``/``namespace``; for Pods ``spec.nodeName``,
   ``status.phase`` and the other fields the API server indexes; for Nodes ``spec.unschedulable``);
+* ``/version`` answering ``kubernetes_version`` (default 1.31.0; kmock's own says 1.26), which the
+  operator reads to decide whether sidecars can be native (Kubernetes >= 1.29);
 * with ``serve_dra=True``: the ``resource.k8s.io/v1`` resources (Dynamic Resource Allocation, on by
   default from Kubernetes 1.34): ResourceSlice and DeviceClass (cluster-scoped), ResourceClaim
   (with ``/status``) and ResourceClaimTemplate.
@@ -278,6 +280,9 @@ class ApiServer(kmock.KubernetesEmulator):
     Pending with its message, and Deployment status counts the bound ones."""
     serve_dra: bool = attrs.field(default=False)
     """Serve ``resource.k8s.io/v1`` (Dynamic Resource Allocation), as a Kubernetes 1.34+ cluster does."""
+    kubernetes_version: str = attrs.field(default="1.31.0")
+    """What ``/version`` reports (``major``, ``minor``, ``gitVersion``), e.g. ``1.28.9`` for a cluster
+    without native sidecars."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -388,6 +393,11 @@ class ApiServer(kmock.KubernetesEmulator):
         return self._last_version
 
     # ------------------------------------------------------------ reads
+
+    async def _serve_server_version(self, request: rendering.Request) -> rendering.Payload:
+        major, minor, *_ = self.kubernetes_version.split(".")
+        return {"major": major, "minor": minor, "gitVersion": f"v{self.kubernetes_version}",
+                "gitTreeState": "clean", "goVersion": "go1.22.0", "compiler": "gc", "platform": "linux/amd64"}
 
     def _visible(self, request: rendering.Request, obj: Mapping[str, Any]) -> bool:
         meta = obj.get("metadata", {})
