@@ -1,0 +1,261 @@
+"""Sidecar injection as a pure function: pod + models + settings in, RFC 6902 JSON patch out.
+
+Each case's patch is pinned in ``golden/sidecar-<case>.json`` (regenerate after an intended change with
+``SLUICE_UPDATE_GOLDEN=1 pytest tests/operator_/test_sidecar.py``), applied with ``jsonpatch`` (the
+reference implementation, not the operator's own applier) and the patched pod validated against the
+Kubernetes schema of the version it is meant for (1.29 for native sidecars, 1.28 for the fallback).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import pathlib
+from typing import Any
+
+import jsonpatch
+import kubernetes_validate  # a test dependency: these checks must run, never skip
+import pytest
+
+from sluice.operator import api, builders, certificates, sidecar
+from sluice.operator.settings import Settings, Webhook
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+SETTINGS = Settings()
+
+
+def model(name: str, **spec: Any) -> sidecar.Model:
+    raw = {"mode": "Sidecar", "model": {"storageUri": f"s3://models/{name}", "format": "onnx"}, **spec}
+    return sidecar.indexed(name, raw)
+
+
+def pod(*, inject: str | None = "mnist", **spec: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": "shop-1", "namespace": "apps", "labels": {"app": "shop"}}
+    if inject is not None:
+        meta["annotations"] = {sidecar.INJECT_ANNOTATION: inject}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+            "spec": {"containers": [{"name": "shop", "image": "registry.example.com/shop:1.4"}], **spec}}
+
+
+KNOWN = {
+    "mnist": model("mnist", resources={"cpu": "2", "memory": "1Gi"}),
+    "ranker": model("ranker", storage={"secretRef": {"name": "s3-credentials"}},
+                    runtime={"maxBatchSize": 8, "dynamicBatching": {}}),
+    "detector": model("detector", resources={"gpu": {"memory": "8Gi"}}),
+    "local": model("local", model={"storageUri": "pvc://models-claim/local", "format": "onnx", "version": 2}),
+}
+
+CASES: dict[str, tuple[dict[str, Any], bool]] = {
+    "cpu-native": (pod(), True),
+    "cpu-pre-1.29": (pod(), False),
+    # The app's own init container, env, volumes and annotations are kept; two models in one runtime.
+    "two-models-app-init": (
+        {**pod(inject="mnist, ranker"), "spec": {
+            "initContainers": [{"name": "migrate", "image": "registry.example.com/shop:1.4", "args": ["migrate"]}],
+            "containers": [{"name": "shop", "image": "registry.example.com/shop:1.4",
+                            "env": [{"name": "SLUICE_GRPC_URL", "value": "localhost:9001"}],
+                            "volumeMounts": [{"name": "data", "mountPath": "/data"}]},
+                           {"name": "proxy", "image": "registry.example.com/proxy:2"}],
+            "volumes": [{"name": "data", "emptyDir": {}}]}},
+        True),
+    # A GPU model into a pod with its own node affinity and tolerations: the GPU's rules are ANDed in.
+    "gpu-into-affinity": (
+        {**pod(inject="detector"), "spec": {
+            "containers": [{"name": "shop", "image": "registry.example.com/shop:1.4"}],
+            "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "shop", "effect": "NoSchedule"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In",
+                                       "values": ["eu-west-1a"]}]}]}}}}},
+        True),
+    "pvc-model": (pod(inject="local"), True),
+}
+
+
+def check_golden(name: str, ops: list[dict[str, Any]]) -> None:
+    path = GOLDEN / f"sidecar-{name}.json"
+    rendered = json.dumps(ops, indent=1) + "\n"
+    if os.environ.get("SLUICE_UPDATE_GOLDEN"):
+        path.write_text(rendered)
+    assert path.exists(), f"{path} is missing; run with SLUICE_UPDATE_GOLDEN=1 to create it"
+    assert json.loads(path.read_text()) == ops, f"{name} differs from {path}; if intended, regenerate with " \
+        "SLUICE_UPDATE_GOLDEN=1"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_injection_matches_golden_and_makes_a_valid_pod(case):
+    original, native = CASES[case]
+    ops = sidecar.admit(original, KNOWN, SETTINGS, native=native)
+    check_golden(case, ops)
+    patched = jsonpatch.apply_patch(original, ops)
+    kubernetes_validate.validate(patched, "1.29.0" if native else "1.28.0", strict=True)
+    mine = copy.deepcopy(original)
+    sidecar.apply(mine, ops)
+    assert mine == patched  # the operator's applier (used under kopf) agrees with the reference one
+    # Injected once: a second admission of the result (a re-invocation, a copied pod) changes nothing.
+    assert sidecar.admit(patched, KNOWN, SETTINGS, native=native) == []
+
+    spec = patched["spec"]
+    runtime_list = spec["initContainers"] if native else spec["containers"]
+    [runtime] = [c for c in runtime_list if c["name"] == sidecar.CONTAINER]
+    assert runtime.get("restartPolicy") == ("Always" if native else None)
+    assert runtime["args"][:19] == [
+        "serve", "--model-repository", "/models", "--host", "127.0.0.1", "--http-port", "8000", "--grpc-port",
+        "8001", "--metrics-port", "8002", "--http-uds", "/var/run/sluice/http.sock", "--grpc-uds",
+        "/var/run/sluice/grpc.sock", "--strict-readiness", "true", "--drain-period-s", "0"]
+    assert "/v2/health/ready" in runtime["startupProbe"]["exec"]["command"][-1]
+    names = [c["name"] for c in spec.get("initContainers", [])]
+    fetches = [n for n in names if n.startswith("sluice-fetch-")]
+    # Fetches first, then (native) the runtime, then the app's own init containers, which see the models.
+    assert names[:len(fetches)] == fetches
+    if native:
+        assert names[len(fetches)] == sidecar.CONTAINER
+    app = [c for c in [*spec["containers"], *(spec.get("initContainers", []) if native else [])]
+           if not c["name"].startswith("sluice-")]
+    for container in app:
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert mounts["/dev/shm"] == "sluice-shm" and mounts["/var/run/sluice"] == "sluice-sockets"
+        assert {e["name"] for e in container["env"]} >= {"SLUICE_HTTP_URL", "SLUICE_GRPC_URL", "SLUICE_GRPC_UDS"}
+    shm = next(v for v in spec["volumes"] if v["name"] == "sluice-shm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+
+
+def test_a_variable_the_app_sets_is_kept():
+    original, native = CASES["two-models-app-init"]
+    patched = jsonpatch.apply_patch(original, sidecar.admit(original, KNOWN, SETTINGS, native=native))
+    shop = next(c for c in patched["spec"]["containers"] if c["name"] == "shop")
+    assert [e["value"] for e in shop["env"] if e["name"] == "SLUICE_GRPC_URL"] == ["localhost:9001"]
+
+
+def test_gpu_model_gets_the_gpu_image_request_and_the_rules_anded_into_the_pods_own():
+    original, native = CASES["gpu-into-affinity"]
+    patched = jsonpatch.apply_patch(original, sidecar.admit(original, KNOWN, SETTINGS, native=native))
+    runtime = next(c for c in patched["spec"]["initContainers"] if c["name"] == sidecar.CONTAINER)
+    assert runtime["image"] == SETTINGS.runtime_gpu_image
+    assert runtime["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert builders.GPU_TOLERATION in patched["spec"]["tolerations"]
+    assert len(patched["spec"]["tolerations"]) == 2
+    [term] = patched["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"]
+    # Still the app's zone, and a GPU with at least 8 GiB.
+    assert [e["key"] for e in term["matchExpressions"]] == ["topology.kubernetes.io/zone", builders.GPU_MEMORY_LABEL]
+
+
+@pytest.mark.parametrize("annotation", [None, "false", "", " False "])
+def test_a_pod_not_asking_or_opting_out_is_never_touched(annotation):
+    original = pod(inject=annotation)
+    assert sidecar.admit(original, KNOWN, SETTINGS, native=True) == []
+
+
+def test_an_already_injected_pod_gets_nothing_even_with_another_model_asked():
+    original = pod(inject="mnist")
+    original["spec"]["initContainers"] = [{"name": sidecar.CONTAINER, "image": "x"}]
+    assert sidecar.admit(original, KNOWN, SETTINGS, native=True) == []
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda p: p["spec"]["containers"].append({"name": "sluice-fetch-0-mnist", "image": "x"}),
+     "container name 'sluice-fetch-0-mnist' is already used by the pod"),
+    (lambda p: p["spec"].update(volumes=[{"name": "sluice-shm", "emptyDir": {}}]),
+     "volume name 'sluice-shm' is already used by the pod"),
+    (lambda p: p["spec"]["containers"][0].update(ports=[{"containerPort": 8001}]),
+     "port 8001 is taken by container 'shop'"),
+    (lambda p: p["spec"]["containers"][0].update(volumeMounts=[{"name": "dshm", "mountPath": "/dev/shm"}]),
+     "container 'shop' already mounts /dev/shm (volume 'dshm')"),
+])
+def test_a_clash_with_the_app_is_denied_naming_it(change, message):
+    original = pod()
+    change(original)
+    with pytest.raises(sidecar.Denied) as caught:
+        sidecar.admit(original, KNOWN, SETTINGS, native=True)
+    assert message in str(caught.value)
+    assert 'sluice.dev/inject: "false"' in str(caught.value)
+
+
+def test_a_model_fetching_as_another_service_account_is_denied():
+    known = {"mnist": model("mnist", storage={"serviceAccountName": "model-reader"})}
+    with pytest.raises(sidecar.Denied, match="fetches as service account 'model-reader'.*runs as 'default'"):
+        sidecar.admit(pod(), known, SETTINGS, native=True)
+    assert sidecar.admit(pod(serviceAccountName="model-reader"), known, SETTINGS, native=True)
+
+
+@pytest.mark.parametrize(("known", "message"), [
+    ({}, "InferenceModel 'mnist' does not exist in namespace 'apps'"),
+    ({"mnist": sidecar.indexed("mnist", {"model": {"storageUri": "s3://m/x", "format": "onnx"}})},
+     "its spec.mode is Deployment, not Sidecar"),
+    ({"mnist": sidecar.indexed("mnist", {"mode": "Sidecar", "model": {"format": "onnx"}})},
+     "its spec is invalid"),
+    ({"mnist": sidecar.indexed("mnist", {"mode": "Sidecar", "model": {"storageUri": "s3://m/x",
+                                                                      "format": "tensorrt"}})},
+     "tensorrt models are not served"),
+])
+def test_a_model_that_cannot_be_injected_is_denied_with_the_reason(known, message):
+    with pytest.raises(sidecar.Denied) as caught:
+        sidecar.admit(pod(), known, SETTINGS, native=True)
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(("setting", "version", "native"), [
+    ("auto", {"major": "1", "minor": "29"}, True),
+    ("auto", {"major": "1", "minor": "31+"}, True),  # GKE/EKS spell it so
+    ("auto", {"major": "1", "minor": "28"}, False),
+    ("auto", {}, False),
+    ("true", {"major": "1", "minor": "27"}, True),
+    ("false", {"major": "1", "minor": "33"}, False),
+])
+def test_native_sidecars_follow_the_setting_or_the_server_version(setting, version, native):
+    assert sidecar.native_sidecars(setting, version) is native
+
+
+def test_a_sidecar_model_renders_only_its_config():
+    owner = builders.Owner(kind="InferenceModel", name="mnist", namespace="apps", uid="u1")
+    spec = KNOWN["mnist"].spec
+    assert spec is not None
+    desired = sidecar.children(owner, spec, SETTINGS)
+    assert [(o["kind"], o["metadata"]["name"]) for o in desired.objects] == [("ConfigMap", "mnist-config")]
+    assert ("apps/v1", "Deployment", "mnist") in desired.absent and ("v1", "Service", "mnist") in desired.absent
+    last = sidecar.admit(pod(), KNOWN, SETTINGS, native=True)[-1]
+    assert last["path"] == "/metadata/annotations/sluice.dev~1injected"
+    stamp = last["value"]
+    assert stamp == f"mnist@{builders.config_hash(desired.objects[0]['data'])}"
+
+
+@pytest.mark.parametrize(("spec", "problem"), [
+    ({"pool": "small", "resources": {"gpu": {"memory": "4Gi"}}}, "spec.pool"),
+    ({"canary": {"storageUri": "s3://m/v2", "version": 2}}, "spec.canary"),
+    ({"scaling": {"minReplicas": 2, "maxReplicas": 4}}, "spec.scaling"),
+    ({"mode": "Daemon"}, "spec.mode"),
+])
+def test_sidecar_mode_rejects_what_a_sidecar_cannot_do(spec, problem):
+    raw = {"mode": "Sidecar", "model": {"storageUri": "s3://m/x", "format": "onnx"}, **spec}
+    with pytest.raises(api.SpecError, match=problem):
+        api.parse_inference_model("m", raw)
+
+
+def test_webhook_settings_from_the_environment():
+    settings = Settings.from_env({"SLUICE_WEBHOOK_PORT": "9443", "SLUICE_NATIVE_SIDECARS": "false",
+                                  "POD_NAMESPACE": "ops", "SLUICE_SIDECAR_SHM_SIZE": "256Mi"})
+    assert settings.webhook == Webhook(port=9443, native_sidecars="false", namespace="ops", shm_size="256Mi")
+    with pytest.raises(ValueError, match="SLUICE_NATIVE_SIDECARS='yes' is not allowed; allowed: auto, true, false"):
+        Settings.from_env({"SLUICE_NATIVE_SIDECARS": "yes"})
+    with pytest.raises(ValueError, match="SLUICE_WEBHOOK_PORT='https'"):
+        Settings.from_env({"SLUICE_WEBHOOK_PORT": "https"})
+
+
+def test_certificates_are_kept_renewed_with_the_same_ca_and_replaced_near_the_cas_end():
+    names = certificates.dns_names("sluice-webhook", "sluice-system", "cluster.local")
+    start = datetime.datetime(2025, 1, 1, tzinfo=datetime.UTC)
+    assert certificates.decide(None, names, start) == certificates.NEW_CA
+    bundle = certificates.issue(None, certificates.NEW_CA, names, start)
+    assert certificates.decide(bundle, names, start) == certificates.KEEP
+    assert certificates.decide(bundle, [*names, "other"], start) == certificates.RENEW_SERVING
+    later = start + datetime.timedelta(days=340)
+    assert certificates.decide(bundle, names, later) == certificates.RENEW_SERVING
+    renewed = certificates.issue(bundle, certificates.RENEW_SERVING, names, later)
+    assert renewed.ca_cert == bundle.ca_cert and renewed.cert != bundle.cert  # the caBundle stays valid
+    assert certificates.decide(renewed, names, later) == certificates.KEEP
+    near_ca_end = start + datetime.timedelta(days=certificates.CA_DAYS - 100)
+    assert certificates.decide(renewed, names, near_ca_end) == certificates.NEW_CA
+    broken = certificates.Bundle("not a certificate", "x", "y", "z")
+    assert certificates.decide(broken, names, start) == certificates.NEW_CA
