@@ -77,7 +77,8 @@ class Webhooks:
         async def published() -> str:
             status, found = await self.cluster.call(
                 "GET", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/sluice-sidecar-injector")
-            return str(found.get("webhooks", [{}])[0].get("clientConfig", {}).get("caBundle", "")) if status == 200 else ""
+            hooks = found.get("webhooks", [{}]) if status == 200 else [{}]
+            return str(hooks[0].get("clientConfig", {}).get("caBundle", ""))
 
         return base64.b64decode(await self.cluster.wait(published, "the operator publishes its CA in the caBundle"))
 

@@ -261,20 +261,20 @@ def register(
 def _register_injection(registry: kopf.OperatorRegistry, injector: webhook.Injector) -> None:
     """The sidecar webhook: InferenceModels indexed by (namespace, name), and the mutating pod handler."""
 
-    def sidecar_models(name: str, namespace: str, spec: kopf.Spec, **_: Any) -> dict[tuple[str, str], Any]:
-        return {(namespace, name): sidecar.indexed(name, spec)}
+    def sidecar_models(name: str, namespace: str | None, spec: kopf.Spec, **_: Any) -> dict[tuple[str, str], Any]:
+        return {(namespace or "", name): sidecar.indexed(name, spec)}
 
     kopf.index(api.GROUP, api.VERSION, api.INFERENCE_MODEL_PLURAL, registry=registry,
                id="sidecar_models")(sidecar_models)
 
-    def inject(body: kopf.Body, patch: kopf.Patch, sidecar_models: kopf.Index[Any, Any], **_: Any) -> None:
+    def inject(body: kopf.Body, patch: kopf.Patch, **kwargs: Any) -> None:
         try:
-            ops = injector.review(body, sidecar_models)
+            ops = injector.review(body, kwargs["sidecar_models"])  # the index above, by its id
         except sidecar.Denied as exc:
             raise kopf.AdmissionError(str(exc), code=403) from exc
         if ops:
             # kopf diffs the pod before and after its patch functions into the response's JSON patch.
-            patch.fns.append(lambda pod: sidecar.apply(pod, ops))
+            patch.fns.append(lambda pod: sidecar.apply(cast(dict[str, Any], pod), ops))
 
     kopf.on.mutate("v1", "pods", registry=registry, id=webhook.HANDLER_ID, operations=["CREATE"],
                    persistent=True, side_effects=False, ignore_failures=False)(inject)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -162,9 +162,9 @@ class Kube:
         meta = obj["metadata"]
         return await self._request("POST", path(obj["kind"], meta.get("namespace", "")), body=obj) or {}
 
-    async def json_patch(self, kind: str, namespace: str, name: str, ops: list[Obj]) -> Obj:
+    async def json_patch(self, kind: str, namespace: str, name: str, ops: Sequence[Mapping[str, Any]]) -> Obj:
         """An RFC 6902 patch (a ``test`` op that fails answers 422: someone else changed it first)."""
-        return await self._request("PATCH", path(kind, namespace, name), body=ops,
+        return await self._request("PATCH", path(kind, namespace, name), body=[dict(op) for op in ops],
                                    content_type="application/json-patch+json") or {}
 
     async def version(self) -> Obj:

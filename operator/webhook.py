@@ -22,7 +22,7 @@ import datetime
 import logging
 import pathlib
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -143,7 +143,7 @@ class Injector:
             log.info("Published the webhook CA in MutatingWebhookConfiguration %s", hook.configuration)
 
 
-class InjectorServer(kopf.WebhookServer):  # type: ignore[misc]  # kopf has no type stubs
+class InjectorServer(kopf.WebhookServer):
     """kopf's HTTPS webhook server, started once the injector is prepared, with the request's namespace
     put into the pod (a pod made by a controller has none of its own at admission time)."""
 
@@ -171,7 +171,7 @@ class InjectorServer(kopf.WebhookServer):  # type: ignore[misc]  # kopf has no t
         if self.injector.settings.webhook.tls == "self-managed":
             renewing = asyncio.get_running_loop().create_task(self._renew())
         try:
-            async for config in super().__call__(with_namespace):
+            async for config in super().__call__(cast(Any, with_namespace)):
                 yield config
         finally:
             if renewing is not None:

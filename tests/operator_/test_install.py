@@ -60,6 +60,8 @@ def validate(docs: list[dict]) -> None:
         if doc["apiVersion"].startswith("monitoring.coreos.com"):
             assert schemas.validate(doc) == [], doc["kind"]
             continue
+        if doc["apiVersion"].startswith("cert-manager.io"):
+            continue  # no published schema installed: test_webhook_with_cert_manager checks their fields
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
@@ -200,7 +202,11 @@ def test_helm_lint_is_clean():
     ["--set", "crds.enabled=false", "--set", "metrics.enabled=false", "--set", "serviceAccount.create=false"],
     ["--set", "autoscaling.podMonitor.enabled=true", "--set", "autoscaling.prometheusAdapter.rules.enabled=true",
      "--set", "prometheus.url=http://prometheus-operated.monitoring.svc:9090"],
-], ids=["defaults", "namespaced-ha", "minimal", "autoscaling"])
+    ["--set", "webhook.enabled=true"],
+    ["--set", "webhook.enabled=true", "--set", "webhook.certManager.enabled=true",
+     "--set", "webhook.failurePolicy=Ignore",
+     "--set-string", "webhook.objectSelector.matchLabels.sluice\\.dev/sidecar=true"],
+], ids=["defaults", "namespaced-ha", "minimal", "autoscaling", "webhook", "webhook-cert-manager"])
 def test_helm_template_renders_valid_manifests(values):
     validate(template(*values))
 
@@ -253,6 +259,8 @@ def test_rbac_covers_every_kind_the_operator_writes():
     for kind, (api_version, plural) in RESOURCES.items():
         group = api_version.rpartition("/")[0]
         verbs = {v for r in rules if group in r["apiGroups"] and plural in r["resources"] for v in r["verbs"]}
+        if kind in ("Secret", "MutatingWebhookConfiguration"):
+            continue  # the webhook's, by name only: test_webhook_rbac_is_by_name
         wanted = {"get", "list"} if kind in ("Pod", "Node", "ResourceSlice", "ResourceClaim") else \
             {"get", "patch"} if group == "sluice.dev" else {"get", "create", "patch", "delete"}
         assert wanted <= verbs, f"{kind} ({group}/{plural}): the chart grants {sorted(verbs)}"
@@ -272,6 +280,9 @@ def test_rbac_covers_every_kind_the_operator_writes():
     (["--set", "replicsCount=2"], "additional properties 'replicsCount' not allowed"),
     (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
     (["--set", "replicaCount=2"], "replicaCount > 1 needs leaderElection.enabled=true"),
+    (["--set", "webhook.failurePolicy=Sometimes"], "/webhook/failurePolicy': value must be one of 'Fail', 'Ignore'"),
+    (["--set", "webhook.timeoutSeconds=31"], "/webhook/timeoutSeconds"),
+    (["--set", "webhook.nativeSidecars=maybe"], "/webhook/nativeSidecars"),
 ])
 def test_bad_values_fail_the_install(args, message):
     assert message in template_error(*args)
@@ -546,3 +557,74 @@ def test_the_readme_helm_install_uses_the_images_it_tells_you_to_build():
                for c in d["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])
                if e["name"] in ("SLUICE_RUNTIME_IMAGE", "SLUICE_RUNTIME_GPU_IMAGE")}
     assert images == built, f"the chart would run {images}, the README builds {built}"
+
+
+# ---------------------------------------------------------------- the sidecar webhook
+
+def test_webhook_is_off_by_default():
+    assert not [d for d in template() if d["kind"] in ("MutatingWebhookConfiguration", "Role")]
+    assert "SLUICE_WEBHOOK_PORT" not in _operator_env()
+
+
+def test_webhook_configuration_service_and_operator_settings_agree():
+    from sluice.operator import certificates, sidecar, webhook
+    docs = template("--set", "webhook.enabled=true")
+    settings = Settings.from_env(_operator_env("--set", "webhook.enabled=true"))
+    hook = settings.webhook
+    assert (hook.port, hook.tls, hook.namespace) == (9443, "self-managed", "sluice-system")
+    [configuration] = [d for d in docs if d["kind"] == "MutatingWebhookConfiguration"]
+    assert configuration["metadata"]["name"] == hook.configuration == "sluice-sidecar-injector"
+    [entry] = configuration["webhooks"]
+    assert entry["clientConfig"]["service"] == {"name": hook.service, "namespace": hook.namespace,
+                                                "path": f"/{webhook.HANDLER_ID}", "port": 443}
+    assert "caBundle" not in entry["clientConfig"]  # the operator publishes it; the chart never resets it
+    assert entry["failurePolicy"] == "Fail" and entry["timeoutSeconds"] == 10
+    assert entry["namespaceSelector"] == {"matchLabels": {sidecar.NAMESPACE_LABEL: "enabled"}}
+    assert entry["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+                               "resources": ["pods"], "scope": "Namespaced"}]
+    [service] = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == hook.service]
+    [deployment] = [d for d in docs if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert {"name": "webhook", "containerPort": 9443, "protocol": "TCP"} in pod["containers"][0]["ports"]
+    # Self-managed: the operator writes its certificate into a writable emptyDir at the cert dir.
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == hook.cert_dir)
+    assert next(v for v in pod["volumes"] if v["name"] == mount["name"]) == {"name": mount["name"], "emptyDir": {}}
+    names = certificates.dns_names(hook.service, hook.namespace, settings.cluster_domain)
+    assert f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc" in names
+
+
+def test_webhook_with_cert_manager():
+    docs = template("--set", "webhook.enabled=true", "--set", "webhook.certManager.enabled=true")
+    settings = Settings.from_env(_operator_env("--set", "webhook.enabled=true", "--set",
+                                               "webhook.certManager.enabled=true"))
+    assert settings.webhook.tls == "cert-manager"
+    [configuration] = [d for d in docs if d["kind"] == "MutatingWebhookConfiguration"]
+    [certificate] = [d for d in docs if d["kind"] == "Certificate"]
+    [issuer] = [d for d in docs if d["kind"] == "Issuer"]
+    assert configuration["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
+        f"{certificate['metadata']['namespace']}/{certificate['metadata']['name']}"
+    assert certificate["spec"]["issuerRef"] == {"name": issuer["metadata"]["name"], "kind": "Issuer"}
+    assert issuer["spec"] == {"selfSigned": {}}
+    from sluice.operator import certificates
+    assert certificate["spec"]["dnsNames"] == certificates.dns_names(
+        settings.webhook.service, settings.webhook.namespace, settings.cluster_domain)
+    [deployment] = [d for d in docs if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == settings.webhook.cert_dir)
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == certificate["spec"]["secretName"]
+    assert not [d for d in docs if d["kind"] == "Role"]  # cert-manager owns the Secret: no rights to it
+
+
+def test_webhook_rbac_is_by_name():
+    docs = template("--set", "webhook.enabled=true")
+    settings = Settings.from_env(_operator_env("--set", "webhook.enabled=true"))
+    [cluster_role] = [d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-webhook")]
+    assert cluster_role["rules"] == [{"apiGroups": ["admissionregistration.k8s.io"],
+                                      "resources": ["mutatingwebhookconfigurations"],
+                                      "resourceNames": [settings.webhook.configuration], "verbs": ["get", "patch"]}]
+    [role] = [d for d in docs if d["kind"] == "Role"]
+    assert role["metadata"]["namespace"] == settings.webhook.namespace
+    assert {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [settings.webhook.secret],
+            "verbs": ["get", "patch"]} in role["rules"]

@@ -175,7 +175,7 @@ def test_a_clash_with_the_app_is_denied_naming_it(change, message):
 
 def test_a_model_fetching_as_another_service_account_is_denied():
     known = {"mnist": model("mnist", storage={"serviceAccountName": "model-reader"})}
-    with pytest.raises(sidecar.Denied, match="fetches as service account 'model-reader'.*runs as 'default'"):
+    with pytest.raises(sidecar.Denied, match=r"fetches as service account 'model-reader'.*runs as 'default'"):
         sidecar.admit(pod(), known, SETTINGS, native=True)
     assert sidecar.admit(pod(serviceAccountName="model-reader"), known, SETTINGS, native=True)
 
