@@ -78,6 +78,15 @@ def _environment_help(defaults: Settings) -> str:
         ("SLUICE_GPU_ALLOCATION", defaults.gpu_allocation, "GPUs by extended-resources or dra"),
         ("SLUICE_PLACEMENT_REFRESH_SECONDS", f"{defaults.placement_refresh_seconds:g}",
          "how long a GPU inventory read is reused"),
+        ("SLUICE_WEBHOOK_PORT", "0 (off)", "HTTPS port of the sidecar-injection webhook"),
+        ("SLUICE_WEBHOOK_TLS", defaults.webhook.tls, "self-managed (own CA in a Secret) or cert-manager"),
+        ("SLUICE_WEBHOOK_CERT_DIR", defaults.webhook.cert_dir, "tls.crt/tls.key the webhook serves"),
+        ("SLUICE_WEBHOOK_NAMESPACE", defaults.webhook.namespace, "namespace of the webhook Service and Secret"),
+        ("SLUICE_WEBHOOK_SERVICE", defaults.webhook.service, "webhook Service (the certificate's names)"),
+        ("SLUICE_WEBHOOK_SECRET", defaults.webhook.secret, "Secret of the self-managed CA and certificate"),
+        ("SLUICE_WEBHOOK_CONFIGURATION", defaults.webhook.configuration, "where the CA is published (caBundle)"),
+        ("SLUICE_NATIVE_SIDECARS", defaults.webhook.native_sidecars, "auto (from /version), true or false"),
+        ("SLUICE_SIDECAR_SHM_SIZE", defaults.webhook.shm_size, "sizeLimit of the shared /dev/shm"),
     ]
     width = max(len(name) for name, _, _ in rows)
     lines = [f"  {name:<{width}}  {what} (default: {default})" for name, default, what in rows]
