@@ -163,7 +163,7 @@ def _map(path: Path, key: str, name: str, offset: int, byte_size: int) -> tuple[
     except FileNotFoundError:
         raise InvalidArgument(
             f"{fail}: no shared memory object with key '{key}' (create it first, e.g. with "
-            "tritonclient.utils.shared_memory.create_shared_memory_region, in this pod's /dev/shm)"
+            "tritonclient.utils.shared_memory.create_shared_memory_region, on the server's host or pod)"
         ) from None
     except PermissionError:
         raise InvalidArgument(f"{fail}: the server may not read and write the object with key '{key}'") from None
@@ -322,11 +322,12 @@ class Registry:
 class Binding:
     """The regions one request holds, and where its outputs go."""
 
-    __slots__ = ("_held", "_registry", "outputs")
+    __slots__ = ("_held", "_registry", "inputs", "outputs")
 
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
         self._held: list[Region] = []
+        self.inputs: list[Tensor] = []  # tensors whose data is a view of a held region
         self.outputs: dict[str, tuple[Ref, Region]] = {}
 
     def hold(self, ref: Ref, where: str) -> Region:
@@ -335,6 +336,11 @@ class Binding:
         return region
 
     def release(self) -> None:
+        # The request is answered: its views go now (not when the request object is collected), so
+        # an unregistered region is unmapped at once. A view a model kept is the mmap's to guard.
+        for tensor in self.inputs:
+            tensor.data = placeholder(tensor.datatype, tensor.data.shape)
+        self.inputs = []
         held, self._held = self._held, []
         for region in held:
             self._registry.let_go(region)
@@ -413,6 +419,7 @@ def bind(
             region = binding.hold(ref, where)
             window = region.window(ref)
             tensor.data = _input_array(tensor, window, ref)
+            binding.inputs.append(tensor)
             tensor.parameters = strip(tensor.parameters)
         for output in outputs or ():
             where = f"output '{output.name}'"
