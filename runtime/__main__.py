@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
             default=None,
             metavar="PATH",
             help=f"also serve {what} on this Unix domain socket (mode 0660; a stale socket file is replaced, "
-            f"removed on stop); with --{flag}-port -1, only there",
+            "removed on stop); with that protocol's port -1, only there",
         )
     serve.add_argument("--model", action="append", default=[], help="load only this model (repeatable); default: all")
     serve.add_argument(
