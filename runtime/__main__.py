@@ -61,6 +61,15 @@ def _parser() -> argparse.ArgumentParser:
         serve.add_argument(
             f"--{flag}-port", type=int, default=default, help=f"{what} port; 0 picks a free one, -1 disables"
         )
+    for flag, what in (("http", "HTTP"), ("grpc", "gRPC")):
+        serve.add_argument(
+            f"--{flag}-uds",
+            type=Path,
+            default=None,
+            metavar="PATH",
+            help=f"also serve {what} on this Unix domain socket (mode 0660; a stale socket file is replaced, "
+            "removed on stop); with that protocol's port -1, only there",
+        )
     serve.add_argument("--model", action="append", default=[], help="load only this model (repeatable); default: all")
     serve.add_argument(
         "--strict-readiness",
@@ -183,6 +192,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
+        http_uds=args.http_uds,
+        grpc_uds=args.grpc_uds,
         limits=limits,
         scheduling=scheduling,
         shutdown_grace_s=args.shutdown_grace_s,
@@ -227,7 +238,7 @@ async def serve(settings: ServerSettings) -> int:
     failed = f"  ({len(server.failed_models)} model(s) failed to load)" if server.failed_models else ""
     print(
         f"sluice ready: HTTP {settings.host}:{server.ports.http}  gRPC {settings.host}:{server.ports.grpc}  "
-        f"metrics {settings.host}:{server.ports.metrics}{failed}",
+        f"metrics {settings.host}:{server.ports.metrics}{_unix_sockets(settings)}{failed}",
         flush=True,
     )
     received = await stop
@@ -236,6 +247,12 @@ async def serve(settings: ServerSettings) -> int:
     logging.getLogger("sluice.runtime").info("stopping on %s: finishing in-flight requests", received.name)
     await server.stop(drain_s=drain)
     return 0
+
+
+def _unix_sockets(settings: ServerSettings) -> str:
+    """The ready line's part for the Unix domain sockets (empty without them)."""
+    sockets = (("HTTP", settings.http_uds), ("gRPC", settings.grpc_uds))
+    return "".join(f"  {what} unix:{path}" for what, path in sockets if path is not None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

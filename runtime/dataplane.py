@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sluice.runtime import __version__, classification
+from sluice.runtime import __version__, classification, shm
 from sluice.runtime import config as model_config
 from sluice.runtime.cache import cache_key
 from sluice.runtime.errors import InvalidArgument, SluiceError, Unavailable
@@ -33,6 +33,7 @@ EXTENSIONS = [
     "schedule_policy",
     "model_configuration",
     "statistics",
+    "system_shared_memory",
 ]
 
 
@@ -55,8 +56,11 @@ class DataPlane:
         strict_readiness: bool = True,
         server_name: str = "sluice",
         forwarder: Forwarder | None = None,
+        shared_memory: shm.Registry | None = None,
     ) -> None:
         self.repository = repository
+        self.shared_memory = shared_memory
+        """Registered system shared-memory regions (None: the extension is off, as in unit tests)."""
         repository.route_steps(self._infer_local)  # ensembles' steps run through the data plane, never forwarded
         self._forwarder = forwarder
         # The split models (empty without a split file): the only cost of the split on the hot path.
@@ -202,6 +206,9 @@ class DataPlane:
         split model that names no version may be forwarded to the model's canary (which counts it;
         this server's statistics do not).
         """
+        if self.shared_memory is not None and _names_region(request):
+            self._infer_bound(request, done, self.shared_memory)
+            return
         splits = self._splits
         if splits and not request.model_version and self._forwarder is not None and self._accepting:
             split = splits.get(request.model_name)
@@ -209,6 +216,22 @@ class DataPlane:
                 self._forwarder.forward(split.target, request, done, self._infer_local)
                 return
         self._infer_local(request, done)
+
+    def _infer_bound(
+        self, request: InferRequest, done: Callable[[InferResponse | SluiceError], None], registry: shm.Registry
+    ) -> None:
+        """A request naming shared-memory regions: its inputs become views of them and its regions are
+        held until it is answered, when its outputs are written there (shm.py says why views)."""
+        binding = shm.bind(registry, request.inputs, request.outputs, _shm_refusal)
+
+        def answered(outcome: InferResponse | SluiceError) -> None:
+            done(binding.finish(outcome))
+
+        try:
+            self.infer_nowait(request, answered)  # the shared-memory parameters are gone: no second bind
+        except BaseException:
+            binding.release()
+            raise
 
     def _infer_local(self, request: InferRequest, done: Callable[[InferResponse | SluiceError], None]) -> None:
         """``infer_nowait`` on this server's own model versions."""
@@ -262,3 +285,16 @@ def _classified(result: InferResponse, mv: ModelVersion, request: InferRequest) 
     if not outputs or not any(classification.PARAMETER in output.parameters for output in outputs):
         return result
     return classification.apply(result, outputs, batched=mv.config.max_batch_size > 0, labels=mv.labels)
+
+
+def _names_region(request: InferRequest) -> bool:
+    for tensor in request.inputs:
+        if tensor.parameters and shm.names_region(tensor.parameters):
+            return True
+    return any(o.parameters and shm.names_region(o.parameters) for o in request.outputs or ())
+
+
+def _shm_refusal(output: Any) -> str | None:
+    if output.parameters.get(classification.PARAMETER):
+        return "shared memory can't be used with classification; ask for the raw output, or no classification"
+    return None

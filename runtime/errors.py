@@ -9,6 +9,7 @@ says, a subclass without a row of its own answers like its base).
     ├── InvalidArgument      400 / INVALID_ARGUMENT   the request is malformed or disagrees with the model
     │   ├── PayloadTooLarge  413 / RESOURCE_EXHAUSTED a body, header or element count over a limit
     │   ├── Unsupported      400 / UNIMPLEMENTED      a protocol feature Sluice refuses
+    │   ├── AlreadyExists    400 / ALREADY_EXISTS     a shared-memory region name already registered
     │   └── ConfigError      400 / INVALID_ARGUMENT   a model configuration is invalid (file, line, field)
     ├── NotFound             404 / NOT_FOUND          unknown model or version
     ├── Unavailable          503 / UNAVAILABLE        model not ready, server shutting down
@@ -42,6 +43,10 @@ class PayloadTooLarge(InvalidArgument):
 
 class Unsupported(InvalidArgument):
     http_status = 400
+
+
+class AlreadyExists(InvalidArgument):
+    http_status = 400  # Triton answers 400 over HTTP, ALREADY_EXISTS over gRPC
 
 
 class NotFound(SluiceError):

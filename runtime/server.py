@@ -15,11 +15,13 @@ import asyncio
 import dataclasses
 import errno
 import logging
+import os
 import time
+from pathlib import Path
 
 import grpc
 
-from sluice.runtime import names
+from sluice.runtime import names, shm
 from sluice.runtime.batching import Clock
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import NotFound, SluiceError
@@ -28,6 +30,7 @@ from sluice.runtime.metrics import Metrics
 from sluice.runtime.protocol.grpc import start_grpc
 from sluice.runtime.protocol.grpc_h2 import GrpcServer
 from sluice.runtime.protocol.http import HttpServer, Request, Response, V2Routes
+from sluice.runtime.protocol.listener import UNIX_SOCKET_MODE, Listener, remove_unix_socket, unix_path_problem
 from sluice.runtime.repository import Repository
 from sluice.runtime.settings import ServerSettings
 
@@ -56,11 +59,13 @@ class Server:
         if settings.split_file is not None:
             self.forwarder = Forwarder()
             self._split_watcher = SplitFileWatcher(settings.split_file, self.forwarder.table, clock)
+        self.shared_memory = shm.Registry()
         self.dataplane = DataPlane(
             self.repository,
             strict_readiness=settings.strict_readiness,
             server_name=settings.server_name,
             forwarder=self.forwarder,
+            shared_memory=self.shared_memory,
         )
         self.metrics = Metrics(self.repository.all_versions, self.forwarder)
         self.ports = Ports()
@@ -69,6 +74,7 @@ class Server:
         self._metrics_http: HttpServer | None = None
         self._grpc: grpc.aio.Server | None = None
         self._grpc_h2: GrpcServer | None = None
+        self._grpc_unix: tuple[Path, int] | None = None  # the grpcio server's socket file: (path, inode)
         self._stopped = asyncio.Event()
         self._drain_cut = asyncio.Event()
 
@@ -116,18 +122,33 @@ class Server:
 
     async def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
         settings = self.settings
+        for flag, path in (("--http-uds", settings.http_uds), ("--grpc-uds", settings.grpc_uds)):
+            if path is not None:
+                problem = unix_path_problem(path)
+                if problem is not None:
+                    raise StartupError(f"{flag} {path}: {problem}")
         try:
-            if settings.http_port >= 0:
+            if settings.http_port >= 0 or settings.http_uds is not None:
                 self._http = HttpServer(V2Routes(self.dataplane, settings.limits), settings.limits, loop)
-                self.ports.http = await self._http.start(settings.host, settings.http_port)
-            if settings.grpc_port >= 0:
+                if settings.http_port >= 0:
+                    self.ports.http = await self._http.start(settings.host, settings.http_port)
+                if settings.http_uds is not None:
+                    await _start_unix(self._http, settings.http_uds, "--http-uds")
+            if settings.grpc_port >= 0 or settings.grpc_uds is not None:
                 if settings.grpc_server == "h2":
                     self._grpc_h2 = GrpcServer(self.dataplane, settings.limits, loop)
-                    self.ports.grpc = await self._grpc_h2.start(settings.host, settings.grpc_port)
+                    if settings.grpc_port >= 0:
+                        self.ports.grpc = await self._grpc_h2.start(settings.host, settings.grpc_port)
+                    if settings.grpc_uds is not None:
+                        await _start_unix(self._grpc_h2, settings.grpc_uds, "--grpc-uds")
                 elif settings.grpc_server == "grpcio":
+                    uds = None if settings.grpc_uds is None else os.fspath(settings.grpc_uds)
                     self._grpc, self.ports.grpc = await start_grpc(
-                        self.dataplane, settings.limits, settings.host, settings.grpc_port
+                        self.dataplane, settings.limits, settings.host, settings.grpc_port, uds
                     )
+                    if settings.grpc_uds is not None:
+                        os.chmod(settings.grpc_uds, UNIX_SOCKET_MODE)
+                        self._grpc_unix = (settings.grpc_uds, os.lstat(settings.grpc_uds).st_ino)
                 else:
                     raise StartupError(f"--grpc-server {settings.grpc_server!r}: allowed values are h2, grpcio")
             if settings.metrics_port >= 0:
@@ -151,6 +172,13 @@ class Server:
                 await listener.drain(time.monotonic())
         if self._grpc is not None:
             await self._grpc.stop(0)
+        self._remove_grpc_unix()
+        self.shared_memory.close()
+
+    def _remove_grpc_unix(self) -> None:
+        if self._grpc_unix is not None:
+            remove_unix_socket(*self._grpc_unix)
+            self._grpc_unix = None
 
     def _metrics_route(self, request: Request) -> Response:
         if request.path != b"/metrics":
@@ -182,6 +210,7 @@ class Server:
         if self._grpc_h2 is not None:
             await self._grpc_h2.stop_listening()  # GOAWAY: open calls go on, new ones go elsewhere
         grpc_stop = self._grpc.stop(grace) if self._grpc is not None else None
+        self._remove_grpc_unix()
         # Requests already accepted keep their place; new ones are refused from here on.
         if self._http is not None:
             await self._http.drain(deadline)
@@ -198,3 +227,11 @@ class Server:
         if self._metrics_http is not None:
             await self._metrics_http.stop_listening()
             await self._metrics_http.drain(time.monotonic())
+        self.shared_memory.close()  # regions still held by a request are unmapped when it is answered
+
+
+async def _start_unix(listener: Listener, path: Path, flag: str) -> None:
+    try:
+        await listener.start_unix(path)
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {flag} {path}: {exc.strerror or exc}") from exc

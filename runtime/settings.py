@@ -105,6 +105,12 @@ class ServerSettings:
     grpc_port: int = 8001
     metrics_port: int = 8002
     """0 picks a free port; -1 disables that listener."""
+    http_uds: Path | None = None
+    """Also serve HTTP on this Unix domain socket (an inference sidecar's callers in the same pod);
+    with ``http_port`` -1, only there. None: no socket."""
+    grpc_uds: Path | None = None
+    """Also serve gRPC on this Unix domain socket (``unix:///path`` for gRPC clients); with
+    ``grpc_port`` -1, only there. None: no socket."""
     limits: Limits = dataclasses.field(default_factory=Limits)
     scheduling: SchedulingDefaults = dataclasses.field(default_factory=SchedulingDefaults)
     shutdown_grace_s: float = 30.0

@@ -62,7 +62,11 @@ def method_handlers(service: Service) -> dict[str, grpc.RpcMethodHandler]:
     return handlers
 
 
-async def start_grpc(dataplane: DataPlane, limits: Limits, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+async def start_grpc(
+    dataplane: DataPlane, limits: Limits, host: str, port: int, unix_path: str | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """Serve on ``host:port`` (port -1: no TCP) and on the Unix socket ``unix_path`` if given;
+    returns the server and the bound TCP port (-1 without TCP)."""
     options = [
         ("grpc.max_receive_message_length", limits.max_grpc_message_bytes),
         ("grpc.max_send_message_length", limits.max_grpc_message_bytes),
@@ -73,8 +77,12 @@ async def start_grpc(dataplane: DataPlane, limits: Limits, host: str, port: int)
     handlers = method_handlers(Service(dataplane, limits))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
     server.add_registered_method_handlers(SERVICE.full_name, handlers)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind gRPC to {host}:{port}")
+    bound = -1
+    if port >= 0:
+        bound = server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot bind gRPC to {host}:{port}")
+    if unix_path is not None and server.add_insecure_port(f"unix:{unix_path}") == 0:
+        raise OSError(f"cannot bind gRPC to the Unix socket {unix_path}")
     await server.start()
     return server, bound

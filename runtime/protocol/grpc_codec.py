@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from sluice.runtime import classification
+from sluice.runtime import classification, shm
 from sluice.runtime.errors import InvalidArgument, PayloadTooLarge
 from sluice.runtime.settings import Limits
 from sluice.runtime.tensor_bytes import bytes_elements, encode_bytes_elements
@@ -72,10 +72,15 @@ def decode_infer(message: pb.ModelInferRequest, limits: Limits) -> InferRequest:
                     f"contents field must not be specified when using raw_input_contents for '{tensor.name}' "
                     f"for model '{message.model_name}'"
                 )
-    if raw and len(raw) != len(message.inputs):
+    in_shm = [shm.names_region(tensor.parameters) for tensor in message.inputs]
+    # raw_input_contents holds the inputs that are not in shared memory, in order (as Triton reads it)
+    carried = len(in_shm) - sum(in_shm)
+    if raw and len(raw) != carried:
         raise InvalidArgument(
-            f"raw_input_contents has {len(raw)} entries for {len(message.inputs)} inputs; give one per input"
+            f"raw_input_contents has {len(raw)} entries for {carried} inputs; give one per input "
+            "(inputs in shared memory take none)"
         )
+    raw_index = 0
     inputs = []  # none at all is the model's to judge: accepted when every input is optional
     total = 0
     for index, tensor in enumerate(message.inputs):
@@ -104,8 +109,18 @@ def decode_infer(message: pb.ModelInferRequest, limits: Limits) -> InferRequest:
         total += count
         if total > limits.max_elements:
             raise PayloadTooLarge(f"request holds more than {limits.max_elements} tensor elements (--max-elements)")
+        if in_shm[index]:
+            if tensor.HasField("contents"):
+                raise InvalidArgument(
+                    f"unexpected 'content' provided when using shared memory for input tensor '{name}' for model "
+                    f"'{message.model_name}'"
+                )
+            params = parameters_to_dict(tensor.parameters)
+            inputs.append(Tensor(name, datatype, shm.placeholder(datatype, shape), params))
+            continue
         if raw:
-            data = memoryview(raw[index])
+            data = memoryview(raw[raw_index])
+            raw_index += 1
             if datatype == "BYTES":
                 array = bytes_elements(name, data, count).reshape(shape)
             else:
@@ -163,7 +178,10 @@ def encode_infer(response: InferResponse) -> pb.ModelInferResponse:
         out.name = tensor.name
         out.datatype = tensor.datatype
         out.shape.extend(tensor.data.shape)
-        if tensor.datatype == "BYTES":
+        if tensor.parameters and shm.REGION in tensor.parameters:  # written to shared memory: an empty entry, as Triton
+            dict_to_parameters(tensor.parameters, out.parameters)
+            raw.append(b"")
+        elif tensor.datatype == "BYTES":
             raw.append(encode_bytes_elements(tensor.data))
         else:
             raw.append(np.ascontiguousarray(tensor.data, dtype=WIRE_DTYPE[tensor.datatype]).tobytes())

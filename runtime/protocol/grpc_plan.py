@@ -18,6 +18,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
+from sluice.runtime import shm
 from sluice.runtime.errors import InvalidArgument
 from sluice.runtime.protocol import grpc_codec
 from sluice.runtime.settings import Limits
@@ -117,7 +118,8 @@ class InferDecoder:
                 f"request is not a valid protobuf inference.ModelInferRequest message ({len(message)} bytes): {exc}"
             ) from None
         request = grpc_codec.decode_infer(parsed, self._limits)
-        if layout is not None and all(t.datatype != "BYTES" for t in request.inputs):
+        plannable = all(t.datatype != "BYTES" and not shm.names_region(t.parameters) for t in request.inputs)
+        if layout is not None and plannable:
             planned = _Plan(request)
             if [size for _, _, _, size, _ in planned.inputs] == [stop - start for start, stop in layout[1]]:
                 if len(self._plans) >= _MAX_ENTRIES:

@@ -23,8 +23,9 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
+from sluice.runtime import shm
 from sluice.runtime.dataplane import DataPlane
-from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, SluiceError, Unsupported
+from sluice.runtime.errors import InvalidArgument, NotFound, PayloadTooLarge, SluiceError, Unsupported
 from sluice.runtime.protocol import grpc_codec
 from sluice.runtime.protocol.grpc_plan import InferDecoder
 from sluice.runtime.settings import Limits
@@ -241,6 +242,35 @@ class Service:
         await self.dp.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
+    # -- shared memory (Triton's extensions) ---------------------------------------------------------
+    def _registry(self) -> shm.Registry:
+        if self.dp.shared_memory is None:
+            raise NotFound("system shared memory is not enabled on this server")
+        return self.dp.shared_memory
+
+    async def system_shared_memory_status(
+        self, request: pb.SystemSharedMemoryStatusRequest, call: Call
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in self._registry().status(request.name):
+            response.regions[region["name"]].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
+        return response
+
+    async def system_shared_memory_register(
+        self, request: pb.SystemSharedMemoryRegisterRequest, call: Call
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        self._registry().register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def system_shared_memory_unregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest, call: Call
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        self._registry().unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def cuda_shared_memory(self, request: Any, call: Call) -> Any:
+        raise Unsupported(shm.CUDA_UNSUPPORTED)
+
 
 _HANDLERS = {
     "ServerLive": "server_live",
@@ -253,6 +283,12 @@ _HANDLERS = {
     "RepositoryIndex": "repository_index",
     "RepositoryModelLoad": "repository_model_load",
     "RepositoryModelUnload": "repository_model_unload",
+    "SystemSharedMemoryStatus": "system_shared_memory_status",
+    "SystemSharedMemoryRegister": "system_shared_memory_register",
+    "SystemSharedMemoryUnregister": "system_shared_memory_unregister",
+    "CudaSharedMemoryStatus": "cuda_shared_memory",
+    "CudaSharedMemoryRegister": "cuda_shared_memory",
+    "CudaSharedMemoryUnregister": "cuda_shared_memory",
 }
 """Method name -> Service handler; methods of the proto not named here are answered UNIMPLEMENTED."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import grpc
 
 from sluice.runtime.errors import (
+    AlreadyExists,
     Cancelled,
     Internal,
     InvalidArgument,
@@ -26,6 +27,7 @@ GRPC_CODES: dict[type[SluiceError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unsupported: grpc.StatusCode.UNIMPLEMENTED,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     NotFound: grpc.StatusCode.NOT_FOUND,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     Cancelled: grpc.StatusCode.CANCELLED,

@@ -22,8 +22,9 @@ from urllib.parse import unquote
 
 import httptools
 
+from sluice.runtime import shm
 from sluice.runtime.dataplane import DataPlane
-from sluice.runtime.errors import InvalidArgument, NotFound, PayloadTooLarge, SluiceError, Unavailable
+from sluice.runtime.errors import InvalidArgument, NotFound, PayloadTooLarge, SluiceError, Unavailable, Unsupported
 from sluice.runtime.protocol import http_codec
 from sluice.runtime.protocol.http_plan import InferCodec
 from sluice.runtime.protocol.listener import Listener
@@ -503,6 +504,10 @@ class V2Routes:
             return self._models(request, parts[3:])
         if section == b"repository":
             return self._repository(request, parts[3:])
+        if section == b"systemsharedmemory":
+            return self._system_shared_memory(request, parts[3:])
+        if section == b"cudasharedmemory":
+            raise Unsupported(shm.CUDA_UNSUPPORTED)
         raise NotFound(f"no route for {request.path.decode(errors='replace')}")
 
     @staticmethod
@@ -566,7 +571,7 @@ class V2Routes:
             rest = parts[3:]
             if rest != [b"index"] and not (len(rest) == 3 and rest[0] == b"models" and rest[2] in (b"load", b"unload")):
                 return error_response(NotFound(f"no route for {path.decode(errors='replace')}"))
-        elif section not in (b"", b"health", b"models"):
+        elif section not in (b"", b"health", b"models", b"systemsharedmemory", b"cudasharedmemory"):
             return error_response(NotFound(f"no route for {path.decode(errors='replace')}"))
         return None
 
@@ -683,6 +688,40 @@ class V2Routes:
     async def _unload(self, name: str) -> Response:
         await self.dp.unload(name)
         return Response(200)
+
+    def _system_shared_memory(self, request: Request, rest: list[bytes]) -> Response:
+        """Triton's system shared-memory extension: ``status``, ``unregister`` (all), and
+        ``region/<name>/{status,register,unregister}``."""
+        registry = self.dp.shared_memory
+        if registry is None:
+            raise NotFound("system shared memory is not enabled on this server")
+        if rest == [b"status"]:
+            return self._get(request.method, lambda: json_response(registry.status()))
+        action = rest[2] if len(rest) == 3 and rest[0] == b"region" else b""
+        if action == b"status":
+            name = unquote(rest[1].decode("utf-8", "replace"))
+            return self._get(request.method, lambda: json_response(registry.status(name)))
+        if rest == [b"unregister"] or action in (b"register", b"unregister"):
+            if request.method != b"POST":
+                return json_response({"error": "use POST to register or unregister shared memory"}, 405)
+            if rest == [b"unregister"]:
+                registry.unregister()
+                return Response(200)
+            name = unquote(rest[1].decode("utf-8", "replace"))
+            if not name:
+                raise InvalidArgument(f"a region name is needed: region/<name>/{action.decode()}")
+            if action == b"unregister":
+                registry.unregister(name)
+                return Response(200)
+            body = http_codec.parse_json(request.body, "register request body") if request.body else None
+            if not isinstance(body, dict) or "key" not in body or "byte_size" not in body:
+                raise InvalidArgument(
+                    f"failed to register shared memory region '{name}': the body must be a JSON object "
+                    '{"key": "/<shm key>", "offset": <bytes, default 0>, "byte_size": <bytes>}'
+                )
+            registry.register(name, body["key"], body.get("offset", 0), body["byte_size"])
+            return Response(200)
+        raise NotFound(f"no route for {request.path.decode(errors='replace')}")
 
 
 def _model_path(rest: list[bytes]) -> tuple[str, str, list[bytes]]:

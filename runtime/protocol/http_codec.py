@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from sluice.runtime import classification
+from sluice.runtime import classification, shm
 from sluice.runtime.errors import InvalidArgument, PayloadTooLarge
 from sluice.runtime.settings import Limits
 from sluice.runtime.signature import Signature
@@ -237,6 +237,11 @@ def decode_infer(
         if total > limits.max_elements:
             raise PayloadTooLarge(f"request holds more than {limits.max_elements} tensor elements (--max-elements)")
         in_params = _parameters(item, f"input '{name}'")
+        if shm.names_region(in_params):  # the data is in a shared-memory region: read when the request is bound
+            if "data" in item or "binary_data_size" in in_params:
+                raise _bad(f"input '{name}' has shared_memory_region and also data or binary_data_size; give one")
+            inputs.append(Tensor(name, datatype, shm.placeholder(datatype, shape), in_params))
+            continue
         size = in_params.get("binary_data_size")
         if size is not None:
             if "data" in item:
@@ -384,7 +389,7 @@ def json_elements(request: InferRequest, response: InferResponse) -> int:
     count = 0
     for tensor in response.outputs:
         binary = wanted.get(tensor.name) if wanted is not None else None
-        if not (default if binary is None else binary):
+        if not (default if binary is None else binary) and shm.REGION not in tensor.parameters:
             count += tensor.data.size
     return count
 
@@ -401,7 +406,9 @@ def encode_infer(request: InferRequest, response: InferResponse) -> tuple[bytes,
         requested = wanted.get(tensor.name) if wanted is not None else None
         binary = default_binary if requested is None or requested.binary is None else requested.binary
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.data.shape)}
-        if binary:
+        if tensor.parameters and shm.REGION in tensor.parameters:  # written to shared memory: no data, as Triton
+            entry["parameters"] = tensor.parameters
+        elif binary:
             if tensor.datatype == "BYTES":
                 blob = encode_bytes_elements(tensor.data)
             else:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from sluice.runtime import shm
 from sluice.runtime.protocol import http_codec
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import (
@@ -47,8 +48,8 @@ def _binary_sizes(request: InferRequest) -> list[int] | None:
     """Byte size of each input as sent in binary form, or None when a size varies by content."""
     sizes = []
     for tensor in request.inputs:
-        if tensor.datatype == "BYTES":
-            return None  # element lengths vary; not worth a plan
+        if tensor.datatype == "BYTES" or shm.names_region(tensor.parameters):
+            return None  # element lengths vary, or the data is in shared memory: not worth a plan
         sizes.append(int(tensor.data.size) * ELEMENT_SIZE[tensor.datatype])
     return sizes
 
@@ -105,7 +106,7 @@ class InferCodec:
         response holds ``json_limit`` bytes of JSON values or more (about 8 a value): the caller
         encodes those off the event loop. A cached header (binary outputs only) needs no such count."""
         key: tuple[Any, ...] | None = None
-        if not (response.id or response.parameters):
+        if not (response.id or response.parameters or any(t.parameters for t in response.outputs)):
             key = (
                 response.model_name,
                 response.model_version,

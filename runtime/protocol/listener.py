@@ -1,12 +1,61 @@
-"""What the HTTP and gRPC front ends share: a listening socket, its connections, a sweeper that
-expires slow and idle ones, and a graceful stop. Subclasses say which protocol a connection speaks
-(``make_connection``) and what "stop taking work" means for an open connection (``on_stop``)."""
+"""What the HTTP and gRPC front ends share: listening sockets (TCP, and a Unix domain socket for a
+sidecar's callers), their connections, a sweeper that expires slow and idle ones, and a graceful
+stop. Subclasses say which protocol a connection speaks (``make_connection``) and what "stop taking
+work" means for an open connection (``on_stop``)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import stat
 import time
+from pathlib import Path
 from typing import Protocol
+
+UNIX_SOCKET_MODE = 0o660
+"""Mode of the socket files: the server's user and group may connect, others may not."""
+_SUN_PATH_MAX = 107  # bytes of a Unix socket path (sockaddr_un.sun_path, less its NUL)
+
+
+def unix_path_problem(path: Path) -> str | None:
+    """Make ``path`` ready for a listening Unix socket, or say what is wrong (one line). A socket file
+    nobody listens on (left by a crash) is removed; anything else already there is left alone."""
+    size = len(os.fsencode(path))
+    if size > _SUN_PATH_MAX:
+        return f"is {size} bytes long; a Unix socket path holds at most {_SUN_PATH_MAX}"
+    directory = path.parent
+    if not directory.is_dir():
+        return f"directory {directory} does not exist; create it (or mount a volume there) first"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"directory {directory} is not writable by this user"
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISSOCK(mode):
+        return "exists and is not a socket; remove it or pick another path"
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(os.fspath(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)  # stale: its server is gone
+        return None
+    except OSError as exc:
+        return f"cannot be checked ({exc.strerror or exc})"
+    finally:
+        probe.close()
+    return "is in use: another server accepts connections on it; stop it or pick another path"
+
+
+def remove_unix_socket(path: Path, inode: int) -> None:
+    """Remove the socket file we bound, unless something else has replaced it since."""
+    try:
+        if os.lstat(path).st_ino == inode:
+            path.unlink()
+    except FileNotFoundError:
+        pass
 
 
 class SweptConnection(Protocol):
@@ -25,7 +74,8 @@ class Listener:
         self.loop = loop
         self.connections: set = set()
         self.draining = False
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
+        self._unix: list[tuple[Path, int]] = []  # socket files we bound: (path, inode)
         self._sweeper: asyncio.Task | None = None
 
     def make_connection(self) -> asyncio.Protocol:
@@ -36,9 +86,22 @@ class Listener:
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0 picks a free port); returns the bound port."""
-        self._server = await self.loop.create_server(self.make_connection, host, port, backlog=2048)
-        self._sweeper = self.loop.create_task(self._sweep())
-        return self._server.sockets[0].getsockname()[1]
+        server = await self.loop.create_server(self.make_connection, host, port, backlog=2048)
+        self._servers.append(server)
+        self._start_sweeper()
+        return server.sockets[0].getsockname()[1]
+
+    async def start_unix(self, path: Path) -> None:
+        """Listen on the Unix socket ``path`` as well (``unix_path_problem`` said it is usable)."""
+        server = await self.loop.create_unix_server(self.make_connection, os.fspath(path), backlog=2048)
+        self._servers.append(server)
+        os.chmod(path, UNIX_SOCKET_MODE)
+        self._unix.append((path, os.lstat(path).st_ino))
+        self._start_sweeper()
+
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None:
+            self._sweeper = self.loop.create_task(self._sweep())
 
     async def _sweep(self) -> None:
         while True:
@@ -50,8 +113,11 @@ class Listener:
     async def stop_listening(self) -> None:
         """Refuse new connections; open ones finish what they have (see ``on_stop``)."""
         self.draining = True
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers:
+            server.close()
+        for path, inode in self._unix:
+            remove_unix_socket(path, inode)
+        self._unix.clear()
         for conn in list(self.connections):
             self.on_stop(conn)
 
@@ -63,5 +129,5 @@ class Listener:
             conn.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
-        if self._server is not None:
-            await self._server.wait_closed()
+        for server in self._servers:
+            await server.wait_closed()

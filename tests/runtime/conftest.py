@@ -162,9 +162,9 @@ def start_server(repo: Path, **overrides: Any) -> Running:
     clock = overrides.pop("clock", None)
     settings = ServerSettings(
         model_repository=repo,
-        http_port=0,
-        grpc_port=0,
-        metrics_port=0,
+        http_port=overrides.pop("http_port", 0),
+        grpc_port=overrides.pop("grpc_port", 0),
+        metrics_port=overrides.pop("metrics_port", 0),
         limits=limits,
         scheduling=scheduling,
         **overrides,

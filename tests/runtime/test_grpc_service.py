@@ -14,6 +14,8 @@ SERVICE = "/inference.GRPCInferenceService/"
 SERVED = {
     "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "ModelStreamInfer",
     "ModelConfig", "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
+    "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",  # served: "no GPU"
 }  # fmt: skip
 ALL = [m.name for m in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods]
 

@@ -1,0 +1,437 @@
+"""Triton's system shared-memory extension: the regions clients registered, and the binding of an
+inference request's inputs and outputs to them.
+
+Who calls it: ``server.Server`` owns one :class:`Registry` (closed on stop) and hands it to the data
+plane; the HTTP routes and gRPC handlers register, unregister and list regions through it; the
+codecs give an input that names a region a :func:`placeholder` of its shape (no data yet); and
+``DataPlane.infer_nowait`` calls :func:`bind` before the request goes anywhere, and the
+:class:`Binding`'s ``finish`` when it is answered.
+
+Pure parts: :func:`key_problem`, :func:`name_problem`, :func:`parse_ref`, :func:`span_problem`.
+The I/O is one thin function, :func:`_map` (``os.open`` of ``/dev/shm/<key>`` + ``mmap``,
+read-write, since outputs are written there).
+
+Lifetime. Inputs are handed on as read-only numpy *views* of the region, not copies: a 4 MB
+tensor is not copied once more on its way to the model (dynamic batching still concatenates a
+batch of several into a new array: that is its one copy). A view is only safe while the region
+stays mapped, so every region a request names is *held* from ``bind`` until the request is
+answered (``Binding.finish``, also for errors, cancellations and cache hits). Unregistering a held
+region frees its name at once (a new region may take it) but unmaps the memory only when its last
+holder lets go. As a second line, Python's ``mmap`` refuses to close while any buffer of it is
+exported (a view a model kept past its request): then the mapping is left to go with the last view.
+
+Not prevented (as in Triton): a client that shrinks the shared-memory object after registering it
+makes reads past the new end fault. The size is checked again each time a request takes the region,
+which narrows that to a race with the client's own ``ftruncate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import mmap
+import os
+import stat
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sluice.runtime.errors import AlreadyExists, InvalidArgument, NotFound, SluiceError
+from sluice.runtime.tensor_bytes import bytes_elements, encode_bytes_elements
+from sluice.runtime.types import ELEMENT_SIZE, WIRE_DTYPE, InferResponse, Tensor, numpy_dtype
+
+REGION = "shared_memory_region"
+BYTE_SIZE = "shared_memory_byte_size"
+OFFSET = "shared_memory_offset"
+PARAMETERS = (REGION, BYTE_SIZE, OFFSET)
+"""Tensor parameters of Triton's shared-memory extension (inputs and requested outputs)."""
+
+SHM_DIRECTORY = Path("/dev/shm")
+"""Where Linux keeps POSIX shared-memory objects (``shm_open(key)`` is ``/dev/shm/<key>``)."""
+
+KEY_ALLOWED = "a POSIX shared-memory name: '/name' (one leading '/', no other '/'), at most 255 bytes, not '.' or '..'"
+CUDA_UNSUPPORTED = (
+    "this server has no GPU; CUDA shared memory needs one; use system shared memory "
+    "(register_system_shared_memory) instead"
+)
+
+
+def placeholder(datatype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A read-only array of ``shape`` that allocates nothing: stands for an input whose data is in a
+    shared-memory region until ``bind`` reads it (the checks in between look at shapes only)."""
+    return np.broadcast_to(np.zeros((), dtype=numpy_dtype(datatype)), shape)
+
+
+def names_region(parameters: dict[str, Any]) -> bool:
+    """Whether a tensor's parameters use the shared-memory extension (cheap; for the hot path)."""
+    return bool(parameters) and (REGION in parameters or BYTE_SIZE in parameters or OFFSET in parameters)
+
+
+# -- pure checks ----------------------------------------------------------------------------------
+
+
+def key_problem(key: object) -> str | None:
+    """What is wrong with a client's shared-memory key, or None."""
+    if not isinstance(key, str):
+        return f"must be a string, got {type(key).__name__}"
+    name = key.lstrip("/")
+    if not name:
+        return "is empty"
+    if "/" in name:
+        return "holds a '/' after the leading one"
+    if name in (".", "..") or ".." in name:
+        return "holds '..'"
+    if any(ord(c) < 0x20 or c == "\x7f" for c in name):
+        return "holds control characters"
+    if len(name.encode("utf-8", "surrogatepass")) > 255:
+        return "is longer than 255 bytes"
+    return None
+
+
+def name_problem(name: object) -> str | None:
+    """What is wrong with a region name, or None (any text of 1 to 255 characters, no control characters)."""
+    if not isinstance(name, str) or not name:
+        return "a region needs a non-empty name"
+    if len(name) > 255:
+        return "a region name is at most 255 characters"
+    if any(ord(c) < 0x20 or c == "\x7f" for c in name):
+        return "a region name may not hold control characters"
+    return None
+
+
+def _count(value: object, field: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{where}: {field} must be an integer, got {value!r}")
+    if value < 0:
+        raise InvalidArgument(f"{where}: {field} must be >= 0, got {value}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ref:
+    """Where a tensor lives: ``byte_size`` bytes at ``offset`` in the region named ``region``."""
+
+    region: str
+    byte_size: int
+    offset: int = 0
+
+
+def parse_ref(parameters: dict[str, Any], where: str) -> Ref | None:
+    """The shared-memory reference in a tensor's parameters, or None when it names no region."""
+    if not names_region(parameters):
+        return None
+    region = parameters.get(REGION)
+    if region is None:
+        raise InvalidArgument(f"{where}: {BYTE_SIZE} or {OFFSET} given without {REGION}; give all, or none")
+    problem = name_problem(region)
+    if problem is not None:
+        raise InvalidArgument(f"{where}: {REGION}: {problem}")
+    if BYTE_SIZE not in parameters:
+        raise InvalidArgument(f"{where}: {REGION} '{region}' needs {BYTE_SIZE} (the tensor's size in bytes)")
+    byte_size = _count(parameters[BYTE_SIZE], BYTE_SIZE, where)
+    offset = _count(parameters.get(OFFSET, 0), OFFSET, where)
+    return Ref(region, byte_size, offset)
+
+
+def span_problem(ref: Ref, region_size: int) -> str | None:
+    """Whether ``ref`` lies inside a region of ``region_size`` bytes (None) or what is wrong."""
+    if ref.offset + ref.byte_size <= region_size:
+        return None
+    return (
+        f"offset {ref.offset} + byte_size {ref.byte_size} runs past the end of shared memory region "
+        f"'{ref.region}' ({region_size} bytes); allowed: offset + byte_size <= {region_size}"
+    )
+
+
+def strip(parameters: dict[str, Any]) -> dict[str, Any]:
+    """Parameters without the shared-memory ones (they are not forwarded, cached or shown to models)."""
+    return {k: v for k, v in parameters.items() if k not in PARAMETERS}
+
+
+# -- mapping (the only I/O) -----------------------------------------------------------------------
+
+
+def _map(path: Path, key: str, name: str, offset: int, byte_size: int) -> tuple[int, mmap.mmap, int]:
+    """Open and map ``byte_size`` bytes at ``offset`` of the object at ``path``, read-write:
+    (fd kept for later size checks, the mapping, where the window starts in it)."""
+    fail = f"failed to register shared memory region '{name}'"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InvalidArgument(
+            f"{fail}: no shared memory object with key '{key}' (create it first, e.g. with "
+            "tritonclient.utils.shared_memory.create_shared_memory_region, on the server's host or pod)"
+        ) from None
+    except PermissionError:
+        raise InvalidArgument(f"{fail}: the server may not read and write the object with key '{key}'") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise InvalidArgument(f"{fail}: key '{key}' is a symbolic link; allowed: a shared memory object") from None
+        raise InvalidArgument(f"{fail}: cannot open key '{key}': {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidArgument(f"{fail}: key '{key}' is not a shared memory object")
+        problem = span_problem(Ref(name, byte_size, offset), info.st_size)
+        if problem is not None:
+            raise InvalidArgument(f"{fail}: {problem} (the object with key '{key}' is {info.st_size} bytes)")
+        if byte_size == 0:
+            raise InvalidArgument(f"{fail}: byte_size must be > 0")
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(
+            fd, offset + byte_size - start, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, mapping, offset - start
+
+
+class Region:
+    """One registered region; held by the requests using it (``holders``)."""
+
+    __slots__ = ("_fd", "_mapping", "_start", "byte_size", "holders", "key", "name", "offset", "unregistered")
+
+    def __init__(self, name: str, key: str, offset: int, byte_size: int, fd: int, mapping: mmap.mmap, start: int):
+        self.name = name
+        self.key = key
+        self.offset = offset
+        self.byte_size = byte_size
+        self._fd = fd
+        self._mapping: mmap.mmap | None = mapping
+        self._start = start
+        self.holders = 0
+        self.unregistered = False
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+    def still_whole(self) -> bool:
+        """The object still covers the registered window (a client may have shrunk it since)."""
+        try:
+            return os.fstat(self._fd).st_size >= self.offset + self.byte_size
+        except OSError:
+            return False
+
+    def window(self, ref: Ref) -> memoryview:
+        """The bytes ``ref`` names; the caller checked ``span_problem`` against ``byte_size``."""
+        assert self._mapping is not None
+        begin = self._start + ref.offset
+        return memoryview(self._mapping)[begin : begin + ref.byte_size]
+
+    def close(self) -> None:
+        mapping, self._mapping = self._mapping, None
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # a view outlived its request: the mapping goes when the last view does
+            os.close(self._fd)
+
+
+class Registry:
+    """The regions of one server, by name. Registration and binding run on the event loop; the lock
+    keeps the bookkeeping whole should a worker thread ever release a region."""
+
+    def __init__(self, directory: Path = SHM_DIRECTORY) -> None:
+        self._directory = directory
+        self._regions: dict[str, Region] = {}
+        self._lock = threading.Lock()
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        problem = name_problem(name)
+        if problem is not None:
+            raise InvalidArgument(f"failed to register shared memory region: {problem}")
+        problem = key_problem(key)
+        if problem is not None:
+            raise InvalidArgument(
+                f"failed to register shared memory region '{name}': key {problem}; allowed: {KEY_ALLOWED}"
+            )
+        where = f"failed to register shared memory region '{name}'"
+        _count(offset, "offset", where)
+        _count(byte_size, "byte_size", where)
+        if name in self._regions:
+            raise AlreadyExists(
+                f"shared memory region '{name}' already in manager; unregister it first or pick another name"
+            )
+        fd, mapping, start = _map(self._directory / key.lstrip("/"), key, name, offset, byte_size)
+        with self._lock:
+            if name in self._regions:  # pragma: no cover - registration runs on the event loop only
+                os.close(fd)
+                mapping.close()
+                raise AlreadyExists(f"shared memory region '{name}' already in manager")
+            self._regions[name] = Region(name, key, offset, byte_size, fd, mapping, start)
+
+    def unregister(self, name: str = "") -> None:
+        """Forget ``name`` (every region for ""); an unknown name is no error, as in Triton. A region
+        requests still hold is unmapped when the last of them is answered."""
+        with self._lock:
+            names = list(self._regions) if not name else [name] if name in self._regions else []
+            for each in names:
+                region = self._regions.pop(each)
+                region.unregistered = True
+                if region.holders == 0:
+                    region.close()
+
+    def status(self, name: str = "") -> list[dict[str, Any]]:
+        with self._lock:
+            if not name:
+                return [region.status() for region in self._regions.values()]
+            region = self._regions.get(name)
+        if region is None:
+            raise NotFound(f"Unable to find system shared memory region: '{name}'")
+        return [region.status()]
+
+    def hold(self, ref: Ref, where: str) -> Region:
+        """Take the region ``ref`` names for a request, after checking ``ref`` lies inside it."""
+        with self._lock:
+            region = self._regions.get(ref.region)
+            if region is None:
+                raise NotFound(
+                    f"{where}: Unable to find shared memory region: '{ref.region}'; register it first "
+                    f"(registered: {len(self._regions)})"
+                )
+            problem = span_problem(ref, region.byte_size)
+            if problem is not None:
+                raise InvalidArgument(f"{where}: {problem}")
+            if not region.still_whole():
+                raise InvalidArgument(
+                    f"{where}: shared memory region '{ref.region}' was shrunk below its registered size "
+                    f"({region.offset + region.byte_size} bytes); unregister it and register it again"
+                )
+            region.holders += 1
+            return region
+
+    def let_go(self, region: Region) -> None:
+        with self._lock:
+            region.holders -= 1
+            if region.holders == 0 and region.unregistered:
+                region.close()
+
+    def close(self) -> None:
+        """Unmap every region no request holds (the server stops)."""
+        self.unregister()
+
+
+# -- binding a request ------------------------------------------------------------------------------
+
+
+class Binding:
+    """The regions one request holds, and where its outputs go."""
+
+    __slots__ = ("_held", "_registry", "inputs", "outputs")
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self._held: list[Region] = []
+        self.inputs: list[Tensor] = []  # tensors whose data is a view of a held region
+        self.outputs: dict[str, tuple[Ref, Region]] = {}
+
+    def hold(self, ref: Ref, where: str) -> Region:
+        region = self._registry.hold(ref, where)
+        self._held.append(region)
+        return region
+
+    def release(self) -> None:
+        # The request is answered: its views go now (not when the request object is collected), so
+        # an unregistered region is unmapped at once. A view a model kept is the mmap's to guard.
+        for tensor in self.inputs:
+            tensor.data = placeholder(tensor.datatype, tensor.data.shape)
+        self.inputs = []
+        held, self._held = self._held, []
+        for region in held:
+            self._registry.let_go(region)
+
+    def finish(self, outcome: InferResponse | SluiceError) -> InferResponse | SluiceError:
+        """Write the outputs asked for in shared memory (a new response; a cached one is never
+        changed) and let the regions go. Called once, when the request is answered."""
+        try:
+            if isinstance(outcome, SluiceError) or not self.outputs:
+                return outcome
+            return self._write(outcome)
+        finally:
+            self.release()
+
+    def _write(self, response: InferResponse) -> InferResponse | SluiceError:
+        outputs = []
+        for tensor in response.outputs:
+            target = self.outputs.get(tensor.name)
+            if target is None:
+                outputs.append(tensor)
+                continue
+            ref, region = target
+            if tensor.datatype == "BYTES":
+                blob = np.frombuffer(encode_bytes_elements(tensor.data), dtype=np.uint8)
+            else:
+                blob = np.ascontiguousarray(tensor.data, dtype=WIRE_DTYPE[tensor.datatype]).reshape(-1).view(np.uint8)
+            size = int(blob.size)
+            if size > ref.byte_size:
+                shape = "[" + ",".join(str(d) for d in tensor.data.shape) + "]"
+                return InvalidArgument(
+                    f"shared memory size specified with the request for output '{tensor.name}' ({ref.byte_size} "
+                    f"bytes) should be at least {size} bytes to hold the results (shape {shape} of "
+                    f"{tensor.datatype}); region '{ref.region}'"
+                )
+            if size:
+                window = region.window(ref)
+                np.frombuffer(window, dtype=np.uint8, count=size)[:] = blob
+                window.release()
+            parameters: dict[str, Any] = {REGION: ref.region, BYTE_SIZE: size}
+            if ref.offset:
+                parameters[OFFSET] = ref.offset
+            outputs.append(
+                Tensor(tensor.name, tensor.datatype, placeholder(tensor.datatype, tensor.data.shape), parameters)
+            )
+        return InferResponse(response.model_name, response.model_version, outputs, response.id, response.parameters)
+
+
+def _input_array(tensor: Tensor, window: memoryview, ref: Ref) -> np.ndarray:
+    shape = tensor.data.shape
+    count = int(tensor.data.size)
+    if tensor.datatype == "BYTES":
+        return bytes_elements(tensor.name, window, count).reshape(shape)
+    needed = count * ELEMENT_SIZE[tensor.datatype]
+    if ref.byte_size != needed:
+        dims = "[" + ",".join(str(d) for d in shape) + "]"
+        raise InvalidArgument(
+            f"input '{tensor.name}': {BYTE_SIZE} is {ref.byte_size} but shape {dims} of {tensor.datatype} needs "
+            f"{needed} bytes (region '{ref.region}')"
+        )
+    return np.frombuffer(window.toreadonly(), dtype=WIRE_DTYPE[tensor.datatype]).reshape(shape)
+
+
+def bind(
+    registry: Registry, inputs: list[Tensor], outputs: list[Any] | None, refuse: Callable[[Any], str | None]
+) -> Binding:
+    """Read the inputs that name a region (views, see the module docstring), note where the outputs
+    go, and hold every region named until ``Binding.finish``. ``refuse(output)`` says why an output
+    cannot go to shared memory (e.g. classification), or None. Raises SluiceError, holding nothing."""
+    binding = Binding(registry)
+    try:
+        for tensor in inputs:
+            where = f"input '{tensor.name}'"
+            ref = parse_ref(tensor.parameters, where)
+            if ref is None:
+                continue
+            region = binding.hold(ref, where)
+            window = region.window(ref)
+            tensor.data = _input_array(tensor, window, ref)
+            binding.inputs.append(tensor)
+            tensor.parameters = strip(tensor.parameters)
+        for output in outputs or ():
+            where = f"output '{output.name}'"
+            ref = parse_ref(output.parameters, where)
+            if ref is None:
+                continue
+            why = refuse(output)
+            if why is not None:
+                raise InvalidArgument(f"{where}: {why}")
+            binding.outputs[output.name] = (ref, binding.hold(ref, where))
+            output.parameters = strip(output.parameters)
+    except BaseException:
+        binding.release()
+        raise
+    return binding
