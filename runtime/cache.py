@@ -10,6 +10,7 @@ the request asked for. Used by the data plane on the event loop only (no locks).
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Hashable
 
 from sluice.runtime.types import InferRequest, InferResponse, Tensor
@@ -68,6 +69,13 @@ class ResponseCache:
         size = _size(key, response)
         if size > self.max_bytes:
             return
+        # An output that is a view keeps what it views alive and shared: a slice of a whole batch's
+        # output, or an input the model handed back, which may be a client's shared-memory region.
+        # The entry owns copies, so what it holds is what was answered and what it counts.
+        response = dataclasses.replace(response, outputs=[
+            t if t.data.flags.owndata else Tensor(t.name, t.datatype, t.data.copy(), dict(t.parameters))
+            for t in response.outputs
+        ])
         self._entries[key] = (response, size)
         self.bytes += size
         while self.bytes > self.max_bytes:

@@ -108,8 +108,34 @@ output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
 """
 
 
+ECHO_PY = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        # Hands its input back as is: with shared memory, a view of the client's region.
+        return [
+            pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())
+            ])
+            for r in requests
+        ]
+"""
+
+ECHO_CONFIG = """
+name: "echo"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 16 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 16 ] } ]
+response_cache { enable: true }
+"""
+
+
 def make_repo(repo: Path) -> Path:
     write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    write_model(repo, "echo", ECHO_CONFIG, {"model.py": ECHO_PY})
     write_model(repo, "identity", IDENTITY_CONFIG, {"model.onnx": identity_model()})
     write_model(repo, "cached", CACHED_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
     return repo
@@ -416,6 +442,27 @@ def test_batching_and_cache_with_shared_memory(server: Running, regions: Regions
     stats = client.get_inference_statistics("cached").model_stats[0]
     assert (stats.inference_stats.cache_hit.count, stats.inference_stats.cache_miss.count) == (1, 2)
     client.unregister_system_shared_memory()
+
+
+def test_cached_response_does_not_follow_the_region(server: Running, regions: Regions) -> None:
+    """A model that answers with its shared-memory input unchanged: the cached response keeps the values
+    answered, not a view of the client's region that the client then overwrites."""
+    client = grpcclient.InferenceServerClient(server.grpc)
+    a, b = np.arange(16, dtype=np.float32), np.full(16, -7, dtype=np.float32)
+    handle, key = regions.create(64)
+    shm.set_shared_memory_region(handle, [a])
+    name = unique("echo")
+    client.register_system_shared_memory(name, key, 64)
+    via_region = grpcclient.InferInput("INPUT0", [16], "FP32")
+    via_region.set_shared_memory(name, 64)
+    np.testing.assert_array_equal(client.infer("echo", [via_region]).as_numpy("OUTPUT0"), a)
+    shm.set_shared_memory_region(handle, [b])  # the client reuses its region for the next request
+    inline = grpcclient.InferInput("INPUT0", [16], "FP32")
+    inline.set_data_from_numpy(a)
+    np.testing.assert_array_equal(client.infer("echo", [inline]).as_numpy("OUTPUT0"), a)  # a hit: a, not b
+    stats = client.get_inference_statistics("echo").model_stats[0].inference_stats
+    assert (stats.cache_hit.count, stats.cache_miss.count) == (1, 1)
+    client.unregister_system_shared_memory(name)
 
 
 def test_unregister_while_in_use_unmaps_after_the_request(tmp_path: Path, regions: Regions) -> None:
