@@ -21,8 +21,9 @@ def _call(context: grpc.aio.ServicerContext) -> Call:
     remaining = context.time_remaining()
     caller = ""
     for key, value in context.invocation_metadata() or ():
-        if key == callers.METADATA_KEY:
-            caller = callers.checked(value, f"metadata {callers.METADATA_KEY}") if value else ""
+        if key == callers.METADATA_KEY and value:
+            text = value if isinstance(value, str) else value.decode("latin-1")
+            caller = callers.checked(text, f"metadata {callers.METADATA_KEY}")
     return Call(None if remaining is None else time.monotonic() + remaining, caller)
 
 
