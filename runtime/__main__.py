@@ -13,7 +13,7 @@ import gc
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sluice.runtime import __version__
@@ -28,6 +28,19 @@ def _bool(value: str) -> bool:
     if lowered in ("false", "0", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"{value!r} is not a boolean; allowed: true, false")
+
+
+def _non_negative(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def parse(value: str) -> int | float:
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a number; allowed: {kind.__name__} >= 0") from None
+        if number < 0:
+            raise argparse.ArgumentTypeError(f"{value!r} is negative; allowed: {kind.__name__} >= 0")
+        return number
+
+    return parse
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -112,6 +125,20 @@ def _parser() -> argparse.ArgumentParser:
         "(the operator mounts it from a ConfigMap); that percent of each model's requests without an explicit "
         "version is forwarded to the target over gRPC. Re-read when it changes (polled every second); a missing "
         "file means no split, an invalid one keeps the split in force (logged)",
+    )
+    serve.add_argument(
+        "--caller-label-limit",
+        type=_non_negative(int),
+        default=defaults.caller_label_limit,
+        help="callers (Sluice-Caller header, sluice-caller gRPC metadata or sluice_caller parameter) that get a "
+        "label of their own in the per-caller metrics, the busiest first; the rest are counted as 'other'",
+    )
+    serve.add_argument(
+        "--duplicate-window-s",
+        type=_non_negative(float),
+        default=defaults.duplicate_window_s,
+        help="a request with the same inputs from the same caller within this many seconds of the last counts as a "
+        "duplicate in the per-caller metrics; 0 disables (no hashing)",
     )
     serve.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity"
@@ -203,6 +230,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         server_name=args.server_name,
         grpc_server=args.grpc_server,
         split_file=args.split_file,
+        caller_label_limit=args.caller_label_limit,
+        duplicate_window_s=args.duplicate_window_s,
     )
 
 

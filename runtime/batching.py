@@ -35,6 +35,7 @@ from sluice.runtime.errors import (
     InvalidArgument,
     QueueFull,
     QueueTimeout,
+    Shed,
     SluiceError,
     Unavailable,
 )
@@ -610,7 +611,7 @@ class Scheduler:
                 self._observer.on_rejected("shed")
                 self._finish(
                     entry,
-                    QueueTimeout(
+                    Shed(
                         f"model '{self._config.model_label}' is overloaded: the request waited {waited // 1000} us "
                         f"while the queue has not drained for over {(now - self._last_empty) // 1_000_000} ms; "
                         f"requests waiting over {max_wait_ns // 1000} us are shed so served latency stays bounded "

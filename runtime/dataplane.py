@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sluice.runtime import __version__, classification, shm
+from sluice.runtime import __version__, callers, classification, shm
 from sluice.runtime import config as model_config
 from sluice.runtime.cache import cache_key
+from sluice.runtime.callers import CallerLabels, DuplicateWindow
 from sluice.runtime.errors import InvalidArgument, SluiceError, Unavailable
 from sluice.runtime.forwarding import Forwarder
 from sluice.runtime.repository import ModelVersion, Repository
@@ -57,6 +58,8 @@ class DataPlane:
         server_name: str = "sluice",
         forwarder: Forwarder | None = None,
         shared_memory: shm.Registry | None = None,
+        caller_labels: CallerLabels | None = None,
+        duplicates: DuplicateWindow | None = None,
     ) -> None:
         self.repository = repository
         self.shared_memory = shared_memory
@@ -65,6 +68,10 @@ class DataPlane:
         self._forwarder = forwarder
         # The split models (empty without a split file): the only cost of the split on the hot path.
         self._splits = forwarder.table.models if forwarder is not None else {}
+        # Per-caller accounting (callers.py): the labels callers are counted under, and the window
+        # duplicates are looked for in (None: off, nothing is hashed).
+        self.caller_labels = caller_labels if caller_labels is not None else CallerLabels(20)
+        self._duplicates = duplicates
         self._strict = strict_readiness
         self._server_name = server_name
         self._started = False
@@ -206,6 +213,9 @@ class DataPlane:
         split model that names no version may be forwarded to the model's canary (which counts it;
         this server's statistics do not).
         """
+        params = request.parameters
+        if params and callers.PARAMETER in params:
+            _take_caller_parameter(request)
         if self.shared_memory is not None and _names_region(request):
             self._infer_bound(request, done, self.shared_memory)
             return
@@ -241,6 +251,8 @@ class DataPlane:
         cache = mv.cache
         key: object = None
         lookup_ns = 0
+        caller = request.caller
+        counts = stats.caller_counts(self.caller_labels.label(caller)) if caller else stats.unknown_caller
 
         def finished(result: InferResponse | SluiceError) -> None:
             outcome = result
@@ -251,6 +263,13 @@ class DataPlane:
                     cache.put(key, outcome, len(mv.signature.outputs))
                     stats.on_cache_miss(lookup_ns + time.monotonic_ns() - insert)
                 outcome = _classified(outcome, mv, request)
+            if isinstance(outcome, SluiceError):
+                counts.failure += 1
+                reason = callers.rejection_reason(outcome, queued=True)
+                if reason is not None:
+                    counts.reject(reason)
+            else:
+                counts.success += 1
             stats.on_request(time.monotonic_ns() - start, outcome if isinstance(outcome, SluiceError) else None)
             done(outcome)
 
@@ -259,16 +278,38 @@ class DataPlane:
             priority, timeout_us = self._options(request)
             if cache is not None:
                 key = cache_key(request)
+            if caller and self._duplicates is not None:
+                digest = hash((mv.name, mv.version, cache_key(request) if key is None else key))
+                if self._duplicates.seen((caller, digest)):
+                    counts.duplicates += 1
+            if cache is not None:
                 hit = cache.get(key, request)
                 lookup_ns = time.monotonic_ns() - start
                 if hit is not None:
                     stats.on_cache_hit(lookup_ns)
+                    counts.success += 1
+                    counts.cache_hits += 1
                     done(_classified(_named(hit, mv, request), mv, request))
                     return
             mv.scheduler.enqueue_callback(request, finished, priority, timeout_us)
         except SluiceError as exc:
             stats.on_request(time.monotonic_ns() - start, exc)
+            counts.failure += 1
+            reason = callers.rejection_reason(exc, queued=False)
+            if reason is not None:
+                counts.reject(reason)
             raise
+
+
+def _take_caller_parameter(request: InferRequest) -> None:
+    """Take the ``sluice_caller`` parameter out of ``request`` (models never see it) and make it the
+    caller unless a header or metadata named one already. A new dict: the decoders' plan caches
+    share the parameters of the request they were made from."""
+    params = request.parameters
+    caller = callers.caller_from_parameter(params[callers.PARAMETER])
+    request.parameters = {k: v for k, v in params.items() if k != callers.PARAMETER}
+    if not request.caller:
+        request.caller = caller
 
 
 def _named(result: InferResponse, mv: ModelVersion, request: InferRequest) -> InferResponse:

@@ -158,7 +158,7 @@ def step_request(
     config: mc.ModelConfig | None = None,
 ) -> InferRequest:
     """The inner request of ``step``: its inputs renamed from the ensemble tensors, only the outputs
-    the ensemble maps, and the caller's id and parameters (priority, timeout) passed on.
+    the ensemble maps, and the caller's id, parameters (priority, timeout) and caller name passed on.
 
     With the step model's ``config`` and the tensors' ``batches`` (see :func:`reshape_dims`), each
     input is reshaped (a view, no copy) where the step's batching differs from its producer's."""
@@ -180,6 +180,7 @@ def step_request(
         [RequestedOutput(name) for name, _ in step.outputs],
         outer.id,
         dict(outer.parameters) if outer.parameters else {},
+        caller=outer.caller,
     )
 
 

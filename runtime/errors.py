@@ -15,6 +15,7 @@ says, a subclass without a row of its own answers like its base).
     ├── Unavailable          503 / UNAVAILABLE        model not ready, server shutting down
     │   ├── QueueFull        503 / UNAVAILABLE        the model's queue is at max_queue_size
     │   └── QueueTimeout     503 / UNAVAILABLE        the request waited in the queue past its deadline
+    │       └── Shed         503 / UNAVAILABLE        ... or was shed by overload control
     ├── Cancelled            499 / CANCELLED          the client went away before the model ran
     ├── ModelError           500 / INTERNAL           the model's own code failed (message passed through)
     └── Internal             500 / INTERNAL           a bug in Sluice
@@ -63,6 +64,10 @@ class QueueFull(Unavailable):
 
 class QueueTimeout(Unavailable):
     pass
+
+
+class Shed(QueueTimeout):
+    """Overload control answered a queued request at once (docs/batching.md); a QueueTimeout to clients."""
 
 
 class Cancelled(SluiceError):

@@ -3,7 +3,9 @@
 Nothing is counted twice and the request path never touches prometheus-client: the collector
 turns ``ModelStats`` (which the statistics endpoints also report) into metric families when
 Prometheus scrapes, and the forwarding collector does the same for the no-mesh canary split
-(forwarding.py's counts and split table). The registry is an object owned by the server, never the global one.
+(forwarding.py's counts and split table). The caller collector reports the per-caller counts of
+each model version under the labels callers.py's ``CallerLabels`` chooses, re-ranking them at each
+scrape. The registry is an object owned by the server, never the global one.
 Names and their Triton equivalents are listed in docs/metrics.md.
 """
 
@@ -15,6 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sluice.runtime.callers import REASONS, CallerLabels
 from sluice.runtime.forwarding import Forwarder
 from sluice.runtime.repository import ModelVersion
 
@@ -133,14 +136,67 @@ class ForwardingCollector(Collector):
         yield from (percent, forwarded)
 
 
+class CallerCollector(Collector):
+    """Per model version and caller label: requests, rejections by reason, cache hits, duplicates.
+    Each scrape first re-ranks the labels (the busiest callers keep or get theirs) and drops the
+    counts of labels no longer in use, so the series stay bounded by ``--caller-label-limit``."""
+
+    def __init__(self, versions: Callable[[], Iterable[ModelVersion]], labels: CallerLabels) -> None:
+        self._versions = versions
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        names = [*LABELS, "caller"]
+        success = CounterMetricFamily(
+            "sluice_caller_request_success", "Requests answered successfully, per caller", labels=names
+        )
+        failure = CounterMetricFamily(
+            "sluice_caller_request_failure", "Requests answered with an error, per caller", labels=names
+        )
+        rejected = CounterMetricFamily(
+            "sluice_caller_rejected",
+            "Requests refused without running, per caller and reason (queue_full, timeout, shed, cancelled, "
+            "bad_request)",
+            labels=[*names, "reason"],
+        )
+        cache_hits = CounterMetricFamily(
+            "sluice_caller_cache_hit_count", "Response cache hits, per caller", labels=names
+        )
+        duplicates = CounterMetricFamily(
+            "sluice_caller_duplicate_request",
+            "Requests with the same inputs as one the same caller sent within --duplicate-window-s",
+            labels=names,
+        )
+        active = self._labels.rerank()
+        for mv in self._versions():
+            stats = mv.stats
+            stats.keep_callers(active)
+            for caller, counts in sorted(stats.callers.items()):
+                labels = [mv.name, str(mv.version), caller]
+                success.add_metric(labels, counts.success)
+                failure.add_metric(labels, counts.failure)
+                for reason in REASONS:
+                    rejected.add_metric([*labels, reason], counts.rejected.get(reason, 0))
+                cache_hits.add_metric(labels, counts.cache_hits)
+                duplicates.add_metric(labels, counts.duplicates)
+        yield from (success, failure, rejected, cache_hits, duplicates)
+
+
 class Metrics:
     """The server's registry and its exposition."""
 
-    def __init__(self, versions: Callable[[], Iterable[ModelVersion]], forwarder: Forwarder | None = None) -> None:
+    def __init__(
+        self,
+        versions: Callable[[], Iterable[ModelVersion]],
+        forwarder: Forwarder | None = None,
+        caller_labels: CallerLabels | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ModelCollector(versions))
         if forwarder is not None:
             self.registry.register(ForwardingCollector(forwarder))
+        if caller_labels is not None:
+            self.registry.register(CallerCollector(versions, caller_labels))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -24,6 +24,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from sluice.runtime.callers import PARAMETER as CALLER_PARAMETER
 from sluice.runtime.errors import (
     Cancelled,
     Internal,
@@ -140,6 +141,8 @@ def request_message(request: InferRequest, model: str, version: str) -> pb.Model
             _set_parameters(output.parameters, requested.parameters)
     if request.parameters:
         _set_parameters(request.parameters, message.parameters)
+    if request.caller:  # the remote counts the request under the same caller (callers.py)
+        message.parameters[CALLER_PARAMETER].string_param = request.caller
     return message
 
 

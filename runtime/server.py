@@ -23,6 +23,7 @@ import grpc
 
 from sluice.runtime import names, shm
 from sluice.runtime.batching import Clock
+from sluice.runtime.callers import CallerLabels, DuplicateWindow
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import NotFound, SluiceError
 from sluice.runtime.forwarding import Forwarder, SplitFileWatcher
@@ -66,8 +67,14 @@ class Server:
             server_name=settings.server_name,
             forwarder=self.forwarder,
             shared_memory=self.shared_memory,
+            caller_labels=CallerLabels(settings.caller_label_limit),
+            duplicates=(
+                DuplicateWindow(settings.duplicate_window_s, clock or time.monotonic_ns)
+                if settings.duplicate_window_s > 0
+                else None
+            ),
         )
-        self.metrics = Metrics(self.repository.all_versions, self.forwarder)
+        self.metrics = Metrics(self.repository.all_versions, self.forwarder, self.dataplane.caller_labels)
         self.ports = Ports()
         self.failed_models: dict[str, str] = {}
         self._http: HttpServer | None = None

@@ -133,3 +133,10 @@ class ServerSettings:
     """The no-mesh canary split: a JSON file naming, per model, a canary gRPC target and the
     percent of requests without an explicit version forwarded there (forwarding.py). Read at start
     and re-read when it changes; a missing file is no split. None: no split, nothing watched."""
+    caller_label_limit: int = 20
+    """Callers (``Sluice-Caller``) that get a label of their own in the per-caller metrics, the
+    busiest by recent volume; the others are counted under ``other`` (callers.py)."""
+    duplicate_window_s: float = 10.0
+    """A request with the same inputs for the same model version from the same caller within this
+    long of the last one counts as a duplicate (``sluice_caller_duplicate_request_total``); 0 turns
+    duplicate detection off (nothing is hashed). Requests that name no caller are never hashed."""

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from sluice.runtime.backends.base import Result
 from sluice.runtime.batching import Observer
+from sluice.runtime.callers import OTHER, UNKNOWN, CallerCounts
 from sluice.runtime.errors import SluiceError
 from sluice.runtime.types import InferRequest
 
@@ -97,6 +98,21 @@ class ModelStats(Observer):
         self.compute_hist = Histogram(QUEUE_BUCKETS_S)
         self.batch_hist = Histogram(BATCH_BUCKETS)
         self.request_hist = Histogram(REQUEST_BUCKETS_S)
+        # Per caller label (callers.py): ``unknown`` and ``other`` always, named callers while they
+        # hold a label; the metrics collector drops the counts of labels no longer in use.
+        self.unknown_caller = CallerCounts()
+        self.callers: dict[str, CallerCounts] = {UNKNOWN: self.unknown_caller, OTHER: CallerCounts()}
+
+    def caller_counts(self, label: str) -> CallerCounts:
+        counts = self.callers.get(label)
+        if counts is None:
+            counts = self.callers[label] = CallerCounts()
+        return counts
+
+    def keep_callers(self, labels: frozenset[str]) -> None:
+        """Forget the counts of caller labels not in ``labels`` (the metrics collector, at a scrape)."""
+        for label in [label for label in self.callers if label not in labels]:
+            del self.callers[label]
 
     # -- Observer ------------------------------------------------------------------------
     def on_rejected(self, reason: str) -> None:

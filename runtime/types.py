@@ -144,6 +144,9 @@ class InferRequest:
     # a key that equal-shaped requests share, so only compatible requests are batched together.
     batch_size: int = 1
     shape_key: tuple = ()
+    # Who sent it (callers.py): the Sluice-Caller header, gRPC metadata or the sluice_caller
+    # parameter, checked by the front end; "" when the request names no caller.
+    caller: str = ""
 
 
 @dataclasses.dataclass(slots=True)

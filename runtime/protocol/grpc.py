@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from sluice.runtime import callers
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import SluiceError
 from sluice.runtime.protocol.grpc_service import INFER, SERVICE, STREAM, Call, Method, Service
@@ -18,7 +19,12 @@ from sluice.runtime.settings import Limits
 
 def _call(context: grpc.aio.ServicerContext) -> Call:
     remaining = context.time_remaining()
-    return Call(None if remaining is None else time.monotonic() + remaining)
+    caller = ""
+    for key, value in context.invocation_metadata() or ():
+        if key == callers.METADATA_KEY and value:
+            text = value if isinstance(value, str) else value.decode("latin-1")
+            caller = callers.checked(text, f"metadata {callers.METADATA_KEY}")
+    return Call(None if remaining is None else time.monotonic() + remaining, caller)
 
 
 def _serialize(response: Any) -> bytes:

@@ -46,6 +46,7 @@ from typing import Any
 import grpc
 import hpack
 
+from sluice.runtime import callers
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, SluiceError
 from sluice.runtime.protocol import grpc_service
@@ -208,7 +209,7 @@ class _Route:
 class _Head:
     """What a request header block says, once parsed; cached per exact block bytes."""
 
-    __slots__ = ("encoding", "reject", "route", "timeout")
+    __slots__ = ("caller", "encoding", "reject", "route", "timeout")
 
     def __init__(
         self,
@@ -216,11 +217,13 @@ class _Head:
         timeout: float | None = None,
         encoding: int = 0,
         reject: tuple | None = None,
+        caller: str = "",
     ) -> None:
         self.route = route
         self.timeout = timeout
         self.encoding = encoding  # zlib wbits, 0 for identity
         self.reject = reject  # ("rst", h2 code) | ("http", status, text) | ("grpc", StatusCode, message)
+        self.caller = caller  # the sluice-caller metadata, checked (callers.py); "" when absent
 
 
 def _malformed(why: str) -> _Head:
@@ -253,6 +256,7 @@ class _H2Error(Exception):
 
 class _Stream:
     __slots__ = (
+        "caller",
         "conn",
         "drained",
         "finished",
@@ -298,6 +302,7 @@ class _Stream:
         self.timer: asyncio.TimerHandle | None = None
         self.queue: asyncio.Queue | None = None
         self.drained: asyncio.Future | None = None  # ModelStreamInfer waiting for its DATA to go out
+        self.caller = ""  # the head's sluice-caller
 
     def done(self, outcome: InferResponse | SluiceError) -> None:
         """``DataPlane.infer_nowait`` callback."""
@@ -824,6 +829,7 @@ class GrpcConnection(asyncio.Protocol):
         stream = _Stream(self, sid, head.route, self._peer_initial_window, head.encoding)
         self._streams[sid] = stream
         stream.remote_closed = end_stream
+        stream.caller = head.caller
         reject = head.reject
         if reject is not None:
             self._reject(stream, reject)
@@ -960,6 +966,8 @@ class GrpcConnection(asyncio.Protocol):
     def _infer(self, stream: _Stream, message: bytes) -> None:
         try:
             request = self._decode_infer(message)
+            if stream.caller:
+                request.caller = stream.caller
             stream.request = request
             self._submit(request, stream.done)
         except SluiceError as exc:
@@ -1028,7 +1036,7 @@ class GrpcConnection(asyncio.Protocol):
 
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            replies = self._server.service.model_stream_infer(requests(), Call(deadline))
+            replies = self._server.service.model_stream_infer(requests(), Call(deadline, stream.caller))
             async with contextlib.aclosing(replies):
                 async for reply in replies:
                     if stream.finished:
@@ -1271,7 +1279,7 @@ class GrpcServer(Listener):
         """Check a decoded request header list and resolve its route (pure; the result is cached)."""
         pseudo: dict[bytes, bytes] = {}
         regular = False
-        content_type = timeout_value = encoding = None
+        content_type = timeout_value = encoding = caller = None
         size = 0
         for name, value in headers:
             size += len(name) + len(value) + 32
@@ -1289,6 +1297,8 @@ class GrpcServer(Listener):
                 timeout_value = value
             elif name == b"grpc-encoding":
                 encoding = value
+            elif name == b"sluice-caller":
+                caller = value
         if size > self.limits.max_header_bytes:
             return _grpc_reject(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -1330,4 +1340,10 @@ class GrpcServer(Listener):
                     f"grpc-encoding {encoding.decode(errors='replace')!r} is not supported; "
                     "use identity, gzip or deflate",
                 )
+        if caller:
+            try:
+                checked = callers.checked(caller.decode("latin-1"), f"metadata {callers.METADATA_KEY}")
+            except InvalidArgument as exc:
+                return _grpc_reject(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+            return _Head(route, timeout, wbits, caller=checked)
         return _Head(route, timeout, wbits)

@@ -44,10 +44,11 @@ UNARY, STREAM, INFER, UNIMPLEMENTED = "unary", "stream", "infer", "unimplemented
 class Call:
     """What a handler may know of its call besides the request."""
 
-    __slots__ = ("deadline",)
+    __slots__ = ("caller", "deadline")
 
-    def __init__(self, deadline: float | None = None) -> None:
+    def __init__(self, deadline: float | None = None, caller: str = "") -> None:
         self.deadline = deadline  # time.monotonic() value, or None
+        self.caller = caller  # the sluice-caller metadata, checked (callers.py); "" when absent
 
 
 class Unparsable:
@@ -136,7 +137,10 @@ class Service:
         return payload
 
     async def model_infer(self, message: bytes, call: Call) -> bytes:
-        return self.encode_infer(await self.dp.infer(self.decoder.decode(message)))
+        request = self.decoder.decode(message)
+        if call.caller:
+            request.caller = call.caller
+        return self.encode_infer(await self.dp.infer(request))
 
     async def model_stream_infer(self, messages: AsyncIterator[Any], call: Call) -> AsyncIterator[Any]:
         """Requests on one stream run concurrently (up to STREAM_IN_FLIGHT); responses come back as
@@ -152,6 +156,8 @@ class Service:
                 return
             try:
                 infer_request = grpc_codec.decode_infer(message, self.limits)
+                if call.caller:
+                    infer_request.caller = call.caller
                 response = await self.dp.infer(infer_request)
                 out = pb.ModelStreamInferResponse(infer_response=grpc_codec.encode_infer(response))
             except SluiceError as exc:

@@ -23,6 +23,7 @@ from urllib.parse import unquote
 import httptools
 
 from sluice.runtime import shm
+from sluice.runtime.callers import caller_from_header
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import InvalidArgument, NotFound, PayloadTooLarge, SluiceError, Unavailable, Unsupported
 from sluice.runtime.protocol import http_codec
@@ -576,6 +577,8 @@ class V2Routes:
         return None
 
     def _infer(self, request: Request, name: str, version: str) -> object:
+        raw_caller = request.headers.get(b"sluice-caller")  # callers.py; checked before the body is decoded
+        caller = caller_from_header(raw_caller) if raw_caller is not None else ""
         header_length = request.headers.get(b"inference-header-content-length")
         length = None
         if header_length is not None:
@@ -593,6 +596,8 @@ class V2Routes:
             return self._infer_off_loop(request, name, version, length)
         else:
             infer_request = self.codec.decode(_decode_body(request, self.limits), length, name, version)
+        if caller:
+            infer_request.caller = caller
         self._submit(request.conn, infer_request, name, functools.partial(request.conn.complete, request))
         return DEFERRED
 
@@ -606,6 +611,9 @@ class V2Routes:
             return http_codec.decode_infer(_decode_body(request, limits), length, name, version, limits)
 
         infer_request = await loop.run_in_executor(None, decode)
+        raw_caller = request.headers.get(b"sluice-caller")
+        if raw_caller is not None:
+            infer_request.caller = caller_from_header(raw_caller)
         answered: asyncio.Future[Response] = loop.create_future()
         conn = request.conn
 
