@@ -318,6 +318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _pull(args: argparse.Namespace) -> int:
     from sluice.runtime import pull, puller
 
+    if args.log_level != "DEBUG":  # the storage libraries' chatter ("found credentials in ...") is not progress
+        for name in ("botocore", "aiobotocore", "s3fs", "gcsfs", "adlfs", "azure", "fsspec", "google"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     try:
         settings = pull_settings_from_args(args, dict(os.environ))
     except pull.UsageError as exc:

@@ -90,7 +90,7 @@ class DestinationError(PullError):
     exit_code = ExitCode.DESTINATION
 
 
-class Truncated(Exception):  # noqa: N818 - a condition, retried like a dropped connection
+class Truncated(Exception):
     """A body shorter or longer than announced (Content-Length, the listed object size): transient."""
 
 
@@ -158,7 +158,8 @@ def redact_text(text: str) -> str:
 
 def parse_source(uri: str, *, allow_insecure_http: bool = False, pvc_root: Path = Path("/mnt/pvc")) -> Source:
     """Validate ``SOURCE`` or raise :class:`UsageError` naming what is allowed."""
-    allowed = "s3://bucket/path, gs://bucket/path, az://container/path, https://host/path, pvc://claim/path or a local path"
+    allowed = ("s3://bucket/path, gs://bucket/path, az://container/path, https://host/path, pvc://claim/path or "
+               "a local path")
     if not uri or any(c.isspace() for c in uri):
         raise UsageError(f"source {uri!r} is not a URI; use {allowed}")
     scheme, sep, rest = uri.partition("://")
@@ -305,7 +306,7 @@ def permanent_error(exc: BaseException, what: str) -> PullError:
                 "ExpiredToken"):
             return SourceError(f"access to {what} was denied ({describe(exc)}); check the pod's credentials "
                                "(spec.storage.secretRef, or the service account's workload identity)")
-    if status is not None and 400 <= status < 500 or code:
+    if (status is not None and 400 <= status < 500) or code:
         return SourceError(f"{what}: the store refused the request ({describe(exc)})")
     return PullError(f"{what}: {describe(exc)}")
 

@@ -47,6 +47,9 @@ class RemoteFile:
     """Where it goes under the destination (POSIX, relative)."""
     size: int | None
     """Listed size; ``None`` when only the response will tell (http)."""
+    whole: bool = False
+    """The source is this one file (not a prefix that holds one): it keeps its name, its digest is its own
+    SHA-256, and an archive is unpacked."""
 
 
 class Store(Protocol):
@@ -152,7 +155,7 @@ class FsspecStore:
     def list(self) -> list[RemoteFile]:
         info = self._fs.info(self._root)
         if info.get("type") == "file":
-            return [RemoteFile(self._root, pull.relative_key("", self._source.name), int(info["size"]))]
+            return [RemoteFile(self._root, pull.relative_key("", self._source.name), int(info["size"]), whole=True)]
         found = self._fs.find(self._root, detail=True)
         return [RemoteFile(key, pull.relative_key(self._root, key), int(entry["size"]))
                 for key, entry in sorted(found.items())
@@ -186,7 +189,7 @@ class HttpStore:
         name = self._source.name
         if not name:
             raise pull.UsageError(f"{self._source.display}: the URL names no file; point it at one file or archive")
-        return [RemoteFile(self._source.location, pull.relative_key("", name), None)]
+        return [RemoteFile(self._source.location, pull.relative_key("", name), None, whole=True)]
 
     @contextlib.contextmanager
     def open(self, file: RemoteFile) -> Iterator[tuple[IO[bytes], int | None]]:
@@ -204,7 +207,8 @@ class LocalStore:
 
     def list(self) -> list[RemoteFile]:
         if self._root.is_file():
-            return [RemoteFile(str(self._root), pull.relative_key("", self._root.name), self._root.stat().st_size)]
+            return [RemoteFile(str(self._root), pull.relative_key("", self._root.name), self._root.stat().st_size,
+                               whole=True)]
         if not self._root.is_dir():
             raise FileNotFoundError(f"no such file or directory: {self._root}")
         files = []
@@ -395,10 +399,11 @@ def pull_model(
             shutil.rmtree(stale, ignore_errors=True)
     retry = _Retrier(settings, sleep, rand)
     store = open_store(source, settings)
-    files = retry(f"listing {source.display}", store.list)
+    files = retry(source.display, store.list)
     if not files:
         raise pull.SourceError(f"{source.display} holds no files; check the path (a prefix is pulled recursively)")
-    archive = len(files) == 1 and pull.archive_format(files[0].relative) is not None
+    whole = len(files) == 1 and files[0].whole
+    archive = whole and pull.archive_format(files[0].relative) is not None
     free = _free_bytes(parent)
     listed = sum(f.size or 0 for f in files)
     if problem := pull.size_problem(listed, limit=None if archive else settings.size_limit, free=free):
@@ -413,7 +418,7 @@ def pull_model(
         observer.started(files)
         digests = []
         for file in files:
-            what = f"{source.display}" if len(files) == 1 else f"{source.display} file {file.relative}"
+            what = source.display if whole else f"{source.display.rstrip('/')}/{file.relative}"
             target = download_root / file.relative
 
             def attempt(file: RemoteFile = file, target: Path = target, what: str = what) -> str:
@@ -422,14 +427,12 @@ def pull_model(
             digests.append((file.relative, retry(what, attempt)))
             observer.file_done(file)
         observer.finished()
-        if len(files) == 1:
-            digest = digests[0][1]  # a single file or archive: its own sha256, as sha256sum prints it
-        else:
-            digest = pull.manifest_digest(digests)
+        # A single file or archive: its own sha256, as sha256sum prints it; a prefix: its manifest's.
+        digest = digests[0][1] if whole else pull.manifest_digest(digests)
         if expected is not None and digest != expected:
             raise pull.ChecksumMismatch(
                 f"{source.display}: checksum mismatch: expected sha256:{expected}, got sha256:{digest}"
-                f"{' (of the manifest of ' + str(len(files)) + ' files)' if len(files) > 1 else ''}; "
+                f"{'' if whole else f' (of the manifest of {len(files)} files)'}; "
                 "nothing was placed")
         if archive:
             model.mkdir()

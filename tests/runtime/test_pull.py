@@ -138,6 +138,13 @@ def test_an_archive_is_unpacked_and_verified_against_the_archive_digest(s3, s3_e
     assert leftovers(destination.parent) == []
 
 
+def test_a_prefix_holding_one_file_is_still_a_prefix(s3, s3_endpoint, tmp_path):
+    bucket(s3, "models-one", {"m/1/model.tar.gz": b"not unpacked"})
+    result = puller.pull_model(settings("s3://models-one/m/1", tmp_path / "m" / "1", s3_endpoint))
+    assert tree(tmp_path / "m" / "1") == {"model.tar.gz": b"not unpacked"}
+    assert result.digest == manifest({"model.tar.gz": b"not unpacked"})
+
+
 def test_a_zip_archive_is_unpacked(s3, s3_endpoint, tmp_path):
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
@@ -156,7 +163,7 @@ def test_an_archive_that_escapes_is_refused_and_nothing_is_written(s3, s3_endpoi
                                "b.tgz": tar_gz({"../outside.txt": b"x"})})
     for key in ("a.tgz", "b.tgz"):
         destination = tmp_path / key / "1"
-        with pytest.raises(pull.ArchiveError, match="outside the model directory|leaves the model directory") as err:
+        with pytest.raises(pull.ArchiveError, match=r"outside the model directory|leaves the model directory") as err:
             puller.pull_model(settings(f"s3://models-evil/{key}", destination, s3_endpoint))
         assert err.value.exit_code == 6
         assert not destination.exists() and leftovers(destination.parent) == []
@@ -531,9 +538,9 @@ def test_progress_is_logged_periodically_without_a_terminal(caplog):
     files = [puller.RemoteFile("k", "a", 600), puller.RemoteFile("k2", "b", 400)]
     with caplog.at_level(logging.INFO, logger="sluice.runtime.pull"):
         progress.started(files)
-        for _ in range(5):
+        for _ in range(6):
             now[0] += 4
             progress.chunk(100)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("progress")]
     assert lines == ["progress: 300 B of 1000 B (30%), 0/2 files, 25 B/s",
-                     "progress: 500 B of 1000 B (50%), 0/2 files, 25 B/s"]
+                     "progress: 600 B of 1000 B (60%), 0/2 files, 25 B/s"]
