@@ -59,8 +59,9 @@ def lay_out_pod(objects: tuple[dict[str, Any], ...], root: pathlib.Path, model_f
         assert path.startswith(builders.MODEL_REPOSITORY), path
         return root / path[len(builders.MODEL_REPOSITORY):].lstrip("/")
 
-    for init in pod.get("initContainers", []):  # the storage-initializer: <uri> <destination>
-        _, destination = init["args"]
+    for init in pod.get("initContainers", []):  # sluice pull <uri> <destination>
+        assert init["command"] == ["sluice"] and init["args"][0] == "pull"
+        destination = init["args"][2]
         shutil.copytree(model_files, host_path(destination))
     for mount in container["volumeMounts"]:
         if mount["name"] == "model-config":
