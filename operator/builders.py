@@ -403,12 +403,13 @@ def _fetch(
         "securityContext": _restricted_security_context(),
         "volumeMounts": mounts,
     }
-    volume = None
+    secret_volume: Obj | None = None
     if storage.secret_name:
         init["envFrom"] = [{"secretRef": {"name": storage.secret_name}}]
-        volume = {"name": f"storage-{index}", "secret": {"secretName": storage.secret_name, "defaultMode": 0o440}}
+        secret_volume = {"name": f"storage-{index}",
+                         "secret": {"secretName": storage.secret_name, "defaultMode": 0o440}}
         mounts.append({"name": f"storage-{index}", "mountPath": STORAGE_SECRET_DIRECTORY, "readOnly": True})
-    return init, volume, None
+    return init, secret_volume, None
 
 
 def _quantity_sum(quantities: Sequence[str]) -> str:
