@@ -369,9 +369,7 @@ def archive_format(name: str) -> str | None:
 
 def manifest_digest(files: Iterable[tuple[str, str]]) -> str:
     """The digest of a directory: SHA-256 of the lines ``<relative path>\\t<sha256 of the file>\\n``,
-    sorted by path (UTF-8, ``/`` separators). ``sha256sum`` can reproduce it:
-    ``find . -type f ! -name .sluice-pull.json | sort | xargs sha256sum | awk '{print substr($2,3)"\\t"$1}'
-    | sha256sum`` (in the directory; names without spaces)."""
+    sorted by path (UTF-8, ``/`` separators). docs/runtime.md shows how to compute it with sha256sum."""
     lines = sorted(files)
     return hashlib.sha256("".join(f"{path}\t{digest}\n" for path, digest in lines).encode()).hexdigest()
 
