@@ -61,7 +61,6 @@ def _environment_help(defaults: Settings) -> str:
         ("SLUICE_WATCH_NAMESPACES", "all namespaces", "comma-separated namespaces to watch"),
         ("SLUICE_RUNTIME_IMAGE", defaults.runtime_image, "CPU runtime image"),
         ("SLUICE_RUNTIME_GPU_IMAGE", defaults.runtime_gpu_image, "CUDA runtime image"),
-        ("SLUICE_STORAGE_INITIALIZER_IMAGE", defaults.storage_initializer_image, "model fetch init container"),
         ("SLUICE_IMAGE_PULL_POLICY", defaults.image_pull_policy, "for runtime and fetch containers"),
         ("SLUICE_DEFAULT_CPU", resources.cpu, "CPU of models that name none"),
         ("SLUICE_DEFAULT_MEMORY", resources.memory, "memory of models that name none"),

@@ -36,7 +36,8 @@ BACKEND_BY_FORMAT = {"onnx": "onnxruntime", "torchscript": "pytorch", "tensorrt"
 SERVED_FORMATS = ("onnx", "python")
 """Formats the runtime image can load today. The API accepts the others so specs written for the GPU
 backends stay valid; until those backends land such a model is Degraded (NotImplemented), not deployed."""
-STORAGE_SCHEMES = ("s3", "gs", "https", "pvc")
+STORAGE_SCHEMES = ("s3", "gs", "az", "https", "pvc")
+"""Where model files come from; all but ``pvc`` (mounted) are fetched by ``sluice pull`` in an init container."""
 CONFIG_FORMATS = ("pbtxt", "yaml", "json")
 TIMEOUT_ACTIONS = ("REJECT", "DELAY")
 DATA_TYPES = (
@@ -82,7 +83,10 @@ MAX_INSTANCES = 64
 MAX_GPUS = 16
 
 NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}$"
-STORAGE_URI_PATTERN = r"^(s3|gs|https|pvc)://[^\s]+$"
+STORAGE_URI_PATTERN = r"^(s3|gs|az|https|pvc)://[^\s]+$"
+CHECKSUM_PATTERN = r"^sha256:[0-9a-f]{64}$"
+"""``spec.model.checksum``: what ``sluice pull`` prints; of the file for one file or archive, else of the
+manifest of the prefix (docs/runtime.md, "sluice pull")."""
 MIG_PROFILE_PATTERN = r"^[1-7]g\.[0-9]+gb(\+me)?$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 POOL_NAME_PATTERN = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
@@ -115,6 +119,11 @@ class ModelSource:
     config: str | None = None
     """Inline model configuration, used verbatim instead of the one rendered from ``RuntimeConfig``."""
     config_format: str = "pbtxt"
+    checksum: str | None = None
+    """``sha256:<hex>`` the fetched files must match (``sluice pull --sha256``); ``None``: not checked."""
+    size_limit: str | None = None
+    """A quantity: the most room the model's files take in the pod (the model-repository emptyDir's
+    ``sizeLimit`` and the pod's ``ephemeral-storage`` request add these up); ``None``: unbounded."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +251,10 @@ class Canary:
     """None: a fixed ``traffic_percent`` split, promoted and aborted by hand."""
     runtime: RuntimeConfig | None = None
     """Runtime settings of the candidate instead of ``spec.runtime``."""
+    checksum: str | None = None
+    """Of the candidate's files; never inherited from ``spec.model``."""
+    size_limit: str | None = None
+    """``None``: ``spec.model.sizeLimit``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,16 +446,33 @@ class _Reader:
         name = self.string(data, "name", path, pattern=NAME_PATTERN) or default_name
         uri = self.string(
             data, "storageUri", path, required=True, pattern=STORAGE_URI_PATTERN,
-            hint=" (use s3://bucket/path, gs://bucket/path, https://host/path or pvc://claim/path)",
+            hint=" (use s3://bucket/path, gs://bucket/path, az://container/path, https://host/path or "
+            "pvc://claim/path)",
         )
         fmt = self.string(data, "format", path, required=True, choices=FORMATS)
         config = self.string(data, "config", path)
         config_format = self.string(data, "configFormat", path, choices=CONFIG_FORMATS) or "pbtxt"
         version = self.integer(data, "version", path, DEFAULT_MODEL_VERSION, 1, 2**31 - 1)
+        checksum, size_limit = self.fetch_checks(data, path, uri)
         return ModelSource(
             name=name, storage_uri=uri or "", format=fmt or "onnx", version=version,
-            config=config, config_format=config_format,
+            config=config, config_format=config_format, checksum=checksum, size_limit=size_limit,
         )
+
+    def fetch_checks(self, data: Mapping[str, Any], path: str, uri: str | None) -> tuple[str | None, str | None]:
+        """``checksum`` and ``sizeLimit`` of a model source; neither goes with a mounted ``pvc://`` one."""
+        checksum = self.string(data, "checksum", path, pattern=CHECKSUM_PATTERN,
+                               hint=" (sha256: and 64 lower-case hex digits, as sluice pull prints it)")
+        size_limit = self.string(data, "sizeLimit", path, pattern=QUANTITY_PATTERN, hint=" (e.g. 20Gi)")
+        if size_limit is not None and re.fullmatch(QUANTITY_PATTERN, size_limit) and \
+                quantity_to_float(size_limit) < 1:
+            self.problem(f"{path}.sizeLimit", f"must be at least 1 byte, got {size_limit!r}")
+        if uri is not None and uri.startswith("pvc://"):
+            for key, value in (("checksum", checksum), ("sizeLimit", size_limit)):
+                if value is not None:
+                    self.problem(f"{path}.{key}", "does not go with a pvc:// storageUri: the claim is mounted, "
+                                 "not copied into the pod; remove it")
+        return checksum, size_limit
 
     def runtime(self, data: Mapping[str, Any] | None, path: str) -> RuntimeConfig:
         if data is None:
@@ -634,6 +664,7 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
     canary = None
     if (raw := read.obj(spec, "canary", "spec")) is not None:
         uri = read.string(raw, "storageUri", "spec.canary", required=True, pattern=STORAGE_URI_PATTERN)
+        checksum, size_limit = read.fetch_checks(raw, "spec.canary", uri)
         canary = Canary(
             storage_uri=uri or "",
             version=read.integer(raw, "version", "spec.canary", model.version + 1, 1, 2**31 - 1),
@@ -642,6 +673,8 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
             analysis=read.analysis(read.obj(raw, "analysis", "spec.canary"), "spec.canary.analysis"),
             runtime=(None if (canary_runtime := read.obj(raw, "runtime", "spec.canary")) is None
                      else read.runtime(canary_runtime, "spec.canary.runtime")),
+            checksum=checksum,
+            size_limit=size_limit,
         )
         if canary.runtime is not None and model.config is not None and canary.config is None:
             read.problem("spec.canary.runtime", "cannot be combined with spec.model.config; give the canary its "

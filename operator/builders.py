@@ -359,10 +359,20 @@ def claim_template(owner: Owner, name: str, rendering: GpuRendering, track: str 
     }
 
 
+STORAGE_SECRET_DIRECTORY = "/var/run/secrets/sluice.dev/storage"
+"""Where the fetch init container finds the keys of ``spec.storage.secretRef`` as files (a GCS key file for
+``GOOGLE_APPLICATION_CREDENTIALS``); they are its environment variables as well."""
+
+
 def _fetch(
-    model: api.ModelSource, index: int, storage: api.Storage, settings: Settings,
+    model: api.ModelSource, index: int, storage: api.Storage, settings: Settings, *, image: str | None = None,
 ) -> tuple[Obj | None, Obj | None, Obj | None]:
-    """(init container, volume, runtime volume mount) that put ``model``'s files in the repository."""
+    """(init container, volume, runtime volume mount) that put ``model``'s files in the repository.
+
+    ``pvc://``: no init container, the claim's volume and its read-only mount at the version directory.
+    Otherwise ``sluice pull`` in ``image`` (default: the CPU runtime image; a pod passes its own runtime
+    image so a node pulls one image) and, when ``storage`` names a Secret, that Secret's volume (mounted
+    in the init container only; no runtime mount)."""
     destination = f"{MODEL_REPOSITORY}/{model.name}/{model.version}"
     if model.storage_uri.startswith("pvc://"):
         claim, _, sub_path = model.storage_uri[len("pvc://"):].partition("/")
@@ -372,23 +382,60 @@ def _fetch(
         if sub_path:
             mount["subPath"] = sub_path
         return None, volume, mount
+    args = ["pull", model.storage_uri, destination]
+    if model.checksum:
+        args += ["--sha256", model.checksum.removeprefix("sha256:")]
+    if model.size_limit:
+        args += ["--size-limit", model.size_limit]
+    requests = {"cpu": settings.default_resources.fetch_cpu, "memory": settings.default_resources.fetch_memory}
+    if model.size_limit:
+        # This model's room; the runtime container requests the sum over the pod's models.
+        requests["ephemeral-storage"] = model.size_limit
+    mounts: list[Obj] = [{"name": "model-repository", "mountPath": MODEL_REPOSITORY},
+                         {"name": "tmp", "mountPath": "/tmp"}]
     init: Obj = {
         "name": f"fetch-{index}-{model.name}".lower().replace("_", "-").replace(".", "-")[:63],
-        "image": settings.storage_initializer_image,
+        "image": image or settings.runtime_image,
         "imagePullPolicy": settings.image_pull_policy,
-        "args": [model.storage_uri, destination],
-        "resources": {
-            "requests": {"cpu": settings.default_resources.fetch_cpu,
-                         "memory": settings.default_resources.fetch_memory},
-            "limits": {"memory": settings.default_resources.fetch_memory},
-        },
+        "command": ["sluice"],
+        "args": args,
+        "resources": {"requests": requests, "limits": {"memory": settings.default_resources.fetch_memory}},
         "securityContext": _restricted_security_context(),
-        "volumeMounts": [{"name": "model-repository", "mountPath": MODEL_REPOSITORY},
-                         {"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": mounts,
     }
+    secret_volume: Obj | None = None
     if storage.secret_name:
         init["envFrom"] = [{"secretRef": {"name": storage.secret_name}}]
-    return init, None, None
+        secret_volume = {"name": f"storage-{index}",
+                         "secret": {"secretName": storage.secret_name, "defaultMode": 0o440}}
+        mounts.append({"name": f"storage-{index}", "mountPath": STORAGE_SECRET_DIRECTORY, "readOnly": True})
+    return init, secret_volume, None
+
+
+def _quantity_sum(quantities: Sequence[str]) -> str:
+    """``quantities`` added up, as a quantity: one is returned as written, a sum in the largest unit that
+    divides it."""
+    if len(quantities) == 1:
+        return quantities[0]
+    total = round(sum(api.quantity_to_float(q) for q in quantities))
+    for suffix, factor in (("Ei", 2**60), ("Pi", 2**50), ("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20),
+                           ("Ki", 2**10), ("E", 10**18), ("P", 10**15), ("T", 10**12), ("G", 10**9),
+                           ("M", 10**6), ("k", 10**3)):
+        if total >= factor and total % factor == 0:
+            return f"{total // factor}{suffix}"
+    return str(total)
+
+
+def model_storage(models: Sequence[ServedModel]) -> tuple[str | None, str | None]:
+    """(ephemeral-storage request, emptyDir sizeLimit) of a pod's model repository: the request adds up the
+    ``sizeLimit`` of every fetched model that has one; the emptyDir is bounded only when all of them have
+    one (a bound that leaves out a model of unknown size would evict the pod)."""
+    fetched = [m.source for m in models if m.source.storage_uri and not m.source.storage_uri.startswith("pvc://")]
+    limits = [m.size_limit for m in fetched if m.size_limit]
+    if not limits:
+        return None, None
+    total = _quantity_sum(limits)
+    return total, total if len(limits) == len(fetched) else None
 
 
 def deployment(
@@ -407,8 +454,9 @@ def deployment(
     """
     labels = common_labels(owner, track)
     init_containers: list[Obj] = []
+    storage_request, repository_limit = model_storage(models)
     volumes: list[Obj] = [
-        {"name": "model-repository", "emptyDir": {}},
+        {"name": "model-repository", "emptyDir": {"sizeLimit": repository_limit} if repository_limit else {}},
         {"name": "tmp", "emptyDir": {}},
         {"name": "model-config", "configMap": {"name": config_map_name}},
     ]
@@ -420,7 +468,8 @@ def deployment(
     ]
     for index, served in enumerate(models):
         if served.source.storage_uri:
-            init, volume, mount = _fetch(served.source, index, served.storage or storage, settings)
+            init, volume, mount = _fetch(served.source, index, served.storage or storage, settings,
+                                         image=settings.runtime_gpu_image if rendering.gpu else settings.runtime_image)
         else:
             # A model with nothing to fetch (an ensemble) still needs its version directory.
             init, volume = None, {"name": "empty-version", "emptyDir": {}}
@@ -428,8 +477,9 @@ def deployment(
                      "mountPath": f"{MODEL_REPOSITORY}/{served.source.name}/{served.source.version}"}
         if init is not None:
             init_containers.append(init)
-        if volume is not None and mount is not None:
+        if volume is not None:
             volumes.append(volume)
+        if mount is not None:
             mounts.append(mount)
         mounts.append({
             "name": "model-config", "readOnly": True,
@@ -470,7 +520,8 @@ def deployment(
         "startupProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"},
                          "periodSeconds": 5, "failureThreshold": 120},
         "resources": {
-            "requests": {"cpu": cpu, "memory": memory, **gpu_limits},
+            "requests": {"cpu": cpu, "memory": memory, **gpu_limits,
+                         **({"ephemeral-storage": storage_request} if storage_request else {})},
             "limits": {"cpu": cpu, "memory": memory, **gpu_limits},
         },
         "securityContext": _restricted_security_context(),
@@ -845,7 +896,8 @@ def candidate_model(spec: api.InferenceModelSpec) -> api.ModelSource:
     assert spec.canary is not None
     canary = spec.canary
     config = canary.config if canary.config is not None else spec.model.config
-    return dataclasses.replace(spec.model, storage_uri=canary.storage_uri, version=canary.version, config=config)
+    return dataclasses.replace(spec.model, storage_uri=canary.storage_uri, version=canary.version, config=config,
+                               checksum=canary.checksum, size_limit=canary.size_limit or spec.model.size_limit)
 
 
 def routes(owner: Owner, model_name: str, router: str, weight: int, settings: Settings) -> list[Obj]:

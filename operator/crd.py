@@ -54,10 +54,12 @@ def _model_source(description: str) -> Schema:
                 "resource's metadata.name.", pattern=api.NAME_PATTERN, maxLength=63,
             ),
             "storageUri": _str(
-                "Where the model version's files are: s3://bucket/path, gs://bucket/path, "
-                "https://host/path (an archive or a file), or pvc://claim/path (mounted read-only).",
+                "Where the model version's files are: s3://bucket/path, gs://bucket/path, az://container/path "
+                "(a prefix is fetched recursively, a single object keeps its name), https://host/path (an archive "
+                "or a file), or pvc://claim/path (mounted read-only). Fetched by sluice pull in an init container.",
                 pattern=api.STORAGE_URI_PATTERN, maxLength=2048,
             ),
+            **_fetch_checks(),
             "format": _str(
                 "Model format; picks the runtime backend (onnx -> onnxruntime, torchscript -> pytorch, "
                 "tensorrt -> tensorrt, python -> python).", enum=list(api.FORMATS),
@@ -75,7 +77,29 @@ def _model_source(description: str) -> Schema:
             ),
         },
         required=("storageUri", "format"),
+        rules=_FETCH_RULES,
     )
+
+
+def _fetch_checks() -> dict[str, Schema]:
+    return {
+        "checksum": _str(
+            "sha256:<64 hex digits> the fetched files must match, as sluice pull prints it: of the file for a "
+            "single file or archive, of the manifest of sorted '<path>\\t<sha256>' lines for a prefix. A "
+            "mismatch fails the fetch and nothing is served.", pattern=api.CHECKSUM_PATTERN,
+        ),
+        "sizeLimit": _quantity(
+            "The most room the model's files take, e.g. 20Gi: the pod's model-repository emptyDir gets the sum "
+            "over its models as sizeLimit and ephemeral-storage request (scheduling on nodes with that much "
+            "disk); the fetch refuses a larger model. Without it the emptyDir is unbounded.",
+        ),
+    }
+
+
+_FETCH_RULES = [
+    _rule("!(has(self.checksum) || has(self.sizeLimit)) || !self.storageUri.startsWith('pvc://')",
+          "checksum and sizeLimit do not go with a pvc:// storageUri (the claim is mounted, not copied)"),
+]
 
 
 def _gpu(description: str, *, share: bool) -> Schema:
@@ -301,6 +325,7 @@ def _canary() -> Schema:
         "A second model version that receives a share of the traffic while it is analysed.",
         {
             "storageUri": _str("Files of the canary version.", pattern=api.STORAGE_URI_PATTERN, maxLength=2048),
+            **_fetch_checks(),
             "version": _int("Canary version number.", 1, 2**31 - 1),
             "config": _str("Inline config for the canary; defaults to the stable one.", maxLength=262144),
             "runtime": {**_runtime(), "description": "Runtime settings for the canary instead of spec.runtime "
@@ -359,6 +384,7 @@ def _canary() -> Schema:
             ),
         },
         required=("storageUri", "version"),
+        rules=_FETCH_RULES,
     )
 
 

@@ -67,10 +67,8 @@ class Settings:
     runtime_image: str = "ghcr.io/sluice-ml/sluice-runtime:0.1.0"
     """The CPU runtime image (``Dockerfile.runtime`` built with ``VARIANT=cpu``)."""
     runtime_gpu_image: str = "ghcr.io/sluice-ml/sluice-runtime:0.1.0-cuda"
-    """The CUDA runtime image, used when a model asks for a GPU (``VARIANT=cuda``)."""
-    storage_initializer_image: str = "kserve/storage-initializer:v0.14.1"
-    """Init container that downloads ``storageUri`` (s3://, gs://, https://) into the model repository.
-    It is called as ``<image> <storageUri> <destination>``, the KServe storage-initializer contract."""
+    """The CUDA runtime image, used when a model asks for a GPU (``VARIANT=cuda``). The runtime images also
+    fetch the models: an init container runs ``sluice pull <storageUri> <destination>`` in the pod's image."""
     image_pull_policy: str = "IfNotPresent"
     """Pull policy of the runtime and init containers."""
     default_resources: DefaultResources = dataclasses.field(default_factory=DefaultResources)
@@ -138,9 +136,6 @@ class Settings:
             namespaces=namespaces,
             runtime_image=env.get("SLUICE_RUNTIME_IMAGE", defaults.runtime_image),
             runtime_gpu_image=env.get("SLUICE_RUNTIME_GPU_IMAGE", defaults.runtime_gpu_image),
-            storage_initializer_image=env.get(
-                "SLUICE_STORAGE_INITIALIZER_IMAGE", defaults.storage_initializer_image
-            ),
             image_pull_policy=env.get("SLUICE_IMAGE_PULL_POLICY", defaults.image_pull_policy),
             default_resources=resources,
             cluster_domain=env.get("SLUICE_CLUSTER_DOMAIN", defaults.cluster_domain),

@@ -1,4 +1,5 @@
-"""Command line: ``sluice serve --model-repository DIR`` (also ``python -m sluice.runtime serve``).
+"""Command line: ``sluice serve --model-repository DIR`` (also ``python -m sluice.runtime serve``) and
+``sluice pull SOURCE DESTINATION`` (the model puller the operator runs as an init container).
 
 Settings are parsed here, once, into ``ServerSettings`` and passed down; nothing else reads
 the command line or the environment.
@@ -11,6 +12,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from sluice.runtime import __version__
 from sluice.runtime.batching import BATCH_POLICIES
+from sluice.runtime.pull import PullSettings
 from sluice.runtime.settings import GRPC_SERVERS, Limits, SchedulingDefaults, ServerSettings
 
 
@@ -198,7 +201,66 @@ def _parser() -> argparse.ArgumentParser:
             default=field.default,
             help=field.metadata["help"],
         )
+    _pull_parser(sub)
     return parser
+
+
+def _pull_parser(sub: argparse._SubParsersAction) -> None:
+    defaults = PullSettings(source="", destination=Path())
+    pull = sub.add_parser(
+        "pull",
+        help="download a model version into a directory (verified, placed atomically)",
+        description="Download SOURCE into DESTINATION: a prefix recursively, a single file under its own name, "
+        "a .tar.gz/.tgz/.tar/.zip archive unpacked. Written next to DESTINATION first, verified, then renamed "
+        "into place; a DESTINATION already pulled from SOURCE (with that checksum) is left as it is. "
+        "Credentials come from the environment (AWS_*, IRSA, GOOGLE_APPLICATION_CREDENTIALS, GKE Workload "
+        "Identity, AZURE_STORAGE_*, AKS workload identity); AWS_ENDPOINT_URL[_S3] points s3:// at an "
+        "S3-compatible store. Exit codes: 0 done, 1 unexpected failure, 2 bad arguments, 3 source missing or "
+        "access denied, 4 checksum mismatch, 5 transient errors outlasted the retries, 6 unsafe or broken "
+        "archive, 7 the destination cannot take the model.",
+        formatter_class=_HelpFormatter,
+    )
+    pull.add_argument("source", help="s3://bucket/path, gs://bucket/path, az://container/path, https://host/file, "
+                      "pvc://claim/path or a local path")
+    pull.add_argument("destination", type=Path, help="directory the model's files end up in")
+    pull.add_argument("--sha256", default=None, metavar="HEX",
+                      help="expected SHA-256 (optionally sha256:HEX): of the file for a single file or archive; "
+                      "for a prefix, of the manifest of sorted '<relative path>\\t<sha256>\\n' lines. Printed "
+                      "after every pull")
+    pull.add_argument("--retries", type=int, default=defaults.retries,
+                      help="retries of each request on transient errors (throttling, 5xx, timeouts, resets)")
+    pull.add_argument("--backoff-base-s", type=float, default=defaults.backoff_base_s,
+                      help="first retry waits about this long; each next one twice as long (with jitter)")
+    pull.add_argument("--backoff-cap-s", type=float, default=defaults.backoff_cap_s,
+                      help="longest wait between two attempts")
+    pull.add_argument("--timeout-s", type=float, default=defaults.timeout_s,
+                      help="connect and read timeout of each request")
+    pull.add_argument("--size-limit", default=None, metavar="QUANTITY",
+                      help="refuse a model larger than this (bytes or a quantity such as 20Gi), before writing it")
+    pull.add_argument("--allow-insecure-http", action="store_true",
+                      help="allow http:// sources and redirects (trusted local servers only)")
+    pull.add_argument("--pvc-root", type=Path, default=defaults.pvc_root,
+                      help="pvc://claim/path is read from PVC_ROOT/claim/path")
+    pull.add_argument("--progress-interval-s", type=float, default=defaults.progress_interval_s,
+                      help="progress log line period when stderr is not a terminal")
+    pull.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity"
+    )
+
+
+def pull_settings_from_args(args: argparse.Namespace, env: dict[str, str]) -> PullSettings:
+    from sluice.runtime import pull
+
+    if args.retries < 0 or args.timeout_s <= 0 or args.backoff_base_s < 0 or args.backoff_cap_s < 0:
+        raise pull.UsageError("--retries, --backoff-base-s and --backoff-cap-s must be >= 0 and --timeout-s > 0")
+    return PullSettings(
+        source=args.source, destination=args.destination,
+        sha256=pull.parse_sha256(args.sha256) if args.sha256 else None,
+        retries=args.retries, backoff_base_s=args.backoff_base_s, backoff_cap_s=args.backoff_cap_s,
+        timeout_s=args.timeout_s, allow_insecure_http=args.allow_insecure_http, pvc_root=args.pvc_root,
+        size_limit=pull.parse_size(args.size_limit) if args.size_limit else None,
+        progress_interval_s=args.progress_interval_s, env=env,
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -287,6 +349,8 @@ def _unix_sockets(settings: ServerSettings) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "pull":
+        return _pull(args)
     settings = settings_from_args(args)
     try:
         import uvloop
@@ -295,6 +359,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         runner = asyncio.run
     return runner(serve(settings))
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from sluice.runtime import pull, puller
+
+    if args.log_level != "DEBUG":  # the storage libraries' chatter ("found credentials in ...") is not progress
+        for name in ("botocore", "aiobotocore", "s3fs", "gcsfs", "adlfs", "azure", "fsspec", "google"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        settings = pull_settings_from_args(args, dict(os.environ))
+    except pull.UsageError as exc:
+        print(f"sluice pull: error: {exc}", file=sys.stderr, flush=True)
+        return int(exc.exit_code)
+    return puller.run(settings)
 
 
 if __name__ == "__main__":

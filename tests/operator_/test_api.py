@@ -40,6 +40,14 @@ def test_defaults_match_the_crd():
      "cannot be combined with spec.model.config"),
     ({"model": MODEL, "canary": {"storageUri": MODEL["storageUri"], "version": 1}}, "is identical to spec.model"),
     ({"model": MODEL, "storage": {"secretRef": {}}}, "spec.storage.secretRef.name: is required"),
+    ({"model": {**MODEL, "checksum": "md5:abc"}}, "spec.model.checksum: 'md5:abc' does not match"),
+    ({"model": {**MODEL, "checksum": "sha256:" + "AB" * 32}}, "64 lower-case hex digits"),
+    ({"model": {**MODEL, "sizeLimit": "20GB"}}, "spec.model.sizeLimit: '20GB' does not match"),
+    ({"model": {**MODEL, "sizeLimit": "0"}}, "spec.model.sizeLimit: must be at least 1 byte"),
+    ({"model": {**MODEL, "storageUri": "pvc://claim/m", "checksum": "sha256:" + "ab" * 32}},
+     "spec.model.checksum: does not go with a pvc:// storageUri"),
+    ({"model": MODEL, "canary": {"storageUri": "s3://b/m2", "version": 2, "sizeLimit": "x"}},
+     "spec.canary.sizeLimit: 'x' does not match"),
     ({"model": MODEL, "shutdown": {"drainSeconds": -1}}, "spec.shutdown.drainSeconds: must be from 0 to 600"),
     ({"model": MODEL, "shutdown": {"graceSeconds": 0}}, "spec.shutdown.graceSeconds: must be from 1 to 3600"),
     ({"model": MODEL, "scaling": {"metric": "cpu"}},
@@ -75,6 +83,15 @@ def test_scaling_fields_and_their_defaults():
     )
     assert scaling.target == 20
     assert api.Scaling(metric="inflight", target_inflight=12).target == 12
+
+
+def test_az_sources_checksums_and_size_limits_are_read():
+    spec = api.parse_inference_model("m", {"model": {"storageUri": "az://container/m/1", "format": "onnx",
+                                                     "checksum": "sha256:" + "ab" * 32, "sizeLimit": "20Gi"},
+                                           "canary": {"storageUri": "az://container/m/2", "version": 2,
+                                                      "checksum": "sha256:" + "cd" * 32}})
+    assert (spec.model.checksum, spec.model.size_limit) == ("sha256:" + "ab" * 32, "20Gi")
+    assert spec.canary is not None and spec.canary.checksum == "sha256:" + "cd" * 32
 
 
 def test_all_problems_are_reported_at_once():

@@ -48,6 +48,10 @@ MODELS = {
         "scaling": {"minReplicas": 2, "maxReplicas": 10, "engine": "keda", "metric": "latency",
                     "targetQueueWaitMilliseconds": 40, "scaleDownStabilizationSeconds": 600},
     },
+    "az-checksum-size-limit": {
+        "model": {"storageUri": "az://models/resnet/3", "format": "onnx", "checksum": "sha256:" + "ab" * 32,
+                  "sizeLimit": "20Gi"},
+    },
     "gpu-memory-pvc-inline-config": {
         "model": {"storageUri": "pvc://model-store/llm/1", "format": "python",
                   "config": 'name: "resnet"\nbackend: "python"\nmax_batch_size: 0\n'},
@@ -233,8 +237,10 @@ def test_a_pool_serves_every_admitted_member_from_one_deployment():
                                                              "sluice.dev/modelpool": "small-nlp"}
     # One fetch per member, each with that member's own credentials; the pods run as the shared account.
     fetches = pod["spec"]["initContainers"]
-    assert [f["args"] for f in fetches] == [["s3://bucket/intent", "/models/intent/4"],
-                                            ["https://example.com/models/sentiment.onnx", "/models/sentiment/1"]]
+    assert [f["args"] for f in fetches] == [["pull", "s3://bucket/intent", "/models/intent/4"],
+                                            ["pull", "https://example.com/models/sentiment.onnx",
+                                             "/models/sentiment/1"]]
+    assert {f["image"] for f in fetches} == {SETTINGS.runtime_gpu_image}  # the pod's own image: one pull per node
     assert fetches[0]["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
     assert "envFrom" not in fetches[1]
     assert pod["spec"]["serviceAccountName"] == "model-reader"
@@ -249,6 +255,82 @@ def test_a_pool_serves_every_admitted_member_from_one_deployment():
     assert _one(desired, "HorizontalPodAutoscaler")["spec"]["scaleTargetRef"]["name"] == "small-nlp"
     assert _one(desired, "PodDisruptionBudget")["metadata"]["name"] == "small-nlp"
     assert _one(desired, "Service")["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def _pod(desired: builders.Desired) -> dict:
+    return _one(desired, "Deployment")["spec"]["template"]["spec"]
+
+
+def _model(spec: dict, name: str = "resnet") -> builders.Desired:
+    return builders.inference_model(owner(name=name), api.parse_inference_model(name, spec), SETTINGS)
+
+
+def test_the_fetch_runs_sluice_pull_in_the_runtime_image_with_the_checksum_and_size_limit():
+    pod = _pod(_model({"model": {"storageUri": "s3://bucket/m/3", "format": "onnx", "version": 3,
+                                 "checksum": "sha256:" + "0f" * 32, "sizeLimit": "20Gi"}}))
+    [fetch] = pod["initContainers"]
+    assert fetch["image"] == SETTINGS.runtime_image and fetch["command"] == ["sluice"]
+    assert fetch["args"] == ["pull", "s3://bucket/m/3", "/models/resnet/3", "--sha256", "0f" * 32,
+                             "--size-limit", "20Gi"]
+    assert fetch["resources"]["requests"]["ephemeral-storage"] == "20Gi"
+    assert pod["containers"][0]["resources"]["requests"]["ephemeral-storage"] == "20Gi"
+    [repository] = [v for v in pod["volumes"] if v["name"] == "model-repository"]
+    assert repository["emptyDir"] == {"sizeLimit": "20Gi"}
+
+
+def test_without_a_size_limit_the_repository_is_unbounded_as_before():
+    pod = _pod(_model({"model": {"storageUri": "gs://bucket/m", "format": "onnx"}}))
+    [fetch] = pod["initContainers"]
+    assert fetch["args"] == ["pull", "gs://bucket/m", "/models/resnet/1"]
+    assert "ephemeral-storage" not in fetch["resources"]["requests"]
+    assert "ephemeral-storage" not in pod["containers"][0]["resources"]["requests"]
+    assert [v for v in pod["volumes"] if v["name"] == "model-repository"] == [
+        {"name": "model-repository", "emptyDir": {}}]
+
+
+def test_a_pools_repository_adds_up_its_members_size_limits():
+    members = {
+        "a": {"model": {"storageUri": "s3://b/a", "format": "onnx", "sizeLimit": "1Gi"},
+              "resources": {"gpu": {"memory": "1Gi"}}, "pool": "small-nlp"},
+        "b": {"model": {"storageUri": "s3://b/b", "format": "onnx", "sizeLimit": "512Mi"},
+              "resources": {"gpu": {"memory": "1Gi"}}, "pool": "small-nlp"},
+        "c": {"model": {"storageUri": "s3://b/c", "format": "onnx"},
+              "resources": {"gpu": {"memory": "1Gi"}}, "pool": "small-nlp"},
+    }
+
+    def pool(names):
+        parsed = [(n, api.parse_inference_model(n, members[n])) for n in names]
+        return _pod(builders.model_pool(owner("ModelPool", "small-nlp"), api.parse_model_pool("small-nlp", POOL),
+                                        parsed, SETTINGS))
+
+    pod = pool(["a", "b"])
+    assert pod["containers"][0]["resources"]["requests"]["ephemeral-storage"] == "1536Mi"
+    assert [f["resources"]["requests"]["ephemeral-storage"] for f in pod["initContainers"]] == ["1Gi", "512Mi"]
+    assert pod["volumes"][0]["emptyDir"] == {"sizeLimit": "1536Mi"}
+    # A member of unknown size: the request is still the known part, but no bound that could evict the pod.
+    pod = pool(["a", "b", "c"])
+    assert pod["containers"][0]["resources"]["requests"]["ephemeral-storage"] == "1536Mi"
+    assert pod["volumes"][0]["emptyDir"] == {}
+
+
+def test_a_canary_brings_its_own_checksum_and_inherits_the_size_limit():
+    spec = api.parse_inference_model("resnet", {
+        "model": {"storageUri": "s3://b/m/1", "format": "onnx", "checksum": "sha256:" + "11" * 32,
+                  "sizeLimit": "2Gi"},
+        "canary": {"storageUri": "s3://b/m/2", "version": 2}})
+    candidate = builders.candidate_model(spec)
+    assert (candidate.checksum, candidate.size_limit) == (None, "2Gi")
+
+
+def test_the_storage_secret_is_the_fetchs_environment_and_files():
+    pod = _pod(_model({"model": {"storageUri": "gs://bucket/m", "format": "onnx"},
+                       "storage": {"secretRef": {"name": "gcs-key"}}}))
+    [fetch] = pod["initContainers"]
+    assert fetch["envFrom"] == [{"secretRef": {"name": "gcs-key"}}]
+    assert {"name": "storage-0", "mountPath": builders.STORAGE_SECRET_DIRECTORY, "readOnly": True} in \
+        fetch["volumeMounts"]
+    assert {"name": "storage-0", "secret": {"secretName": "gcs-key", "defaultMode": 0o440}} in pod["volumes"]
+    assert all(m["name"] != "storage-0" for m in pod["containers"][0]["volumeMounts"])  # never the runtime's
 
 
 def test_a_pool_without_members_still_holds_its_device():

@@ -34,7 +34,7 @@ async def test_ensemble_waits_for_its_model_then_colocates_the_steps(client, ope
     assert ensemble_config["platform"] == "ensemble"
     assert [s["model_name"] for s in ensemble_config["ensemble_scheduling"]["step"]] == ["preprocess", "resnet"]
     assert set(config_map["data"]) == {"classifier.config.json", "preprocess.config.json", "resnet.config.json"}
-    fetched = [c["args"][0] for c in deployment["spec"]["template"]["spec"]["initContainers"]]
+    fetched = [c["args"][1] for c in deployment["spec"]["template"]["spec"]["initContainers"]]  # pull URI DEST
     assert fetched == ["s3://models/pre", "s3://models/resnet50"]
     status = await client.wait(lambda: client.read(client.ENS, "classifier")["status"].get("placement") and
                                client.read(client.ENS, "classifier")["status"])

@@ -2,11 +2,12 @@
 
 The operator and the runtime never import each other, so nothing but this test checks that what the
 builders render is what the runtime understands. The pod is laid out on disk the way kubelet would:
-the ConfigMap's keys at the Deployment's ``subPath`` mounts, the model files where the fetch init
-container puts them (its ``args`` name the destination). Then the container's own command and args
-run, with only the paths and port numbers mapped, and the test does what kubelet and the HPA's
-metrics adapter do: probe readiness and liveness on an address other than the one the runtime would
-default to, and scrape the queue-depth gauge the HPA names.
+the ConfigMap's keys at the Deployment's ``subPath`` mounts, the model files fetched by running the
+init container's own command and args (``sluice pull s3://...``) against an S3-compatible server on
+loopback (moto). Then the container's own command and args run, with only the paths and port numbers
+mapped, and the test does what kubelet and the HPA's metrics adapter do: probe readiness and liveness
+on an address other than the one the runtime would default to, and scrape the queue-depth gauge the
+HPA names.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import boto3
 import pytest
+from moto.server import ThreadedMotoServer
 
 from sluice.operator import api, builders
 from sluice.operator.settings import Settings
@@ -48,8 +51,30 @@ def rendered(name: str, spec: dict[str, Any], settings: Settings) -> tuple[dict[
     return builders.inference_model(owner, api.parse_inference_model(name, spec), settings).objects
 
 
-def lay_out_pod(objects: tuple[dict[str, Any], ...], root: pathlib.Path, model_files: pathlib.Path) -> list[str]:
-    """Materialize the pod's /models on disk; return the runtime container's command line."""
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+          "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+
+
+@pytest.fixture(scope="module")
+def s3_env() -> Iterator[dict[str, str]]:
+    """A moto S3 server on loopback holding the add_sub model at s3://bucket/add_sub; the fetch's environment."""
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {**S3_ENV, "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="testing",
+                          aws_secret_access_key="testing", region_name="us-east-1")
+    client.create_bucket(Bucket="bucket")
+    for path in (ADD_SUB / "1").rglob("*"):
+        if path.is_file():
+            client.put_object(Bucket="bucket", Key=f"add_sub/{path.relative_to(ADD_SUB / '1').as_posix()}",
+                              Body=path.read_bytes())
+    yield env
+    server.stop()
+
+
+def lay_out_pod(objects: tuple[dict[str, Any], ...], root: pathlib.Path, env: dict[str, str]) -> list[str]:
+    """Materialize the pod's /models on disk (the init containers run); return the runtime's command line."""
     [config_map] = [o for o in objects if o["kind"] == "ConfigMap"]
     [deployment] = [o for o in objects if o["kind"] == "Deployment"]
     pod = deployment["spec"]["template"]["spec"]
@@ -59,9 +84,13 @@ def lay_out_pod(objects: tuple[dict[str, Any], ...], root: pathlib.Path, model_f
         assert path.startswith(builders.MODEL_REPOSITORY), path
         return root / path[len(builders.MODEL_REPOSITORY):].lstrip("/")
 
-    for init in pod.get("initContainers", []):  # the storage-initializer: <uri> <destination>
-        _, destination = init["args"]
-        shutil.copytree(model_files, host_path(destination))
+    for init in pod.get("initContainers", []):  # sluice pull <uri> <destination>, as the kubelet runs it
+        fetch = shutil.which(init["command"][0], path=os.path.dirname(sys.executable))
+        assert fetch, f"{init['command'][0]!r} is not installed next to {sys.executable}"
+        args = [str(host_path(a)) if a.startswith(builders.MODEL_REPOSITORY) else a for a in init["args"]]
+        done = subprocess.run([fetch, *args], env={**os.environ, **env}, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
     for mount in container["volumeMounts"]:
         if mount["name"] == "model-config":
             target = host_path(mount["mountPath"])
@@ -90,14 +119,14 @@ SPECS = {
 
 
 @pytest.fixture(params=sorted(SPECS))
-def pod(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[Pod]:
+def pod(request: pytest.FixtureRequest, tmp_path: pathlib.Path, s3_env: dict[str, str]) -> Iterator[Pod]:
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     settings = Settings(http_port=ports["http"], grpc_port=ports["grpc"], metrics_port=ports["metrics"])
     spec = {"model": SPECS[request.param],
             "scaling": {"minReplicas": 1, "maxReplicas": 2}}
     objects = rendered("addsub", spec, settings)
     repository = tmp_path / "models"
-    argv = lay_out_pod(objects, repository, ADD_SUB / "1")
+    argv = lay_out_pod(objects, repository, s3_env)
     argv = [str(repository) if arg == builders.MODEL_REPOSITORY else arg for arg in argv]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
