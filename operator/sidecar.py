@@ -42,16 +42,16 @@ SOCKET_DIRECTORY = "/var/run/sluice"
 HTTP_SOCKET = f"{SOCKET_DIRECTORY}/http.sock"
 GRPC_SOCKET = f"{SOCKET_DIRECTORY}/grpc.sock"
 SHM = "/dev/shm"
+METRICS_PORT_NAME = "sluice-metrics"
 MODELS_VOLUME, TMP_VOLUME, SHM_VOLUME, SOCKETS_VOLUME = "sluice-models", "sluice-tmp", "sluice-shm", "sluice-sockets"
 NATIVE_SIDECARS_SINCE = (1, 29)
 """``restartPolicy: Always`` on init containers (SidecarContainers) is on by default from Kubernetes 1.29."""
 
 
-def _probe(path: str, port: int) -> Obj:
-    # The kubelet's httpGet probes reach the pod IP, never its loopback, where the runtime listens; the
-    # runtime image has Python (urlopen raises on a non-2xx answer, so the exit status is the verdict).
-    code = f"import urllib.request as u; u.urlopen('http://{LOOPBACK}:{port}{path}', timeout=4)"
-    return {"exec": {"command": ["python", "-c", code]}, "timeoutSeconds": 5}
+def _probe(path: str) -> Obj:
+    # The kubelet's probes reach the pod IP, never its loopback: they go to the metrics listener, the one
+    # the runtime opens to the pod IP (``--metrics-host``), which answers the health paths too.
+    return {"httpGet": {"path": path, "port": METRICS_PORT_NAME}, "timeoutSeconds": 5}
 
 
 class Denied(ValueError):
@@ -231,10 +231,15 @@ def inject(
     http, grpc, metrics = settings.http_port, settings.grpc_port, settings.metrics_port
     repository = builders.MODEL_REPOSITORY
 
+    gpus = [m.resources.gpu for _, m in models if m.resources.gpu is not None]
+    rendering = builders.gpu_rendering(gpus)
+    image = settings.runtime_gpu_image if rendering.gpu else settings.runtime_image
+    storage_request, repository_limit = builders.model_storage([_served(m) for _, m in models])
+
     # ---- what the runtime needs: fetches, volumes, mounts (builders' fetch, our names)
     fetches: list[Obj] = []
     volumes: list[Obj] = [
-        {"name": MODELS_VOLUME, "emptyDir": {}},
+        {"name": MODELS_VOLUME, "emptyDir": {"sizeLimit": repository_limit} if repository_limit else {}},
         {"name": TMP_VOLUME, "emptyDir": {}},
         {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": settings.webhook.shm_size}},
         {"name": SOCKETS_VOLUME, "emptyDir": {}},
@@ -243,14 +248,16 @@ def inject(
     stamps: list[str] = []
     for index, (name, model) in enumerate(models):
         renamed = {"model-repository": MODELS_VOLUME, "tmp": TMP_VOLUME}
-        init, volume, mount = builders._fetch(model.model, index, model.storage, settings)
+        init, volume, mount = builders._fetch(model.model, index, model.storage, settings, image=image)
         if init is not None:
             init = {**init, "name": _prefixed(init["name"]), "securityContext": _container_security_context(),
                     "volumeMounts": [{**m, "name": renamed.get(m["name"], _prefixed(m["name"]))}
                                      for m in init.get("volumeMounts", [])]}
             fetches.append(init)
-        if volume is not None and mount is not None:
+        # A volume may come without a runtime mount: a storage Secret is the fetch's alone.
+        if volume is not None:
             volumes.append({**volume, "name": _prefixed(volume["name"])})
+        if mount is not None:
             mounts.append({**mount, "name": _prefixed(mount["name"])})
         served = _served(model)
         files = config_files(model)
@@ -263,32 +270,32 @@ def inject(
     mounts += shared_mounts
 
     # ---- the runtime container
-    gpus = [m.resources.gpu for _, m in models if m.resources.gpu is not None]
-    rendering = builders.gpu_rendering(gpus)
     cpu = _sum([m.resources.cpu or settings.default_resources.cpu for _, m in models], "cpu")
     memory = _sum([m.resources.memory or settings.default_resources.memory for _, m in models], "memory")
     grace = max(m.shutdown.grace_seconds for _, m in models)
     runtime: Obj = {
         "name": CONTAINER,
-        "image": settings.runtime_gpu_image if rendering.gpu else settings.runtime_image,
+        "image": image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["sluice"],
         "args": ["serve", "--model-repository", repository, "--host", LOOPBACK, "--http-port", str(http),
-                 "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--http-uds", HTTP_SOCKET,
+                 "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--metrics-host", "0.0.0.0",
+                 "--http-uds", HTTP_SOCKET,
                  "--grpc-uds", GRPC_SOCKET, "--strict-readiness", "true",
                  # Nothing routes to a sidecar through endpoints: no drain, only the in-flight grace.
                  "--drain-period-s", "0", "--shutdown-grace-s", str(grace)],
         "ports": [
             {"name": "sluice-http", "containerPort": http, "protocol": "TCP"},
             {"name": "sluice-grpc", "containerPort": grpc, "protocol": "TCP"},
-            {"name": "sluice-metrics", "containerPort": metrics, "protocol": "TCP"},
+            {"name": METRICS_PORT_NAME, "containerPort": metrics, "protocol": "TCP"},
         ],
         # A native sidecar's startup probe holds back the containers after it until the models are loaded.
         # Up to 30 minutes to fetch and load the models.
-        "startupProbe": {**_probe("/v2/health/ready", http), "periodSeconds": 2, "failureThreshold": 900},
-        "readinessProbe": {**_probe("/v2/health/ready", http), "periodSeconds": 10, "failureThreshold": 3},
-        "livenessProbe": {**_probe("/v2/health/live", http), "periodSeconds": 10, "failureThreshold": 3},
-        "resources": {"requests": {"cpu": cpu, "memory": memory, **rendering.limits},
+        "startupProbe": {**_probe("/v2/health/ready"), "periodSeconds": 2, "failureThreshold": 900},
+        "readinessProbe": {**_probe("/v2/health/ready"), "periodSeconds": 10, "failureThreshold": 3},
+        "livenessProbe": {**_probe("/v2/health/live"), "periodSeconds": 10, "failureThreshold": 3},
+        "resources": {"requests": {"cpu": cpu, "memory": memory, **rendering.limits,
+                                   **({"ephemeral-storage": storage_request} if storage_request else {})},
                       "limits": {"cpu": cpu, "memory": memory, **rendering.limits}},
         "securityContext": _container_security_context(),
         "volumeMounts": mounts,
@@ -347,6 +354,10 @@ def inject(
                      [dict(t) for t in rendering.tolerations if dict(t) not in present])
     ops += _affinity_ops(spec.get("affinity"), rendering.affinity)
     annotations = {INJECTED_ANNOTATION: ",".join(stamps)}
+    present_annotations = meta.get("annotations") or {}
+    if not any(key.startswith("prometheus.io/") for key in present_annotations):
+        # The runtime's metrics listener is on the pod IP; an app that already annotates keeps its own.
+        annotations |= {"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics)}
     if meta.get("annotations"):
         ops += [{"op": "add", "path": f"/metadata/annotations/{_escape(k)}", "value": v}
                 for k, v in annotations.items()]

@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     defaults = ServerSettings(model_repository=Path())
     serve.add_argument("--model-repository", required=True, type=Path, help="directory of <model>/config.pbtxt")
     serve.add_argument("--host", default=defaults.host, help="address to listen on (0.0.0.0 for all)")
+    serve.add_argument(
+        "--metrics-host",
+        default=None,
+        help="address of the metrics listener (which also answers /v2/health/live and /v2/health/ready, for "
+        "probes); default: --host",
+    )
     ports = (
         ("http", "HTTP", defaults.http_port),
         ("grpc", "gRPC", defaults.grpc_port),
@@ -281,6 +287,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         http_uds=args.http_uds,
         grpc_uds=args.grpc_uds,
         limits=limits,
@@ -329,7 +336,7 @@ async def serve(settings: ServerSettings) -> int:
     failed = f"  ({len(server.failed_models)} model(s) failed to load)" if server.failed_models else ""
     print(
         f"sluice ready: HTTP {settings.host}:{server.ports.http}  gRPC {settings.host}:{server.ports.grpc}  "
-        f"metrics {settings.host}:{server.ports.metrics}{_unix_sockets(settings)}{failed}",
+        f"metrics {settings.metrics_host or settings.host}:{server.ports.metrics}{_unix_sockets(settings)}{failed}",
         flush=True,
     )
     received = await stop

@@ -160,7 +160,9 @@ class Server:
                     raise StartupError(f"--grpc-server {settings.grpc_server!r}: allowed values are h2, grpcio")
             if settings.metrics_port >= 0:
                 self._metrics_http = HttpServer(self._metrics_route, settings.limits, loop)
-                self.ports.metrics = await self._metrics_http.start(settings.host, settings.metrics_port)
+                self.ports.metrics = await self._metrics_http.start(
+                    settings.metrics_host or settings.host, settings.metrics_port
+                )
         except OSError as exc:
             ports = {"HTTP": settings.http_port, "gRPC": settings.grpc_port, "metrics": settings.metrics_port}
             which = ", ".join(f"{k} {v}" for k, v in ports.items() if v > 0)
@@ -188,9 +190,15 @@ class Server:
             self._grpc_unix = None
 
     def _metrics_route(self, request: Request) -> Response:
-        if request.path != b"/metrics":
-            raise NotFound("metrics are served at /metrics")
-        return Response(200, self.metrics.exposition(), b"text/plain; version=0.0.4; charset=utf-8")
+        path = request.path
+        if path == b"/metrics":
+            return Response(200, self.metrics.exposition(), b"text/plain; version=0.0.4; charset=utf-8")
+        # Health here too: probes reach it where the inference listeners are loopback-only (a sidecar).
+        if path == b"/v2/health/live":
+            return Response(200 if self.dataplane.live() else 503)
+        if path == b"/v2/health/ready":
+            return Response(200 if self.dataplane.ready() else 503)
+        raise NotFound("this listener serves /metrics, /v2/health/live and /v2/health/ready")
 
     def cut_drain(self) -> None:
         """End the drain period of a ``stop`` in progress now (a second signal)."""

@@ -105,6 +105,10 @@ class ServerSettings:
     grpc_port: int = 8001
     metrics_port: int = 8002
     """0 picks a free port; -1 disables that listener."""
+    metrics_host: str | None = None
+    """Address of the metrics listener, which also answers ``/v2/health/live`` and ``/v2/health/ready``;
+    None: ``host``. An inference sidecar keeps inference on the pod's loopback and opens only this one
+    to the pod IP, where Prometheus and the kubelet's probes reach."""
     http_uds: Path | None = None
     """Also serve HTTP on this Unix domain socket (an inference sidecar's callers in the same pod);
     with ``http_port`` -1, only there. None: no socket."""

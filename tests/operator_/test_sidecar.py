@@ -100,11 +100,12 @@ def test_injection_matches_golden_and_makes_a_valid_pod(case):
     runtime_list = spec["initContainers"] if native else spec["containers"]
     [runtime] = [c for c in runtime_list if c["name"] == sidecar.CONTAINER]
     assert runtime.get("restartPolicy") == ("Always" if native else None)
-    assert runtime["args"][:19] == [
+    assert runtime["args"][:21] == [
         "serve", "--model-repository", "/models", "--host", "127.0.0.1", "--http-port", "8000", "--grpc-port",
-        "8001", "--metrics-port", "8002", "--http-uds", "/var/run/sluice/http.sock", "--grpc-uds",
-        "/var/run/sluice/grpc.sock", "--strict-readiness", "true", "--drain-period-s", "0"]
-    assert "/v2/health/ready" in runtime["startupProbe"]["exec"]["command"][-1]
+        "8001", "--metrics-port", "8002", "--metrics-host", "0.0.0.0", "--http-uds", "/var/run/sluice/http.sock",
+        "--grpc-uds", "/var/run/sluice/grpc.sock", "--strict-readiness", "true", "--drain-period-s", "0"]
+    # Probes dial the pod IP: only the metrics listener is there, and it answers the health paths.
+    assert runtime["startupProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "sluice-metrics"}
     names = [c["name"] for c in spec.get("initContainers", [])]
     fetches = [n for n in names if n.startswith("sluice-fetch-")]
     # Fetches first, then (native) the runtime, then the app's own init containers, which see the models.
@@ -215,10 +216,15 @@ def test_a_sidecar_model_renders_only_its_config():
     desired = sidecar.children(owner, spec, SETTINGS)
     assert [(o["kind"], o["metadata"]["name"]) for o in desired.objects] == [("ConfigMap", "mnist-config")]
     assert ("apps/v1", "Deployment", "mnist") in desired.absent and ("v1", "Service", "mnist") in desired.absent
-    last = sidecar.admit(pod(), KNOWN, SETTINGS, native=True)[-1]
-    assert last["path"] == "/metadata/annotations/sluice.dev~1injected"
-    stamp = last["value"]
+    ops = {op["path"]: op["value"] for op in sidecar.admit(pod(), KNOWN, SETTINGS, native=True)}
+    stamp = ops["/metadata/annotations/sluice.dev~1injected"]
     assert stamp == f"mnist@{builders.config_hash(desired.objects[0]['data'])}"
+    # Prometheus finds the runtime's metrics listener (the pod IP) unless the app annotates its own.
+    assert ops["/metadata/annotations/prometheus.io~1port"] == str(SETTINGS.metrics_port)
+    annotated = pod()
+    annotated["metadata"]["annotations"]["prometheus.io/port"] = "9100"
+    assert not any(op["path"].startswith("/metadata/annotations/prometheus.io")
+                   for op in sidecar.admit(annotated, KNOWN, SETTINGS, native=True))
 
 
 @pytest.mark.parametrize(("spec", "problem"), [
