@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -208,3 +209,102 @@ def test_the_rendered_pod_stops_cleanly_within_its_grace_period(pod):
     except subprocess.TimeoutExpired:
         pytest.fail(f"the runtime was still running {left} s after SIGTERM: kubelet would SIGKILL it")
     assert returncode == 0, process.stdout.read() if process.stdout else ""
+
+
+# ---------------------------------------------------------------- the injected sidecar
+
+def test_the_injected_sidecar_serves_over_its_socket_and_shared_memory(s3_env: dict[str, str]) -> None:
+    """An application pod as the webhook patches it: the fetch init container's ``sluice pull`` and the
+    ``sluice-runtime`` native sidecar's own command line run, with only paths and port numbers mapped. The
+    kubelet's probes reach the pod IP; inference does not (loopback only); the application calls the
+    runtime with tritonclient on the gRPC socket its env names, tensors in /dev/shm."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import tritonclient.utils.shared_memory as shm
+
+    from sluice.operator import sidecar
+
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    settings = Settings(http_port=ports["http"], grpc_port=ports["grpc"], metrics_port=ports["metrics"])
+    spec = {"mode": "Sidecar", "model": {"storageUri": "s3://bucket/add_sub", "format": "onnx"}}
+    known = {"addsub": sidecar.indexed("addsub", spec)}
+    app = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "shop", "namespace": "models", "annotations": {sidecar.INJECT_ANNOTATION: "addsub"}},
+           "spec": {"containers": [{"name": "shop", "image": "registry.example.com/shop:1"}]}}
+    sidecar.apply(app, sidecar.admit(app, known, settings, native=True))
+    owner = builders.Owner(kind=api.INFERENCE_MODEL_KIND, name="addsub", namespace="models", uid="uid-1")
+    [config_map] = sidecar.children(owner, api.parse_inference_model("addsub", spec), settings).objects
+
+    # A short root: a Unix socket path has at most 107 bytes.
+    root = pathlib.Path(tempfile.mkdtemp(prefix="sc-", dir="/tmp"))
+    mapped = {builders.MODEL_REPOSITORY: root / "models", sidecar.SOCKET_DIRECTORY: root / "run"}
+
+    def host(arg: str) -> str:
+        for inside, outside in mapped.items():
+            if arg == inside or arg.startswith(inside + "/"):
+                return str(outside) + arg[len(inside):]
+        return arg
+
+    inits = app["spec"]["initContainers"]
+    [runtime] = [c for c in inits if c["name"] == sidecar.CONTAINER]
+    assert runtime["restartPolicy"] == "Always"
+    for fetch in inits[:inits.index(runtime)]:
+        executable = shutil.which(fetch["command"][0], path=os.path.dirname(sys.executable))
+        assert executable
+        done = subprocess.run([executable, *map(host, fetch["args"])], env={**os.environ, **s3_env},
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    for mount in runtime["volumeMounts"]:
+        if mount["name"].startswith("sluice-config-"):
+            target = pathlib.Path(host(mount["mountPath"]))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(config_map["data"][mount["subPath"]])
+    (root / "run").mkdir()
+    executable = shutil.which(runtime["command"][0], path=os.path.dirname(sys.executable))
+    assert executable
+    process = subprocess.Popen([executable, *map(host, runtime["args"])], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    regions: list[Any] = []
+    try:
+        _wait_ready(runtime, process)  # the startup and readiness probes, on the pod IP
+        assert get(_probe_url(runtime, runtime["startupProbe"]))[0] == 200
+        assert get(_probe_url(runtime, runtime["livenessProbe"]))[0] == 200
+        with pytest.raises(OSError):  # inference is the pod's own: not on the pod IP
+            get(f"http://{POD_IP}:{ports['http']}/v2/health/ready")
+        assert get(f"http://127.0.0.1:{ports['http']}/v2/models/addsub/ready")[0] == 200
+
+        [shop] = app["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in shop["env"]}
+        assert {m["mountPath"] for m in shop["volumeMounts"]} == {"/dev/shm", sidecar.SOCKET_DIRECTORY}
+        target = "unix://" + host(env["SLUICE_GRPC_UDS"].removeprefix("unix://"))
+        client = grpcclient.InferenceServerClient(target)
+        x = np.arange(16, dtype=np.float32)
+        key = f"/sc_{os.getpid()}"
+        region = shm.create_shared_memory_region("sc_in", key, 256)
+        regions.append(region)
+        shm.set_shared_memory_region(region, [x, x * 3])
+        client.register_system_shared_memory("io", key, 256)
+        inputs = [grpcclient.InferInput("INPUT0", [16], "FP32"), grpcclient.InferInput("INPUT1", [16], "FP32")]
+        inputs[0].set_shared_memory("io", 64)
+        inputs[1].set_shared_memory("io", 64, offset=64)
+        output = grpcclient.InferRequestedOutput("OUTPUT0")
+        output.set_shared_memory("io", 64, offset=128)
+        client.infer("addsub", inputs, outputs=[output, grpcclient.InferRequestedOutput("OUTPUT1")])
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(region, np.float32, [16], offset=128), x * 4)
+        client.unregister_system_shared_memory("io")
+        client.close()
+
+        named = {p["name"]: p["containerPort"] for p in runtime["ports"]}
+        assert app["metadata"]["annotations"]["prometheus.io/port"] == str(named[sidecar.METRICS_PORT_NAME])
+        _, exposition = get(f"http://{POD_IP}:{named[sidecar.METRICS_PORT_NAME]}/metrics")
+        assert 'sluice_request_success_total{model="addsub",version="1"} 1.0' in exposition
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            returncode = process.wait(timeout=30)
+        finally:
+            for region in regions:
+                shm.destroy_shared_memory_region(region)
+            shutil.rmtree(root, ignore_errors=True)
+    assert returncode == 0
+    assert not (root / "run" / "grpc.sock").exists()
