@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
         "--metrics-host",
         default=None,
         help="address of the metrics listener (which also answers /v2/health/live and /v2/health/ready, for "
-        "probes); none: the --host address",
+        "probes); None: the address HTTP and gRPC listen on",
     )
     ports = (
         ("http", "HTTP", defaults.http_port),
