@@ -278,9 +278,8 @@ class DataPlane:
         if decoupled:
             if request.responder is None:
                 raise Unsupported(
-                    f"model '{mv.name}' uses model_transaction_policy {{ decoupled: true }}: the HTTP end point "
-                    "and the ModelInfer RPC don't support models with decoupled transaction policy; "
-                    "send its requests on the gRPC ModelStreamInfer stream"
+                    f"model '{mv.name}' is decoupled: this end point (HTTP, or the ModelInfer RPC) doesn't support "
+                    "models with decoupled transaction policy; send its requests on the gRPC ModelStreamInfer stream"
                 )
             request.responder = _on_loop(request.responder, mv, request)
             cache = None

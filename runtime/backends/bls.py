@@ -31,9 +31,7 @@ from sluice.runtime.backends.base import BackendServices
 from sluice.runtime.errors import Cancelled, InvalidArgument, NotFound, SluiceError, Unavailable, Unsupported
 from sluice.runtime.types import CancelToken, InferRequest, InferResponse, RequestedOutput, Tensor, datatype_of
 
-outer_requests: contextvars.ContextVar[tuple[CancelToken, ...]] = contextvars.ContextVar(
-    "sluice_bls_outer", default=()
-)
+outer_requests: contextvars.ContextVar[tuple[CancelToken, ...]] = contextvars.ContextVar("sluice_bls_outer", default=())
 """The cancel tokens of the requests the running ``execute`` serves (set by the Python backend)."""
 
 _CODE_BY_ERROR: tuple[tuple[type[SluiceError], int], ...] = (
