@@ -781,11 +781,11 @@ class MetricRegistry:
                 )
         elif buckets is not None:
             raise TritonModelException(f"Buckets are only allowed for HISTOGRAM metric families, not '{family.name}'")
-        key = tuple(sorted(labels.items()))
+        series_key = tuple(sorted(labels.items()))
         with self._lock:
-            series = family.series.get(key)
+            series = family.series.get(series_key)
             if series is None:
-                series = family.series[key] = _MetricState(key, bucket_tuple)
+                series = family.series[series_key] = _MetricState(series_key, bucket_tuple)
             elif family.kind == HISTOGRAM and series.buckets != bucket_tuple:
                 raise TritonModelException(
                     f"Metric of family '{family.name}' with labels {labels} already exists with buckets "

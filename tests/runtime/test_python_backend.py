@@ -667,7 +667,7 @@ def test_decoupled_model_with_response_cache_is_refused_at_load(tmp_path):
     )
     ctx = write_model(tmp_path, "dec", CHECKING_MODEL, config_text)
 
-    with pytest.raises(Unsupported, match="response cache does not support models with .*decoupled"):
+    with pytest.raises(Unsupported, match=r"response cache does not support models with .*decoupled"):
         python_backend.load(parse_config(config_text), ctx)
 
 

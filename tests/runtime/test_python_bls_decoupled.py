@@ -31,7 +31,8 @@ class TritonPythonModel:
         for r in requests:
             a = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
             b = pb_utils.get_input_tensor_by_name(r, "INPUT1").as_numpy()
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", a + b), pb_utils.Tensor("OUTPUT1", a - b)]))
+            outputs = [pb_utils.Tensor("OUTPUT0", a + b), pb_utils.Tensor("OUTPUT1", a - b)]
+            out.append(pb_utils.InferenceResponse(outputs))
         return out
 """
 
@@ -64,9 +65,11 @@ class TritonPythonModel:
         out = []
         for r in requests:
             inputs = [pb_utils.get_input_tensor_by_name(r, "INPUT0"), pb_utils.get_input_tensor_by_name(r, "INPUT1")]
-            first, second = await asyncio.gather(*(
-                pb_utils.InferenceRequest(model_name="add_sub", requested_output_names=[name], inputs=inputs).async_exec()
-                for name in ("OUTPUT0", "OUTPUT1")))
+            calls = [
+                pb_utils.InferenceRequest(model_name="add_sub", requested_output_names=[name], inputs=inputs)
+                for name in ("OUTPUT0", "OUTPUT1")
+            ]
+            first, second = await asyncio.gather(*(call.async_exec() for call in calls))
             out.append(pb_utils.InferenceResponse(first.output_tensors() + second.output_tensors()))
         return out
 """
@@ -118,8 +121,8 @@ class TritonPythonModel:
     def execute(self, requests):
         out = []
         for r in requests:
-            inner = pb_utils.InferenceRequest(
-                model_name="square", inputs=[pb_utils.get_input_tensor_by_name(r, "IN")], requested_output_names=["OUT"])
+            inputs = [pb_utils.get_input_tensor_by_name(r, "IN")]
+            inner = pb_utils.InferenceRequest(model_name="square", inputs=inputs, requested_output_names=["OUT"])
             if json.loads(r.parameters()).get("single"):
                 answer = inner.exec()
                 out.append(pb_utils.InferenceResponse(error=answer.error()))
@@ -160,7 +163,8 @@ class TritonPythonModel:
                 try:
                     pb_utils.MetricFamily(wanted["family"], "try", wanted.get("kind", pb_utils.MetricFamily.GAUGE))
                 except pb_utils.TritonModelException as exc:
-                    out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(exc.message(), pb_utils.TritonError.INVALID_ARG)))
+                    error = pb_utils.TritonError(exc.message(), pb_utils.TritonError.INVALID_ARG)
+                    out.append(pb_utils.InferenceResponse(error=error))
                     continue
             a = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
             self.requests.increment(1)
@@ -441,8 +445,10 @@ class TritonPythonModel:
         return config
 
     def execute(self, requests):
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())])
-                for r in requests]
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())])
+            for r in requests
+        ]
 """
 
 
