@@ -94,6 +94,11 @@ def _parser() -> argparse.ArgumentParser:
         )
     serve.add_argument("--model", action="append", default=[], help="load only this model (repeatable); default: all")
     serve.add_argument(
+        "--disable-auto-complete-config",
+        action="store_true",
+        help="do not let Python models' auto_complete_config complete their configs (Triton's flag)",
+    )
+    serve.add_argument(
         "--strict-readiness",
         type=_bool,
         default=defaults.strict_readiness,
@@ -295,6 +300,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         shutdown_grace_s=args.shutdown_grace_s,
         models=tuple(args.model),
         strict_readiness=args.strict_readiness,
+        auto_complete_config=not args.disable_auto_complete_config,
         drain_period_s=args.drain_period_s,
         server_name=args.server_name,
         grpc_server=args.grpc_server,

@@ -102,7 +102,6 @@ UNIMPLEMENTED_FIELDS: dict[str, str] = {
     "metric_tags": "metric tags are not implemented yet; ignored",
     "model_warmup": "not implemented yet; the model is not warmed up before it is marked ready",
     "model_operations": "custom operation libraries are not implemented yet; ignored",
-    "model_transaction_policy": "decoupled models are not implemented yet; one response per request",
     "model_repository_agents": "repository agents are not implemented yet; ignored",
     "model_metrics": "custom model metrics are not implemented yet; ignored",
 }
@@ -130,6 +129,7 @@ _IMPLEMENTED_FIELDS: frozenset[str] = frozenset({
     "dynamic_batching.default_queue_policy", "dynamic_batching.priority_queue_policy",
     "instance_group", "instance_group[].name", "instance_group[].count", "instance_group[].kind",
     "instance_group[].gpus",
+    "model_transaction_policy",
 })  # fmt: skip
 
 _INT64_MAX = 2**63 - 1

@@ -20,11 +20,11 @@ from sluice.runtime import __version__, callers, classification, shm
 from sluice.runtime import config as model_config
 from sluice.runtime.cache import cache_key
 from sluice.runtime.callers import CallerLabels, DuplicateWindow
-from sluice.runtime.errors import InvalidArgument, SluiceError, Unavailable
+from sluice.runtime.errors import InvalidArgument, SluiceError, Unavailable, Unsupported
 from sluice.runtime.forwarding import Forwarder
 from sluice.runtime.repository import ModelVersion, Repository
 from sluice.runtime.signature import check_request
-from sluice.runtime.types import InferRequest, InferResponse
+from sluice.runtime.types import InferRequest, InferResponse, Responder
 
 EXTENSIONS = [
     "classification",
@@ -65,6 +65,8 @@ class DataPlane:
         self.shared_memory = shared_memory
         """Registered system shared-memory regions (None: the extension is off, as in unit tests)."""
         repository.route_steps(self._infer_local)  # ensembles' steps run through the data plane, never forwarded
+        if repository.services is not None:
+            repository.services.dispatch = self._infer_bls  # Python models' BLS requests, never forwarded
         self._forwarder = forwarder
         # The split models (empty without a split file): the only cost of the split on the hot path.
         self._splits = forwarder.table.models if forwarder is not None else {}
@@ -131,6 +133,15 @@ class DataPlane:
             "inputs": io(sig.inputs),
             "outputs": io(sig.outputs),
         }
+
+    def decoupled(self, name: str, version: str = "") -> bool:
+        """Whether ``name`` (a ready version of it) uses the decoupled transaction policy: its
+        requests go on ModelStreamInfer with a responder; unknown models are not decoupled."""
+        try:
+            mv = self.repository.get(name, version)
+        except SluiceError:
+            return False
+        return mv.config.model_transaction_policy.decoupled
 
     def model_config(self, name: str, version: str = "") -> Any:
         return self.repository.get(name, version).config
@@ -243,12 +254,35 @@ class DataPlane:
             binding.release()
             raise
 
+    def _infer_bls(self, request: InferRequest, done: Callable[[InferResponse | SluiceError], None]) -> None:
+        """A Python model's BLS request: the target's queue, batching and cache, never forwarded."""
+        if request.responder is None and self.decoupled(request.model_name, request.model_version):
+            raise Unsupported(
+                f"Model {request.model_name} is using the decoupled. The current BLS request call doesn't "
+                "support models using the decoupled transaction policy. Please use 'decoupled=True' argument "
+                "to the 'exec' or 'async_exec' calls for decoupled models."
+            )
+        self._infer_local(request, done)
+
     def _infer_local(self, request: InferRequest, done: Callable[[InferResponse | SluiceError], None]) -> None:
-        """``infer_nowait`` on this server's own model versions."""
+        """``infer_nowait`` on this server's own model versions.
+
+        For a decoupled model the responses go to ``request.responder`` (on the event loop, named
+        like any response) and ``done`` hears only of errors that end the request before its model
+        streamed (refusals, queue timeouts, ``execute`` raising)."""
         start = time.monotonic_ns()
         mv = self._admit(request)
         stats = mv.stats
         cache = mv.cache
+        decoupled = mv.config.model_transaction_policy.decoupled
+        if decoupled:
+            if request.responder is None:
+                raise Unsupported(
+                    f"model '{mv.name}' is decoupled: this end point (HTTP, or the ModelInfer RPC) doesn't support "
+                    "models with decoupled transaction policy; send its requests on the gRPC ModelStreamInfer stream"
+                )
+            request.responder = _on_loop(request.responder, mv, request)
+            cache = None
         key: object = None
         lookup_ns = 0
         caller = request.caller
@@ -256,6 +290,15 @@ class DataPlane:
 
         def finished(result: InferResponse | SluiceError) -> None:
             outcome = result
+            if decoupled:
+                if isinstance(result, SluiceError):
+                    counts.failure += 1
+                else:
+                    counts.success += 1
+                stats.on_request(time.monotonic_ns() - start, result if isinstance(result, SluiceError) else None)
+                if isinstance(result, SluiceError):
+                    done(result)
+                return
             if not isinstance(result, SluiceError):
                 outcome = _named(result, mv, request)
                 if cache is not None:
@@ -299,6 +342,25 @@ class DataPlane:
             if reason is not None:
                 counts.reject(reason)
             raise
+
+
+def _on_loop(responder: Responder, mv: ModelVersion, request: InferRequest) -> Responder:
+    """A decoupled model's responder callable from any thread: each response reaches
+    ``responder`` on the event loop, in the order sent, named like a response of ``mv``."""
+    loop = asyncio.get_running_loop()
+
+    def deliver(item: InferResponse | Exception | None, final: bool) -> None:
+        if isinstance(item, InferResponse):
+            _named(item, mv, request)
+        responder(item, final)
+
+    def respond(item: InferResponse | Exception | None, final: bool) -> None:
+        try:
+            loop.call_soon_threadsafe(deliver, item, final)
+        except RuntimeError:  # the loop is closed: the server stopped, nobody is listening
+            pass
+
+    return respond
 
 
 def _take_caller_parameter(request: InferRequest) -> None:

@@ -7,15 +7,22 @@ Prometheus scrapes, and the forwarding collector does the same for the no-mesh c
 each model version under the labels callers.py's ``CallerLabels`` chooses, re-ranking them at each
 scrape. The registry is an object owned by the server, never the global one.
 Names and their Triton equivalents are listed in docs/metrics.md.
+
+Python models' own families (``pb_utils.MetricFamily``, docs/python-backend.md) follow Sluice's,
+written by :func:`custom_metrics_text` from the backends' ``MetricRegistry``: their names are
+exported exactly as the model gave them (a counter keeps its name, with no ``_total`` added), as
+Triton exports them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from sluice.runtime.callers import REASONS, CallerLabels
 from sluice.runtime.forwarding import Forwarder
@@ -190,7 +197,9 @@ class Metrics:
         versions: Callable[[], Iterable[ModelVersion]],
         forwarder: Forwarder | None = None,
         caller_labels: CallerLabels | None = None,
+        model_metrics: Any = None,
     ) -> None:
+        self._model_metrics = model_metrics  # triton_python_backend_utils.MetricRegistry, or None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ModelCollector(versions))
         if forwarder is not None:
@@ -199,4 +208,36 @@ class Metrics:
             self.registry.register(CallerCollector(versions, caller_labels))
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        if self._model_metrics is not None:
+            text += custom_metrics_text(self._model_metrics.snapshot())
+        return text
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(pairs: Iterable[tuple[str, str]]) -> str:
+    text = ",".join(f'{key}="{_escape(value)}"' for key, value in pairs)
+    return "{" + text + "}" if text else ""
+
+
+def custom_metrics_text(families: Iterable[tuple[str, str, str, list[Any]]]) -> bytes:
+    """Prometheus text format (0.0.4) of Python models' metric families: ``(name, description,
+    kind, series)`` as ``MetricRegistry.snapshot`` gives them. Pure."""
+    lines: list[str] = []
+    for name, description, kind, series in families:
+        lines.append(f"# HELP {name} {description.replace(chr(92), chr(92) * 2).replace(chr(10), chr(92) + 'n')}")
+        lines.append(f"# TYPE {name} {kind}")
+        for state in series:
+            if kind != "histogram":
+                lines.append(f"{name}{_labels(state.labels)} {floatToGoString(state.value)}")
+                continue
+            for bound, count in zip(state.buckets or (), state.bucket_counts, strict=True):
+                le = (*state.labels, ("le", floatToGoString(bound)))
+                lines.append(f"{name}_bucket{_labels(le)} {floatToGoString(count)}")
+            lines.append(f"{name}_bucket{_labels((*state.labels, ('le', '+Inf')))} {floatToGoString(state.count)}")
+            lines.append(f"{name}_sum{_labels(state.labels)} {floatToGoString(state.sum)}")
+            lines.append(f"{name}_count{_labels(state.labels)} {floatToGoString(state.count)}")
+    return "".join(line + "\n" for line in lines).encode()

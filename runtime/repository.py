@@ -18,7 +18,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime import classification, ensemble, names
 from sluice.runtime import config as model_config
-from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance
+from sluice.runtime.backends.base import BackendServices, LoadContext, ModelBackend, ModelInstance
 from sluice.runtime.batching import (
     BATCH_POLICIES,
     BatchPolicy,
@@ -219,7 +219,9 @@ def _instance_plan(config: mc.ModelConfig) -> list[tuple[int, int]]:
     return plan
 
 
-def prepare(root: Path, name: str, override: str | None, defaults: SchedulingDefaults) -> _Prepared:
+def prepare(
+    root: Path, name: str, override: str | None, defaults: SchedulingDefaults, services: BackendServices | None = None
+) -> _Prepared:
     """Blocking part of a load: parse, complete, validate, open sessions. Runs on a worker thread.
 
     Everything that can be refused is checked before the first backend or instance is created, so
@@ -251,13 +253,14 @@ def prepare(root: Path, name: str, override: str | None, defaults: SchedulingDef
     if backend == "onnxruntime":
         from sluice.runtime.backends import onnxrt
 
-        ctx = LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root)
+        ctx = LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root, services)
         inputs, outputs = onnxrt.probe(onnxrt.model_path(config, ctx))
         warnings += model_config.complete_io(config, inputs, outputs)
     if backend == "python":  # TritonPythonModel.auto_complete_config, before validation
         from sluice.runtime.backends import python
 
-        python.auto_complete(config, LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root))
+        last = LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root, services)
+        python.auto_complete(config, last)
     warnings += model_config.validate(config, source=loaded.source)
     labels = classification.read_labels(config, model_dir)  # raises for a missing label file
     warnings = list(dict.fromkeys(warnings))  # load_model_config validates too; report each once
@@ -278,7 +281,7 @@ def prepare(root: Path, name: str, override: str | None, defaults: SchedulingDef
     prepared = _Prepared(config, [], warnings, scheduling, cache, labels)
     try:
         for version in chosen:
-            ctx = LoadContext(name, version, model_dir, model_dir / str(version), root)
+            ctx = LoadContext(name, version, model_dir, model_dir / str(version), root, services)
             instance_backend = loader(config, ctx)
             instances: list[ModelInstance] = []
             prepared.versions.append((version, instance_backend, instances))
@@ -313,8 +316,11 @@ class Repository:
         *,
         grace_s: float = 30.0,
         clock: Clock | None = None,
+        services: BackendServices | None = None,
     ) -> None:
         self.root = root
+        self.services = services
+        """Lent to backends at load (BLS, custom metrics); None in tests that need neither."""
         self._scheduling = scheduling
         self._grace_s = grace_s
         self._clock = clock
@@ -381,7 +387,7 @@ class Repository:
             model.state = LOADING
             try:
                 prepared = await loop.run_in_executor(
-                    None, prepare, self.root, name, override, self._scheduling
+                    None, prepare, self.root, name, override, self._scheduling, self.services
                 )
             except Exception as exc:
                 self._load_failed(name, model, exc)

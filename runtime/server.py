@@ -22,6 +22,8 @@ from pathlib import Path
 import grpc
 
 from sluice.runtime import names, shm
+from sluice.runtime.backends.base import BackendServices
+from sluice.runtime.backends.triton_python_backend_utils import MetricRegistry
 from sluice.runtime.batching import Clock
 from sluice.runtime.callers import CallerLabels, DuplicateWindow
 from sluice.runtime.dataplane import DataPlane
@@ -52,8 +54,17 @@ class StartupError(Exception):
 class Server:
     def __init__(self, settings: ServerSettings, *, clock: Clock | None = None) -> None:
         self.settings = settings
+        # What backends borrow from the server: BLS dispatch (the data plane fills it in), the loop
+        # (start), the registry of Python models' custom metrics (exported beside Sluice's).
+        self.backend_services = BackendServices(
+            model_metrics=MetricRegistry(), auto_complete_config=settings.auto_complete_config
+        )
         self.repository = Repository(
-            settings.model_repository, settings.scheduling, grace_s=settings.shutdown_grace_s, clock=clock
+            settings.model_repository,
+            settings.scheduling,
+            grace_s=settings.shutdown_grace_s,
+            clock=clock,
+            services=self.backend_services,
         )
         self.forwarder: Forwarder | None = None
         self._split_watcher: SplitFileWatcher | None = None
@@ -74,7 +85,12 @@ class Server:
                 else None
             ),
         )
-        self.metrics = Metrics(self.repository.all_versions, self.forwarder, self.dataplane.caller_labels)
+        self.metrics = Metrics(
+            self.repository.all_versions,
+            self.forwarder,
+            self.dataplane.caller_labels,
+            model_metrics=self.backend_services.model_metrics,
+        )
         self.ports = Ports()
         self.failed_models: dict[str, str] = {}
         self._http: HttpServer | None = None
@@ -87,6 +103,7 @@ class Server:
 
     async def start(self) -> Ports:
         loop = asyncio.get_running_loop()
+        self.backend_services.loop = loop
         settings = self.settings
         if not settings.model_repository.is_dir():
             raise StartupError(f"--model-repository {settings.model_repository} is not a directory")

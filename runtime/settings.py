@@ -125,6 +125,9 @@ class ServerSettings:
     """Ready only when every model asked for with ``models`` (or, without it, found in the
     repository at start), and every model loaded since, has a ready version (Triton's
     ``--strict-readiness``). False: ready once startup loads are done, whatever their outcome."""
+    auto_complete_config: bool = True
+    """Call Python models' ``auto_complete_config`` before validating their configs; False with
+    ``--disable-auto-complete-config`` (Triton's flag): the written config is used as it is."""
     drain_period_s: float = 5.0
     """On SIGTERM: how long the server reports not-ready while still serving everything, so that
     load balancers and Kubernetes endpoints stop sending before it stops listening."""

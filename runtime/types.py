@@ -129,6 +129,10 @@ class CancelToken:
             self._callbacks.append(callback)
 
 
+Responder = Callable[["InferResponse | Exception | None", bool], None]
+"""``(response or error or None, final)``; the error is a ``SluiceError`` (errors.py)."""
+
+
 @dataclasses.dataclass(slots=True)
 class InferRequest:
     """One inference request after decoding, before validation against the model."""
@@ -147,6 +151,10 @@ class InferRequest:
     # Who sent it (callers.py): the Sluice-Caller header, gRPC metadata or the sluice_caller
     # parameter, checked by the front end; "" when the request names no caller.
     caller: str = ""
+    # Where a decoupled model's responses go (ModelStreamInfer, BLS ``exec(decoupled=True)``):
+    # called with each response or error and whether it is the last one (``None`` with ``True``: a
+    # bare final flag). None: the caller takes exactly one response (HTTP, unary gRPC).
+    responder: Responder | None = None
 
 
 @dataclasses.dataclass(slots=True)

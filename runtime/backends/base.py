@@ -10,9 +10,11 @@ requests. ``execute`` returns one result per request, in order: an ``InferRespon
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -33,6 +35,31 @@ class TensorSpec:
     """False when the file declares no shape at all (not even a rank): the config's dims decide."""
 
 
+Dispatch = Callable[[InferRequest, Callable[[Result], None]], None]
+"""The data plane's entry for calls made by models (BLS): raises for immediate rejections, else
+calls ``done`` once; both on the server's event loop."""
+
+
+@dataclasses.dataclass
+class BackendServices:
+    """What the server lends backends: the Python backend's BLS calls and custom metrics.
+
+    One object per server, built by the server and filled in as its parts start (the data plane
+    sets ``dispatch``, the server sets ``loop`` once it runs). Empty fields mean the feature is
+    off (unit tests that build a repository alone)."""
+
+    dispatch: Dispatch | None = None
+    """Where BLS requests go: the data plane (queue, batching, cache and timeouts of the target)."""
+    loop: asyncio.AbstractEventLoop | None = None
+    """The server's event loop, on which ``dispatch`` must be called."""
+    model_metrics: Any = None
+    """``triton_python_backend_utils.MetricRegistry`` of ``pb_utils.MetricFamily`` objects, exported
+    on the metrics port (metrics.py); None: custom metrics are refused."""
+    auto_complete_config: bool = True
+    """False with ``--disable-auto-complete-config``: ``TritonPythonModel.auto_complete_config`` is
+    not called."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadContext:
     model_name: str
@@ -40,6 +67,7 @@ class LoadContext:
     model_dir: Path  # <repository>/<model>
     version_dir: Path  # <repository>/<model>/<version>
     repository: Path
+    services: BackendServices | None = None
 
 
 class ModelInstance(abc.ABC):

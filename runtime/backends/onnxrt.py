@@ -19,7 +19,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result, TensorSpec
 from sluice.runtime.backends.tensor import merge_inputs, split_outputs
-from sluice.runtime.errors import ConfigError, InvalidArgument, ModelError, Unavailable
+from sluice.runtime.errors import ConfigError, InvalidArgument, ModelError, Unavailable, Unsupported
 from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, InferRequest
 
 # ORT type strings -> V2 datatypes.
@@ -188,4 +188,9 @@ class OnnxBackend(ModelBackend):
 
 def load(config: mc.ModelConfig, ctx: LoadContext) -> OnnxBackend:
     """Open the model file; ``config`` must already be completed (see config.complete_io)."""
+    if config.model_transaction_policy.decoupled:
+        raise Unsupported(
+            f"failed to load '{ctx.model_name}' version {ctx.version}: the onnxruntime backend does not support "
+            "model_transaction_policy { decoupled: true }; only Python-backend models may be decoupled"
+        )
     return OnnxBackend(config, ctx, model_path(config, ctx))

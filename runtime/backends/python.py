@@ -36,6 +36,7 @@ from google.protobuf import descriptor as pb_descriptor
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from sluice.runtime.backends import bls
 from sluice.runtime.backends import triton_python_backend_utils as pb_utils
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result
 from sluice.runtime.errors import (
@@ -65,7 +66,15 @@ DEFAULT_MODEL_FILENAME = "model.py"
 # Request parameters the protocol layer consumes itself; Triton does not show them to the model
 # in ``request.parameters()``.
 _RESERVED_PARAMETERS = frozenset(
-    {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "binary_data_output"}
+    {
+        "sequence_id",
+        "sequence_start",
+        "sequence_end",
+        "priority",
+        "timeout",
+        "binary_data_output",
+        "triton_enable_empty_final_response",
+    }
 )
 
 # TritonError code -> the Sluice error (and so the HTTP status / gRPC code) the client sees.
@@ -93,11 +102,10 @@ _import_lock = threading.Lock()
 
 def load(config: mc.ModelConfig, ctx: LoadContext) -> ModelBackend:
     """Import ``<version_dir>/model.py`` (or ``default_model_filename``) and check its class."""
-    if config.model_transaction_policy.decoupled:
+    if config.model_transaction_policy.decoupled and config.response_cache.enable:
         raise Unsupported(
-            f"failed to load '{ctx.model_name}' version {ctx.version}: "
-            "model_transaction_policy { decoupled: true } is not supported by Sluice's Python backend yet; "
-            "remove it and return one InferenceResponse per request from execute()"
+            f"failed to load '{ctx.model_name}' version {ctx.version}: the response cache does not support "
+            "models with model_transaction_policy { decoupled: true }; remove response_cache or decoupled"
         )
     path = ctx.version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
     shown = _shown(path, ctx)
@@ -133,6 +141,8 @@ def auto_complete(config: mc.ModelConfig, ctx: LoadContext) -> None:
     ``initialize``. The method may come from a base class in another file. Runs before validation,
     so the completed config is checked like a written one.
     """
+    if ctx.services is not None and not ctx.services.auto_complete_config:
+        return  # --disable-auto-complete-config
     path = ctx.version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
     if not path.is_file():
         return  # load() reports the missing file
@@ -143,7 +153,8 @@ def auto_complete(config: mc.ModelConfig, ctx: LoadContext) -> None:
             return
         where = f"failed to load '{ctx.model_name}': auto_complete_config"
         try:
-            completed = hook(pb_utils.ModelConfig(model_config_json(config)))
+            with _metrics_owned(ctx, f"{ctx.model_name}:auto_complete"):
+                completed = hook(pb_utils.ModelConfig(model_config_json(config)))
         except Exception as exc:
             raise ModelError(f"{where} raised {type(exc).__name__}: {_without_repository(str(exc), ctx)}") from exc
         if not isinstance(completed, pb_utils.ModelConfig):
@@ -295,6 +306,9 @@ class PythonBackend(ModelBackend):
             if mc.DataType.Name(output.data_type) in DATATYPE_BY_CONFIG_TYPE
         }
         self._all_output_names = [output.name for output in config.output]
+        self.decoupled = config.model_transaction_policy.decoupled
+        self.host = bls.BlsHost(ctx.services, ctx.model_name)
+        self.metrics_owner = f"{ctx.model_name}:{ctx.version}"
 
     def new_instance(self, index: int, kind: int, device_id: int) -> ModelInstance:
         name = self._ctx.model_name
@@ -323,8 +337,27 @@ class PythonBackend(ModelBackend):
             ) from exc
         return instance
 
+    @contextlib.contextmanager
+    def model_code(self) -> Any:
+        """Around every call into the model: BLS calls and new metric families are this model's."""
+        with pb_utils.bound_host(self.host), _metrics_owned(self._ctx, self.metrics_owner):
+            yield
+
     def close(self) -> None:
         _forget_module(self._module)
+        registry = self._ctx.services.model_metrics if self._ctx.services is not None else None
+        if registry is not None:
+            registry.release(self.metrics_owner)
+
+
+@contextlib.contextmanager
+def _metrics_owned(ctx: LoadContext, owner: str) -> Any:
+    registry = ctx.services.model_metrics if ctx.services is not None else None
+    if registry is None:
+        yield
+        return
+    with registry.owned_by(owner):
+        yield
 
 
 class PythonInstance(ModelInstance):
@@ -339,10 +372,11 @@ class PythonInstance(ModelInstance):
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self, args: dict[str, str]) -> None:
-        self._model = self._backend._model_class()
-        initialize = getattr(self._model, "initialize", None)
-        if callable(initialize):
-            self._resolve(initialize(args))
+        with self._backend.model_code():
+            self._model = self._backend._model_class()
+            initialize = getattr(self._model, "initialize", None)
+            if callable(initialize):
+                self._resolve(initialize(args))
 
     def close(self) -> None:
         """Call ``finalize`` (awaited when it is ``async def``), then drop the model and its loop.
@@ -353,7 +387,8 @@ class PythonInstance(ModelInstance):
         finalize = getattr(self._model, "finalize", None)
         try:
             if callable(finalize):
-                self._resolve(finalize())
+                with self._backend.model_code():
+                    self._resolve(finalize())
         except Exception:
             _log.exception("finalize() of model instance '%s' raised", self._instance_name)
         finally:
@@ -401,12 +436,27 @@ class PythonInstance(ModelInstance):
     def execute(self, requests: Sequence[InferRequest]) -> list[Result]:
         model_name = self._backend._ctx.model_name
         wrapped = [self._to_model_request(request) for request in requests]
+        outer = bls.outer_requests.set(tuple(request.cancel for request in requests))
         try:
-            returned = self._resolve(self._model.execute(wrapped))
+            with self._backend.model_code():
+                returned = self._resolve(self._model.execute(wrapped))
         except BaseException as exc:  # SystemExit from model code too: the instance must keep serving
             message = f"Failed to process the request(s) for model '{model_name}', message: {type(exc).__name__}: {exc}"
             _log.debug("execute() of model instance '%s' raised", self._instance_name, exc_info=True)
+            if self._backend.decoupled:
+                return [self._decoupled_failure(request, message) for request in wrapped]
             return [ModelError(message) for _ in requests]
+        finally:
+            bls.outer_requests.reset(outer)
+        if self._backend.decoupled:
+            if returned is not None:
+                _log.warning(
+                    "execute() of decoupled model '%s' returned %s; decoupled models send responses through "
+                    "request.get_response_sender() and return None (the value is ignored)",
+                    model_name,
+                    type(returned).__name__,
+                )
+            return [_accepted(request) for request in requests]
         problem = _check_response_list(returned, len(requests))
         if problem is not None:
             message = f"model '{model_name}': {problem}"
@@ -433,6 +483,7 @@ class PythonInstance(ModelInstance):
         version = request.model_version
         return ServedRequest(
             request.cancel,
+            _DecoupledStream(self, request) if self._backend.decoupled else None,
             request_id=request.id,
             correlation_id=correlation_id,
             inputs=[pb_utils.Tensor(tensor.name, tensor.data) for tensor in request.inputs],
@@ -442,6 +493,13 @@ class PythonInstance(ModelInstance):
             flags=flags,
             parameters={k: v for k, v in parameters.items() if k not in _RESERVED_PARAMETERS},
         )
+
+    def _decoupled_failure(self, request: ServedRequest, message: str) -> Result:
+        """``execute`` of a decoupled model raised: the error ends each stream it had not ended."""
+        stream = request._stream
+        if stream is not None and stream.close_for_error():
+            return ModelError(message)
+        return InferResponse(request.model_name(), str(request.model_version()), [], id=request.request_id())
 
     def _to_result(self, position: int, request: InferRequest, response: Any) -> Result:
         model_name = self._backend._ctx.model_name
@@ -504,19 +562,121 @@ def _loop_running_here() -> bool:
 class ServedRequest(pb_utils.InferenceRequest):
     """A request from a client, as the model sees it: cancellation is read live from Sluice."""
 
-    def __init__(self, cancel: CancelToken, **kwargs: Any) -> None:
+    def __init__(self, cancel: CancelToken, stream: _DecoupledStream | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._cancel_token = cancel
+        self._stream = stream
 
     def is_cancelled(self) -> bool:
         return self._cancel_token.cancelled
+
+    def get_response_sender(self) -> pb_utils.InferenceResponseSender:
+        if self._stream is None:
+            return super().get_response_sender()
+        return ResponseSender(self._stream)
+
+
+def _accepted(request: InferRequest) -> InferResponse:
+    """What a decoupled model's ``execute`` gives the scheduler for a request it accepted (the
+    data plane does not pass it on: the responses go through the request's responder)."""
+    return InferResponse(request.model_name, request.model_version, [], id=request.id)
+
+
+class _DecoupledStream:
+    """The responses of one request to a decoupled model, shared by its response senders.
+
+    Sends go to the request's responder (the data plane moves them onto the event loop). Once the
+    final flag went out, the stream is closed: another send raises TritonModelException, as in
+    Triton, and is logged. When the model drops the request and its senders without a final flag,
+    one is sent for it (and a warning logged), so the client's stream is never left waiting.
+    """
+
+    def __init__(self, instance: PythonInstance, request: InferRequest) -> None:
+        self._instance = instance
+        self._request = request
+        self._lock = threading.Lock()
+        self._closed = False
+        self._position = 0
+
+    def cancelled(self) -> bool:
+        return self._request.cancel.cancelled
+
+    def close_for_error(self) -> bool:
+        """Close the stream so the scheduler's error result is its end; False if already closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            return True
+
+    def send(self, response: Any, flags: int) -> None:
+        final = bool(flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        model_name = self._instance._backend._ctx.model_name
+        if response is None and not final:
+            raise pb_utils.TritonModelException(
+                "Inference Response object is needed when the flags is not TRITONSERVER_RESPONSE_COMPLETE_FINAL"
+            )
+        with self._lock:
+            if self._closed:
+                _log.warning(
+                    "model '%s' sent a response for request '%s' after its final flag; it was dropped",
+                    model_name,
+                    self._request.id,
+                )
+                raise pb_utils.TritonModelException("Unable to send response. Response sender has been closed.")
+            self._closed = final
+            position = self._position
+            self._position += 1
+        result: Result | None = None
+        if response is not None:
+            result = self._instance._to_result(position, self._request, response)
+        responder = self._request.responder
+        if responder is None:
+            return
+        if self.cancelled():
+            _log.debug("model '%s': response for cancelled request '%s' dropped", model_name, self._request.id)
+            if not final:
+                return
+        try:
+            responder(result, final)
+        except Exception:  # the client's stream is gone: nothing to deliver to
+            _log.debug("model '%s': a response could not be delivered", model_name, exc_info=True)
+
+    def __del__(self) -> None:
+        if not self._closed and self._request.responder is not None:
+            _log.warning(
+                "model '%s' released request '%s' without sending TRITONSERVER_RESPONSE_COMPLETE_FINAL; "
+                "the final flag was sent for it",
+                self._instance._backend._ctx.model_name,
+                self._request.id,
+            )
+            self._closed = True
+            with contextlib.suppress(Exception):
+                self._request.responder(None, True)
+
+
+class ResponseSender(pb_utils.InferenceResponseSender):
+    """``request.get_response_sender()`` of a decoupled model."""
+
+    def __init__(self, stream: _DecoupledStream) -> None:
+        self._stream = stream
+
+    def send(self, response: pb_utils.InferenceResponse | None = None, flags: int = 0) -> None:
+        if response is not None and not isinstance(response, pb_utils.InferenceResponse):
+            raise pb_utils.TritonModelException(
+                f"send() takes a triton_python_backend_utils.InferenceResponse, got {type(response).__name__}"
+            )
+        self._stream.send(response, flags)
+
+    def is_cancelled(self) -> bool:
+        return self._stream.cancelled()
 
 
 def _check_response_list(returned: Any, expected: int) -> str | None:
     """Why the value ``execute`` returned cannot be matched to the requests, or None if it can."""
     if returned is None:
         return (
-            "execute() returned None; decoupled mode is not supported by Sluice yet, "
+            "execute() returned None; only models with model_transaction_policy { decoupled: true } may, "
             "return a list with one InferenceResponse per request"
         )
     if not isinstance(returned, (list, tuple)):

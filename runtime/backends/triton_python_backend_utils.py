@@ -3,21 +3,28 @@
 Triton ``model.py`` files ``import triton_python_backend_utils as pb_utils``; the Python backend
 (:mod:`sluice.runtime.backends.python`) registers this module in ``sys.modules`` under that exact
 name when it loads a Python model, so those files run unchanged. Names and signatures follow
-Triton's python_backend; what Sluice does not support (BLS, decoupled response senders, request
-rescheduling, GPU tensors) raises :class:`TritonModelException` with a message saying so.
-See ``docs/python-backend.md``.
+Triton's python_backend; what Sluice does not support (request rescheduling, GPU tensors)
+raises :class:`TritonModelException` with a message saying so. See ``docs/python-backend.md``.
 
 Nothing here imports the rest of Sluice: this is the surface user code sees, kept free of
-Sluice's own types.
+Sluice's own types. What needs the server (BLS calls) goes through a :class:`ModelHost` the
+Python backend binds (:func:`bound_host`) while it runs the model's code; custom metrics live in
+a :class:`MetricRegistry` the server exports.
 """
 
 from __future__ import annotations
 
+import abc
+import contextlib
+import contextvars
 import enum
 import json
 import logging
+import math
+import re
 import struct
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -292,11 +299,48 @@ class PreferredMemory:
         self.preferred_device_id = preferred_device_id
 
 
-_BLS_UNSUPPORTED = "BLS is not supported by Sluice yet"
-_DECOUPLED_UNSUPPORTED = (
-    "decoupled mode (InferenceRequest.get_response_sender) is not supported by Sluice yet; "
-    "return one InferenceResponse per request from execute()"
+_DECOUPLED_ONLY = (
+    "get_response_sender() is only available to models with model_transaction_policy { decoupled: true }; "
+    "return one InferenceResponse per request from execute() instead"
 )
+
+
+class ModelHost(abc.ABC):
+    """What the server does for model code: BLS calls. Bound by the Python backend while it runs
+    ``initialize``/``execute``/``finalize`` (:func:`bound_host`)."""
+
+    @abc.abstractmethod
+    def exec(self, request: InferenceRequest, decoupled: bool) -> Any:
+        """Run ``request`` on the server, blocking: an InferenceResponse, or (``decoupled``) an
+        iterator of them."""
+
+    @abc.abstractmethod
+    async def async_exec(self, request: InferenceRequest, decoupled: bool) -> Any:
+        """The same, awaited on the model's own event loop."""
+
+
+_host: contextvars.ContextVar[ModelHost | None] = contextvars.ContextVar("sluice_pb_utils_host", default=None)
+# The host last bound, for BLS calls from threads the model started itself (a new thread does not
+# inherit context variables); with one server per process, that is the right one.
+_last_host: list[ModelHost] = []
+
+
+@contextlib.contextmanager
+def bound_host(host: ModelHost) -> Iterator[None]:
+    """Make ``host`` the one BLS calls of the model code run inside this block go to."""
+    token = _host.set(host)
+    _last_host[:] = [host]
+    try:
+        yield
+    finally:
+        _host.reset(token)
+
+
+def _current_host() -> ModelHost:
+    host = _host.get() or (_last_host[0] if _last_host else None)
+    if host is None:
+        raise TritonModelException("BLS requests can only be made by a model the server loaded")
+    return host
 
 
 class InferenceRequest:
@@ -362,18 +406,37 @@ class InferenceRequest:
     def is_cancelled(self) -> bool:
         return False
 
-    def get_response_sender(self) -> Any:
-        raise TritonModelException(_DECOUPLED_UNSUPPORTED)
+    def get_response_sender(self) -> InferenceResponseSender:
+        raise TritonModelException(_DECOUPLED_ONLY)
 
     def set_release_flags(self, flags: int) -> None:
         if flags != TRITONSERVER_REQUEST_RELEASE_ALL:
             raise TritonModelException("request rescheduling is not supported by Sluice yet")
 
-    def exec(self, decoupled: bool = False) -> InferenceResponse:
-        raise TritonModelException(_BLS_UNSUPPORTED)
+    def exec(self, decoupled: bool = False) -> Any:
+        """BLS: run this request on the server's ``model_name`` and wait. One InferenceResponse (an
+        error is inside it, ``has_error()``), or with ``decoupled=True`` an iterator of them."""
+        return _current_host().exec(self, decoupled)
 
-    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
-        raise TritonModelException(_BLS_UNSUPPORTED)
+    async def async_exec(self, decoupled: bool = False) -> Any:
+        """BLS from ``async def execute``: the same as :meth:`exec`, awaited."""
+        return await _current_host().async_exec(self, decoupled)
+
+    def stream_exec(self) -> Any:
+        """The name older Triton releases gave ``exec(decoupled=True)``."""
+        return self.exec(decoupled=True)
+
+
+class InferenceResponseSender(abc.ABC):
+    """The response sender of a request to a decoupled model: ``send`` zero or more responses,
+    the last with ``flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL`` (the response may then be left
+    out). Usable from any thread."""
+
+    @abc.abstractmethod
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None: ...
+
+    @abc.abstractmethod
+    def is_cancelled(self) -> bool: ...
 
 
 class InferenceResponse:
@@ -597,3 +660,258 @@ class Logger:
     @staticmethod
     def log_verbose(message: str) -> None:
         logging.getLogger(_LOGGER_NAME).debug("%s", message, stacklevel=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom metrics
+# ---------------------------------------------------------------------------------------------
+
+COUNTER = "counter"
+GAUGE = "gauge"
+HISTOGRAM = "histogram"
+_KINDS = (COUNTER, GAUGE, HISTOGRAM)
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+_current_owner: contextvars.ContextVar[str] = contextvars.ContextVar("sluice_pb_utils_owner", default="")
+_last_registry: list[MetricRegistry] = []
+
+
+class _MetricState:
+    """One labelled series: a value, or a histogram's buckets, sum and count."""
+
+    def __init__(self, labels: tuple[tuple[str, str], ...], buckets: tuple[float, ...] | None) -> None:
+        self.labels = labels
+        self.value = 0.0
+        self.buckets = buckets
+        self.bucket_counts = [0] * len(buckets) if buckets is not None else []
+        self.sum = 0.0
+        self.count = 0
+        self.users = 0  # Metric objects alive for this series
+
+
+class _FamilyState:
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        self.name = name
+        self.description = description
+        self.kind = kind
+        self.series: dict[tuple[tuple[str, str], ...], _MetricState] = {}
+        self.owners: dict[str, int] = {}  # model -> MetricFamily objects it created
+
+
+class MetricRegistry:
+    """The custom metric families of every Python model of one server; thread-safe.
+
+    Families are shared by name (a second ``MetricFamily`` with the same name and kind refers to
+    the first one's family, as in Triton); a family and its series leave the registry when the
+    last model that created them is unloaded (:meth:`release`). ``reserved`` names (Sluice's
+    own families) cannot be taken."""
+
+    def __init__(self, reserved: Iterable[str] = ()) -> None:
+        self._lock = threading.Lock()
+        self._families: dict[str, _FamilyState] = {}
+        self._reserved = frozenset(reserved)
+
+    @contextlib.contextmanager
+    def owned_by(self, owner: str) -> Iterator[None]:
+        """Families and metrics created inside this block belong to ``owner`` (a model version)."""
+        token = _current_owner.set(owner)
+        _last_registry[:] = [self]
+        registry_token = _registry.set(self)
+        try:
+            yield
+        finally:
+            _registry.reset(registry_token)
+            _current_owner.reset(token)
+
+    def _family(self, name: str, description: str, kind: str, owner: str) -> _FamilyState:
+        if not isinstance(name, str) or not _METRIC_NAME.fullmatch(name):
+            raise TritonModelException(
+                f"Invalid metric family name '{name}': a metric name must match [a-zA-Z_:][a-zA-Z0-9_:]*"
+            )
+        if kind not in _KINDS:
+            raise TritonModelException(
+                f"Invalid metric family kind {kind!r} for '{name}': use pb_utils.MetricFamily.COUNTER, "
+                "GAUGE or HISTOGRAM"
+            )
+        if name in self._reserved or any(name.startswith(prefix) for prefix in ("sluice_", "nv_")):
+            raise TritonModelException(
+                f"Metric family name '{name}' is reserved for the server's own metrics (names starting with "
+                "'sluice_' or 'nv_'); choose another name"
+            )
+        with self._lock:
+            family = self._families.get(name)
+            if family is None:
+                family = self._families[name] = _FamilyState(name, str(description), kind)
+            elif family.kind != kind:
+                raise TritonModelException(
+                    f"Metric family with name '{name}' already exists with kind {family.kind.upper()}; "
+                    f"a family of the same name cannot have kind {kind.upper()}"
+                )
+            family.owners[owner] = family.owners.get(owner, 0) + 1
+            return family
+
+    def _series(
+        self, family: _FamilyState, labels: dict[str, str] | None, buckets: Sequence[float] | None
+    ) -> _MetricState:
+        labels = labels or {}
+        if not isinstance(labels, dict):
+            raise TritonModelException(f"Metric labels must be a dict of str to str, got {type(labels).__name__}")
+        for key, value in labels.items():
+            if not isinstance(key, str) or not _LABEL_NAME.fullmatch(key) or key.startswith("__"):
+                raise TritonModelException(
+                    f"Invalid label name '{key}' for metric family '{family.name}': a label name must match "
+                    "[a-zA-Z_][a-zA-Z0-9_]* and not start with '__'"
+                )
+            if not isinstance(value, str):
+                raise TritonModelException(
+                    f"Label '{key}' of metric family '{family.name}' must be a str, got {type(value).__name__}"
+                )
+        bucket_tuple: tuple[float, ...] | None = None
+        if family.kind == HISTOGRAM:
+            if buckets is None:
+                raise TritonModelException(
+                    f"Missing required buckets for histogram metric family '{family.name}': "
+                    "pass buckets=[...] to Metric()"
+                )
+            bucket_tuple = tuple(float(b) for b in buckets)
+            if list(bucket_tuple) != sorted(set(bucket_tuple)):
+                raise TritonModelException(
+                    f"Buckets of histogram metric family '{family.name}' must be strictly increasing, "
+                    f"got {list(bucket_tuple)}"
+                )
+        elif buckets is not None:
+            raise TritonModelException(f"Buckets are only allowed for HISTOGRAM metric families, not '{family.name}'")
+        series_key = tuple(sorted(labels.items()))
+        with self._lock:
+            series = family.series.get(series_key)
+            if series is None:
+                series = family.series[series_key] = _MetricState(series_key, bucket_tuple)
+            elif family.kind == HISTOGRAM and series.buckets != bucket_tuple:
+                raise TritonModelException(
+                    f"Metric of family '{family.name}' with labels {labels} already exists with buckets "
+                    f"{list(series.buckets or ())}"
+                )
+            series.users += 1
+            return series
+
+    def release(self, owner: str) -> None:
+        """Drop what ``owner`` created: families no other model created leave the registry."""
+        with self._lock:
+            for name, family in list(self._families.items()):
+                if family.owners.pop(owner, None) is not None and not family.owners:
+                    del self._families[name]
+
+    def snapshot(self) -> list[tuple[str, str, str, list[_MetricState]]]:
+        """``(name, description, kind, series)`` of every family, for the exporter (copies)."""
+        with self._lock:
+            out = []
+            for family in self._families.values():
+                series = []
+                for state in family.series.values():
+                    copy = _MetricState(state.labels, state.buckets)
+                    copy.value, copy.sum, copy.count = state.value, state.sum, state.count
+                    copy.bucket_counts = list(state.bucket_counts)
+                    series.append(copy)
+                out.append((family.name, family.description, family.kind, series))
+            return out
+
+    def _update(self, action: Any) -> Any:
+        with self._lock:
+            return action()
+
+
+_registry: contextvars.ContextVar[MetricRegistry | None] = contextvars.ContextVar(
+    "sluice_pb_utils_registry", default=None
+)
+
+
+class MetricFamily:
+    """A family of custom metrics, exported on the server's metrics port as Triton does.
+
+    ``MetricFamily(name, description, kind)`` with ``kind`` one of ``MetricFamily.COUNTER``,
+    ``GAUGE``, ``HISTOGRAM`` (also ``pb_utils.COUNTER``...)."""
+
+    COUNTER = COUNTER
+    GAUGE = GAUGE
+    HISTOGRAM = HISTOGRAM
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        registry = _registry.get() or (_last_registry[0] if _last_registry else None)
+        if registry is None:
+            raise TritonModelException("custom metrics are only available to models the server loaded")
+        self._registry = registry
+        self._owner = _current_owner.get()
+        self._state = registry._family(name, description, kind, self._owner)
+
+    def Metric(self, labels: dict[str, str] | None = None, buckets: Sequence[float] | None = None) -> Any:
+        return Metric(self, labels, buckets)
+
+
+class Metric:
+    """One series of a :class:`MetricFamily`, picked by its labels."""
+
+    def __init__(
+        self, family: MetricFamily, labels: dict[str, str] | None = None, buckets: Sequence[float] | None = None
+    ) -> None:
+        self._family = family
+        self._kind = family._state.kind
+        self._name = family._state.name
+        self._state = family._registry._series(family._state, labels, buckets)
+
+    def _number(self, value: Any, what: str) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise TritonModelException(f"{what} of metric '{self._name}' needs a number, got {value!r}") from None
+        if math.isnan(number):
+            raise TritonModelException(f"{what} of metric '{self._name}' got NaN")
+        return number
+
+    def increment(self, value: float) -> None:
+        number = self._number(value, "increment()")
+        if self._kind == HISTOGRAM:
+            raise TritonModelException(
+                f"increment() is not supported for histogram metric '{self._name}'; use observe()"
+            )
+        if self._kind == COUNTER and number < 0:
+            raise TritonModelException(f"Cannot increment counter '{self._name}' by a negative value ({number})")
+        state = self._state
+
+        def add() -> None:
+            state.value += number
+
+        self._family._registry._update(add)
+
+    def set(self, value: float) -> None:
+        number = self._number(value, "set()")
+        if self._kind != GAUGE:
+            raise TritonModelException(f"set() is only supported for gauge metrics; '{self._name}' is a {self._kind}")
+        state = self._state
+
+        def assign() -> None:
+            state.value = number
+
+        self._family._registry._update(assign)
+
+    def observe(self, value: float) -> None:
+        number = self._number(value, "observe()")
+        if self._kind != HISTOGRAM:
+            raise TritonModelException(
+                f"observe() is only supported for histogram metrics; '{self._name}' is a {self._kind}"
+            )
+        state = self._state
+
+        def record() -> None:
+            for index, bound in enumerate(state.buckets or ()):
+                if number <= bound:
+                    state.bucket_counts[index] += 1
+            state.sum += number
+            state.count += 1
+
+        self._family._registry._update(record)
+
+    def value(self) -> float:
+        if self._kind == HISTOGRAM:
+            raise TritonModelException(f"value() is not supported for histogram metric '{self._name}'")
+        state = self._state
+        return float(self._family._registry._update(lambda: state.value))

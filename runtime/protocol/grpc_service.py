@@ -144,30 +144,37 @@ class Service:
 
     async def model_stream_infer(self, messages: AsyncIterator[Any], call: Call) -> AsyncIterator[Any]:
         """Requests on one stream run concurrently (up to STREAM_IN_FLIGHT); responses come back as
-        they finish, with ids; a bad message gets an error message on the stream, which goes on."""
-        results: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        they finish, with ids; a bad message gets an error message on the stream, which goes on.
+        A decoupled model answers a request with zero or more responses (:meth:`_decoupled`)."""
+        # (message or None, whether taking it ends a request and frees its slot); None: the end
+        results: asyncio.Queue[tuple[pb.ModelStreamInferResponse | None, bool] | None] = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
-        slots = asyncio.Semaphore(STREAM_IN_FLIGHT)  # released when the answer has been taken
+        slots = asyncio.Semaphore(STREAM_IN_FLIGHT)  # released when a request's last answer has been taken
         loop = asyncio.get_running_loop()
 
         async def one(message: Any) -> None:
             if type(message) is Unparsable:
-                await results.put(pb.ModelStreamInferResponse(error_message=message.message))
+                await results.put((pb.ModelStreamInferResponse(error_message=message.message), True))
                 return
+            empty_final = False
             try:
                 infer_request = grpc_codec.decode_infer(message, self.limits)
                 if call.caller:
                     infer_request.caller = call.caller
+                if EMPTY_FINAL_PARAMETER in infer_request.parameters:
+                    parameters = dict(infer_request.parameters)
+                    empty_final = parameters.pop(EMPTY_FINAL_PARAMETER) is True
+                    infer_request.parameters = parameters
+                if self.dp.decoupled(infer_request.model_name, infer_request.model_version):
+                    await self._decoupled(infer_request, message, results, empty_final)
+                    return
                 response = await self.dp.infer(infer_request)
                 out = pb.ModelStreamInferResponse(infer_response=grpc_codec.encode_infer(response))
+                if empty_final:
+                    out.infer_response.parameters[FINAL_PARAMETER].bool_param = True
             except SluiceError as exc:
-                out = pb.ModelStreamInferResponse(
-                    error_message=exc.message,
-                    infer_response=pb.ModelInferResponse(
-                        model_name=message.model_name, model_version=message.model_version, id=message.id
-                    ),
-                )
-            await results.put(out)
+                out = _stream_error(exc, message)
+            await results.put((out, True))
 
         async def read() -> None:
             iterator = aiter(messages)
@@ -192,12 +199,62 @@ class Service:
                 item = await results.get()
                 if item is None:
                     break
-                yield item
-                slots.release()
+                out, ends_request = item
+                if out is not None:
+                    yield out
+                if ends_request:
+                    slots.release()
         finally:
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
+
+    async def _decoupled(
+        self,
+        request: InferRequest,
+        message: Any,
+        results: asyncio.Queue[tuple[pb.ModelStreamInferResponse | None, bool] | None],
+        empty_final: bool,
+    ) -> None:
+        """One request to a decoupled model: every response the model sends goes on the stream
+        with ``triton_final_response`` saying whether it is the last, as Triton does; a bare final
+        flag becomes an empty response only when the request asked for one
+        (``triton_enable_empty_final_response``, tritonclient's ``enable_empty_final_response``)."""
+        finished = asyncio.get_running_loop().create_future()
+
+        def respond(item: InferResponse | Exception | None, final: bool) -> None:
+            if finished.done():
+                return  # the request was answered (an error) or its stream went away
+            out: pb.ModelStreamInferResponse | None = None
+            if isinstance(item, SluiceError):
+                out = _stream_error(item, message)
+            elif isinstance(item, InferResponse):
+                try:
+                    out = pb.ModelStreamInferResponse(infer_response=grpc_codec.encode_infer(item))
+                except SluiceError as exc:
+                    out = _stream_error(exc, message)
+            elif final and empty_final:
+                out = pb.ModelStreamInferResponse(infer_response=_named_response(message))
+            if out is not None:
+                out.infer_response.parameters[FINAL_PARAMETER].bool_param = final
+            results.put_nowait((out, final))
+            if final:
+                finished.set_result(None)
+
+        def done(outcome: InferResponse | SluiceError) -> None:
+            if isinstance(outcome, SluiceError):
+                respond(outcome, True)
+
+        request.responder = respond
+        try:
+            self.dp.infer_nowait(request, done)
+        except SluiceError as exc:
+            respond(exc, True)
+        try:
+            await finished
+        except asyncio.CancelledError:
+            request.cancel.cancel()
+            raise
 
     # -- the other methods -------------------------------------------------------------------------
     async def server_live(self, request: pb.ServerLiveRequest, call: Call) -> pb.ServerLiveResponse:
@@ -297,6 +354,21 @@ _HANDLERS = {
     "CudaSharedMemoryUnregister": "cuda_shared_memory",
 }
 """Method name -> Service handler; methods of the proto not named here are answered UNIMPLEMENTED."""
+
+
+EMPTY_FINAL_PARAMETER = "triton_enable_empty_final_response"
+"""Request parameter (tritonclient's ``enable_empty_final_response``): send the final flag of a
+decoupled request as an empty response."""
+FINAL_PARAMETER = "triton_final_response"
+"""Response parameter on ModelStreamInfer: whether this is the request's last response."""
+
+
+def _named_response(message: Any) -> pb.ModelInferResponse:
+    return pb.ModelInferResponse(model_name=message.model_name, model_version=message.model_version, id=message.id)
+
+
+def _stream_error(exc: SluiceError, message: Any) -> pb.ModelStreamInferResponse:
+    return pb.ModelStreamInferResponse(error_message=exc.message, infer_response=_named_response(message))
 
 
 def unimplemented_message(name: str) -> str:

@@ -656,7 +656,6 @@ WARNINGS = [
     ("sequence_batching { }", ["sequence_batching: not implemented yet; this model will be served without it"]),
     ('model_warmup [ { name: "w" batch_size: 1 } ]', ["model_warmup: not implemented yet; the model is not warmed up"]),
     ("optimization { priority: PRIORITY_MAX }", ["optimization: "]),
-    ("model_transaction_policy { decoupled: true }", ["model_transaction_policy: decoupled models"]),
     ('input [ { name: "a" data_type: TYPE_FP32 dims: [ 1 ] format: FORMAT_NCHW } ]', ["input[0].format: ignored"]),
     (
         'input [ { name: "a" data_type: TYPE_INT32 dims: [ 1 ] },'
@@ -720,7 +719,7 @@ def test_every_top_level_field_is_implemented_or_in_the_table() -> None:
     config = model_config.parse_config(FULL_PBTXT, path="c", fmt="pbtxt")
     # ensemble_scheduling shares a oneof with dynamic_batching, so FULL_PBTXT cannot hold it.
     implemented = {fd.name for fd, _ in config.ListFields()}
-    implemented |= {"backend", "default_model_filename", "ensemble_scheduling"}
+    implemented |= {"backend", "default_model_filename", "ensemble_scheduling", "model_transaction_policy"}
     for fd in mc.ModelConfig.DESCRIPTOR.fields:
         assert (
             fd.name in implemented

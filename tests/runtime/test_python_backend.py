@@ -413,7 +413,7 @@ def test_exception_in_execute_fails_the_whole_batch_in_triton_words(tmp_path):
     ("body", "expected"),
     [
         ("return responses[:-1]", "InferenceRequest(s) size is:2, and InferenceResponse(s) size is:1"),
-        ("return None", "decoupled mode is not supported"),
+        ("return None", "only models with model_transaction_policy { decoupled: true } may"),
         ("return 'nope'", "must return a list of InferenceResponse, got str"),
     ],
 )
@@ -477,7 +477,7 @@ def test_malformed_response_fails_its_request_only(tmp_path, response, expected)
     assert isinstance(good, InferResponse)
 
 
-def test_get_response_sender_says_decoupled_is_unsupported(tmp_path):
+def test_get_response_sender_needs_a_decoupled_model(tmp_path):
     source = """
     import triton_python_backend_utils as pb_utils
 
@@ -491,11 +491,11 @@ def test_get_response_sender_says_decoupled_is_unsupported(tmp_path):
     (error,) = instance.execute([request("sender", fp32("IN", [1]))])
 
     assert isinstance(error, ModelError)
-    assert "TritonModelException: decoupled mode" in error.message
-    assert "not supported by Sluice yet" in error.message
+    assert "TritonModelException: get_response_sender() is only available to models with" in error.message
+    assert "decoupled: true" in error.message
 
 
-def test_bls_exec_says_it_is_unsupported(tmp_path):
+def test_bls_exec_without_a_server_says_so(tmp_path):
     source = """
     import triton_python_backend_utils as pb_utils
 
@@ -512,7 +512,7 @@ def test_bls_exec_says_it_is_unsupported(tmp_path):
 
     assert error.message == (
         "Failed to process the request(s) for model 'bls', message: "
-        "TritonModelException: BLS is not supported by Sluice yet"
+        "TritonModelException: BLS requests need a running server; none is attached to this model"
     )
 
 
@@ -660,13 +660,14 @@ def test_missing_model_file_fails_load(tmp_path):
         python_backend.load(parse_config(config_text), ctx)
 
 
-def test_decoupled_config_is_refused_at_load(tmp_path):
+def test_decoupled_model_with_response_cache_is_refused_at_load(tmp_path):
     config_text = (
-        ECHO_CONFIG_TEMPLATE.format(name="dec", dtype="TYPE_FP32") + "model_transaction_policy { decoupled: true }\n"
+        ECHO_CONFIG_TEMPLATE.format(name="dec", dtype="TYPE_FP32")
+        + "model_transaction_policy { decoupled: true }\nresponse_cache { enable: true }\n"
     )
     ctx = write_model(tmp_path, "dec", CHECKING_MODEL, config_text)
 
-    with pytest.raises(Unsupported, match="decoupled"):
+    with pytest.raises(Unsupported, match=r"response cache does not support models with .*decoupled"):
         python_backend.load(parse_config(config_text), ctx)
 
 
