@@ -272,6 +272,7 @@ def azurite_command() -> Path:
                            "--omit=dev", "--no-package-lock", AZURITE_PACKAGE],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and executable.exists(), f"npm install {AZURITE_PACKAGE} failed: {done.stderr}"
+    (AZURITE_DIR / "installed").write_text(f"{AZURITE_PACKAGE}\n")
     return executable
 
 
@@ -292,7 +293,9 @@ def azure_store(tmp: Path) -> Iterator[Store]:
                 socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
                 break
             except OSError:
-                assert process.poll() is None, f"azurite exited: {process.stdout.read().decode() if process.stdout else ''}"
+                if process.poll() is not None:
+                    output = process.stdout.read().decode() if process.stdout else ""
+                    pytest.fail(f"azurite exited with {process.returncode}: {output}")
                 assert time.monotonic() < deadline, "azurite did not listen within 30 s"
                 time.sleep(0.05)
 
@@ -393,7 +396,8 @@ def test_a_single_object_keeps_its_name_and_is_checked_against_its_own_digest(st
     body = b"onnx" * 5000
     name = bucket(store, {"exports/resnet.onnx": body})
     destination = tmp_path / "resnet" / "1"
-    result = puller.pull_model(settings(store, f"{name}/exports/resnet.onnx", destination, sha256=f"sha256:{sha(body)}"))
+    result = puller.pull_model(settings(store, f"{name}/exports/resnet.onnx", destination,
+                                        sha256=f"sha256:{sha(body)}"))
     assert tree(destination) == {"resnet.onnx": body} and result.digest == sha(body)
 
 
