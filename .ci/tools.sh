@@ -15,6 +15,22 @@ if [ ! -x .tools/bin/helm ] && command -v npm >/dev/null 2>&1; then
   rm -rf "$tmp"
 fi
 
+# azurite: the Azure Storage emulator (npm) into .tools/azurite, for sluice pull's az:// tests
+# (tests/runtime/test_pull_cloud.py, which installs it the same way where this has not run, and skips only
+# where node or npm is missing). Pinned: the test names the same version.
+AZURITE_PACKAGE=azurite@3.35.0
+if command -v npm >/dev/null 2>&1 && command -v node >/dev/null 2>&1; then
+  if [ "$(cat .tools/azurite/installed 2>/dev/null)" != "$AZURITE_PACKAGE" ]; then
+    mkdir -p .tools/azurite
+    if npm install --prefix .tools/azurite --silent --no-audit --no-fund --omit=dev --no-package-lock \
+          "$AZURITE_PACKAGE" >/dev/null 2>&1; then
+      echo "$AZURITE_PACKAGE" > .tools/azurite/installed
+    else
+      echo "tools.sh: npm could not install $AZURITE_PACKAGE; the az:// pull tests will try again and fail" >&2
+    fi
+  fi
+fi
+
 # prometheus: Debian's package, unpacked without root (apt-get download + dpkg -x), for the canary
 # analysis test against a real Prometheus (tests/operator_/test_prometheus_analysis.py). Only the
 # server binary is kept; it links nothing but libc.

@@ -34,12 +34,21 @@ TRANSIENT_CODES = frozenset({
 })
 """Error codes of S3 (and S3-compatible stores) and Azure that mean "try again"."""
 TRANSIENT_NAMES = ("Timeout", "Connection", "Throttl", "SlowDown", "IncompleteRead", "RemoteDisconnected",
-                   "ResponseStreamingError", "ServiceUnavailable", "ServerTimeout", "TransportError")
-"""Fragments of exception class names (botocore, aiohttp, google-auth, azure-core) that mean a network or
-service hiccup rather than a wrong request."""
-PERMANENT_CODES = frozenset({"NoSuchBucket", "NoSuchKey", "AccessDenied", "AllAccessDisabled", "InvalidBucketName",
-                             "ContainerNotFound", "BlobNotFound", "AuthorizationFailure", "InvalidAccessKeyId",
-                             "SignatureDoesNotMatch", "ExpiredToken"})
+                   "ResponseStreamingError", "ServiceUnavailable", "ServerTimeout", "TransportError",
+                   "ClientPayloadError", "ServerDisconnected", "ProxyError", "ServiceRequestError",
+                   "ServiceResponseError")
+"""Fragments of exception class names (botocore, aiohttp, requests, google-auth, azure-core) that mean a network
+or service hiccup rather than a wrong request: aiohttp's ``ClientPayloadError`` is a body cut short (gcsfs,
+adlfs), gcsfs raises ``ProxyError`` for a 502, azure-core's ``ServiceRequestError`` /
+``ServiceResponseError`` are a failed connection or a response that broke off."""
+DENIED_NAMES = ("ClientAuthenticationError", "CredentialUnavailableError", "DefaultCredentialsError",
+                "RefreshError")
+"""Exception class names (azure-core, azure-identity, google-auth) of credentials that were refused or could
+not be found: permanent, and reported as access denied."""
+AUTH_CODES = frozenset({"AccessDenied", "AuthorizationFailure", "AuthorizationPermissionMismatch",
+                        "AuthenticationFailed", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"})
+MISSING_CODES = frozenset({"NoSuchBucket", "NoSuchKey", "ContainerNotFound", "BlobNotFound"})
+PERMANENT_CODES = AUTH_CODES | MISSING_CODES | {"AllAccessDisabled", "InvalidBucketName"}
 
 _SIZE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 _SIZE_FACTORS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
@@ -254,6 +263,14 @@ def _chain(exc: BaseException) -> list[BaseException]:
     return seen
 
 
+def _denied(exc: BaseException) -> bool:
+    """Refused or missing credentials: a 401/403, an authorization error code, a credential library's own
+    error, or gcsfs's plain ``OSError("Forbidden: ...")`` for a 403."""
+    return (isinstance(exc, PermissionError) or _status(exc) in (401, 403) or _error_code(exc) in AUTH_CODES
+            or any(name in type(exc).__name__ for name in DENIED_NAMES)
+            or (type(exc) is OSError and str(exc).startswith("Forbidden")))
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether another attempt may succeed: throttling, 5xx, timeouts, dropped connections, short bodies.
     Not found, denied, bad requests and our own :class:`PullError` are permanent. The exception and its
@@ -264,6 +281,8 @@ def is_transient(exc: BaseException) -> bool:
         if isinstance(link, Truncated | TimeoutError | ConnectionError):
             return True
         if isinstance(link, FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError):
+            return False
+        if _denied(link):
             return False
         code = _error_code(link)
         if code in TRANSIENT_CODES:
@@ -298,12 +317,9 @@ def permanent_error(exc: BaseException, what: str) -> PullError:
         return exc
     status, code = _status(exc), _error_code(exc)
     for link in _chain(exc):
-        if isinstance(link, FileNotFoundError) or _status(link) == 404 or _error_code(link) in (
-                "NoSuchBucket", "NoSuchKey", "ContainerNotFound", "BlobNotFound"):
+        if isinstance(link, FileNotFoundError) or _status(link) == 404 or _error_code(link) in MISSING_CODES:
             return SourceError(f"{what} does not exist ({describe(exc)}); check the bucket, path and region")
-        if isinstance(link, PermissionError) or _status(link) in (401, 403) or _error_code(link) in (
-                "AccessDenied", "AuthorizationFailure", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-                "ExpiredToken"):
+        if _denied(link):
             return SourceError(f"access to {what} was denied ({describe(exc)}); check the pod's credentials "
                                "(spec.storage.secretRef, or the service account's workload identity)")
     if (status is not None and 400 <= status < 500) or code:
@@ -406,11 +422,14 @@ def marker_matches(text: str, source: Source, expected: str | None) -> str | Non
 
 def storage_options(scheme: str, env: Mapping[str, str], *, timeout_s: float) -> dict[str, object]:
     """fsspec keyword arguments for an object store. Credentials are never passed here: each library's own
-    chain finds them (S3: AWS_* variables, IRSA's AWS_ROLE_ARN + AWS_WEB_IDENTITY_TOKEN_FILE, instance
-    roles; GCS: GOOGLE_APPLICATION_CREDENTIALS, else the metadata server (GKE Workload Identity); Azure:
-    AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_ACCOUNT_NAME + _KEY or _SAS_TOKEN, else
-    DefaultAzureCredential (AKS workload identity)). The libraries' own retries are turned off: the
-    puller retries (and logs each retry) itself."""
+    chain finds them in the environment (S3: AWS_* variables, IRSA's AWS_ROLE_ARN +
+    AWS_WEB_IDENTITY_TOKEN_FILE, instance roles; GCS: GOOGLE_APPLICATION_CREDENTIALS, else the metadata
+    server (GKE Workload Identity), else anonymous; Azure: AZURE_STORAGE_CONNECTION_STRING, or
+    AZURE_STORAGE_ACCOUNT_NAME with _KEY, _SAS_TOKEN, a service principal (AZURE_STORAGE_CLIENT_ID,
+    _CLIENT_SECRET, _TENANT_ID) or else DefaultAzureCredential (AKS workload identity), AZURE_STORAGE_ANON
+    for a public container). Endpoints too: AWS_ENDPOINT_URL(_S3) here; gcsfs reads STORAGE_EMULATOR_HOST
+    itself; an Azure connection string may name a BlobEndpoint. The libraries' own retries are turned off
+    (``puller``): the puller retries (and logs each retry) itself."""
     if scheme == "s3":
         config: dict[str, object] = {"retries": {"max_attempts": 1}, "connect_timeout": timeout_s,
                                      "read_timeout": timeout_s}
@@ -422,13 +441,20 @@ def storage_options(scheme: str, env: Mapping[str, str], *, timeout_s: float) ->
             config["s3"] = {"addressing_style": "path"}
         return options
     if scheme == "gs":
-        return {"timeout": timeout_s}
+        return {"requests_timeout": timeout_s}  # each HTTP request's (gcsfs's `timeout` is another thing)
     if scheme == "az":
-        keyed = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN",
-                 "AZURE_STORAGE_CLIENT_SECRET")
-        # No key: not anonymous but DefaultAzureCredential (workload identity's AZURE_FEDERATED_TOKEN_FILE).
-        return {} if any(env.get(k) for k in keyed) else {"anon": False}
+        return {"connection_timeout": timeout_s, "read_timeout": timeout_s}
     raise ValueError(f"{scheme!r} is not an object store; one of {', '.join(OBJECT_STORES)}")
+
+
+def storage_problem(scheme: str, env: Mapping[str, str]) -> str | None:
+    """What the environment lacks for ``scheme`` to be read at all, or ``None``. Azure names no account in an
+    ``az://`` URI: it comes from a connection string or AZURE_STORAGE_ACCOUNT_NAME."""
+    if scheme == "az" and not (env.get("AZURE_STORAGE_CONNECTION_STRING") or env.get("AZURE_STORAGE_ACCOUNT_NAME")):
+        return ("az:// needs the storage account: set AZURE_STORAGE_ACCOUNT_NAME (its credentials from "
+                "AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN or workload identity) or "
+                "AZURE_STORAGE_CONNECTION_STRING in the pod's environment (spec.storage.secretRef)")
+    return None
 
 
 def progress_line(done: int, total: int | None, files_done: int, files: int, elapsed_s: float) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import logging
 import os
 import random
@@ -24,6 +25,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import types
 import urllib.error
 import urllib.request
 import zipfile
@@ -133,22 +135,30 @@ class Progress(Observer):
 class FsspecStore:
     """s3://, gs://, az:// through fsspec; the protocol's library is imported here, on first use."""
 
-    PROTOCOLS = {"s3": "s3", "gs": "gcs", "az": "az"}
+    CLASSES = {"s3": ("s3fs", "S3FileSystem"), "gs": ("gcsfs.core", "GCSFileSystem"),
+               "az": ("adlfs", "AzureBlobFileSystem")}
+    """gcsfs's standard (JSON API) class, not the experimental one its package exports by default, which looks
+    each bucket's layout up over a second, gRPC API before every operation (retried on its own schedule, and
+    again on every call when that API is not allowed)."""
     LIBRARIES = {"s3": "s3fs", "gs": "gcsfs", "az": "adlfs"}
 
     def __init__(self, source: Source, settings: PullSettings) -> None:
+        if problem := pull.storage_problem(source.scheme, settings.env):
+            raise pull.UsageError(f"{source.display}: {problem}")
+        module, name = self.CLASSES[source.scheme]
         try:
-            import fsspec
-
-            fs_class = fsspec.get_filesystem_class(self.PROTOCOLS[source.scheme])
+            fs_class = getattr(importlib.import_module(module), name)
         except ImportError as exc:
             raise pull.UsageError(
                 f"{source.scheme}:// needs {self.LIBRARIES[source.scheme]}, which is not installed "
                 f"(install the storage extra: pip install 'sluice[storage]'): {exc}") from None
         options = pull.storage_options(source.scheme, settings.env, timeout_s=settings.timeout_s)
-        self._fs: Any = fs_class(skip_instance_cache=True, **options)
-        if hasattr(self._fs, "retries"):
-            self._fs.retries = 1  # s3fs's own retry loop; ours logs and bounds every retry
+        try:
+            self._fs: Any = fs_class(skip_instance_cache=True, **options)
+        except Exception as exc:  # adlfs checks its connection settings here (a malformed connection string)
+            raise pull.UsageError(f"{source.display}: cannot set up {self.LIBRARIES[source.scheme]}: "
+                                  f"{pull.describe(exc)}") from None
+        _without_library_retries(self._fs, source.scheme)
         self._root = source.location.rstrip("/")
         self._source = source
 
@@ -165,6 +175,31 @@ class FsspecStore:
     def open(self, file: RemoteFile) -> Iterator[tuple[IO[bytes], int | None]]:
         with self._fs.open(file.key, "rb", block_size=8 * CHUNK, cache_type="readahead") as body:
             yield body, None
+
+
+def _without_library_retries(fs: Any, scheme: str) -> None:
+    """Turn the library's own retry loop off, so every failure reaches the puller's bounded, logged retries
+    (tests/runtime/test_pull_cloud.py counts the requests that reach the store to hold this)."""
+    if hasattr(fs, "retries"):
+        fs.retries = 1  # s3fs's loop, and gcsfs's loops that read the attribute
+    if scheme == "gs":
+        # gcsfs wraps each HTTP request in retry_request(retries=6), bound when the class was defined: up to
+        # six attempts and ~31 s of unlogged back-off. The instance calls the undecorated coroutine instead.
+        undecorated = getattr(type(fs)._request, "__wrapped__", None)
+        if undecorated is None:
+            log.warning("gcsfs %s: cannot turn its own retries off; they add to --retries", fs.__class__.__module__)
+        else:
+            fs._request = types.MethodType(undecorated, fs)
+    elif scheme == "az":
+        # azure-storage-blob's default: 3 more attempts, 15 s back-off growing threefold. adlfs builds the
+        # client without asking; its pipeline (shared by the container and blob clients) has the policy.
+        policy = getattr(getattr(getattr(fs, "service_client", None), "_config", None), "retry_policy", None)
+        counts = ("total_retries", "connect_retries", "read_retries", "status_retries")
+        if policy is None or not all(hasattr(policy, count) for count in counts):
+            log.warning("adlfs: cannot turn the Azure SDK's own retries off; they add to --retries")
+        else:
+            for count in counts:
+                setattr(policy, count, 0)
 
 
 class _NoDowngrade(urllib.request.HTTPRedirectHandler):

@@ -446,6 +446,51 @@ def test_transient_and_permanent_errors(exc, transient):
     assert pull.is_transient(exc) is transient
 
 
+def _azure(cls: type, status: int | None, code: str | None) -> Exception:
+    error = cls(message=f"{code}: the store said so")
+    error.status_code, error.error_code = status, code
+    return error
+
+
+def cloud_errors() -> list[tuple[Exception, bool, str | None]]:
+    """The exceptions gcsfs, adlfs and the libraries under them raise, as they raise them: whether another
+    attempt may succeed, and what a permanent one is reported as."""
+    import aiohttp
+    import requests.exceptions
+    from azure.core import exceptions as azure
+    from gcsfs.retry import HttpError
+    from google.auth.exceptions import DefaultCredentialsError
+
+    return [
+        (HttpError({"code": 503, "message": "Backend Error"}), True, None),
+        (HttpError({"code": 429, "message": "rateLimitExceeded"}), True, None),
+        (HttpError({"code": 401, "message": "Invalid Credentials"}), False, "was denied"),
+        (OSError("Forbidden: b/models/o/m%2F1\nno storage.objects.get access"), False, "was denied"),  # gcsfs's 403
+        (requests.exceptions.ProxyError(), True, None),  # gcsfs's 502
+        (aiohttp.ClientPayloadError("Response payload is not completed"), True, None),
+        (aiohttp.ServerDisconnectedError(), True, None),
+        (DefaultCredentialsError("Your default credentials were not found"), False, "was denied"),
+        (azure.ServiceRequestError("Cannot connect to host"), True, None),
+        (azure.ServiceResponseError("Connection broken"), True, None),
+        (_caused(azure.HttpResponseError("Incomplete download"), azure.IncompleteReadError("short")), True, None),
+        (_azure(azure.HttpResponseError, 503, "ServerBusy"), True, None),
+        (_azure(azure.HttpResponseError, 500, "OperationTimedOut"), True, None),
+        (_azure(azure.ResourceNotFoundError, 404, "ContainerNotFound"), False, "does not exist"),
+        (_azure(azure.ClientAuthenticationError, 403, "AuthenticationFailed"), False, "was denied"),
+        (_azure(azure.HttpResponseError, 403, "AuthorizationPermissionMismatch"), False, "was denied"),
+        (azure.ClientAuthenticationError("DefaultAzureCredential failed to retrieve a token"), False, "was denied"),
+    ]
+
+
+def test_gcs_and_azure_errors_are_classified():
+    for exc, transient, reported in cloud_errors():
+        assert pull.is_transient(exc) is transient, repr(exc)
+        if not transient:
+            error = pull.permanent_error(exc, "az://c/m")
+            assert isinstance(error, pull.SourceError) and error.exit_code == 3, repr(exc)
+            assert reported in str(error) and str(error).startswith(("az://c/m", "access to az://c/m")), str(error)
+
+
 @pytest.mark.parametrize(("name", "kind", "target", "problem"), [
     ("model.onnx", "file", None, None),
     ("1/model.onnx", "file", None, None),
@@ -528,8 +573,29 @@ def test_storage_options_use_the_s3_endpoint_path_style_and_no_library_retries()
     assert options["config_kwargs"] == {"retries": {"max_attempts": 1}, "connect_timeout": 5, "read_timeout": 5,
                                         "s3": {"addressing_style": "path"}}
     assert "endpoint_url" not in pull.storage_options("s3", {}, timeout_s=5)
-    assert pull.storage_options("az", {}, timeout_s=5) == {"anon": False}
-    assert pull.storage_options("az", {"AZURE_STORAGE_CONNECTION_STRING": "x"}, timeout_s=5) == {}
+
+
+def test_gcs_and_azure_options_carry_the_timeout_and_no_credentials():
+    # Credentials and endpoints stay with each library's own chain (STORAGE_EMULATOR_HOST, the connection
+    # string's BlobEndpoint); anon is not forced, so AZURE_STORAGE_ANON still works for a public container.
+    assert pull.storage_options("gs", {"STORAGE_EMULATOR_HOST": "http://x"}, timeout_s=5) == {"requests_timeout": 5}
+    assert pull.storage_options("az", {"AZURE_STORAGE_CONNECTION_STRING": "x"}, timeout_s=5) == {
+        "connection_timeout": 5, "read_timeout": 5}
+
+
+@pytest.mark.parametrize(("env", "problem"), [
+    ({}, True),
+    ({"AZURE_STORAGE_ACCOUNT_KEY": "k"}, True),
+    ({"AZURE_CLIENT_ID": "c", "AZURE_TENANT_ID": "t", "AZURE_FEDERATED_TOKEN_FILE": "/var/run/token"}, True),
+    ({"AZURE_STORAGE_ACCOUNT_NAME": "acct"}, False),  # DefaultAzureCredential: workload identity
+    ({"AZURE_STORAGE_CONNECTION_STRING": "AccountName=a;AccountKey=k"}, False),
+])
+def test_azure_needs_an_account_from_the_environment(env, problem):
+    found = pull.storage_problem("az", env)
+    assert (found is not None) is problem
+    if found:
+        assert "AZURE_STORAGE_ACCOUNT_NAME" in found and "AZURE_STORAGE_CONNECTION_STRING" in found
+    assert pull.storage_problem("gs", {}) is None and pull.storage_problem("s3", {}) is None
 
 
 def test_progress_is_logged_periodically_without_a_terminal(caplog):
