@@ -295,6 +295,8 @@ class PythonBackend(ModelBackend):
             if mc.DataType.Name(output.data_type) in DATATYPE_BY_CONFIG_TYPE
         }
         self._all_output_names = [output.name for output in config.output]
+        for state in config.sequence_batching.state:  # implicit state: the model returns it as an output
+            self._declared_outputs[state.output_name] = DATATYPE_BY_CONFIG_TYPE[mc.DataType.Name(state.data_type)]
 
     def new_instance(self, index: int, kind: int, device_id: int) -> ModelInstance:
         name = self._ctx.model_name
