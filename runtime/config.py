@@ -1185,7 +1185,7 @@ def _collect_unimplemented(message: Message, pattern_prefix: str, path_prefix: s
             if any(p.startswith(pattern + "[].") for p in _IMPLEMENTED_FIELDS):
                 for index, item in enumerate(value):
                     _collect_unimplemented(item, pattern + "[].", f"{path}[{index}].", warnings)
-        elif any(p.startswith(pattern + ".") for p in _IMPLEMENTED_FIELDS):
+        elif any(p.startswith(pattern + ".") for p in (*_IMPLEMENTED_FIELDS, *UNIMPLEMENTED_FIELDS)):
             _collect_unimplemented(value, pattern + ".", path + ".", warnings)
 
 

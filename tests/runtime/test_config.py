@@ -653,7 +653,10 @@ def test_a_full_config_validates_without_warnings() -> None:
 # --- warnings for fields Sluice does not implement yet -------------------------------------------
 
 WARNINGS = [
-    ("sequence_batching { }", ["sequence_batching: not implemented yet; this model will be served without it"]),
+    (
+        "sequence_batching { direct { minimum_slot_utilization: 0.5 } }",
+        ["sequence_batching.direct.minimum_slot_utilization: Direct dispatches as soon as an instance is free"],
+    ),
     ('model_warmup [ { name: "w" batch_size: 1 } ]', ["model_warmup: not implemented yet; the model is not warmed up"]),
     ("optimization { priority: PRIORITY_MAX }", ["optimization: "]),
     ("model_transaction_policy { decoupled: true }", ["model_transaction_policy: decoupled models"]),
