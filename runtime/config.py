@@ -76,6 +76,7 @@ AUTO_COMPLETE_FILES: dict[str, str] = {"model.onnx": "onnxruntime", "model.py": 
 _MODEL_FILES: dict[str, str] = {**AUTO_COMPLETE_FILES, "model.pt": "pytorch", "model.plan": "tensorrt"}
 
 _NOT_YET = "not implemented yet; this model will be served without it"
+_DIRECT_AT_ONCE = "Direct dispatches as soon as an instance is free; ignored"
 
 # Fields that parse but that Sluice does not implement yet: field pattern ("[]" marks a repeated
 # field's elements) -> what happens instead. Shrink this table as features land.
@@ -90,8 +91,8 @@ UNIMPLEMENTED_FIELDS: dict[str, str] = {
     "batch_input": _NOT_YET,
     "batch_output": _NOT_YET,
     "optimization": "optimization settings are not implemented yet; ignored",
-    "sequence_batching.direct.max_queue_delay_microseconds": "Direct dispatches as soon as an instance is free; ignored",
-    "sequence_batching.direct.minimum_slot_utilization": "Direct dispatches as soon as an instance is free; ignored",
+    "sequence_batching.direct.max_queue_delay_microseconds": _DIRECT_AT_ONCE,
+    "sequence_batching.direct.minimum_slot_utilization": _DIRECT_AT_ONCE,
     "sequence_batching.state[].use_same_buffer_for_input_output": "ignored (the state is handed over between requests)",
     "sequence_batching.state[].use_growable_memory": "ignored (the state is handed over between requests)",
     "ensemble_scheduling.max_inflight_requests": "not implemented yet; in-flight steps are not limited",
@@ -1133,7 +1134,8 @@ def _check_sequence_batching(config: mc.ModelConfig, fail: _Fail) -> None:
         _check_dims(list(state.dims), f"{where}.dims", fail, allow_empty=False)
         if len(state.initial_state) > 1:
             raise fail(
-                f"state '{state.input_name}' has {len(state.initial_state)} initial_state entries; allowed: at most one",
+                f"state '{state.input_name}' has {len(state.initial_state)} initial_state entries; "
+                "allowed: at most one",
                 f"{where}.initial_state",
             )
         if not state.initial_state:

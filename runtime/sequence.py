@@ -227,9 +227,7 @@ def sequence_of(parameters: dict[str, Any], cfg: SequenceConfig, model: str) -> 
             "(request parameter 'sequence_id': an unsigned integer or a string)"
         )
     if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-        raise InvalidArgument(
-            f"request parameter 'sequence_id' must be an unsigned integer or a string, got {raw!r}"
-        )
+        raise InvalidArgument(f"request parameter 'sequence_id' must be an unsigned integer or a string, got {raw!r}")
     if isinstance(raw, int) and not 0 < raw < 2**64:
         raise InvalidArgument(f"request parameter 'sequence_id' {raw} is out of range; allowed: 1 to 2^64-1")
     corrid = cfg.corrid
@@ -451,9 +449,7 @@ class SequenceBook:
         """Release the slots of sequences idle for ``max_sequence_idle_microseconds`` (nothing queued,
         nothing running); a later request of theirs without START is refused."""
         idle = [
-            run
-            for run in self._active.values()
-            if self._idle_candidate(run) and now - run.last_ns >= self._cfg.idle_ns
+            run for run in self._active.values() if self._idle_candidate(run) and now - run.last_ns >= self._cfg.idle_ns
         ]
         for run in idle:
             del self._active[run.cid]
@@ -591,7 +587,8 @@ class SequenceScheduler:
         workers, self._workers = self._workers, []
         stuck = [worker for worker in workers if worker.batch is not None]
         for worker in stuck:
-            for row in worker.batch or ():
+            rows: list[_Row] = worker.batch or []  # type: ignore[assignment]  # this scheduler's rows
+            for row in rows:
                 if row.entry is not None:
                     row.request.cancel.cancel()
                     self._finish(
@@ -604,9 +601,7 @@ class SequenceScheduler:
         for worker in workers:
             worker.stop()
         if workers:
-            await loop.run_in_executor(
-                None, batching._join_all, workers, stuck, max(deadline - loop.time(), 0.0)
-            )
+            await loop.run_in_executor(None, batching._join_all, workers, stuck, max(deadline - loop.time(), 0.0))
         alive = [worker.instance for worker in workers if worker.thread.is_alive()]
         closing = [i for i in self._instances if not any(i is other for other in alive)]
         if closing:

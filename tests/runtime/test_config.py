@@ -721,9 +721,9 @@ def test_the_unimplemented_table_names_real_fields() -> None:
 def test_every_top_level_field_is_implemented_or_in_the_table() -> None:
     """A field added to model_config.proto must be decided on: implemented, or listed as not yet."""
     config = model_config.parse_config(FULL_PBTXT, path="c", fmt="pbtxt")
-    # ensemble_scheduling shares a oneof with dynamic_batching, so FULL_PBTXT cannot hold it.
+    # ensemble_scheduling and sequence_batching share a oneof with dynamic_batching: FULL_PBTXT cannot hold them.
     implemented = {fd.name for fd, _ in config.ListFields()}
-    implemented |= {"backend", "default_model_filename", "ensemble_scheduling"}
+    implemented |= {"backend", "default_model_filename", "ensemble_scheduling", "sequence_batching"}
     for fd in mc.ModelConfig.DESCRIPTOR.fields:
         assert (
             fd.name in implemented

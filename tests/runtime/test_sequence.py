@@ -61,7 +61,10 @@ def test_config_reads_controls_strategy_and_defaults():
 
 
 def test_oldest_uses_max_candidate_sequences_as_slots():
-    c = cfg(CONTROLS + "oldest { max_candidate_sequences: 16 preferred_batch_size: [ 2, 4 ] max_queue_delay_microseconds: 300 }")
+    c = cfg(
+        CONTROLS
+        + "oldest { max_candidate_sequences: 16 preferred_batch_size: [ 2, 4 ] max_queue_delay_microseconds: 300 }"
+    )
     assert (c.strategy, c.slots_per_instance) == (sequence.OLDEST, 16)
     assert c.batch.preferred_batch_sizes == (2, 4) and c.batch.max_queue_delay_ns == 300_000
 
@@ -88,11 +91,13 @@ BAD_CONFIGS = [
      '{ kind: CONTROL_SEQUENCE_END int32_false_true: [0,1] } ] } ]', "control_input[0].control", "exactly one"),
     ("no values", 'control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START } ] } ]',
      "control_input[0].control[0]", "int32_false_true, fp32_false_true, bool_false_true"),
-    ("corrid type", 'control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_FP32 } ] } ]',
+    ("corrid type", 'control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_FP32 } ] } ]',  # noqa: E501
      "control_input[0].control[0].data_type", "TYPE_UINT64, TYPE_INT64, TYPE_UINT32, TYPE_INT32, TYPE_STRING"),
-    ("control is an input", 'control_input [ { name: "INPUT" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [0,1] } ] } ]',
+    ("control is an input",
+     'control_input [ { name: "INPUT" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [0,1] } ] } ]',
      "control_input[0].name", "not listed under input"),
-    ("kind twice", 'control_input [ { name: "A" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [0,1] } ] }, '
+    ("kind twice",
+     'control_input [ { name: "A" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [0,1] } ] }, '
      '{ name: "B" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [0,1] } ] } ]',
      "control_input[1].control[0].kind", "each kind once"),
     ("iterative", "iterative_sequence: true", "sequence_batching.iterative_sequence", "Direct or Oldest"),
@@ -130,10 +135,12 @@ def test_sequence_batching_is_no_longer_an_unimplemented_warning():
 def test_auto_complete_leaves_control_and_state_tensors_out():
     from sluice.runtime.backends.base import TensorSpec
 
-    config = parsed('name: "m" backend: "onnxruntime" max_batch_size: 4 sequence_batching { ' + CONTROLS
-                    + ' state [ { input_name: "S_IN" output_name: "S_OUT" data_type: TYPE_INT32 dims: [ 1 ] } ] }')  # fmt: skip
+    state = 'state [ { input_name: "S_IN" output_name: "S_OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]'
+    config = parsed('name: "m" backend: "onnxruntime" max_batch_size: 4 sequence_batching { ' + CONTROLS + state + " }")
     specs = [TensorSpec(n, "INT32", (-1, 1)) for n in ("INPUT", "START", "READY", "S_IN")]
-    model_config.complete_io(config, specs, [TensorSpec("OUTPUT", "INT32", (-1, 1)), TensorSpec("S_OUT", "INT32", (-1, 1))])
+    model_config.complete_io(
+        config, specs, [TensorSpec("OUTPUT", "INT32", (-1, 1)), TensorSpec("S_OUT", "INT32", (-1, 1))]
+    )
     assert [t.name for t in config.input] == ["INPUT"]
     assert [t.name for t in config.output] == ["OUTPUT"]
 
@@ -162,7 +169,9 @@ def test_sequence_of_refuses_bad_ids(params, message):
 
 
 def test_sequence_of_accepts_any_id_type_without_corrid_and_reads_flags():
-    no_corrid = cfg('control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [0,1] } ] } ]')
+    no_corrid = cfg(
+        'control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [0,1] } ] } ]'
+    )
     assert sequence.sequence_of({"sequence_id": "u-1", "sequence_start": True}, no_corrid, "m") == ("u-1", True, False)
     assert sequence.sequence_of({"sequence_id": 2**64 - 1, "sequence_end": True}, no_corrid, "m") == (
         2**64 - 1,

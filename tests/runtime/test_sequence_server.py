@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from sluice_testing import sequence_models as sm
 from tritonclient.utils import InferenceServerException
+
+from sluice_testing import sequence_models as sm
 
 from .conftest import ManualClock, write_model  # type: ignore[import-not-found]
 

@@ -31,9 +31,8 @@ def _int32(name: str, batched: bool = True) -> object:
 
 
 def accumulator_onnx(*, corrid: bool = False) -> bytes:
-    from onnx import TensorProto, helper, numpy_helper
-
     import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
 
     inputs = [_int32(n) for n in ("INPUT", "START", "READY", "ACC_IN")]
     outputs = [_int32("OUTPUT"), _int32("ACC_OUT")]
