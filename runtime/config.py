@@ -1041,6 +1041,12 @@ def _check_sequence_batching(config: mc.ModelConfig, fail: _Fail) -> None:
             "(remove iterative_sequence)",
             "sequence_batching.iterative_sequence",
         )
+    if config.response_cache.enable:
+        raise fail(
+            "response_cache is enabled on a sequence model: a cached answer would skip the sequence's state "
+            "and order; allowed: response_cache only without sequence_batching",
+            "response_cache.enable",
+        )
     if batching.HasField("oldest"):
         oldest = batching.oldest
         if oldest.max_candidate_sequences < 0:
