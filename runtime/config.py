@@ -76,6 +76,7 @@ AUTO_COMPLETE_FILES: dict[str, str] = {"model.onnx": "onnxruntime", "model.py": 
 _MODEL_FILES: dict[str, str] = {**AUTO_COMPLETE_FILES, "model.pt": "pytorch", "model.plan": "tensorrt"}
 
 _NOT_YET = "not implemented yet; this model will be served without it"
+_DIRECT_AT_ONCE = "Direct dispatches as soon as an instance is free; ignored"
 
 # Fields that parse but that Sluice does not implement yet: field pattern ("[]" marks a repeated
 # field's elements) -> what happens instead. Shrink this table as features land.
@@ -90,7 +91,10 @@ UNIMPLEMENTED_FIELDS: dict[str, str] = {
     "batch_input": _NOT_YET,
     "batch_output": _NOT_YET,
     "optimization": "optimization settings are not implemented yet; ignored",
-    "sequence_batching": _NOT_YET,
+    "sequence_batching.direct.max_queue_delay_microseconds": _DIRECT_AT_ONCE,
+    "sequence_batching.direct.minimum_slot_utilization": _DIRECT_AT_ONCE,
+    "sequence_batching.state[].use_same_buffer_for_input_output": "ignored (the state is handed over between requests)",
+    "sequence_batching.state[].use_growable_memory": "ignored (the state is handed over between requests)",
     "ensemble_scheduling.max_inflight_requests": "not implemented yet; in-flight steps are not limited",
     "ensemble_scheduling.step[].model_namespace": "model namespaces are not implemented yet; ignored",
     "instance_group[].rate_limiter": "rate limiting is not implemented yet; ignored",
@@ -130,6 +134,10 @@ _IMPLEMENTED_FIELDS: frozenset[str] = frozenset({
     "instance_group", "instance_group[].name", "instance_group[].count", "instance_group[].kind",
     "instance_group[].gpus",
     "model_transaction_policy",
+    "sequence_batching", "sequence_batching.direct", "sequence_batching.oldest",
+    "sequence_batching.max_sequence_idle_microseconds", "sequence_batching.control_input",
+    "sequence_batching.state", "sequence_batching.state[].input_name", "sequence_batching.state[].output_name",
+    "sequence_batching.state[].data_type", "sequence_batching.state[].dims", "sequence_batching.state[].initial_state",
 })  # fmt: skip
 
 _INT64_MAX = 2**63 - 1
@@ -779,6 +787,8 @@ def validate(config: mc.ModelConfig, *, source: str) -> list[str]:
     _check_version_policy(config, fail)
     if config.HasField("dynamic_batching"):
         _check_dynamic_batching(config, fail)
+    if config.HasField("sequence_batching"):
+        _check_sequence_batching(config, fail)
     for index, group in enumerate(config.instance_group):
         where = f"instance_group[{index}]"
         if group.count < 0:
@@ -1001,6 +1011,171 @@ def _check_dynamic_batching(config: mc.ModelConfig, fail: _Fail) -> None:
             )
 
 
+# Control kinds -> the false/true fields each may use (CORRID takes data_type instead).
+_BOOLEAN_CONTROL_FIELDS = ("int32_false_true", "fp32_false_true", "bool_false_true")
+CORRID_TYPES: tuple[str, ...] = ("TYPE_UINT64", "TYPE_INT64", "TYPE_UINT32", "TYPE_INT32", "TYPE_STRING")
+
+
+def sequence_tensor_names(config: mc.ModelConfig) -> set[str]:
+    """The model tensors the sequence batcher feeds or takes itself (control inputs, state inputs and
+    outputs): never part of the inputs and outputs clients see, so auto-complete leaves them out."""
+    if not config.HasField("sequence_batching"):
+        return set()
+    batching = config.sequence_batching
+    names = {control.name for control in batching.control_input}
+    listed = {output.name for output in config.output}
+    for state in batching.state:
+        names.add(state.input_name)
+        if state.output_name not in listed:
+            names.add(state.output_name)
+    return names
+
+
+def _check_sequence_batching(config: mc.ModelConfig, fail: _Fail) -> None:
+    """Triton's rules for ``sequence_batching`` (model_config.proto ModelSequenceBatching)."""
+    batching = config.sequence_batching
+    max_batch = config.max_batch_size
+    if batching.iterative_sequence:
+        raise fail(
+            "iterative_sequence is not supported by Sluice; allowed: the Direct or Oldest strategy "
+            "(remove iterative_sequence)",
+            "sequence_batching.iterative_sequence",
+        )
+    if config.response_cache.enable:
+        raise fail(
+            "response_cache is enabled on a sequence model: a cached answer would skip the sequence's state "
+            "and order; allowed: response_cache only without sequence_batching",
+            "response_cache.enable",
+        )
+    if batching.HasField("oldest"):
+        oldest = batching.oldest
+        if oldest.max_candidate_sequences < 0:
+            raise fail(
+                f"max_candidate_sequences is {oldest.max_candidate_sequences}; allowed: 1 or more (0 means "
+                "max_batch_size)",
+                "sequence_batching.oldest.max_candidate_sequences",
+            )
+        for size in oldest.preferred_batch_size:
+            if not 1 <= size <= max(max_batch, 1):
+                raise fail(
+                    f"preferred batch size {size} is out of range; allowed: 1 to max_batch_size ({max_batch})",
+                    "sequence_batching.oldest.preferred_batch_size",
+                )
+    io_names = {t.name for t in config.input} | {t.name for t in config.output}
+    seen_kinds: dict[int, str] = {}
+    seen_names: set[str] = set()
+    kinds = mc.ModelSequenceBatching.Control.Kind
+    for index, control_input in enumerate(batching.control_input):
+        where = f"sequence_batching.control_input[{index}]"
+        name = control_input.name
+        if not name:
+            raise fail("the control input has no name; allowed: the name of a model input", f"{where}.name")
+        if name in seen_names or name in io_names:
+            also = "another control input" if name in seen_names else "an input or output of the config"
+            raise fail(
+                f"control input '{name}' is also {also}; allowed: a model input fed by the sequence batcher "
+                "alone (not listed under input)",
+                f"{where}.name",
+            )
+        seen_names.add(name)
+        if len(control_input.control) != 1:
+            raise fail(
+                f"control input '{name}' has {len(control_input.control)} controls; allowed: exactly one",
+                f"{where}.control",
+            )
+        control = control_input.control[0]
+        kind = kinds.Name(control.kind)
+        if control.kind in seen_kinds:
+            raise fail(
+                f"{kind} is given twice (also by control input '{seen_kinds[control.kind]}'); allowed: each kind once",
+                f"{where}.control[0].kind",
+            )
+        seen_kinds[control.kind] = name
+        set_fields = [f for f in _BOOLEAN_CONTROL_FIELDS if len(getattr(control, f))]
+        if control.kind == mc.ModelSequenceBatching.Control.CONTROL_SEQUENCE_CORRID:
+            type_name = mc.DataType.Name(control.data_type)
+            if type_name not in CORRID_TYPES or set_fields:
+                raise fail(
+                    f"{kind} control '{name}' has data_type {type_name}"
+                    + (f" and {set_fields[0]}" if set_fields else "")
+                    + f"; allowed: data_type one of {', '.join(CORRID_TYPES)} and no false/true values",
+                    f"{where}.control[0].data_type",
+                )
+            continue
+        if len(set_fields) != 1 or len(getattr(control, set_fields[0])) != 2:
+            raise fail(
+                f"{kind} control '{name}' must give its false and true values in exactly one of "
+                f"{', '.join(_BOOLEAN_CONTROL_FIELDS)}, as two values [false, true]",
+                f"{where}.control[0]",
+            )
+        if control.data_type != mc.TYPE_INVALID:
+            raise fail(
+                f"{kind} control '{name}' sets data_type; allowed: data_type only for CONTROL_SEQUENCE_CORRID "
+                f"(the type follows {set_fields[0]})",
+                f"{where}.control[0].data_type",
+            )
+    state_inputs: set[str] = set()
+    state_outputs: set[str] = set()
+    for index, state in enumerate(batching.state):
+        where = f"sequence_batching.state[{index}]"
+        # The state output may be listed under output (Triton: clients may then ask for it, to debug).
+        for field, taken in (("input_name", io_names), ("output_name", {t.name for t in config.input})):
+            value = getattr(state, field)
+            if not value:
+                raise fail(f"the state has no {field}; allowed: the name of a model tensor", f"{where}.{field}")
+            if value in taken or value in seen_names:
+                raise fail(
+                    f"state tensor '{value}' is also an input or control input of the config; allowed: a "
+                    "model tensor the server alone feeds (input_name) or takes (output_name)",
+                    f"{where}.{field}",
+                )
+        for value, seen, field in ((state.input_name, state_inputs, "input_name"),
+                                   (state.output_name, state_outputs, "output_name")):  # fmt: skip
+            if value in seen:
+                raise fail(f"state {field} '{value}' is used twice; allowed: one state per name", f"{where}.{field}")
+            seen.add(value)
+        if state.data_type == mc.TYPE_INVALID:
+            allowed = ", ".join(v.name for v in mc.DataType.DESCRIPTOR.values if v.number)
+            raise fail(f"state '{state.input_name}' has no data_type; allowed: {allowed}", f"{where}.data_type")
+        _check_dims(list(state.dims), f"{where}.dims", fail, allow_empty=False)
+        if len(state.initial_state) > 1:
+            raise fail(
+                f"state '{state.input_name}' has {len(state.initial_state)} initial_state entries; "
+                "allowed: at most one",
+                f"{where}.initial_state",
+            )
+        if not state.initial_state:
+            continue  # zeros, variable dims as 1 (Triton)
+        initial = state.initial_state[0]
+        iwhere = f"{where}.initial_state[0]"
+        if initial.data_type != state.data_type:
+            raise fail(
+                f"initial_state data_type {mc.DataType.Name(initial.data_type)} does not match the state's "
+                f"{mc.DataType.Name(state.data_type)}; allowed: {mc.DataType.Name(state.data_type)}",
+                f"{iwhere}.data_type",
+            )
+        if not initial.name:
+            raise fail("initial_state has no name; allowed: a non-empty name", f"{iwhere}.name")
+        dims, wanted = list(initial.dims), list(state.dims)
+        if len(dims) != len(wanted) or any(d < 1 or (w != -1 and d != w) for d, w in zip(dims, wanted, strict=False)):
+            raise fail(
+                f"initial_state dims {dims} do not match the state dims {wanted}; allowed: the same rank, fixed "
+                "dims equal to the state's where it fixes them",
+                f"{iwhere}.dims",
+            )
+        which = initial.WhichOneof("state_data")
+        if which is None:
+            raise fail("initial_state gives no data; allowed: zero_data: true or data_file", iwhere)
+        if which == "data_file":
+            problem = names.file_name_problem(initial.data_file)
+            if problem is not None:
+                raise fail(
+                    f"data_file {names.shown(initial.data_file)!r}: {problem}; allowed: the name of a file in the "
+                    "model's initial_state/ directory",
+                    f"{iwhere}.data_file",
+                )
+
+
 def _collect_unimplemented(message: Message, pattern_prefix: str, path_prefix: str, warnings: list[str]) -> None:
     for fd, value in message.ListFields():
         pattern, path = pattern_prefix + fd.name, path_prefix + fd.name
@@ -1018,7 +1193,7 @@ def _collect_unimplemented(message: Message, pattern_prefix: str, path_prefix: s
             if any(p.startswith(pattern + "[].") for p in _IMPLEMENTED_FIELDS):
                 for index, item in enumerate(value):
                     _collect_unimplemented(item, pattern + "[].", f"{path}[{index}].", warnings)
-        elif any(p.startswith(pattern + ".") for p in _IMPLEMENTED_FIELDS):
+        elif any(p.startswith(pattern + ".") for p in (*_IMPLEMENTED_FIELDS, *UNIMPLEMENTED_FIELDS)):
             _collect_unimplemented(value, pattern + ".", path + ".", warnings)
 
 
@@ -1042,6 +1217,10 @@ def complete_io(
     """
     where = source or f"model '{config.name}'"
     notes: list[str] = []
+    fed_by_server = sequence_tensor_names(config)
+    if fed_by_server:
+        inputs = [spec for spec in inputs if spec.name not in fed_by_server]
+        outputs = [spec for spec in outputs if spec.name not in fed_by_server]
     model_inputs = {spec.name: spec for spec in inputs}
     model_outputs = {spec.name: spec for spec in outputs}
     for section, entries, declared in (

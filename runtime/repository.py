@@ -16,7 +16,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from sluice.runtime import classification, ensemble, names
+from sluice.runtime import classification, ensemble, names, sequence
 from sluice.runtime import config as model_config
 from sluice.runtime.backends.base import BackendServices, LoadContext, ModelBackend, ModelInstance
 from sluice.runtime.batching import (
@@ -46,7 +46,7 @@ class ModelVersion:
     config: mc.ModelConfig
     signature: Signature
     backend: ModelBackend
-    scheduler: Scheduler | ensemble.EnsembleScheduler
+    scheduler: Scheduler | ensemble.EnsembleScheduler | sequence.SequenceScheduler
     stats: ModelStats
     cache: ResponseCache | None = None
     labels: classification.Labels = dataclasses.field(default_factory=dict)  # output -> label_filename lines
@@ -189,6 +189,7 @@ class _Prepared:
     scheduling: SchedulerConfig | None  # None for an ensemble
     cache: Callable[[], ResponseCache | None]
     labels: classification.Labels = dataclasses.field(default_factory=dict)
+    sequencing: sequence.SequenceConfig | None = None  # set for a model with sequence_batching
 
     def close(self, started: Collection[int] = ()) -> None:
         """Release what ``prepare`` opened (instances, then backends), except the instances of the
@@ -267,6 +268,7 @@ def prepare(
     try:
         response_cache(config, defaults)  # raises for a bad size parameter
         scheduling = scheduler_config(config, defaults, name) if backend != model_config.ENSEMBLE else None
+        sequencing = sequence.sequence_config(config, model_dir) if config.HasField("sequence_batching") else None
     except ConfigError as exc:
         raise ConfigError(exc.detail, file=loaded.source, field=exc.field) from None
 
@@ -278,7 +280,7 @@ def prepare(
         plans = [(version, ensemble.Ensemble(config), []) for version in chosen]
         return _Prepared(config, plans, warnings, None, cache, labels)
     loader = _backend_loader(backend)
-    prepared = _Prepared(config, [], warnings, scheduling, cache, labels)
+    prepared = _Prepared(config, [], warnings, scheduling, cache, labels, sequencing)
     try:
         for version in chosen:
             ctx = LoadContext(name, version, model_dir, model_dir / str(version), root, services)
@@ -444,8 +446,13 @@ class Repository:
         for version, backend, instances in prepared.versions:
             label = f"{name}:{version}"
             stats = ModelStats(name, str(version))
-            scheduler: Scheduler | ensemble.EnsembleScheduler
-            if isinstance(backend, ensemble.Ensemble):
+            scheduler: Scheduler | ensemble.EnsembleScheduler | sequence.SequenceScheduler
+            if prepared.sequencing is not None:
+                sequencing = dataclasses.replace(prepared.sequencing, model_label=label)
+                scheduler = sequence.SequenceScheduler(
+                    sequencing, instances, observer=stats, **({} if self._clock is None else {"clock": self._clock})
+                )
+            elif isinstance(backend, ensemble.Ensemble):
                 if self._dispatch is None:
                     raise Unavailable("ensembles need a data plane to run steps")
                 scheduler = ensemble.EnsembleScheduler(

@@ -140,6 +140,16 @@ class OnnxInstance(ModelInstance):
             o.name: (-1, *o.dims) if self._batched else tuple(o.dims) for o in config.output if o.HasField("reshape")
         }
         self._string_inputs = {i.name for i in config.input if i.data_type == mc.TYPE_STRING}
+        # Sequence batching: the scheduler feeds control and state inputs and takes the state outputs.
+        for control_input in config.sequence_batching.control_input:
+            if any(c.data_type == mc.TYPE_STRING for c in control_input.control):
+                self._string_inputs.add(control_input.name)
+        for state in config.sequence_batching.state:
+            if state.output_name not in self._outputs:
+                self._outputs.append(state.output_name)
+            self._datatypes[state.output_name] = DATATYPE_BY_CONFIG_TYPE[mc.DataType.Name(state.data_type)]
+            if state.data_type == mc.TYPE_STRING:
+                self._string_inputs.add(state.input_name)
 
     def execute(self, requests: Sequence[InferRequest]) -> list[Result]:
         feeds = merge_inputs(requests)

@@ -309,6 +309,8 @@ class PythonBackend(ModelBackend):
         self.decoupled = config.model_transaction_policy.decoupled
         self.host = bls.BlsHost(ctx.services, ctx.model_name)
         self.metrics_owner = f"{ctx.model_name}:{ctx.version}"
+        for state in config.sequence_batching.state:  # implicit state: the model returns it as an output
+            self._declared_outputs[state.output_name] = DATATYPE_BY_CONFIG_TYPE[mc.DataType.Name(state.data_type)]
 
     def new_instance(self, index: int, kind: int, device_id: int) -> ModelInstance:
         name = self._ctx.model_name

@@ -653,7 +653,10 @@ def test_a_full_config_validates_without_warnings() -> None:
 # --- warnings for fields Sluice does not implement yet -------------------------------------------
 
 WARNINGS = [
-    ("sequence_batching { }", ["sequence_batching: not implemented yet; this model will be served without it"]),
+    (
+        "sequence_batching { direct { minimum_slot_utilization: 0.5 } }",
+        ["sequence_batching.direct.minimum_slot_utilization: Direct dispatches as soon as an instance is free"],
+    ),
     ('model_warmup [ { name: "w" batch_size: 1 } ]', ["model_warmup: not implemented yet; the model is not warmed up"]),
     ("optimization { priority: PRIORITY_MAX }", ["optimization: "]),
     ('input [ { name: "a" data_type: TYPE_FP32 dims: [ 1 ] format: FORMAT_NCHW } ]', ["input[0].format: ignored"]),
@@ -717,9 +720,10 @@ def test_the_unimplemented_table_names_real_fields() -> None:
 def test_every_top_level_field_is_implemented_or_in_the_table() -> None:
     """A field added to model_config.proto must be decided on: implemented, or listed as not yet."""
     config = model_config.parse_config(FULL_PBTXT, path="c", fmt="pbtxt")
-    # ensemble_scheduling shares a oneof with dynamic_batching, so FULL_PBTXT cannot hold it.
+    # ensemble_scheduling and sequence_batching share a oneof with dynamic_batching: FULL_PBTXT cannot hold them.
     implemented = {fd.name for fd, _ in config.ListFields()}
-    implemented |= {"backend", "default_model_filename", "ensemble_scheduling", "model_transaction_policy"}
+    implemented |= {"backend", "default_model_filename", "ensemble_scheduling", "model_transaction_policy",
+                    "sequence_batching"}
     for fd in mc.ModelConfig.DESCRIPTOR.fields:
         assert (
             fd.name in implemented
