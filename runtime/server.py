@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from sluice.runtime import names, shm
+from sluice.runtime import cudart, names, shm
 from sluice.runtime.batching import Clock
 from sluice.runtime.callers import CallerLabels, DuplicateWindow
 from sluice.runtime.dataplane import DataPlane
@@ -50,7 +50,9 @@ class StartupError(Exception):
 
 
 class Server:
-    def __init__(self, settings: ServerSettings, *, clock: Clock | None = None) -> None:
+    def __init__(
+        self, settings: ServerSettings, *, clock: Clock | None = None, cuda: cudart.Provider | None = None
+    ) -> None:
         self.settings = settings
         self.repository = Repository(
             settings.model_repository, settings.scheduling, grace_s=settings.shutdown_grace_s, clock=clock
@@ -60,7 +62,7 @@ class Server:
         if settings.split_file is not None:
             self.forwarder = Forwarder()
             self._split_watcher = SplitFileWatcher(settings.split_file, self.forwarder.table, clock)
-        self.shared_memory = shm.Registry()
+        self.shared_memory = shm.Registry(cuda=cuda)  # cuda: where the CUDA runtime is looked for (None: everywhere)
         self.dataplane = DataPlane(
             self.repository,
             strict_readiness=settings.strict_readiness,
