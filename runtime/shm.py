@@ -577,18 +577,24 @@ class Binding:
         return InferResponse(response.model_name, response.model_version, outputs, response.id, response.parameters)
 
 
-def _input_array(tensor: Tensor, window: memoryview, ref: Ref) -> np.ndarray:
-    shape = tensor.data.shape
-    count = int(tensor.data.size)
+def _size_problem(tensor: Tensor, ref: Ref) -> str | None:
+    """Whether a fixed-size input's ``shared_memory_byte_size`` is its size (BYTES: checked on reading)."""
     if tensor.datatype == "BYTES":
-        return bytes_elements(tensor.name, window, count).reshape(shape)
-    needed = count * ELEMENT_SIZE[tensor.datatype]
-    if ref.byte_size != needed:
-        dims = "[" + ",".join(str(d) for d in shape) + "]"
-        raise InvalidArgument(
-            f"input '{tensor.name}': {BYTE_SIZE} is {ref.byte_size} but shape {dims} of {tensor.datatype} needs "
-            f"{needed} bytes (region '{ref.region}')"
-        )
+        return None
+    needed = int(tensor.data.size) * ELEMENT_SIZE[tensor.datatype]
+    if ref.byte_size == needed:
+        return None
+    dims = "[" + ",".join(str(d) for d in tensor.data.shape) + "]"
+    return (
+        f"input '{tensor.name}': {BYTE_SIZE} is {ref.byte_size} but shape {dims} of {tensor.datatype} needs "
+        f"{needed} bytes (region '{ref.region}')"
+    )
+
+
+def _input_array(tensor: Tensor, window: memoryview) -> np.ndarray:
+    shape = tensor.data.shape
+    if tensor.datatype == "BYTES":
+        return bytes_elements(tensor.name, window, int(tensor.data.size)).reshape(shape)
     return np.frombuffer(window.toreadonly(), dtype=WIRE_DTYPE[tensor.datatype]).reshape(shape)
 
 
@@ -597,18 +603,22 @@ def bind(
 ) -> Binding:
     """Read the inputs that name a region (views, see the module docstring), note where the outputs
     go, and hold every region named until ``Binding.finish``. ``refuse(output)`` says why an output
-    cannot go to shared memory (e.g. classification), or None. Raises SluiceError, holding nothing."""
+    cannot go to shared memory (e.g. classification), or None. Raises SluiceError, holding nothing.
+    Every reference is checked before any input is read (a CUDA input is a copy: none for a request
+    refused anyway)."""
     binding = Binding(registry)
     try:
+        reads: list[tuple[Tensor, Ref, AnyRegion, str]] = []
         for tensor in inputs:
             where = f"input '{tensor.name}'"
             ref = parse_ref(tensor.parameters, where)
             if ref is None:
                 continue
             region = binding.hold(ref, where)
-            tensor.data = _input_array(tensor, region.read(ref, where), ref)
-            binding.inputs.append(tensor)
-            tensor.parameters = strip(tensor.parameters)
+            problem = _size_problem(tensor, ref)
+            if problem is not None:
+                raise InvalidArgument(problem)
+            reads.append((tensor, ref, region, where))
         for output in outputs or ():
             where = f"output '{output.name}'"
             ref = parse_ref(output.parameters, where)
@@ -618,7 +628,13 @@ def bind(
             if why is not None:
                 raise InvalidArgument(f"{where}: {why}")
             binding.outputs[output.name] = (ref, binding.hold(ref, where))
-            output.parameters = strip(output.parameters)
+        for tensor, ref, region, where in reads:
+            tensor.data = _input_array(tensor, region.read(ref, where))
+            binding.inputs.append(tensor)
+            tensor.parameters = strip(tensor.parameters)
+        for output in outputs or ():
+            if output.name in binding.outputs:
+                output.parameters = strip(output.parameters)
     except BaseException:
         binding.release()
         raise
