@@ -218,7 +218,7 @@ def main() -> int:
                 cin, cout = cuda
                 client.register_cuda_shared_memory("bench_in", cin.raw_handle, 0, cin.size)
                 client.register_cuda_shared_memory("bench_out", cout.raw_handle, 0, cout.size)
-                copies = _in_regions(mod, client, cin.base, cout.base, lambda: cin.write(x), cout.read)
+                copies = _in_regions(mod, client, cin.base, cout.base, lambda c=cin: c.write(x), cout.read)
                 rows.append((name, "CUDA shm, host copies", *_measure(n, copies)))
                 cin.write(x)
                 resident = _in_regions(mod, client, cin.base, cout.base, lambda: None, lambda: None)

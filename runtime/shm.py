@@ -342,7 +342,7 @@ class CudaRegion:
                 self._device.to_host(host.ctypes.data, self._pointer + ref.offset, ref.byte_size, self.device_id)
             except cudart.CudaError as exc:
                 raise Internal(f"{where}: reading CUDA shared memory region '{self.name}' failed: {exc}") from None
-        return memoryview(host)
+        return host.data
 
     def write(self, ref: Ref, blob: np.ndarray) -> None:
         assert self._pointer is not None
