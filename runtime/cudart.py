@@ -269,6 +269,9 @@ class Loader:
         return [str(path) for path in library_order(paths)]
 
     def _load(self) -> Device | NoCuda:
+        """The first runtime that sees a GPU. Every candidate is tried: a CUDA 13 toolkit's runtime may
+        need a newer driver than the machine has while the CUDA 12 one of torch's wheel works."""
+        first_reason: NoCuda | None = None
         for candidate in dict.fromkeys(self._candidates()):
             try:
                 library = ctypes.CDLL(candidate)
@@ -279,11 +282,14 @@ class Loader:
             except AttributeError:  # not a CUDA runtime after all
                 continue
             code, count = runtime.probe()
-            if code != _SUCCESS or count <= 0:
+            if code == _SUCCESS and count > 0:
+                runtime._count = count
+                return runtime
+            if first_reason is None:
                 name, text = runtime.error_text(code)
-                return NoCuda(no_gpu_reason(code, name, text, count, os.environ.get("CUDA_VISIBLE_DEVICES")))
-            runtime._count = count
-            return runtime
+                first_reason = NoCuda(no_gpu_reason(code, name, text, count, os.environ.get("CUDA_VISIBLE_DEVICES")))
+        if first_reason is not None:
+            return first_reason
         return NoCuda(
             "no CUDA runtime found (libcudart.so: neither on the dynamic loader's path nor from the "
             "nvidia-cuda-runtime package)"

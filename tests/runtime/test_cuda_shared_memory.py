@@ -287,9 +287,10 @@ def test_bad_registrations_and_references(served: Served, regions: Any, protocol
     assert "is larger than the CUDA allocation behind the handle" in message
     name = unique("ref")
     client.register_cuda_shared_memory(name, region.raw_handle, 0, region.byte_size)
-    assert "already in manager" in _error(
-        lambda: client.register_cuda_shared_memory(name, region.raw_handle, 0, region.byte_size)
-    ).message()
+    assert (
+        "already in manager"
+        in _error(lambda: client.register_cuda_shared_memory(name, region.raw_handle, 0, region.byte_size)).message()
+    )
 
     def infer(byte_size: int, offset: int, out: tuple[int, int] | None = None) -> str:
         inputs = [mod.InferInput("INPUT0", [16], "FP32"), mod.InferInput("INPUT1", [16], "FP32")]

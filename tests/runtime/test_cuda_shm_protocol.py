@@ -61,7 +61,7 @@ def test_a_good_body_is_read() -> None:
 @pytest.mark.parametrize(
     "value, words",
     [
-        ([], "the body must be a JSON object {\"raw_handle\": {\"b64\""),
+        ([], 'the body must be a JSON object {"raw_handle": {"b64"'),
         (None, "the body must be a JSON object"),
         (body(raw_handle=...), "the body has no 'raw_handle'"),
         (body(device_id=...), "the body has no 'device_id'"),
