@@ -63,7 +63,7 @@ class DataPlane:
     ) -> None:
         self.repository = repository
         self.shared_memory = shared_memory
-        """Registered system shared-memory regions (None: the extension is off, as in unit tests)."""
+        """Registered system and CUDA shared-memory regions (None: the extensions are off, as in unit tests)."""
         repository.route_steps(self._infer_local)  # ensembles' steps run through the data plane, never forwarded
         if repository.services is not None:
             repository.services.dispatch = self._infer_bls  # Python models' BLS requests, never forwarded
@@ -102,7 +102,10 @@ class DataPlane:
         self._accepting = False
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": self._server_name, "version": __version__, "extensions": EXTENSIONS}
+        extensions = EXTENSIONS
+        if self.shared_memory is not None and self.shared_memory.cuda_usable():  # loads CUDA the first time
+            extensions = [*EXTENSIONS, "cuda_shared_memory"]
+        return {"name": self._server_name, "version": __version__, "extensions": extensions}
 
     # -- models ------------------------------------------------------------------------------
     def model_ready(self, name: str, version: str = "") -> bool:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from sluice.runtime import names, shm
+from sluice.runtime import cudart, names, shm
 from sluice.runtime.backends.base import BackendServices
 from sluice.runtime.backends.triton_python_backend_utils import MetricRegistry
 from sluice.runtime.batching import Clock
@@ -52,7 +52,9 @@ class StartupError(Exception):
 
 
 class Server:
-    def __init__(self, settings: ServerSettings, *, clock: Clock | None = None) -> None:
+    def __init__(
+        self, settings: ServerSettings, *, clock: Clock | None = None, cuda: cudart.Provider | None = None
+    ) -> None:
         self.settings = settings
         # What backends borrow from the server: BLS dispatch (the data plane fills it in), the loop
         # (start), the registry of Python models' custom metrics (exported beside Sluice's).
@@ -71,7 +73,7 @@ class Server:
         if settings.split_file is not None:
             self.forwarder = Forwarder()
             self._split_watcher = SplitFileWatcher(settings.split_file, self.forwarder.table, clock)
-        self.shared_memory = shm.Registry()
+        self.shared_memory = shm.Registry(cuda=cuda)  # cuda: where the CUDA runtime is looked for (None: everywhere)
         self.dataplane = DataPlane(
             self.repository,
             strict_readiness=settings.strict_readiness,

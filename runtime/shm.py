@@ -1,5 +1,5 @@
-"""Triton's system shared-memory extension: the regions clients registered, and the binding of an
-inference request's inputs and outputs to them.
+"""Triton's system and CUDA shared-memory extensions: the regions clients registered, and the binding
+of an inference request's inputs and outputs to them.
 
 Who calls it: ``server.Server`` owns one :class:`Registry` (closed on stop) and hands it to the data
 plane; the HTTP routes and gRPC handlers register, unregister and list regions through it; the
@@ -7,9 +7,18 @@ codecs give an input that names a region a :func:`placeholder` of its shape (no 
 ``DataPlane.infer_nowait`` calls :func:`bind` before the request goes anywhere, and the
 :class:`Binding`'s ``finish`` when it is answered.
 
-Pure parts: :func:`key_problem`, :func:`name_problem`, :func:`parse_ref`, :func:`span_problem`.
-The I/O is one thin function, :func:`_map` (``os.open`` of ``/dev/shm/<key>`` + ``mmap``,
-read-write, since outputs are written there).
+Pure parts: :func:`key_problem`, :func:`name_problem`, :func:`parse_ref`, :func:`span_problem`,
+:func:`cuda_registration`, :func:`parse_cuda_body`. The I/O is one thin function for system regions,
+:func:`_map` (``os.open`` of ``/dev/shm/<key>`` + ``mmap``, read-write, since outputs are written
+there), and ``cudart`` for CUDA regions.
+
+CUDA regions (:class:`CudaRegion`): a client's ``cudaIpcMemHandle_t``, opened with
+``cudaIpcOpenMemHandle`` on the device it names. System and CUDA regions share one namespace (as in
+Triton: a name is registered once, whichever the kind) and the same holding scheme below; the IPC
+handle is closed when the last holder lets go. The backends run on the CPU, so an input in a CUDA
+region is copied to host memory when the request is bound (one ``cudaMemcpy``), and an output is
+copied into its region when the request is answered. CUDA is loaded lazily (``cudart.Loader``), on
+the first CUDA registration or server metadata read; without it, registering answers why.
 
 Lifetime. Inputs are handed on as read-only numpy *views* of the region, not copies: a 4 MB
 tensor is not copied once more on its way to the model (dynamic batching still concatenates a
@@ -27,6 +36,8 @@ which narrows that to a race with the client's own ``ftruncate``.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import errno
 import mmap
@@ -39,7 +50,8 @@ from typing import Any
 
 import numpy as np
 
-from sluice.runtime.errors import AlreadyExists, InvalidArgument, NotFound, SluiceError
+from sluice.runtime import cudart
+from sluice.runtime.errors import AlreadyExists, Internal, InvalidArgument, NotFound, SluiceError
 from sluice.runtime.tensor_bytes import bytes_elements, encode_bytes_elements
 from sluice.runtime.types import ELEMENT_SIZE, WIRE_DTYPE, InferResponse, Tensor, numpy_dtype
 
@@ -53,10 +65,15 @@ SHM_DIRECTORY = Path("/dev/shm")
 """Where Linux keeps POSIX shared-memory objects (``shm_open(key)`` is ``/dev/shm/<key>``)."""
 
 KEY_ALLOWED = "a POSIX shared-memory name: '/name' (one leading '/', no other '/'), at most 255 bytes, not '.' or '..'"
-CUDA_UNSUPPORTED = (
-    "this server has no GPU; CUDA shared memory needs one; use system shared memory "
-    "(register_system_shared_memory) instead"
+
+SYSTEM, CUDA = "system", "CUDA"
+"""The two kinds of region (Triton's TRITONSERVER_MEMORY_CPU and _GPU); as written in messages."""
+
+CUDA_BODY = (
+    '{"raw_handle": {"b64": "<base64 of the 64-byte cudaIpcMemHandle_t>"}, "device_id": <GPU index>, '
+    '"byte_size": <bytes>}'
 )
+"""The body of ``POST /v2/cudasharedmemory/region/<name>/register`` (what tritonclient sends)."""
 
 
 def placeholder(datatype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -151,6 +168,61 @@ def strip(parameters: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in parameters.items() if k not in PARAMETERS}
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CudaRegistration:
+    """A checked request to register a CUDA region: ``byte_size`` bytes of the allocation behind
+    ``raw_handle`` (a ``cudaIpcMemHandle_t``) on GPU ``device_id``."""
+
+    name: str
+    raw_handle: bytes
+    device_id: int
+    byte_size: int
+
+
+def cuda_registration(name: object, raw_handle: object, device_id: object, byte_size: object) -> CudaRegistration:
+    """Check the values of a CUDA registration (gRPC gives them as they are; HTTP through
+    :func:`parse_cuda_body`). Raises InvalidArgument naming the region, the field and what is allowed."""
+    problem = name_problem(name)
+    if problem is not None:
+        raise InvalidArgument(f"failed to register CUDA shared memory region: {problem}")
+    assert isinstance(name, str)
+    fail = f"failed to register CUDA shared memory region '{name}'"
+    if not isinstance(raw_handle, bytes) or len(raw_handle) != cudart.IPC_HANDLE_SIZE:
+        got = f"{len(raw_handle)} bytes" if isinstance(raw_handle, bytes) else type(raw_handle).__name__
+        raise InvalidArgument(
+            f"{fail}: 'raw_handle' must be a cudaIpcMemHandle_t of {cudart.IPC_HANDLE_SIZE} bytes (as "
+            f"cudaIpcGetMemHandle makes it; over HTTP base64-encoded), got {got}"
+        )
+    if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
+        raise InvalidArgument(f"{fail}: 'device_id' must be an integer >= 0 (the GPU's index), got {device_id!r}")
+    if isinstance(byte_size, bool) or not isinstance(byte_size, int) or byte_size <= 0:
+        raise InvalidArgument(f"{fail}: 'byte_size' must be an integer > 0, got {byte_size!r}")
+    return CudaRegistration(name, raw_handle, device_id, byte_size)
+
+
+def parse_cuda_body(name: str, body: object) -> CudaRegistration:
+    """The JSON body of an HTTP CUDA registration, checked (before CUDA is consulted)."""
+    fail = f"failed to register CUDA shared memory region '{name}'"
+    if not isinstance(body, dict):
+        raise InvalidArgument(f"{fail}: the body must be a JSON object {CUDA_BODY}")
+    for field in ("raw_handle", "device_id", "byte_size"):
+        if field not in body:
+            raise InvalidArgument(f"{fail}: the body has no '{field}'; allowed: {CUDA_BODY}")
+    raw = body["raw_handle"]
+    if not isinstance(raw, dict) or not isinstance(raw.get("b64"), str):
+        raise InvalidArgument(f'{fail}: \'raw_handle\' must be an object {{"b64": "<base64>"}}, got {_shown(raw)}')
+    try:
+        handle = base64.b64decode(raw["b64"], validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgument(f"{fail}: 'raw_handle.b64' is not valid base64") from None
+    return cuda_registration(name, handle, body["device_id"], body["byte_size"])
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 # -- mapping (the only I/O) -----------------------------------------------------------------------
 
 
@@ -191,9 +263,10 @@ def _map(path: Path, key: str, name: str, offset: int, byte_size: int) -> tuple[
 
 
 class Region:
-    """One registered region; held by the requests using it (``holders``)."""
+    """One registered system region; held by the requests using it (``holders``)."""
 
     __slots__ = ("_fd", "_mapping", "_start", "byte_size", "holders", "key", "name", "offset", "unregistered")
+    kind = SYSTEM
 
     def __init__(self, name: str, key: str, offset: int, byte_size: int, fd: int, mapping: mmap.mmap, start: int):
         self.name = name
@@ -222,6 +295,16 @@ class Region:
         begin = self._start + ref.offset
         return memoryview(self._mapping)[begin : begin + ref.byte_size]
 
+    def read(self, ref: Ref, where: str) -> memoryview:
+        """An input's bytes: a view of the mapping (no copy)."""
+        return self.window(ref)
+
+    def write(self, ref: Ref, blob: np.ndarray) -> None:
+        """Put an output's bytes (``blob``, uint8, at most ``ref.byte_size``) at ``ref``."""
+        window = self.window(ref)
+        np.frombuffer(window, dtype=np.uint8, count=blob.size)[:] = blob
+        window.release()
+
     def close(self) -> None:
         mapping, self._mapping = self._mapping, None
         if mapping is not None:
@@ -232,13 +315,64 @@ class Region:
             os.close(self._fd)
 
 
-class Registry:
-    """The regions of one server, by name. Registration and binding run on the event loop; the lock
-    keeps the bookkeeping whole should a worker thread ever release a region."""
+class CudaRegion:
+    """One registered CUDA region: a client's allocation opened through its IPC handle."""
 
-    def __init__(self, directory: Path = SHM_DIRECTORY) -> None:
+    __slots__ = ("_device", "_pointer", "byte_size", "device_id", "holders", "name", "unregistered")
+    kind = CUDA
+
+    def __init__(self, name: str, device_id: int, byte_size: int, device: cudart.Device, pointer: int) -> None:
+        self.name = name
+        self.device_id = device_id
+        self.byte_size = byte_size
+        self._device = device
+        self._pointer: int | None = pointer
+        self.holders = 0
+        self.unregistered = False
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
+
+    def read(self, ref: Ref, where: str) -> memoryview:
+        """An input's bytes, copied to host memory (the backends run on the CPU)."""
+        assert self._pointer is not None
+        host = np.empty(ref.byte_size, dtype=np.uint8)
+        if ref.byte_size:
+            try:
+                self._device.to_host(host.ctypes.data, self._pointer + ref.offset, ref.byte_size, self.device_id)
+            except cudart.CudaError as exc:
+                raise Internal(f"{where}: reading CUDA shared memory region '{self.name}' failed: {exc}") from None
+        return host.data
+
+    def write(self, ref: Ref, blob: np.ndarray) -> None:
+        assert self._pointer is not None
+        blob = np.ascontiguousarray(blob)
+        try:
+            self._device.to_device(self._pointer + ref.offset, blob.ctypes.data, int(blob.size), self.device_id)
+        except cudart.CudaError as exc:
+            raise Internal(f"writing CUDA shared memory region '{self.name}' failed: {exc}") from None
+
+    def close(self) -> None:
+        pointer, self._pointer = self._pointer, None
+        if pointer is not None:
+            try:
+                self._device.close_ipc(pointer, self.device_id)
+            except cudart.CudaError:
+                pass  # nothing a client can do about it; the handle goes with the process
+
+
+AnyRegion = Region | CudaRegion
+
+
+class Registry:
+    """The regions of one server, by name (system and CUDA in one namespace, as in Triton).
+    Registration and binding run on the event loop; the lock keeps the bookkeeping whole should a
+    worker thread ever release a region. ``cuda`` loads the CUDA runtime when first needed."""
+
+    def __init__(self, directory: Path = SHM_DIRECTORY, cuda: cudart.Provider | None = None) -> None:
         self._directory = directory
-        self._regions: dict[str, Region] = {}
+        self._cuda = cuda if cuda is not None else cudart.Loader()
+        self._regions: dict[str, AnyRegion] = {}
         self._lock = threading.Lock()
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
@@ -253,39 +387,92 @@ class Registry:
         where = f"failed to register shared memory region '{name}'"
         _count(offset, "offset", where)
         _count(byte_size, "byte_size", where)
+        self._check_free(name)
+        fd, mapping, start = _map(self._directory / key.lstrip("/"), key, name, offset, byte_size)
+        self._add(Region(name, key, offset, byte_size, fd, mapping, start))
+
+    def cuda_usable(self) -> bool:
+        """Whether CUDA regions can be registered here (loads the CUDA runtime the first time)."""
+        return self._cuda.usable()
+
+    def register_cuda(self, registration: CudaRegistration) -> None:
+        """Open the client's IPC handle on its device as region ``registration.name``."""
+        name, device_id = registration.name, registration.device_id
+        fail = f"failed to register CUDA shared memory region '{name}'"
+        try:
+            device = self._cuda.get()
+        except cudart.NoCuda as exc:
+            raise InvalidArgument(
+                f"{fail}: GPUs not supported: {exc}; use system shared memory (register_system_shared_memory)"
+            ) from None
+        count = device.device_count()
+        if device_id >= count:
+            raise InvalidArgument(
+                f"{fail}: device_id {device_id} is out of range: this server sees {count} GPU(s); "
+                f"allowed: 0 to {count - 1}"
+            )
+        self._check_free(name)
+        try:
+            pointer = device.open_ipc(registration.raw_handle, device_id)
+        except cudart.CudaError as exc:
+            raise InvalidArgument(
+                f"{fail}: cannot open its IPC handle on GPU {device_id} ({exc}); the handle must come from "
+                "cudaIpcGetMemHandle in another process on this host, for memory still allocated on that GPU"
+            ) from None
+        try:
+            size = device.allocation_size(pointer, device_id)
+        except cudart.CudaError:
+            size = None
+        if size is not None and registration.byte_size > size:
+            device.close_ipc(pointer, device_id)
+            raise InvalidArgument(
+                f"{fail}: byte_size {registration.byte_size} is larger than the CUDA allocation behind the "
+                f"handle ({size} bytes); allowed: byte_size <= {size}"
+            )
+        self._add(CudaRegion(name, device_id, registration.byte_size, device, pointer))
+
+    def _check_free(self, name: str) -> None:
         if name in self._regions:
             raise AlreadyExists(
                 f"shared memory region '{name}' already in manager; unregister it first or pick another name"
             )
-        fd, mapping, start = _map(self._directory / key.lstrip("/"), key, name, offset, byte_size)
-        with self._lock:
-            if name in self._regions:  # pragma: no cover - registration runs on the event loop only
-                os.close(fd)
-                mapping.close()
-                raise AlreadyExists(f"shared memory region '{name}' already in manager")
-            self._regions[name] = Region(name, key, offset, byte_size, fd, mapping, start)
 
-    def unregister(self, name: str = "") -> None:
-        """Forget ``name`` (every region for ""); an unknown name is no error, as in Triton. A region
-        requests still hold is unmapped when the last of them is answered."""
+    def _add(self, region: AnyRegion) -> None:
         with self._lock:
-            names = list(self._regions) if not name else [name] if name in self._regions else []
+            if region.name in self._regions:  # pragma: no cover - registration runs on the event loop only
+                region.close()
+                raise AlreadyExists(f"shared memory region '{region.name}' already in manager")
+            self._regions[region.name] = region
+
+    def unregister(self, name: str = "", kind: str = SYSTEM) -> None:
+        """Forget ``name`` (every region of ``kind`` for ""); an unknown name, or one of the other kind,
+        is no error, as in Triton. A region requests still hold is let go when the last of them is
+        answered."""
+        with self._lock:
+            if name:
+                names = [name] if name in self._regions and self._regions[name].kind == kind else []
+            else:
+                names = [each for each, region in self._regions.items() if region.kind == kind]
             for each in names:
                 region = self._regions.pop(each)
                 region.unregistered = True
                 if region.holders == 0:
                     region.close()
 
-    def status(self, name: str = "") -> list[dict[str, Any]]:
+    def status(self, name: str = "", kind: str = SYSTEM) -> list[dict[str, Any]]:
         with self._lock:
             if not name:
-                return [region.status() for region in self._regions.values()]
+                return [region.status() for region in self._regions.values() if region.kind == kind]
             region = self._regions.get(name)
         if region is None:
-            raise NotFound(f"Unable to find system shared memory region: '{name}'")
+            raise NotFound(f"Unable to find {kind.lower()} shared memory region: '{name}'")
+        if region.kind != kind:
+            raise NotFound(
+                f"The region named '{name}' is registered as {region.kind} shared memory, not {kind} shared memory"
+            )
         return [region.status()]
 
-    def hold(self, ref: Ref, where: str) -> Region:
+    def hold(self, ref: Ref, where: str) -> AnyRegion:
         """Take the region ``ref`` names for a request, after checking ``ref`` lies inside it."""
         with self._lock:
             region = self._regions.get(ref.region)
@@ -297,7 +484,7 @@ class Registry:
             problem = span_problem(ref, region.byte_size)
             if problem is not None:
                 raise InvalidArgument(f"{where}: {problem}")
-            if not region.still_whole():
+            if isinstance(region, Region) and not region.still_whole():
                 raise InvalidArgument(
                     f"{where}: shared memory region '{ref.region}' was shrunk below its registered size "
                     f"({region.offset + region.byte_size} bytes); unregister it and register it again"
@@ -305,15 +492,16 @@ class Registry:
             region.holders += 1
             return region
 
-    def let_go(self, region: Region) -> None:
+    def let_go(self, region: AnyRegion) -> None:
         with self._lock:
             region.holders -= 1
             if region.holders == 0 and region.unregistered:
                 region.close()
 
     def close(self) -> None:
-        """Unmap every region no request holds (the server stops)."""
-        self.unregister()
+        """Let go of every region no request holds (the server stops)."""
+        self.unregister(kind=SYSTEM)
+        self.unregister(kind=CUDA)
 
 
 # -- binding a request ------------------------------------------------------------------------------
@@ -326,11 +514,11 @@ class Binding:
 
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
-        self._held: list[Region] = []
+        self._held: list[AnyRegion] = []
         self.inputs: list[Tensor] = []  # tensors whose data is a view of a held region
-        self.outputs: dict[str, tuple[Ref, Region]] = {}
+        self.outputs: dict[str, tuple[Ref, AnyRegion]] = {}
 
-    def hold(self, ref: Ref, where: str) -> Region:
+    def hold(self, ref: Ref, where: str) -> AnyRegion:
         region = self._registry.hold(ref, where)
         self._held.append(region)
         return region
@@ -376,9 +564,10 @@ class Binding:
                     f"{tensor.datatype}); region '{ref.region}'"
                 )
             if size:
-                window = region.window(ref)
-                np.frombuffer(window, dtype=np.uint8, count=size)[:] = blob
-                window.release()
+                try:
+                    region.write(ref, blob)
+                except SluiceError as exc:
+                    return exc
             parameters: dict[str, Any] = {REGION: ref.region, BYTE_SIZE: size}
             if ref.offset:
                 parameters[OFFSET] = ref.offset
@@ -388,18 +577,24 @@ class Binding:
         return InferResponse(response.model_name, response.model_version, outputs, response.id, response.parameters)
 
 
-def _input_array(tensor: Tensor, window: memoryview, ref: Ref) -> np.ndarray:
-    shape = tensor.data.shape
-    count = int(tensor.data.size)
+def _size_problem(tensor: Tensor, ref: Ref) -> str | None:
+    """Whether a fixed-size input's ``shared_memory_byte_size`` is its size (BYTES: checked on reading)."""
     if tensor.datatype == "BYTES":
-        return bytes_elements(tensor.name, window, count).reshape(shape)
-    needed = count * ELEMENT_SIZE[tensor.datatype]
-    if ref.byte_size != needed:
-        dims = "[" + ",".join(str(d) for d in shape) + "]"
-        raise InvalidArgument(
-            f"input '{tensor.name}': {BYTE_SIZE} is {ref.byte_size} but shape {dims} of {tensor.datatype} needs "
-            f"{needed} bytes (region '{ref.region}')"
-        )
+        return None
+    needed = int(tensor.data.size) * ELEMENT_SIZE[tensor.datatype]
+    if ref.byte_size == needed:
+        return None
+    dims = "[" + ",".join(str(d) for d in tensor.data.shape) + "]"
+    return (
+        f"input '{tensor.name}': {BYTE_SIZE} is {ref.byte_size} but shape {dims} of {tensor.datatype} needs "
+        f"{needed} bytes (region '{ref.region}')"
+    )
+
+
+def _input_array(tensor: Tensor, window: memoryview) -> np.ndarray:
+    shape = tensor.data.shape
+    if tensor.datatype == "BYTES":
+        return bytes_elements(tensor.name, window, int(tensor.data.size)).reshape(shape)
     return np.frombuffer(window.toreadonly(), dtype=WIRE_DTYPE[tensor.datatype]).reshape(shape)
 
 
@@ -408,19 +603,22 @@ def bind(
 ) -> Binding:
     """Read the inputs that name a region (views, see the module docstring), note where the outputs
     go, and hold every region named until ``Binding.finish``. ``refuse(output)`` says why an output
-    cannot go to shared memory (e.g. classification), or None. Raises SluiceError, holding nothing."""
+    cannot go to shared memory (e.g. classification), or None. Raises SluiceError, holding nothing.
+    Every reference is checked before any input is read (a CUDA input is a copy: none for a request
+    refused anyway)."""
     binding = Binding(registry)
     try:
+        reads: list[tuple[Tensor, Ref, AnyRegion, str]] = []
         for tensor in inputs:
             where = f"input '{tensor.name}'"
             ref = parse_ref(tensor.parameters, where)
             if ref is None:
                 continue
             region = binding.hold(ref, where)
-            window = region.window(ref)
-            tensor.data = _input_array(tensor, window, ref)
-            binding.inputs.append(tensor)
-            tensor.parameters = strip(tensor.parameters)
+            problem = _size_problem(tensor, ref)
+            if problem is not None:
+                raise InvalidArgument(problem)
+            reads.append((tensor, ref, region, where))
         for output in outputs or ():
             where = f"output '{output.name}'"
             ref = parse_ref(output.parameters, where)
@@ -430,7 +628,13 @@ def bind(
             if why is not None:
                 raise InvalidArgument(f"{where}: {why}")
             binding.outputs[output.name] = (ref, binding.hold(ref, where))
-            output.parameters = strip(output.parameters)
+        for tensor, ref, region, where in reads:
+            tensor.data = _input_array(tensor, region.read(ref, where))
+            binding.inputs.append(tensor)
+            tensor.parameters = strip(tensor.parameters)
+        for output in outputs or ():
+            if output.name in binding.outputs:
+                output.parameters = strip(output.parameters)
     except BaseException:
         binding.release()
         raise

@@ -308,7 +308,7 @@ class Service:
     # -- shared memory (Triton's extensions) ---------------------------------------------------------
     def _registry(self) -> shm.Registry:
         if self.dp.shared_memory is None:
-            raise NotFound("system shared memory is not enabled on this server")
+            raise NotFound("shared memory is not enabled on this server")
         return self.dp.shared_memory
 
     async def system_shared_memory_status(
@@ -331,8 +331,26 @@ class Service:
         self._registry().unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
-    async def cuda_shared_memory(self, request: Any, call: Call) -> Any:
-        raise Unsupported(shm.CUDA_UNSUPPORTED)
+    async def cuda_shared_memory_status(
+        self, request: pb.CudaSharedMemoryStatusRequest, call: Call
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        response = pb.CudaSharedMemoryStatusResponse()
+        for region in self._registry().status(request.name, shm.CUDA):
+            response.regions[region["name"]].CopyFrom(pb.CudaSharedMemoryStatusResponse.RegionStatus(**region))
+        return response
+
+    async def cuda_shared_memory_register(
+        self, request: pb.CudaSharedMemoryRegisterRequest, call: Call
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        registration = shm.cuda_registration(request.name, request.raw_handle, request.device_id, request.byte_size)
+        self._registry().register_cuda(registration)
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    async def cuda_shared_memory_unregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest, call: Call
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        self._registry().unregister(request.name, shm.CUDA)
+        return pb.CudaSharedMemoryUnregisterResponse()
 
 
 _HANDLERS = {
@@ -349,9 +367,9 @@ _HANDLERS = {
     "SystemSharedMemoryStatus": "system_shared_memory_status",
     "SystemSharedMemoryRegister": "system_shared_memory_register",
     "SystemSharedMemoryUnregister": "system_shared_memory_unregister",
-    "CudaSharedMemoryStatus": "cuda_shared_memory",
-    "CudaSharedMemoryRegister": "cuda_shared_memory",
-    "CudaSharedMemoryUnregister": "cuda_shared_memory",
+    "CudaSharedMemoryStatus": "cuda_shared_memory_status",
+    "CudaSharedMemoryRegister": "cuda_shared_memory_register",
+    "CudaSharedMemoryUnregister": "cuda_shared_memory_unregister",
 }
 """Method name -> Service handler; methods of the proto not named here are answered UNIMPLEMENTED."""
 

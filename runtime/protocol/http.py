@@ -25,7 +25,7 @@ import httptools
 from sluice.runtime import shm
 from sluice.runtime.callers import caller_from_header
 from sluice.runtime.dataplane import DataPlane
-from sluice.runtime.errors import InvalidArgument, NotFound, PayloadTooLarge, SluiceError, Unavailable, Unsupported
+from sluice.runtime.errors import InvalidArgument, NotFound, PayloadTooLarge, SluiceError, Unavailable
 from sluice.runtime.protocol import http_codec
 from sluice.runtime.protocol.http_plan import InferCodec
 from sluice.runtime.protocol.listener import Listener
@@ -506,9 +506,9 @@ class V2Routes:
         if section == b"repository":
             return self._repository(request, parts[3:])
         if section == b"systemsharedmemory":
-            return self._system_shared_memory(request, parts[3:])
+            return self._shared_memory(request, parts[3:], shm.SYSTEM)
         if section == b"cudasharedmemory":
-            raise Unsupported(shm.CUDA_UNSUPPORTED)
+            return self._shared_memory(request, parts[3:], shm.CUDA)
         raise NotFound(f"no route for {request.path.decode(errors='replace')}")
 
     @staticmethod
@@ -697,31 +697,34 @@ class V2Routes:
         await self.dp.unload(name)
         return Response(200)
 
-    def _system_shared_memory(self, request: Request, rest: list[bytes]) -> Response:
-        """Triton's system shared-memory extension: ``status``, ``unregister`` (all), and
-        ``region/<name>/{status,register,unregister}``."""
+    def _shared_memory(self, request: Request, rest: list[bytes], kind: str) -> Response:
+        """Triton's system (``kind`` SYSTEM) and CUDA shared-memory extensions: ``status``,
+        ``unregister`` (all of the kind), and ``region/<name>/{status,register,unregister}``."""
         registry = self.dp.shared_memory
         if registry is None:
-            raise NotFound("system shared memory is not enabled on this server")
+            raise NotFound("shared memory is not enabled on this server")
         if rest == [b"status"]:
-            return self._get(request.method, lambda: json_response(registry.status()))
+            return self._get(request.method, lambda: json_response(registry.status("", kind)))
         action = rest[2] if len(rest) == 3 and rest[0] == b"region" else b""
         if action == b"status":
             name = unquote(rest[1].decode("utf-8", "replace"))
-            return self._get(request.method, lambda: json_response(registry.status(name)))
+            return self._get(request.method, lambda: json_response(registry.status(name, kind)))
         if rest == [b"unregister"] or action in (b"register", b"unregister"):
             if request.method != b"POST":
                 return json_response({"error": "use POST to register or unregister shared memory"}, 405)
             if rest == [b"unregister"]:
-                registry.unregister()
+                registry.unregister("", kind)
                 return Response(200)
             name = unquote(rest[1].decode("utf-8", "replace"))
             if not name:
                 raise InvalidArgument(f"a region name is needed: region/<name>/{action.decode()}")
             if action == b"unregister":
-                registry.unregister(name)
+                registry.unregister(name, kind)
                 return Response(200)
             body = http_codec.parse_json(request.body, "register request body") if request.body else None
+            if kind == shm.CUDA:
+                registry.register_cuda(shm.parse_cuda_body(name, body))
+                return Response(200)
             if not isinstance(body, dict) or "key" not in body or "byte_size" not in body:
                 raise InvalidArgument(
                     f"failed to register shared memory region '{name}': the body must be a JSON object "

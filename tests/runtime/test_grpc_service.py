@@ -15,7 +15,7 @@ SERVED = {
     "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "ModelStreamInfer",
     "ModelConfig", "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
-    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",  # served: "no GPU"
+    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",  # without a GPU: why not
 }  # fmt: skip
 ALL = [m.name for m in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods]
 

@@ -546,8 +546,20 @@ def test_bad_registrations(server: Running, regions: Regions, protocol: str) -> 
     error = _error(lambda: client.get_system_shared_memory_status("nope"))
     assert "Unable to find system shared memory region: 'nope'" in error.message()
     client.unregister_system_shared_memory(name)
-    cuda = _error(lambda: client.get_cuda_shared_memory_status())
-    assert "this server has no GPU; CUDA shared memory needs one; use system shared memory" in cuda.message()
+    # A name is registered once, whichever the kind (as in Triton); CUDA regions: test_cuda_shm_protocol.py
+    client.register_system_shared_memory(name, key, 64)
+    error = _error(lambda: client.get_cuda_shared_memory_status(name))
+    assert f"The region named '{name}' is registered as system shared memory, not CUDA shared memory" in (
+        error.message()
+    )
+    client.unregister_cuda_shared_memory(name)  # not a CUDA region: left alone, no error (as Triton)
+    assert [r["name"] if protocol == "http" else r.name for r in _regions(client)] == [name]
+    client.unregister_system_shared_memory(name)
+
+
+def _regions(client: Any) -> list[Any]:
+    status = client.get_system_shared_memory_status()
+    return status if isinstance(status, list) else list(status.regions.values())
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
