@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
         "--model-repository",
         required=True,
         help="directory of <model>/config.pbtxt, or a cloud repository: s3://bucket/prefix, gs://bucket/prefix, "
-        "az://container/prefix (mirrored into --model-repository-cache-dir; credentials from the storage "
+        "az://container/prefix (mirrored into the cache directory below; credentials from the storage "
         "libraries' standard chains)",
     )
     serve.add_argument(
@@ -86,8 +86,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=MODEL_CONTROL_MODES,
         default=defaults.model_control_mode,
         help="Triton's: none loads the models at start and refuses the repository load/unload API; poll also "
-        "rescans the repository every --repository-poll-secs (added, changed and removed models and versions); "
-        "explicit loads only --load-model models at start and allows the load/unload API",
+        "rescans the repository at the poll interval (added, changed and removed models and versions); "
+        "explicit loads only the models named to load at start and allows the load/unload API",
     )
     serve.add_argument(
         "--load-model",
