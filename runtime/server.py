@@ -4,7 +4,9 @@
 Start: bind every listener first (a port in use fails at once, before models load), then load the
 models; the server is ready once they are (with strict readiness, only when all of them are).
 With ``--split-file`` it also watches that file and forwards the canary's share of split models'
-requests (forwarding.py). Shutdown: report not-ready and keep serving for the drain period (load
+requests (forwarding.py). Model control (watcher.py): which models load at start, the repository
+API's gate, and in poll mode the periodic rescan; a cloud repository is mirrored first (mirror.py).
+Shutdown: report not-ready and keep serving for the drain period (load
 balancers and Kubernetes endpoints stop sending meanwhile), stop listening, let in-flight requests
 finish within the grace period, then unload models (calling Python models' ``finalize``) and return.
 """
