@@ -15,13 +15,14 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sluice.runtime import __version__
 from sluice.runtime.batching import BATCH_POLICIES
 from sluice.runtime.pull import PullSettings
-from sluice.runtime.settings import GRPC_SERVERS, Limits, SchedulingDefaults, ServerSettings
+from sluice.runtime.settings import GRPC_SERVERS, MODEL_CONTROL_MODES, Limits, SchedulingDefaults, ServerSettings
 
 
 def _bool(value: str) -> bool:
@@ -66,7 +67,41 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     defaults = ServerSettings(model_repository=Path())
-    serve.add_argument("--model-repository", required=True, type=Path, help="directory of <model>/config.pbtxt")
+    serve.add_argument(
+        "--model-repository",
+        required=True,
+        help="directory of <model>/config.pbtxt, or a cloud repository: s3://bucket/prefix, gs://bucket/prefix, "
+        "az://container/prefix (mirrored into the cache directory below; credentials from the storage "
+        "libraries' standard chains)",
+    )
+    serve.add_argument(
+        "--model-repository-cache-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "sluice-model-repository",
+        metavar="DIR",
+        help="where a cloud model repository is mirrored (one subdirectory per repository URL)",
+    )
+    serve.add_argument(
+        "--model-control-mode",
+        choices=MODEL_CONTROL_MODES,
+        default=defaults.model_control_mode,
+        help="Triton's: none loads the models at start and refuses the repository load/unload API; poll also "
+        "rescans the repository at the poll interval (added, changed and removed models and versions); "
+        "explicit loads only the models named to load at start and allows the load/unload API",
+    )
+    serve.add_argument(
+        "--load-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="explicit mode: load this model at start (repeatable; '*' loads every model)",
+    )
+    serve.add_argument(
+        "--repository-poll-secs",
+        type=float,
+        default=defaults.repository_poll_s,
+        help="poll mode: seconds between two scans of the model repository",
+    )
     serve.add_argument("--host", default=defaults.host, help="address to listen on (0.0.0.0 for all)")
     serve.add_argument(
         "--metrics-host",
@@ -286,8 +321,20 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         response_cache_bytes=args.response_cache_bytes,
         worker_spin_us=args.worker_spin_us,
     )
+    from sluice.runtime import mirror
+
+    repository_url = args.model_repository if mirror.is_remote(args.model_repository) else None
     return ServerSettings(
-        model_repository=args.model_repository,
+        model_repository=(
+            mirror.cache_root(args.model_repository_cache_dir, repository_url)
+            if repository_url is not None
+            else Path(args.model_repository)
+        ),
+        repository_url=repository_url,
+        storage_env=dict(os.environ),
+        model_control_mode=args.model_control_mode,
+        load_models=tuple(args.load_model),
+        repository_poll_s=args.repository_poll_secs,
         host=args.host,
         http_port=args.http_port,
         grpc_port=args.grpc_port,

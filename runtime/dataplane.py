@@ -25,6 +25,7 @@ from sluice.runtime.forwarding import Forwarder
 from sluice.runtime.repository import ModelVersion, Repository
 from sluice.runtime.signature import check_request
 from sluice.runtime.types import InferRequest, InferResponse, Responder
+from sluice.runtime.watcher import ModelControl
 
 EXTENSIONS = [
     "classification",
@@ -60,8 +61,11 @@ class DataPlane:
         shared_memory: shm.Registry | None = None,
         caller_labels: CallerLabels | None = None,
         duplicates: DuplicateWindow | None = None,
+        control: ModelControl | None = None,
     ) -> None:
         self.repository = repository
+        # Who may load and unload (--model-control-mode); without one, the repository API is refused.
+        self.control = control if control is not None else ModelControl(repository, "none")
         self.shared_memory = shared_memory
         """Registered system and CUDA shared-memory regions (None: the extensions are off, as in unit tests)."""
         repository.route_steps(self._infer_local)  # ensembles' steps run through the data plane, never forwarded
@@ -179,10 +183,10 @@ class DataPlane:
     async def load(self, name: str, config_override: str | None = None) -> None:
         if not self._accepting:
             raise Unavailable("server is shutting down")
-        await self.repository.load(name, config_override)
+        await self.control.load(name, config_override)
 
     async def unload(self, name: str) -> None:
-        await self.repository.unload(name)
+        await self.control.unload(name)
 
     def state_of(self, name: str) -> str:
         return self.repository.state_of(name)[0]

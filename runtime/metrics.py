@@ -26,7 +26,8 @@ from prometheus_client.utils import floatToGoString
 
 from sluice.runtime.callers import REASONS, CallerLabels
 from sluice.runtime.forwarding import Forwarder
-from sluice.runtime.repository import ModelVersion
+from sluice.runtime.repository import ModelVersion, Repository
+from sluice.runtime.snapshot import PollCounts
 
 LABELS = ["model", "version"]
 
@@ -189,6 +190,45 @@ class CallerCollector(Collector):
         yield from (success, failure, rejected, cache_hits, duplicates)
 
 
+class RepositoryCollector(Collector):
+    """Loads and reloads: failures per model, each model's load state, and repository polls."""
+
+    STATES = ("READY", "LOADING", "UNAVAILABLE", "STALE")
+
+    def __init__(self, repository: Repository, polls: PollCounts | None) -> None:
+        self._repository = repository
+        self._polls = polls
+
+    def collect(self) -> Iterator[Metric]:
+        failures = CounterMetricFamily(
+            "sluice_model_load_failures",
+            "Failed loads and reloads of a model since start (a failed reload leaves the older versions serving)",
+            labels=["model"],
+        )
+        for model, count in sorted(self._repository.load_failures.items()):
+            failures.add_metric([model], count)
+        state = GaugeMetricFamily(
+            "sluice_model_load_state",
+            "1 for the load state a model is in: READY, LOADING, UNAVAILABLE, or STALE (its last reload "
+            "failed and older versions serve)",
+            labels=["model", "state"],
+        )
+        for model, now in sorted(self._repository.load_states().items()):
+            for name in self.STATES:
+                state.add_metric([model, name], 1.0 if now == name else 0.0)
+        yield from (failures, state)
+        if self._polls is not None:
+            polls = CounterMetricFamily("sluice_repository_polls", "Model repository polls (--model-control-mode poll)")
+            polls.add_metric([], self._polls.polls)
+            poll_failures = CounterMetricFamily(
+                "sluice_repository_poll_failures",
+                "Polls that could not read the model repository (a cloud store unreachable); the loaded models "
+                "went on serving",
+            )
+            poll_failures.add_metric([], self._polls.failures)
+            yield from (polls, poll_failures)
+
+
 class Metrics:
     """The server's registry and its exposition."""
 
@@ -198,10 +238,15 @@ class Metrics:
         forwarder: Forwarder | None = None,
         caller_labels: CallerLabels | None = None,
         model_metrics: Any = None,
+        *,
+        repository: Repository | None = None,
+        polls: PollCounts | None = None,
     ) -> None:
         self._model_metrics = model_metrics  # triton_python_backend_utils.MetricRegistry, or None
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ModelCollector(versions))
+        if repository is not None:
+            self.registry.register(RepositoryCollector(repository, polls))
         if forwarder is not None:
             self.registry.register(ForwardingCollector(forwarder))
         if caller_labels is not None:

@@ -52,6 +52,9 @@ class RemoteFile:
     whole: bool = False
     """The source is this one file (not a prefix that holds one): it keeps its name, its digest is its own
     SHA-256, and an archive is unpacked."""
+    tag: str = ""
+    """What the store says changes with the content (ETag, generation, last modified); empty when unknown.
+    The model repository mirror (mirror.py) compares it between polls."""
 
 
 class Store(Protocol):
@@ -162,12 +165,16 @@ class FsspecStore:
         self._root = source.location.rstrip("/")
         self._source = source
 
+    def invalidate(self) -> None:
+        """Forget cached listings (s3fs keeps them): the next ``list`` asks the store."""
+        self._fs.invalidate_cache()
+
     def list(self) -> list[RemoteFile]:
         info = self._fs.info(self._root)
         if info.get("type") == "file":
             return [RemoteFile(self._root, pull.relative_key("", self._source.name), int(info["size"]), whole=True)]
         found = self._fs.find(self._root, detail=True)
-        return [RemoteFile(key, pull.relative_key(self._root, key), int(entry["size"]))
+        return [RemoteFile(key, pull.relative_key(self._root, key), int(entry["size"]), tag=_object_tag(entry))
                 for key, entry in sorted(found.items())
                 if entry.get("type") == "file" and not key.endswith("/")]
 
@@ -200,6 +207,15 @@ def _without_library_retries(fs: Any, scheme: str) -> None:
         else:
             for count in counts:
                 setattr(policy, count, 0)
+
+
+def _object_tag(entry: dict[str, Any]) -> str:
+    """The field of an fsspec listing entry that changes with the object's content (s3fs, gcsfs, adlfs)."""
+    for field in ("ETag", "etag", "generation", "md5Hash", "LastModified", "last_modified", "updated", "mtime"):
+        value = entry.get(field)
+        if value:
+            return str(value)
+    return ""
 
 
 class _NoDowngrade(urllib.request.HTTPRedirectHandler):
@@ -278,7 +294,9 @@ def _local(what: str) -> Iterator[None]:
         raise pull.DestinationError(f"{what}: {exc.strerror or exc}") from exc
 
 
-class _Retrier:
+class Retrier:
+    """Runs an operation, retrying transient failures with backoff (each retry logged)."""
+
     def __init__(self, settings: PullSettings, sleep: Callable[[float], None], rand: Callable[[], float]) -> None:
         self._settings, self._sleep, self._rand = settings, sleep, rand
 
@@ -303,7 +321,7 @@ class _Retrier:
         raise AssertionError("unreachable")
 
 
-def _download(store: Store, file: RemoteFile, target: Path, observer: Observer, what: str) -> str:
+def download(store: Store, file: RemoteFile, target: Path, observer: Observer, what: str) -> str:
     """One attempt: the file's bytes into ``target`` (truncated first); its SHA-256."""
     digest = hashlib.sha256()
     got = 0
@@ -432,7 +450,7 @@ def pull_model(
         parent.mkdir(parents=True, exist_ok=True)
         for stale in parent.glob(f".{destination.name}.sluice-pull-*"):  # left by a killed run
             shutil.rmtree(stale, ignore_errors=True)
-    retry = _Retrier(settings, sleep, rand)
+    retry = Retrier(settings, sleep, rand)
     store = open_store(source, settings)
     files = retry(source.display, store.list)
     if not files:
@@ -457,7 +475,7 @@ def pull_model(
             target = download_root / file.relative
 
             def attempt(file: RemoteFile = file, target: Path = target, what: str = what) -> str:
-                return _download(store, file, target, observer, what)
+                return download(store, file, target, observer, what)
 
             digests.append((file.relative, retry(what, attempt)))
             observer.file_done(file)

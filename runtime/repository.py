@@ -76,6 +76,8 @@ class _Model:
     waiting: dict[int, ModelVersion] = dataclasses.field(default_factory=dict)
     # Why the last load failed while nothing serves: requests get 503 with it, not 404 "unknown".
     load_error: str = ""
+    # Why the last (re)load failed while older versions go on serving; "" once a load succeeds.
+    reload_error: str = ""
 
 
 _PLATFORM_BY_BACKEND = {"onnxruntime": "onnxruntime_onnx", "pytorch": "pytorch_libtorch", "tensorrt": "tensorrt_plan"}
@@ -221,12 +223,19 @@ def _instance_plan(config: mc.ModelConfig) -> list[tuple[int, int]]:
 
 
 def prepare(
-    root: Path, name: str, override: str | None, defaults: SchedulingDefaults, services: BackendServices | None = None
+    root: Path,
+    name: str,
+    override: str | None,
+    defaults: SchedulingDefaults,
+    services: BackendServices | None = None,
+    tried: list[int] | None = None,
 ) -> _Prepared:
     """Blocking part of a load: parse, complete, validate, open sessions. Runs on a worker thread.
 
     Everything that can be refused is checked before the first backend or instance is created, so
-    a refused load opens nothing; what it opened is closed again if a later step fails.
+    a refused load opens nothing; what it opened is closed again if a later step fails. The versions
+    the policy chose are appended to ``tried`` as soon as they are known (the index names them when
+    the load fails).
     """
     model_dir = names.model_directory(root, name)
     if model_dir is None:
@@ -251,6 +260,8 @@ def prepare(
             file=name,
             field="version_policy",
         )
+    if tried is not None:
+        tried.extend(chosen)
     if backend == "onnxruntime":
         from sluice.runtime.backends import onnxrt
 
@@ -331,6 +342,8 @@ class Repository:
         # Models the server is expected to serve (strict readiness): those asked for at start,
         # and those loaded since; an unload removes one.
         self._expected: set[str] = set()
+        self.load_failures: dict[str, int] = {}
+        """Failed loads and reloads per model since start (``sluice_model_load_failures_total``)."""
 
     def route_steps(self, dispatch: ensemble.Dispatch) -> None:
         """Where ensembles send their steps' requests: the data plane's ``infer_nowait``."""
@@ -350,6 +363,19 @@ class Repository:
     def failed(self) -> dict[str, str]:
         """Models with nothing serving because their last load failed: name -> why."""
         return {name: model.load_error for name, model in self._models.items() if model.load_error}
+
+    def serving_stale(self) -> set[str]:
+        """Models whose last reload failed, so that older versions (and their files) go on serving."""
+        return {name for name, model in self._models.items() if model.reload_error and model.versions}
+
+    def load_states(self) -> dict[str, str]:
+        """Every model this repository knows -> ``READY``, ``LOADING``, ``UNAVAILABLE`` or ``STALE``
+        (serving older versions after a failed reload)."""
+        return {
+            name: "STALE" if model.reload_error and model.versions else model.state
+            for name, model in self._models.items()
+            if model.versions or model.history or model.reason or model.state == LOADING
+        }
 
     def _entry(self, name: str) -> _Model:
         model = self._models.get(name)
@@ -385,14 +411,15 @@ class Repository:
         model = self._entry(name)
         loop = asyncio.get_running_loop()
         old: dict[int, ModelVersion] = {}
+        tried: list[int] = []
         async with model.lock:
             model.state = LOADING
             try:
                 prepared = await loop.run_in_executor(
-                    None, prepare, self.root, name, override, self._scheduling, self.services
+                    None, prepare, self.root, name, override, self._scheduling, self.services, tried
                 )
             except Exception as exc:
-                self._load_failed(name, model, exc)
+                self._load_failed(name, model, exc, tried)
                 raise exc if isinstance(exc, SluiceError) else Unavailable(model.reason) from exc
             new_versions: dict[int, ModelVersion] = {}
             try:
@@ -401,7 +428,7 @@ class Repository:
                 # Started schedulers close their own instances; the rest is closed here.
                 await asyncio.gather(*(v.scheduler.aclose(0.0) for v in new_versions.values()))
                 await loop.run_in_executor(None, prepared.close, set(new_versions))
-                self._load_failed(name, model, exc)
+                self._load_failed(name, model, exc, tried)
                 raise exc if isinstance(exc, SluiceError) else Unavailable(model.reason) from exc
             for warning in prepared.warnings:
                 log.warning("model %s: %s", name, warning)
@@ -414,15 +441,17 @@ class Repository:
                 if version not in new_versions:
                     model.history[version] = UNAVAILABLE
             model.state = READY
-            model.reason = model.load_error = ""
+            model.reason = model.load_error = model.reload_error = ""
             self._expected.add(name)
             log.info("model %s ready, versions %s", name, sorted(new_versions))
             self._follow_steps()
         if old:
             await self._close_versions(old.values())
 
-    def _load_failed(self, name: str, model: _Model, exc: Exception) -> None:
-        """Record a failed load: the versions that were serving go on serving; one log line."""
+    def _load_failed(self, name: str, model: _Model, exc: Exception, tried: Collection[int] = ()) -> None:
+        """Record a failed load: the versions that were serving go on serving; one log line, a count
+        for the metrics, and the reason in the index (on the versions it tried and, while older
+        versions serve, on theirs)."""
         if isinstance(exc, SluiceError):
             exc.message = self._client_message(name, exc.message)
             exc.args = (exc.message,)
@@ -431,15 +460,20 @@ class Repository:
         else:  # a bug or an unexpected OSError: keep the traceback in the log
             message = self._client_message(name, f"{type(exc).__name__}: {exc}")
             log.error("%s", message, exc_info=exc)
+        for version in tried:
+            if version not in model.versions:
+                model.history[version] = UNAVAILABLE
         if model.versions:
             model.state = READY
-            model.reason = f"reload failed, previous versions still serving: {message}"
+            model.reason = model.reload_error = f"reload failed, previous versions still serving: {message}"
         elif isinstance(exc, NotFound) and not model.history and not model.waiting:
             # not in the repository and never served: unknown (404), and no index row (see index)
             model.state, model.reason, model.load_error = UNAVAILABLE, "", ""
         else:
             model.state = UNAVAILABLE
             model.reason = model.load_error = message
+        if model.reason:  # not for a name the repository does not hold: clients must not mint label values
+            self.load_failures[name] = self.load_failures.get(name, 0) + 1
 
     def _start(self, name: str, prepared: _Prepared, new_versions: dict[int, ModelVersion]) -> None:
         """Start a scheduler for each prepared version, into ``new_versions``; reads no file."""
@@ -493,7 +527,7 @@ class Repository:
             old, model.versions, model.waiting = {**model.waiting, **model.versions}, {}, {}
             model.state = UNAVAILABLE
             model.reason = "unloaded"
-            model.load_error = ""
+            model.load_error = model.reload_error = ""
             for version in old:
                 model.history[version] = UNAVAILABLE
             self._follow_steps()
@@ -602,7 +636,7 @@ class Repository:
                     state = READY
                 if ready_only and state != READY:
                     continue
-                reason = "" if state == READY else model.reason
+                reason = model.reload_error if state == READY else model.reason
                 entries.append(IndexEntry(name, str(version), state, reason))
         return entries
 

@@ -4,7 +4,9 @@
 Start: bind every listener first (a port in use fails at once, before models load), then load the
 models; the server is ready once they are (with strict readiness, only when all of them are).
 With ``--split-file`` it also watches that file and forwards the canary's share of split models'
-requests (forwarding.py). Shutdown: report not-ready and keep serving for the drain period (load
+requests (forwarding.py). Model control (watcher.py): which models load at start, the repository
+API's gate, and in poll mode the periodic rescan; a cloud repository is mirrored first (mirror.py).
+Shutdown: report not-ready and keep serving for the drain period (load
 balancers and Kubernetes endpoints stop sending meanwhile), stop listening, let in-flight requests
 finish within the grace period, then unload models (calling Python models' ``finalize``) and return.
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from sluice.runtime import cudart, names, shm
+from sluice.runtime import cudart, names, pull, shm
 from sluice.runtime.backends.base import BackendServices
 from sluice.runtime.backends.triton_python_backend_utils import MetricRegistry
 from sluice.runtime.batching import Clock
@@ -30,12 +32,15 @@ from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import NotFound, SluiceError
 from sluice.runtime.forwarding import Forwarder, SplitFileWatcher
 from sluice.runtime.metrics import Metrics
+from sluice.runtime.mirror import RepositoryMirror
 from sluice.runtime.protocol.grpc import start_grpc
 from sluice.runtime.protocol.grpc_h2 import GrpcServer
 from sluice.runtime.protocol.http import HttpServer, Request, Response, V2Routes
 from sluice.runtime.protocol.listener import UNIX_SOCKET_MODE, Listener, remove_unix_socket, unix_path_problem
 from sluice.runtime.repository import Repository
-from sluice.runtime.settings import ServerSettings
+from sluice.runtime.settings import MODEL_CONTROL_MODES, ServerSettings
+from sluice.runtime.snapshot import Change
+from sluice.runtime.watcher import ModelControl, startup_models
 
 log = logging.getLogger("sluice.runtime.server")
 
@@ -73,6 +78,13 @@ class Server:
         if settings.split_file is not None:
             self.forwarder = Forwarder()
             self._split_watcher = SplitFileWatcher(settings.split_file, self.forwarder.table, clock)
+        self.control = ModelControl(
+            self.repository,
+            settings.model_control_mode,
+            poll_s=settings.repository_poll_s,
+            only=settings.models or None,
+            clock=clock,
+        )
         self.shared_memory = shm.Registry(cuda=cuda)  # cuda: where the CUDA runtime is looked for (None: everywhere)
         self.dataplane = DataPlane(
             self.repository,
@@ -86,12 +98,15 @@ class Server:
                 if settings.duplicate_window_s > 0
                 else None
             ),
+            control=self.control,
         )
         self.metrics = Metrics(
             self.repository.all_versions,
             self.forwarder,
             self.dataplane.caller_labels,
             model_metrics=self.backend_services.model_metrics,
+            repository=self.repository,
+            polls=self.control.counts,
         )
         self.ports = Ports()
         self.failed_models: dict[str, str] = {}
@@ -107,12 +122,25 @@ class Server:
         loop = asyncio.get_running_loop()
         self.backend_services.loop = loop
         settings = self.settings
-        if not settings.model_repository.is_dir():
+        self._check_model_control()
+        if settings.repository_url is not None:
+            try:
+                self.control.mirror = RepositoryMirror(
+                    settings.repository_url,
+                    settings.model_repository,
+                    env=settings.storage_env,
+                    retries=settings.storage_retries,
+                    timeout_s=settings.storage_timeout_s,
+                )
+            except pull.PullError as exc:
+                raise StartupError(f"--model-repository: {exc}") from None
+        elif not settings.model_repository.is_dir():
             raise StartupError(f"--model-repository {settings.model_repository} is not a directory")
-        for name in settings.models:
-            problem = names.name_problem(name)
-            if problem is not None:
-                raise StartupError(f"--model {names.shown(name)!r}: {problem}; allowed: {names.ALLOWED}")
+        for flag, listed in (("--model", settings.models), ("--load-model", settings.load_models)):
+            for name in listed:
+                problem = names.name_problem(name) if name != "*" or flag == "--model" else None
+                if problem is not None:
+                    raise StartupError(f"{flag} {names.shown(name)!r}: {problem}; allowed: {names.ALLOWED}")
         try:
             await self._listen(loop)
         except BaseException:
@@ -120,19 +148,30 @@ class Server:
             raise
         if self._split_watcher is not None:
             self._split_watcher.start()  # before any request is read: the split holds from the first one
-        names_ = list(settings.models) or self.repository.names_on_disk()
+        try:
+            await self.control.prepare()  # a cloud repository's mirror; poll mode's first snapshot
+        except pull.PullError as exc:
+            await self._close_listeners()
+            raise StartupError(f"--model-repository: cannot read the model repository: {exc}") from None
+        except OSError as exc:
+            await self._close_listeners()
+            raise StartupError(f"--model-repository: cannot read the model repository: {exc.strerror or exc}") from None
+        names_ = startup_models(
+            settings.model_control_mode, settings.models, settings.load_models, self.repository.names_on_disk()
+        )
         self.repository.expect(names_)
         results = await asyncio.gather(*(self.repository.load(name) for name in names_), return_exceptions=True)
         for name, result in zip(names_, results, strict=True):
             if isinstance(result, BaseException):
                 self.failed_models[name] = result.message if isinstance(result, SluiceError) else repr(result)
         self.dataplane.set_started()
+        self.control.start()
         serving = len(names_) - len(self.failed_models)
         log.info(
             "sluice serving %d of %d model(s) from %s: HTTP %s, gRPC %s, metrics %s%s",
             serving,
             len(names_),
-            settings.model_repository,
+            settings.repository_url or settings.model_repository,
             self.ports.http,
             self.ports.grpc,
             self.ports.metrics,
@@ -145,6 +184,27 @@ class Server:
                 "; ".join(why for _, why in sorted(self.failed_models.items())),
             )
         return self.ports
+
+    def _check_model_control(self) -> None:
+        settings = self.settings
+        if settings.model_control_mode not in MODEL_CONTROL_MODES:
+            raise StartupError(
+                f"--model-control-mode {settings.model_control_mode!r}: allowed values are "
+                + ", ".join(MODEL_CONTROL_MODES)
+            )
+        if settings.load_models and settings.model_control_mode != "explicit":
+            raise StartupError(
+                "--load-model needs --model-control-mode explicit (in none and poll mode every model, or those "
+                "named with --model, loads at start)"
+            )
+        if settings.model_control_mode == "poll" and settings.repository_poll_s <= 0:
+            raise StartupError(
+                f"--repository-poll-secs {settings.repository_poll_s:g}: poll mode needs a positive interval"
+            )
+
+    async def poll_repository(self) -> dict[str, Change]:
+        """Poll mode: scan the repository now and apply what changed (as each poll does); the changes."""
+        return await self.control.poll_now()
 
     async def _listen(self, loop: asyncio.AbstractEventLoop) -> None:
         settings = self.settings
@@ -255,6 +315,7 @@ class Server:
         self.dataplane.stop_accepting()
         if self._split_watcher is not None:
             self._split_watcher.stop()
+        await self.control.stop()
         if self.forwarder is not None:
             await self.forwarder.aclose()
         await self.repository.aclose(max(deadline - time.monotonic(), 0.0))  # one grace for the whole stop

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -96,6 +97,9 @@ class SchedulingDefaults:
 GRPC_SERVERS = ("h2", "grpcio")
 """Values of ``ServerSettings.grpc_server``."""
 
+MODEL_CONTROL_MODES = ("none", "poll", "explicit")
+"""Values of ``ServerSettings.model_control_mode`` (Triton's ``--model-control-mode``)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
@@ -147,3 +151,21 @@ class ServerSettings:
     """A request with the same inputs for the same model version from the same caller within this
     long of the last one counts as a duplicate (``sluice_caller_duplicate_request_total``); 0 turns
     duplicate detection off (nothing is hashed). Requests that name no caller are never hashed."""
+    model_control_mode: str = "none"
+    """Triton's ``--model-control-mode``. ``none``: load the models at start, never again, refuse the
+    repository load/unload API; ``poll``: the same, and rescan the repository every
+    ``repository_poll_s`` to load added, reload changed and unload removed models (API refused);
+    ``explicit``: load ``load_models`` at start, then only what the load/unload API asks for."""
+    load_models: tuple[str, ...] = ()
+    """``explicit`` mode: the models loaded at start (``*``: every model in the repository)."""
+    repository_poll_s: float = 15.0
+    """``poll`` mode: seconds between two scans of the repository (Triton's ``--repository-poll-secs``)."""
+    repository_url: str | None = None
+    """A cloud model repository (``s3://``, ``gs://``, ``az://``): mirrored into ``model_repository``,
+    which is then the local cache, before the models load and before every poll (mirror.py)."""
+    storage_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """The environment the storage libraries' credential chains and endpoint settings read."""
+    storage_retries: int = 3
+    """Retries of each request to a cloud repository on transient errors (after the first attempt)."""
+    storage_timeout_s: float = 30.0
+    """Connect and read timeout of each request to a cloud repository."""

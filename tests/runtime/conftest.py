@@ -78,6 +78,11 @@ class TritonPythonModel:
 """
 
 
+EXPLICIT: dict[str, Any] = {"model_control_mode": "explicit", "load_models": ("*",)}
+"""Server settings of tests that call the repository load/unload API: Triton's explicit model control,
+every model loaded at start (the default mode, ``none``, refuses the API)."""
+
+
 def write_model(repo: Path, name: str, config: str, files: dict[str, bytes | str], version: int = 1) -> Path:
     """Write ``<repo>/<name>/config.pbtxt`` and ``<repo>/<name>/<version>/<file>``."""
     model_dir = repo / name

@@ -26,7 +26,7 @@ from tritonclient.utils import InferenceServerException
 from sluice.runtime import classification
 from sluice.runtime.errors import ConfigError, InvalidArgument
 
-from .conftest import start_server, write_model  # type: ignore[import-not-found]
+from .conftest import EXPLICIT, start_server, write_model  # type: ignore[import-not-found]
 
 # -- the ranking, without I/O -------------------------------------------------------------------
 
@@ -278,7 +278,7 @@ def test_server_metadata_lists_the_extension(server) -> None:
 def test_missing_label_file_fails_the_load_naming_the_file(tmp_path: Path, serve) -> None:
     repo = tmp_path / "repo"
     write_model(repo, "nolabels", _model_config("nolabels", 0), {"model.py": ECHO_PY})
-    running = serve(repo)
+    running = serve(repo, **EXPLICIT)
     client = httpclient.InferenceServerClient(running.http)
 
     with pytest.raises(InferenceServerException) as caught:

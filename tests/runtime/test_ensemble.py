@@ -25,7 +25,7 @@ from sluice.runtime import ensemble
 from sluice.runtime.errors import Cancelled, ConfigError, ModelError, SluiceError, Unavailable
 from sluice.runtime.types import InferRequest, InferResponse, Tensor
 
-from .conftest import ADD_SUB_CONFIG, BUILDERS, IDENTITY_PY, ROOT, Running, write_model
+from .conftest import ADD_SUB_CONFIG, BUILDERS, EXPLICIT, IDENTITY_PY, ROOT, Running, write_model
 
 # --- models --------------------------------------------------------------------------------------
 
@@ -446,7 +446,7 @@ CONFIG_ERRORS = [
 def test_invalid_ensembles_fail_to_load_and_others_serve(tmp_path: Path, serve, config_text: str, expected) -> None:
     repo = base_repo(tmp_path / "repo")
     write_ensemble(repo, "bad", config_text)
-    server: Running = serve(repo)
+    server: Running = serve(repo, **EXPLICIT)
     message = server.server.failed_models["bad"]
     for part in ["bad/config.pbtxt", *expected]:
         assert part in message, (part, message)
@@ -464,7 +464,7 @@ def test_invalid_ensembles_fail_to_load_and_others_serve(tmp_path: Path, serve, 
 
 
 def test_readiness_follows_the_steps(repo: Path, serve) -> None:
-    server: Running = serve(repo)
+    server: Running = serve(repo, **EXPLICIT)
     http = httpclient.InferenceServerClient(server.http)
     grpc = grpcclient.InferenceServerClient(server.grpc)
     http.infer("pipeline", fp32_inputs(httpclient, A, B))
@@ -494,7 +494,8 @@ def test_load_order_does_not_matter(tmp_path: Path, serve) -> None:
     repo = tmp_path / "repo"
     write_ensemble(repo, "pipeline", PIPELINE)
     base_repo(repo)
-    server: Running = serve(repo, models=("pipeline",))  # the ensemble alone: its steps come later
+    # the ensemble alone: its steps come later
+    server: Running = serve(repo, models=("pipeline",), model_control_mode="explicit")
     http = httpclient.InferenceServerClient(server.http)
     assert not http.is_model_ready("pipeline")
     http.load_model("add_sub")
@@ -525,14 +526,14 @@ def test_a_step_error_reaches_the_client(tmp_path: Path, serve) -> None:
 def test_remote_steps_are_called_over_grpc(tmp_path: Path, serve) -> None:
     remote_repo = tmp_path / "remote"
     write_model(remote_repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
-    remote: Running = serve(remote_repo)
+    remote: Running = serve(remote_repo, **EXPLICIT)
     repo = tmp_path / "repo"
     write_model(repo, "identity_fp32", IDENTITY_FP32, {"model.py": IDENTITY_PY})
     config = PIPELINE.replace("model_version: 1", "model_version: -1") + (
         f'parameters {{ key: "sluice.remote.add_sub" value {{ string_value: "{remote.grpc}" }} }}\n'
     )
     write_ensemble(repo, "pipeline", config)
-    server: Running = serve(repo)
+    server: Running = serve(repo, **EXPLICIT)
     http = httpclient.InferenceServerClient(server.http)
     assert http.is_model_ready("pipeline")
     for _ in range(2):  # the second call reuses the client

@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from sluice.runtime import names
 
-from .conftest import ADD_SUB_CONFIG, BUILDERS, write_model  # type: ignore[import-not-found]
+from .conftest import ADD_SUB_CONFIG, BUILDERS, EXPLICIT, write_model  # type: ignore[import-not-found]
 
 PROBE_PY = """
 import os
@@ -86,7 +86,7 @@ def http_load(server, name: str, body: dict | None = None) -> tuple[int, str]:
 
 def test_hostile_names_are_refused_over_http_and_grpc_and_no_outside_code_runs(serve, layout, tmp_path):
     repo, marker = layout
-    server = serve(repo)
+    server = serve(repo, **EXPLICIT)
     grpc = grpcclient.InferenceServerClient(server.grpc)
     for name in hostile_names(tmp_path):
         if name:  # an empty name is not a route over HTTP: POST /v2/repository/models//load
@@ -123,7 +123,7 @@ def test_unencoded_traversal_in_the_url_is_not_a_route(serve, layout):
 def test_a_symlink_leading_outside_the_repository_is_refused(serve, layout, tmp_path):
     repo, marker = layout
     (repo / "link").symlink_to(tmp_path / "outside" / "probe", target_is_directory=True)
-    server = serve(repo, strict_readiness=False)  # the link is found at start and refused there too
+    server = serve(repo, strict_readiness=False, **EXPLICIT)  # the link is found at start and refused there too
     status, body = http_load(server, "link")
     assert status == 400, body
     assert "symbolic link that leads outside the model repository" in body
@@ -143,7 +143,7 @@ def test_a_symlink_inside_the_repository_is_served(serve, layout):
 def test_default_model_filename_in_a_config_override_cannot_leave_the_version_directory(serve, layout, tmp_path):
     repo, marker = layout
     victim = write_model(repo, "victim", PROBE_CONFIG.replace("probe", "victim"), {"model.py": PROBE_PY})
-    server = serve(repo, models=("add_sub",))
+    server = serve(repo, models=("add_sub",), model_control_mode="explicit")
     override = {
         "name": "victim",
         "backend": "python",

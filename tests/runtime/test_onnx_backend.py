@@ -12,7 +12,7 @@ from tritonclient.utils import InferenceServerException
 from sluice.runtime.backends.onnxrt import providers_for
 from sluice.runtime.errors import Unavailable
 
-from .conftest import BUILDERS, write_model  # type: ignore[import-not-found]
+from .conftest import BUILDERS, EXPLICIT, write_model  # type: ignore[import-not-found]
 
 CPU = ["CPUExecutionProvider"]
 CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -97,7 +97,7 @@ def test_bad_thread_parameter_names_the_field(tmp_path, serve):
         'parameters { key: "intra_op_thread_count" value { string_value: "many" } }\n',
         {"model.onnx": BUILDERS.mlp_model()},
     )  # fmt: skip
-    server = serve(repo)
+    server = serve(repo, **EXPLICIT)
     client = httpclient.InferenceServerClient(server.http)
     with pytest.raises(InferenceServerException, match=r"intra_op_thread_count.*integer"):
         client.load_model("mlp")

@@ -18,7 +18,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from .conftest import ADD_SUB_CONFIG, BUILDERS, write_model  # type: ignore[import-not-found]
+from .conftest import ADD_SUB_CONFIG, BUILDERS, EXPLICIT, write_model  # type: ignore[import-not-found]
 
 GATE = "sluice_test_finalize_gate"
 
@@ -92,7 +92,7 @@ def add_sub_inputs(module: types.ModuleType) -> list:
 def test_async_finalize_runs_to_completion_on_unload(tmp_path: Path, serve) -> None:
     repo = tmp_path / "repo"
     model_dir = write_model(repo, "afin", ONE_OUTPUT_CONFIG.format(name="afin"), {"model.py": ASYNC_FINALIZE_PY})
-    server = serve(repo)
+    server = serve(repo, **EXPLICIT)
     client = httpclient.InferenceServerClient(server.http)
 
     client.unload_model("afin")
@@ -105,7 +105,7 @@ def test_slow_finalize_does_not_block_other_models(tmp_path: Path, serve, gate) 
     repo = tmp_path / "repo"
     write_model(repo, "slowfin", ONE_OUTPUT_CONFIG.format(name="slowfin"), {"model.py": SLOW_FINALIZE_PY})
     write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
-    server = serve(repo)
+    server = serve(repo, **EXPLICIT)
     unloading = threading.Thread(target=httpclient.InferenceServerClient(server.http).unload_model, args=("slowfin",))
     unloading.start()
     try:

@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from .conftest import write_model  # type: ignore[import-not-found]
+from .conftest import EXPLICIT, write_model  # type: ignore[import-not-found]
 
 CLIENTS = {"http": httpclient, "grpc": grpcclient}
 
@@ -140,7 +140,7 @@ def auto_server(tmp_path_factory: pytest.TempPathFactory):
         'name: "conflict"\nbackend: "python"\ninput [ { name: "A", data_type: TYPE_FP32, dims: [ 3 ] } ]\n',
         {"model.py": CONFLICTING_PY},
     )
-    handle = start_server(repo)
+    handle = start_server(repo, **EXPLICIT)
     yield handle
     handle.stop()
 

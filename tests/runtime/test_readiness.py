@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from .conftest import ADD_SUB_CONFIG, BUILDERS, write_model  # type: ignore[import-not-found]
+from .conftest import ADD_SUB_CONFIG, BUILDERS, EXPLICIT, write_model  # type: ignore[import-not-found]
 
 BROKEN_CONFIG = 'name: "broken"\nbackend: "onnxruntime"\nmax_batch_size: 0\n'
 
@@ -74,7 +74,7 @@ def add_sub_inputs(module):
 
 def test_strict_readiness_is_the_default_and_follows_every_model_found_at_start(serve, tmp_path):
     repo = repo_with_broken(tmp_path)
-    server = serve(repo)
+    server = serve(repo, **EXPLICIT)
     http = httpclient.InferenceServerClient(server.http)
     grpc = grpcclient.InferenceServerClient(server.grpc)
     assert http.is_server_live() and grpc.is_server_live()
@@ -89,7 +89,7 @@ def test_strict_readiness_is_the_default_and_follows_every_model_found_at_start(
 
 
 def test_unloading_the_failed_model_makes_the_server_ready(serve, tmp_path):
-    server = serve(repo_with_broken(tmp_path))
+    server = serve(repo_with_broken(tmp_path), **EXPLICIT)
     http = httpclient.InferenceServerClient(server.http)
     assert not http.is_server_ready()
     http.unload_model("broken")  # the operator asked to stop serving it: it is no longer expected
@@ -131,7 +131,7 @@ def test_a_failed_model_answers_503_with_its_load_error_not_404(serve, tmp_path)
 
 
 def test_a_failed_load_of_a_model_not_in_the_repository_leaves_no_index_row(serve, tmp_path):
-    server = serve(repo_with_broken(tmp_path), strict_readiness=False)
+    server = serve(repo_with_broken(tmp_path), strict_readiness=False, **EXPLICIT)
     http = httpclient.InferenceServerClient(server.http)
     with pytest.raises(InferenceServerException) as info:
         http.load_model("nope")
@@ -145,7 +145,7 @@ def test_a_failed_load_of_a_model_not_in_the_repository_leaves_no_index_row(serv
 
 
 def test_an_invalid_config_override_uses_tritons_load_wording(serve, tmp_path):
-    server = serve(repo_with_broken(tmp_path), strict_readiness=False)
+    server = serve(repo_with_broken(tmp_path), strict_readiness=False, **EXPLICIT)
     client = grpcclient.InferenceServerClient(server.grpc)
     with pytest.raises(InferenceServerException) as info:
         client.load_model("add_sub", config='{"max_batch_size": "many"}')
@@ -167,7 +167,7 @@ def test_a_bad_parameter_is_refused_before_any_side_effect_and_the_old_version_s
     repo = tmp_path / "repo"
     model_dir = write_model(repo, "marking", MARKING_CONFIG, {"model.py": MARKING_PY})
     marks = model_dir / "1" / "marks"
-    server = serve(repo)
+    server = serve(repo, **EXPLICIT)
     client = httpclient.InferenceServerClient(server.http)
     assert marks.read_text().splitlines() == ["initialize 1"]
     def model_threads() -> set[str]:  # the schedulers' workers are named after the model
@@ -202,7 +202,7 @@ def test_a_relative_repository_path_is_not_rewritten_inside_model_names(serve, t
     """Only the server's absolute paths are taken out of messages; 'repo' inside a name stays."""
     write_model(tmp_path / "repo", "repo_model", BROKEN_CONFIG.replace("broken", "repo_model"), {"model.onnx": b"x"})
     monkeypatch.chdir(tmp_path)
-    server = serve(Path("repo"), strict_readiness=False)
+    server = serve(Path("repo"), strict_readiness=False, **EXPLICIT)
     message = server.server.failed_models["repo_model"]
     assert message.startswith("failed to load 'repo_model'"), message
     assert "repo_model/1/model.onnx" in message and str(tmp_path) not in message

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import tritonclient.http as httpclient
 
-from .conftest import write_model  # type: ignore[import-not-found]
+from .conftest import EXPLICIT, write_model  # type: ignore[import-not-found]
 
 SLOW_PY = """
 import os
@@ -63,7 +63,7 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:
 def test_a_load_goes_on_when_its_client_hangs_up(tmp_path, serve):
     repo = tmp_path / "repo"
     write_model(repo, "slow", SLOW_CONFIG, {"model.py": SLOW_PY})
-    server = serve(repo, models=("none",))  # start without it
+    server = serve(repo, model_control_mode="explicit")  # start without it
     client = httpclient.InferenceServerClient(server.http)
     assert not client.is_model_ready("slow")
     send_and_hang_up(server.http, b"/v2/repository/models/slow/load")
@@ -78,7 +78,7 @@ def test_a_load_goes_on_when_its_client_hangs_up(tmp_path, serve):
 def test_an_unload_goes_on_when_its_client_hangs_up(tmp_path, serve):
     repo = tmp_path / "repo"
     version_dir = write_model(repo, "slow", SLOW_CONFIG, {"model.py": SLOW_PY}) / "1"
-    server = serve(repo)
+    server = serve(repo, **EXPLICIT)
     client = httpclient.InferenceServerClient(server.http)
     answered: dict = {}
 

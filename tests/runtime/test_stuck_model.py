@@ -12,7 +12,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from .conftest import write_model  # type: ignore[import-not-found]
+from .conftest import EXPLICIT, write_model  # type: ignore[import-not-found]
 from .test_cli_shutdown import start  # type: ignore[import-not-found]
 
 # Hangs until the test creates the release file (so no thread outlives the test run).
@@ -68,7 +68,7 @@ def _wait_for(path, timeout: float = 10.0) -> None:
 def test_unload_of_a_model_stuck_in_execute_returns_and_answers_the_request(tmp_path, serve):
     repo = tmp_path / "repo"
     version_dir = write_model(repo, "stuck", STUCK_CONFIG, {"model.py": STUCK_PY}) / "1"
-    server = serve(repo, shutdown_grace_s=0.5)
+    server = serve(repo, shutdown_grace_s=0.5, **EXPLICIT)
     try:
         outcome: dict = {}
         caller = _infer_in_thread(server.http, outcome)

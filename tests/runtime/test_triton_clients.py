@@ -13,6 +13,8 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as httpaio
 from tritonclient.utils import InferenceServerException
 
+from .conftest import EXPLICIT  # type: ignore[import-not-found]
+
 PROTOCOLS = ["http", "grpc"]
 
 
@@ -212,7 +214,7 @@ def repository_rows(client, protocol):
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_repository_index_load_unload(example_repo, serve, protocol):
-    server = serve(example_repo)
+    server = serve(example_repo, **EXPLICIT)
     _mod, client = client_for(server, protocol)
     rows = repository_rows(client, protocol)
     assert {(r["name"], r.get("state")) for r in rows} == {("add_sub", "READY"), ("mlp", "READY")}

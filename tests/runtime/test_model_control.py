@@ -1,0 +1,364 @@
+"""Model control (none / poll / explicit) and zero-drop reloads, on the real server with tritonclient.
+
+Polls are triggered by the test (``Server.poll_repository``, what each poll runs) or by a manual
+clock, never by sleeping. The models are two ONNX graphs that add different constants, so every
+answer says which version computed it. The change detection itself is a table of pure cases.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from onnx import TensorProto, helper
+from tritonclient.utils import InferenceServerException
+
+from sluice.runtime.server import StartupError
+from sluice.runtime.snapshot import Change, Kind, ModelFiles, changes
+from sluice.runtime.watcher import NOT_ALLOWED, startup_models
+
+from .conftest import ManualClock, write_model  # type: ignore[import-not-found]
+
+CONFIG = """
+name: "plus"
+backend: "onnxruntime"
+max_batch_size: 8
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 1 ] } ]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 1 ] } ]
+dynamic_batching { }
+"""
+
+
+def plus_model(constant: float) -> bytes:
+    """Y = X + constant."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["X", "C"], ["Y"])],
+        "plus",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, 1])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, 1])],
+        [helper.make_tensor("C", TensorProto.FLOAT, [1], [constant])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return onnx._serialize(model) if hasattr(onnx, "_serialize") else model.SerializeToString()
+
+
+def add_version(repo: Path, version: int, constant: float | None, name: str = "plus") -> None:
+    """Place version ``version`` the way a careful operator does: written beside, renamed in."""
+    staging = repo / name / f".staging-{version}"
+    staging.mkdir(parents=True)
+    (staging / "model.onnx").write_bytes(plus_model(constant) if constant is not None else b"not an onnx file")
+    os.rename(staging, repo / name / str(version))
+
+
+def infer_http(address: str, x: float = 1.0, model: str = "plus") -> float:
+    client = httpclient.InferenceServerClient(address)
+    try:
+        tensor = httpclient.InferInput("X", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.array([[x]], np.float32))
+        return float(client.infer(model, [tensor]).as_numpy("Y")[0, 0])
+    finally:
+        client.close()
+
+
+def index(address: str) -> list[dict]:
+    return httpclient.InferenceServerClient(address).get_model_repository_index()
+
+
+def metric_lines(address: str, prefix: str) -> list[str]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{address}/metrics") as response:
+        text = response.read().decode()
+    return [line for line in text.splitlines() if line.startswith(prefix)]
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    write_model(repo, "plus", CONFIG, {"model.onnx": plus_model(1.0)})
+    return repo
+
+
+# ---------------------------------------------------------------- the pure decisions
+
+A = frozenset({("model.onnx", 10, 1)})
+B = frozenset({("model.onnx", 10, 2)})
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ({}, {}, {}),
+        ({"m": ModelFiles(b"c", versions={1: A})}, {"m": ModelFiles(b"c", versions={1: A})}, {}),
+        ({}, {"m": ModelFiles(b"c", versions={1: A})}, {"m": Change(Kind.ADDED)}),
+        ({"m": ModelFiles(b"c", versions={1: A})}, {}, {"m": Change(Kind.REMOVED)}),
+        (
+            {"m": ModelFiles(b"c", versions={1: A})},
+            {"m": ModelFiles(b"c", versions={1: A, 2: B})},
+            {"m": Change(Kind.CHANGED, versions_added=(2,))},
+        ),
+        (
+            {"m": ModelFiles(b"c", versions={1: A, 2: B})},
+            {"m": ModelFiles(b"c", versions={1: A})},
+            {"m": Change(Kind.CHANGED, versions_removed=(2,))},
+        ),
+        (
+            {"m": ModelFiles(b"c", versions={1: A})},
+            {"m": ModelFiles(b"c", versions={1: B})},
+            {"m": Change(Kind.CHANGED, versions_changed=(1,))},
+        ),
+        (
+            {"m": ModelFiles(b"c", versions={1: A})},
+            {"m": ModelFiles(b"c2", versions={1: A})},
+            {"m": Change(Kind.CHANGED, config_changed=True)},
+        ),
+        (
+            {"m": ModelFiles(b"c", frozenset({("labels.txt", 3, 1)}), {1: A})},
+            {"m": ModelFiles(b"c", frozenset({("labels.txt", 4, 2)}), {1: A})},
+            {"m": Change(Kind.CHANGED, files_changed=True)},
+        ),
+        (
+            {"m": ModelFiles(None, versions={1: A}), "n": ModelFiles(b"c", versions={1: A})},
+            {"m": ModelFiles(b"c", versions={1: A}), "n": ModelFiles(b"c", versions={1: A})},
+            {"m": Change(Kind.CHANGED, config_changed=True)},
+        ),
+    ],
+    ids=["empty", "same", "added", "removed", "version-added", "version-removed", "version-files",
+         "config-bytes", "model-files", "config-appears"],
+)
+def test_changes_between_two_snapshots(old, new, expected):
+    assert changes(old, new) == expected
+
+
+@pytest.mark.parametrize(
+    ("mode", "models", "load_models", "expected"),
+    [
+        ("none", (), (), ["a", "b"]),
+        ("none", ("b",), (), ["b"]),
+        ("poll", (), (), ["a", "b"]),
+        ("explicit", (), (), []),
+        ("explicit", (), ("*",), ["a", "b"]),
+        ("explicit", ("a",), ("b", "a"), ["a", "b"]),
+    ],
+)
+def test_models_loaded_at_start(mode, models, load_models, expected):
+    assert startup_models(mode, models, load_models, ["a", "b"]) == expected
+
+
+# ---------------------------------------------------------------- the API gate
+
+def test_a_default_server_refuses_the_load_and_unload_api_as_triton(repo, serve):
+    server = serve(repo)
+    http = httpclient.InferenceServerClient(server.http)
+    grpc = grpcclient.InferenceServerClient(server.grpc)
+    for call in (lambda: http.load_model("plus"), lambda: http.unload_model("plus"),
+                 lambda: http.load_model("anything-at-all")):
+        with pytest.raises(InferenceServerException) as info:
+            call()
+        assert info.value.status() == "503" and NOT_ALLOWED in info.value.message()
+        assert "--model-control-mode explicit" in info.value.message()
+    for call in (lambda: grpc.load_model("plus"), lambda: grpc.unload_model("plus")):
+        with pytest.raises(InferenceServerException) as info:
+            call()
+        assert info.value.status() == "StatusCode.UNAVAILABLE" and NOT_ALLOWED in info.value.message()
+    assert http.is_model_ready("plus")  # still serving: nothing was unloaded
+    assert infer_http(server.http) == 2.0
+
+
+def test_poll_mode_refuses_the_api_too(repo, serve):
+    server = serve(repo, model_control_mode="poll", repository_poll_s=3600)
+    with pytest.raises(InferenceServerException, match="not allowed if polling is enabled"):
+        httpclient.InferenceServerClient(server.http).unload_model("plus")
+
+
+def test_explicit_mode_loads_only_load_model_names_and_allows_the_api(repo, serve):
+    write_model(repo, "other", CONFIG.replace('"plus"', '"other"'), {"model.onnx": plus_model(5.0)})
+    server = serve(repo, model_control_mode="explicit", load_models=("plus",))
+    http = httpclient.InferenceServerClient(server.http)
+    assert http.is_model_ready("plus") and not http.is_model_ready("other")
+    http.load_model("other")
+    assert infer_http(server.http, model="other") == 6.0
+    http.unload_model("plus")
+    assert not http.is_model_ready("plus")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"load_models": ("plus",)}, "--load-model needs --model-control-mode explicit"),
+        ({"model_control_mode": "sometimes"}, "allowed values are none, poll, explicit"),
+        ({"model_control_mode": "poll", "repository_poll_s": 0}, "poll mode needs a positive interval"),
+    ],
+)
+def test_bad_model_control_settings_are_one_line_startup_errors(repo, serve, overrides, message):
+    with pytest.raises(StartupError, match=message):
+        serve(repo, **overrides)
+
+
+# ---------------------------------------------------------------- polling
+
+def test_a_poll_loads_a_new_version_and_unloads_the_old_one(repo, serve):
+    server = serve(repo, model_control_mode="poll", repository_poll_s=3600)
+    assert infer_http(server.http) == 2.0
+    assert server.call(server.server.poll_repository()) == {}  # nothing changed
+    add_version(repo, 2, 10.0)
+    found = server.call(server.server.poll_repository())
+    assert found == {"plus": Change(Kind.CHANGED, versions_added=(2,))}
+    assert infer_http(server.http) == 11.0
+    http = httpclient.InferenceServerClient(server.http)
+    assert http.get_model_metadata("plus")["versions"] == ["2"]  # latest 1, Triton's default policy
+    rows = {(row["name"], row.get("version")): row["state"] for row in index(server.http)}
+    assert rows == {("plus", "1"): "UNAVAILABLE", ("plus", "2"): "READY"}
+
+
+def test_a_poll_applies_a_changed_config_removed_versions_and_removed_models(repo, serve):
+    add_version(repo, 2, 10.0)
+    write_model(repo, "other", CONFIG.replace('"plus"', '"other"'), {"model.onnx": plus_model(5.0)})
+    server = serve(repo, model_control_mode="poll", repository_poll_s=3600)
+    http = httpclient.InferenceServerClient(server.http)
+    assert http.get_model_metadata("plus")["versions"] == ["2"]
+    (repo / "plus" / "config.pbtxt").write_text(CONFIG + "version_policy { all { } }\n")
+    shutil.rmtree(repo / "other")
+    found = server.call(server.server.poll_repository())
+    assert found == {"plus": Change(Kind.CHANGED, config_changed=True), "other": Change(Kind.REMOVED)}
+    assert http.get_model_metadata("plus")["versions"] == ["1", "2"]
+    assert not http.is_model_ready("other")
+    shutil.rmtree(repo / "plus" / "2")
+    server.call(server.server.poll_repository())
+    assert http.get_model_metadata("plus")["versions"] == ["1"] and infer_http(server.http) == 2.0
+    assert http.is_server_ready()  # a removed model is no longer expected
+
+
+def test_the_poll_interval_runs_on_the_servers_clock(repo, serve):
+    clock = ManualClock()
+    server = serve(repo, model_control_mode="poll", repository_poll_s=15, clock=clock)
+    add_version(repo, 2, 10.0)
+    clock.advance(14)
+    server.settle()
+    assert _polls(server) == 0 and infer_http(server.http) == 2.0
+    clock.advance(1)
+    server.settle()  # the clock's poll has started; a poll asked for now waits for it, then finds nothing new
+    assert server.call(server.server.poll_repository()) == {}
+    assert _polls(server) == 2 and infer_http(server.http) == 11.0
+
+
+def _polls(server) -> int:
+    return int(float(metric_lines(server.metrics, "sluice_repository_polls_total")[0].split()[-1]))
+
+
+def test_a_broken_new_version_leaves_the_old_one_serving_and_says_why(repo, serve, caplog):
+    server = serve(repo, model_control_mode="poll", repository_poll_s=3600)
+    add_version(repo, 2, None)  # not an ONNX file
+    server.call(server.server.poll_repository())
+    assert infer_http(server.http) == 2.0  # version 1 serves on
+    rows = {row.get("version"): row for row in index(server.http)}
+    assert rows["1"]["state"] == "READY" and rows["2"]["state"] == "UNAVAILABLE"
+    for row in rows.values():
+        assert "reload failed, previous versions still serving: failed to load 'plus'" in row["reason"]
+        assert str(repo) not in row["reason"]
+    assert any("failed to load 'plus'" in r.getMessage() for r in caplog.records if r.levelname == "ERROR")
+    assert 'sluice_model_load_failures_total{model="plus"} 1.0' in metric_lines(server.metrics, "sluice_model_load")
+    assert 'sluice_model_load_state{model="plus",state="STALE"} 1.0' in metric_lines(server.metrics, "sluice_model")
+    # fixed on disk: the next poll serves it and the index is clean again
+    shutil.rmtree(repo / "plus" / "2")
+    add_version(repo, 2, 10.0)
+    server.call(server.server.poll_repository())
+    assert infer_http(server.http) == 11.0
+    assert all("reason" not in row or not row["reason"] for row in index(server.http) if row["state"] == "READY")
+
+
+# ---------------------------------------------------------------- zero-drop under load
+
+class Load:
+    """Threads of tritonclient HTTP and gRPC clients sending continuously; every answer recorded."""
+
+    def __init__(self, server, threads: int = 4) -> None:
+        self.answers: Counter[float] = Counter()
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run, args=(server, i % 2 == 0), daemon=True) for i in range(threads)
+        ]
+
+    def _run(self, server, use_http: bool) -> None:
+        module = httpclient if use_http else grpcclient
+        client = module.InferenceServerClient(server.http if use_http else server.grpc)
+        tensor = module.InferInput("X", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.array([[1.0]], np.float32))
+        while not self._stop.is_set():
+            try:
+                value = float(client.infer("plus", [tensor]).as_numpy("Y")[0, 0])
+            except Exception as exc:  # every failure is a finding
+                with self._lock:
+                    self.failures.append(f"{'HTTP' if use_http else 'gRPC'}: {exc}")
+                continue
+            with self._lock:
+                self.answers[value] += 1
+        client.close()
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def wait_for(self, value: float, count: int = 200) -> None:
+        deadline = threading.Event()
+        for _ in range(2000):
+            with self._lock:
+                if self.answers[value] >= count:
+                    return
+            deadline.wait(0.005)
+        raise AssertionError(f"never saw {count} answers of {value}: {dict(self.answers)}, {self.failures[:3]}")
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+
+
+def test_zero_drop_reload_under_load_by_poll_and_by_the_load_api(repo, serve):
+    server = serve(repo, model_control_mode="poll", repository_poll_s=3600)
+    with Load(server) as load:
+        load.wait_for(2.0)
+        add_version(repo, 2, 10.0)  # a new version
+        server.call(server.server.poll_repository())
+        load.wait_for(11.0)
+        (repo / "plus" / "config.pbtxt").write_text(CONFIG + "version_policy { specific { versions: [1] } }\n")
+        server.call(server.server.poll_repository())  # a changed config: back to version 1
+        load.wait_for(2.0, count=load.answers[2.0] + 200)
+        add_version(repo, 3, None)  # a broken version under load: nothing fails, version 1 serves on
+        (repo / "plus" / "config.pbtxt").write_text(CONFIG)
+        server.call(server.server.poll_repository())
+        load.wait_for(2.0, count=load.answers[2.0] + 200)
+    assert load.failures == []
+    assert set(load.answers) == {2.0, 11.0}, load.answers
+    print(f"\nreload under load (poll): {sum(load.answers.values())} requests, {len(load.failures)} failures, "
+          f"answers by version: {{1: {load.answers[2.0]}, 2: {load.answers[11.0]}}}")
+
+
+def test_zero_drop_reload_under_load_through_the_load_api(repo, serve):
+    server = serve(repo, model_control_mode="explicit", load_models=("*",))
+    http = httpclient.InferenceServerClient(server.http)
+    grpc = grpcclient.InferenceServerClient(server.grpc)
+    with Load(server) as load:
+        load.wait_for(2.0)
+        add_version(repo, 2, 10.0)
+        http.load_model("plus")
+        load.wait_for(11.0)
+        add_version(repo, 3, 20.0)
+        grpc.load_model("plus")
+        load.wait_for(21.0)
+    assert load.failures == []
+    assert set(load.answers) == {2.0, 11.0, 21.0}, load.answers
+    print(f"\nreload under load (API): {sum(load.answers.values())} requests, {len(load.failures)} failures, "
+          f"answers by version: {{1: {load.answers[2.0]}, 2: {load.answers[11.0]}, 3: {load.answers[21.0]}}}")
