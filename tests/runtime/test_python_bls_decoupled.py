@@ -15,7 +15,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from .conftest import start_server, write_model  # type: ignore[import-not-found]
+from .conftest import EXPLICIT, start_server, write_model  # type: ignore[import-not-found]
 
 IO4 = """
 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
@@ -423,7 +423,7 @@ def test_a_bad_metric_family_is_refused_with_a_clear_error(server, family, kind,
 def test_families_leave_the_metrics_port_when_their_model_unloads(tmp_path):
     repo = tmp_path / "repo"
     write_model(repo, "metrics", f'name: "metrics"\nbackend: "python"\n{IO4}', {"model.py": METRICS_PY})
-    handle = start_server(repo)
+    handle = start_server(repo, **EXPLICIT)  # the unload below needs the repository API
     try:
         assert "# TYPE demo_requests counter" in _metrics_text(handle)
         httpclient.InferenceServerClient(handle.http).unload_model("metrics")
