@@ -204,6 +204,42 @@ def test_bad_model_control_settings_are_one_line_startup_errors(repo, serve, ove
         serve(repo, **overrides)
 
 
+# ---------------------------------------------------------------- version policies
+
+@pytest.mark.parametrize(
+    ("policy", "served"),
+    [
+        ("", [3]),  # Triton's default: latest 1
+        ("version_policy { latest { num_versions: 2 } }", [2, 3]),
+        ("version_policy { all { } }", [1, 2, 3]),
+        ("version_policy { specific { versions: [ 1, 3 ] } }", [1, 3]),
+    ],
+)
+def test_every_served_version_is_addressable_and_no_other(tmp_path, serve, policy, served):
+    """Versions 1, 2, 3 on disk (Y = X + 10 * version): what the policy serves answers by version over
+    HTTP and gRPC; a version on disk it does not serve is not ready and not inferable; no version: the
+    newest served."""
+    repo = tmp_path / "repo"
+    write_model(repo, "plus", CONFIG + policy, {})
+    for version in (1, 2, 3):
+        add_version(repo, version, 10.0 * version)
+    server = serve(repo)
+    http, grpc = httpclient.InferenceServerClient(server.http), grpcclient.InferenceServerClient(server.grpc)
+    assert http.get_model_metadata("plus")["versions"] == [str(v) for v in served]
+    for version in (1, 2, 3):
+        for module, client in ((httpclient, http), (grpcclient, grpc)):
+            tensor = module.InferInput("X", [1, 1], "FP32")
+            tensor.set_data_from_numpy(np.array([[1.0]], np.float32))
+            assert client.is_model_ready("plus", str(version)) == (version in served)
+            if version in served:
+                result = client.infer("plus", [tensor], model_version=str(version)).as_numpy("Y")
+                assert float(result[0, 0]) == 1.0 + 10.0 * version
+            else:
+                with pytest.raises(InferenceServerException):
+                    client.infer("plus", [tensor], model_version=str(version))
+    assert infer_http(server.http) == 1.0 + 10.0 * max(served)
+
+
 # ---------------------------------------------------------------- polling
 
 def test_a_poll_loads_a_new_version_and_unloads_the_old_one(repo, serve):
