@@ -293,10 +293,13 @@ class _Run:
             if step.remote is not None:
                 self.tasks[step.index] = asyncio.ensure_future(self.scheduler.remote.call(step, inner, self.step_done))
                 continue
+            done: Done = lambda outcome, step=step: self.step_done(step, outcome)  # noqa: E731
+            if self.request.trace is not None:  # sampled (tracing.py): the step is a child span
+                done = self.request.trace.child(inner, "ensemble_step", done)
             try:
-                self.scheduler.dispatch(inner, lambda outcome, step=step: self.step_done(step, outcome))
+                self.scheduler.dispatch(inner, done)
             except SluiceError as exc:
-                self.step_done(step, exc)
+                done(exc)
         if not self.pending and not self.finished:
             self.complete()
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from sluice.runtime import names, shm
+from sluice.runtime import names, shm, tracing
 from sluice.runtime.backends.base import BackendServices
 from sluice.runtime.backends.triton_python_backend_utils import MetricRegistry
 from sluice.runtime.batching import Clock
@@ -52,8 +52,11 @@ class StartupError(Exception):
 
 
 class Server:
-    def __init__(self, settings: ServerSettings, *, clock: Clock | None = None) -> None:
+    def __init__(self, settings: ServerSettings, *, clock: Clock | None = None, span_exporter: object = None) -> None:
+        """``span_exporter``: an OpenTelemetry ``SpanExporter`` to send spans to instead of OTLP (tests
+        pass the SDK's in-memory exporter)."""
         self.settings = settings
+        self.tracing = tracing.Tracer(settings.tracing, clock or time.monotonic_ns, span_exporter)
         # What backends borrow from the server: BLS dispatch (the data plane fills it in), the loop
         # (start), the registry of Python models' custom metrics (exported beside Sluice's).
         self.backend_services = BackendServices(
@@ -78,6 +81,7 @@ class Server:
             server_name=settings.server_name,
             forwarder=self.forwarder,
             shared_memory=self.shared_memory,
+            tracing=self.tracing,
             caller_labels=CallerLabels(settings.caller_label_limit),
             duplicates=(
                 DuplicateWindow(settings.duplicate_window_s, clock or time.monotonic_ns)
@@ -111,6 +115,10 @@ class Server:
             problem = names.name_problem(name)
             if problem is not None:
                 raise StartupError(f"--model {names.shown(name)!r}: {problem}; allowed: {names.ALLOWED}")
+        try:
+            self.tracing.start()
+        except RuntimeError as exc:
+            raise StartupError(f"--trace-config: {exc}") from None
         try:
             await self._listen(loop)
         except BaseException:
@@ -259,6 +267,7 @@ class Server:
         if self._metrics_http is not None:
             await self._metrics_http.stop_listening()
             await self._metrics_http.drain(time.monotonic())
+        await self.tracing.aclose()
         self.shared_memory.close()  # regions still held by a request are unmapped when it is answered
 
 

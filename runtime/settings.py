@@ -93,6 +93,36 @@ class SchedulingDefaults:
     bound; ``fixed_wait``: Triton's behaviour, wait up to the delay for a preferred batch size."""
 
 
+@dataclasses.dataclass(frozen=True)
+class TraceLevels:
+    """One scope of Triton's trace settings (the server's, or a model's): ``--trace-config`` and the
+    ``/v2/trace/setting`` API (tracing.py parses and checks both)."""
+
+    level: tuple[str, ...] = ("OFF",)
+    """``OFF``, or ``TIMESTAMPS``: record spans of the sampled requests."""
+    rate: int = 1000
+    """Trace 1 of every ``rate`` requests (Triton's meaning); 0: only requests carrying a sampled
+    W3C ``traceparent`` (those are always traced)."""
+    count: int = -1
+    """Traces still to take; -1: no limit."""
+    log_frequency: int = 0
+    """Triton's file-output setting: kept and reported, no effect (spans go to OTLP)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TracingSettings:
+    """OpenTelemetry tracing (the ``tracing`` extra): ``--trace-config`` in Triton's syntax."""
+
+    levels: TraceLevels = dataclasses.field(default_factory=TraceLevels)
+    url: str = "http://localhost:4318/v1/traces"
+    """OTLP/HTTP endpoint the spans are exported to (Triton's default)."""
+    resource: tuple[tuple[str, str], ...] = (("service.name", "sluice"),)
+    """Resource attributes of every span (``opentelemetry,resource=key=value``)."""
+    bsp_max_queue_size: int = 2048
+    bsp_schedule_delay_ms: int = 5000
+    bsp_max_export_batch_size: int = 512
+
+
 GRPC_SERVERS = ("h2", "grpcio")
 """Values of ``ServerSettings.grpc_server``."""
 
@@ -147,3 +177,5 @@ class ServerSettings:
     """A request with the same inputs for the same model version from the same caller within this
     long of the last one counts as a duplicate (``sluice_caller_duplicate_request_total``); 0 turns
     duplicate detection off (nothing is hashed). Requests that name no caller are never hashed."""
+    tracing: TracingSettings = dataclasses.field(default_factory=TracingSettings)
+    """OpenTelemetry traces of sampled requests (tracing.py); off unless a trace level is set."""

@@ -160,6 +160,7 @@ def start_server(repo: Path, **overrides: Any) -> Running:
     limits = overrides.pop("limits", Limits())
     scheduling = overrides.pop("scheduling", SchedulingDefaults())
     clock = overrides.pop("clock", None)
+    span_exporter = overrides.pop("span_exporter", None)
     settings = ServerSettings(
         model_repository=repo,
         http_port=overrides.pop("http_port", 0),
@@ -169,7 +170,7 @@ def start_server(repo: Path, **overrides: Any) -> Running:
         scheduling=scheduling,
         **overrides,
     )
-    server = Server(settings, clock=clock)
+    server = Server(settings, clock=clock, span_exporter=span_exporter)
     loop = asyncio.new_event_loop()
     started = threading.Event()
     errors: list[BaseException] = []
