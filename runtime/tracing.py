@@ -443,7 +443,9 @@ class Trace:
             try:
                 done(outcome)
             finally:
-                self.finish(outcome, answered, clock())
+                # A child ends when it is answered: what its caller does next (the ensemble's next
+                # step, the rest of the BLS model) is not part of it.
+                self.finish(outcome, answered, clock() if self._top else answered)
 
         return traced
 

@@ -980,6 +980,9 @@ class GrpcConnection(asyncio.Protocol):
                 done = self._tracing.attach(request, stream.traceparent, done, "grpc")
             self._submit(request, done)
         except SluiceError as exc:
+            if stream.request is not None and stream.request.trace is not None:
+                done(exc)  # answered through the trace, which records the refusal
+                return
             stream.request = None
             self._respond_error(stream, grpc_code(exc), exc.message)
         except Exception:

@@ -662,6 +662,11 @@ class V2Routes:
         conn.inflight = infer_request  # before: ``done`` may run at once and clear it
         try:
             self.dp.infer_nowait(infer_request, done)
+        except SluiceError as exc:
+            conn.inflight = None  # refused at once: nothing to cancel
+            if infer_request.trace is None:
+                raise  # the caller answers
+            done(exc)  # answered through the trace, which records the refusal
         except BaseException:
             conn.inflight = None  # refused at once (the caller answers): nothing to cancel
             raise
