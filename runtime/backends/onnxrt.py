@@ -192,7 +192,7 @@ class OnnxInstance(ModelInstance):
                 items = [s.encode() if isinstance(s, str) else s for s in array.ravel()]
                 array = np.array(items, dtype=object).reshape(array.shape)
             outputs[name] = (self._datatypes[name], array)
-        results = list(split_outputs(requests, outputs, batched=self._batched))
+        results: list[Result] = list(split_outputs(requests, outputs, batched=self._batched))
         if marks is not None:
             marks.append(time.perf_counter_ns())
         return results

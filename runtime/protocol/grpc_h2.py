@@ -40,7 +40,7 @@ import struct
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -975,7 +975,7 @@ class GrpcConnection(asyncio.Protocol):
             if stream.caller:
                 request.caller = stream.caller
             stream.request = request
-            done = stream.done
+            done: Callable[[InferResponse | SluiceError], None] = stream.done
             if self._tracing.on:  # tracing.py: sample it, continuing the caller's W3C trace
                 done = self._tracing.attach(request, stream.traceparent, done, "grpc")
             self._submit(request, done)

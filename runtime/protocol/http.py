@@ -658,7 +658,7 @@ class V2Routes:
             respond(_encoded(encoded))
 
         if self.tracing.on:  # tracing.py: sample it, continuing the caller's W3C trace
-            done = self.tracing.attach(infer_request, request.headers.get(b"traceparent"), done, "http")
+            done = self.tracing.attach(infer_request, request.headers.get(b"traceparent"), done, "http")  # type: ignore[assignment]
         conn.inflight = infer_request  # before: ``done`` may run at once and clear it
         try:
             self.dp.infer_nowait(infer_request, done)

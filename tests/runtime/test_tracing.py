@@ -484,3 +484,14 @@ def test_trace_settings_of_an_unknown_model_are_not_found(serve, repo):
     with pytest.raises(InferenceServerException) as caught:
         grpcclient.InferenceServerClient(server.grpc).update_trace_settings("nope", {"trace_rate": "1"})
     assert caught.value.status() == "StatusCode.NOT_FOUND"
+
+
+def test_a_bad_trace_config_is_one_line_at_start(tmp_path, capsys):
+    from sluice.runtime.__main__ import main
+
+    assert main(["serve", "--model-repository", str(tmp_path), "--trace-config", "rate=abc"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "sluice: error: --trace-config rate=abc: trace setting 'trace_rate': 'abc' is not allowed; allowed: an "
+        "integer >= 0 (trace 1 of N requests; 0: only requests with a sampled traceparent)\n"
+    )
