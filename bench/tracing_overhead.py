@@ -111,7 +111,9 @@ def main() -> int:
                     for protocol, port in (("http", http), ("grpc", grpc)):
                         url = f"127.0.0.1:{port}"
                         if a.perf_analyzer:
-                            tput, _p50, p99 = BR.perf_analyzer(a.perf_analyzer, url, protocol, a.concurrency, a.duration)
+                            tput, _p50, p99 = BR.perf_analyzer(
+                                a.perf_analyzer, url, protocol, a.concurrency, a.duration
+                            )
                         else:
                             BR.python_loadgen(url, protocol, a.concurrency, 1.0)  # warm-up
                             tput, _p50, p99 = BR.python_loadgen(url, protocol, a.concurrency, a.duration)

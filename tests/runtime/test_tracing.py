@@ -9,6 +9,7 @@ and exports in order on one loop, so once the barrier's span is there, every ear
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 import threading
@@ -81,7 +82,9 @@ def test_trace_config_refuses_bad_values_naming_them(value, words):
 
 def test_trace_config_checks_the_batch_against_the_queue():
     with pytest.raises(tracing.TraceConfigError, match="allowed: at most bsp_max_queue_size"):
-        tracing.parse_trace_config(["opentelemetry,bsp_max_queue_size=10", "opentelemetry,bsp_max_export_batch_size=20"])
+        tracing.parse_trace_config(
+            ["opentelemetry,bsp_max_queue_size=10", "opentelemetry,bsp_max_export_batch_size=20"]
+        )
 
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -283,7 +286,7 @@ def test_a_callers_trace_continues_into_the_server(serve, repo, protocol):
     assert set(parts) == {"queue", "batch", "compute_input", "compute_infer", "compute_output", "response"}
     assert parts["batch"].attributes == {"sluice.batch_size": 1, "sluice.batch_requests": 1}
     order = ["queue", "batch", "compute_input", "compute_infer", "compute_output", "response"]
-    for earlier, later in zip(order, order[1:], strict=False):
+    for earlier, later in itertools.pairwise(order):
         assert parts[earlier].end_time <= parts[later].start_time, (earlier, later)
     assert request.start_time <= parts["queue"].start_time and parts["response"].end_time == request.end_time
     assert parts["compute_infer"].end_time > parts["compute_infer"].start_time  # the ONNX run itself was timed
@@ -397,7 +400,9 @@ def test_a_failed_request_has_an_error_span_and_its_trace_id_in_the_log(serve, r
         client.infer("add_sub", [wrong, *add_sub_inputs(httpclient)[1:]])
     (request,) = exporter.request_spans(1)
     assert request.status.status_code == StatusCode.ERROR
-    assert request.status.description is not None and "unexpected shape for input 'INPUT0'" in request.status.description
+    assert (
+        request.status.description is not None and "unexpected shape for input 'INPUT0'" in request.status.description
+    )
     trace_id = format(request.context.trace_id, "032x")
     lines = [r.getMessage() for r in caplog.records if r.name == "sluice.runtime.tracing"]
     assert any("model 'add_sub' failed (400)" in line and f"trace_id={trace_id}" in line for line in lines), lines
