@@ -23,6 +23,7 @@ from sluice.runtime import __version__
 from sluice.runtime.batching import BATCH_POLICIES
 from sluice.runtime.pull import PullSettings
 from sluice.runtime.settings import GRPC_SERVERS, MODEL_CONTROL_MODES, Limits, SchedulingDefaults, ServerSettings
+from sluice.runtime.tracing import TraceConfigError, parse_trace_config
 
 
 def _bool(value: str) -> bool:
@@ -190,6 +191,17 @@ def _parser() -> argparse.ArgumentParser:
         "duplicate in the per-caller metrics; 0 disables (no hashing)",
     )
     serve.add_argument(
+        "--trace-config",
+        action="append",
+        default=[],
+        metavar="[opentelemetry,]SETTING=VALUE",
+        help="OpenTelemetry tracing in Triton's syntax (repeatable; needs the 'tracing' extra): level=TIMESTAMPS "
+        "turns it on, rate=N traces 1 of N requests (0: only those with a sampled traceparent), count=N stops after "
+        "N traces, mode=opentelemetry; opentelemetry,url=<OTLP/HTTP endpoint>, opentelemetry,resource=<key>=<value> "
+        "(e.g. service.name=...), opentelemetry,bsp_max_queue_size= / bsp_schedule_delay= / "
+        "bsp_max_export_batch_size=. Default: off, rate 1000, url http://localhost:4318/v1/traces",
+    )
+    serve.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity"
     )
     sched = SchedulingDefaults()
@@ -354,6 +366,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         split_file=args.split_file,
         caller_label_limit=args.caller_label_limit,
         duplicate_window_s=args.duplicate_window_s,
+        tracing=parse_trace_config(args.trace_config),
     )
 
 
@@ -411,7 +424,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "pull":
         return _pull(args)
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except TraceConfigError as exc:
+        print(f"sluice: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     try:
         import uvloop
 

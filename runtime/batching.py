@@ -267,7 +267,7 @@ class _Worker:
                 )
             compute_ns = self._clock() - start
             try:
-                self._loop.call_soon_threadsafe(self._done, self, batch, queue_ns, results, compute_ns)
+                self._loop.call_soon_threadsafe(self._done, self, batch, queue_ns, results, compute_ns, start)
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 return
 
@@ -697,12 +697,24 @@ class Scheduler:
         worker.batch = batch
         worker.jobs.put((batch, [now - entry.enqueued for entry in batch]))
 
-    def _done(self, worker: _Worker, batch: list[_Entry], queue_ns: list[int], results: list[Result], compute_ns: int):
+    def _done(
+        self,
+        worker: _Worker,
+        batch: list[_Entry],
+        queue_ns: list[int],
+        results: list[Result],
+        compute_ns: int,
+        start_ns: int = 0,
+    ) -> None:
         """Called on the loop (call_soon_threadsafe) when a worker finished a batch."""
         worker.batch = None
         self._free.append(worker)
         self._running -= len(batch)
-        for entry, result in zip(batch, results, strict=True):
+        for entry, result, waited in zip(batch, results, queue_ns, strict=True):
+            trace = entry.request.trace
+            if trace is not None:  # sampled (tracing.py): the timestamps taken anyway, before it is answered
+                rows = sum(e.request.batch_size for e in batch)
+                trace.executed(entry.enqueued, waited, start_ns, compute_ns, rows, len(batch))
             self._finish(entry, result)
         self._exec_ewma_ns = compute_ns if not self._exec_ewma_ns else 0.8 * self._exec_ewma_ns + 0.2 * compute_ns
         self._observer.on_batch([e.request for e in batch], queue_ns, compute_ns, results)

@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sluice.runtime import __version__, callers, classification, shm
+from sluice.runtime import __version__, callers, classification, shm, tracing
 from sluice.runtime import config as model_config
 from sluice.runtime.cache import cache_key
 from sluice.runtime.callers import CallerLabels, DuplicateWindow
-from sluice.runtime.errors import InvalidArgument, SluiceError, Unavailable, Unsupported
+from sluice.runtime.errors import InvalidArgument, NotFound, SluiceError, Unavailable, Unsupported
 from sluice.runtime.forwarding import Forwarder
 from sluice.runtime.repository import ModelVersion, Repository
 from sluice.runtime.signature import check_request
@@ -36,6 +36,7 @@ EXTENSIONS = [
     "model_configuration",
     "statistics",
     "system_shared_memory",
+    "trace",
 ]
 
 
@@ -59,6 +60,7 @@ class DataPlane:
         server_name: str = "sluice",
         forwarder: Forwarder | None = None,
         shared_memory: shm.Registry | None = None,
+        tracing: tracing.Tracer | None = None,
         caller_labels: CallerLabels | None = None,
         duplicates: DuplicateWindow | None = None,
         control: ModelControl | None = None,
@@ -68,6 +70,8 @@ class DataPlane:
         self.control = control if control is not None else ModelControl(repository, "none")
         self.shared_memory = shared_memory
         """Registered system and CUDA shared-memory regions (None: the extensions are off, as in unit tests)."""
+        self.tracing = tracing if tracing is not None else _tracing_off()
+        """OpenTelemetry tracing; the front ends sample requests through it behind its ``on`` flag."""
         repository.route_steps(self._infer_local)  # ensembles' steps run through the data plane, never forwarded
         if repository.services is not None:
             repository.services.dispatch = self._infer_bls  # Python models' BLS requests, never forwarded
@@ -190,6 +194,12 @@ class DataPlane:
 
     def state_of(self, name: str) -> str:
         return self.repository.state_of(name)[0]
+
+    def check_known(self, name: str) -> None:
+        """Raise NotFound unless ``name`` is a model of the repository (loaded or not: the trace
+        settings of a model may be set before it loads)."""
+        if not self.state_of(name) and name not in self.repository.names_on_disk():
+            raise NotFound(f"Request for unknown model: '{name}' is not found")
 
     # -- inference ---------------------------------------------------------------------------
     def _admit(self, request: InferRequest) -> ModelVersion:
@@ -349,6 +359,10 @@ class DataPlane:
             if reason is not None:
                 counts.reject(reason)
             raise
+
+
+def _tracing_off() -> tracing.Tracer:
+    return tracing.disabled()
 
 
 def _on_loop(responder: Responder, mv: ModelVersion, request: InferRequest) -> Responder:

@@ -791,7 +791,13 @@ class SequenceScheduler:
         )
 
     def _done(
-        self, worker: batching._Worker, rows: list[_Row], queue_ns: list[int], results: list[Result], compute_ns: int
+        self,
+        worker: batching._Worker,
+        rows: list[_Row],
+        queue_ns: list[int],
+        results: list[Result],
+        compute_ns: int,
+        start_ns: int = 0,
     ) -> None:
         """On the loop, when a worker finished a batch."""
         worker.batch = None

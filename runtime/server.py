@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from sluice.runtime import cudart, names, pull, shm
+from sluice.runtime import cudart, names, pull, shm, tracing
 from sluice.runtime.backends.base import BackendServices
 from sluice.runtime.backends.triton_python_backend_utils import MetricRegistry
 from sluice.runtime.batching import Clock
@@ -58,9 +58,18 @@ class StartupError(Exception):
 
 class Server:
     def __init__(
-        self, settings: ServerSettings, *, clock: Clock | None = None, cuda: cudart.Provider | None = None
+        self,
+        settings: ServerSettings,
+        *,
+        clock: Clock | None = None,
+        cuda: cudart.Provider | None = None,
+        span_exporter: object = None,
     ) -> None:
+        """``cuda``: where CUDA shared memory finds its runtime (tests pass a stand-in); ``span_exporter``:
+        an OpenTelemetry ``SpanExporter`` to send spans to instead of OTLP (tests pass the SDK's in-memory
+        exporter)."""
         self.settings = settings
+        self.tracing = tracing.Tracer(settings.tracing, clock or time.monotonic_ns, span_exporter)
         # What backends borrow from the server: BLS dispatch (the data plane fills it in), the loop
         # (start), the registry of Python models' custom metrics (exported beside Sluice's).
         self.backend_services = BackendServices(
@@ -92,6 +101,7 @@ class Server:
             server_name=settings.server_name,
             forwarder=self.forwarder,
             shared_memory=self.shared_memory,
+            tracing=self.tracing,
             caller_labels=CallerLabels(settings.caller_label_limit),
             duplicates=(
                 DuplicateWindow(settings.duplicate_window_s, clock or time.monotonic_ns)
@@ -141,6 +151,10 @@ class Server:
                 problem = names.name_problem(name) if name != "*" or flag == "--model" else None
                 if problem is not None:
                     raise StartupError(f"{flag} {names.shown(name)!r}: {problem}; allowed: {names.ALLOWED}")
+        try:
+            self.tracing.start()
+        except RuntimeError as exc:
+            raise StartupError(f"--trace-config: {exc}") from None
         try:
             await self._listen(loop)
         except BaseException:
@@ -322,6 +336,7 @@ class Server:
         if self._metrics_http is not None:
             await self._metrics_http.stop_listening()
             await self._metrics_http.drain(time.monotonic())
+        await self.tracing.aclose()
         self.shared_memory.close()  # regions still held by a request are unmapped when it is answered
 
 

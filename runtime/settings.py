@@ -94,6 +94,36 @@ class SchedulingDefaults:
     bound; ``fixed_wait``: Triton's behaviour, wait up to the delay for a preferred batch size."""
 
 
+@dataclasses.dataclass(frozen=True)
+class TraceLevels:
+    """One scope of Triton's trace settings (the server's, or a model's): ``--trace-config`` and the
+    ``/v2/trace/setting`` API (tracing.py parses and checks both)."""
+
+    level: tuple[str, ...] = ("OFF",)
+    """``OFF``, or ``TIMESTAMPS``: record spans of the sampled requests."""
+    rate: int = 1000
+    """Trace 1 of every ``rate`` requests (Triton's meaning); 0: only requests carrying a sampled
+    W3C ``traceparent`` (those are always traced)."""
+    count: int = -1
+    """Traces still to take; -1: no limit."""
+    log_frequency: int = 0
+    """Triton's file-output setting: kept and reported, no effect (spans go to OTLP)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TracingSettings:
+    """OpenTelemetry tracing (the ``tracing`` extra): ``--trace-config`` in Triton's syntax."""
+
+    levels: TraceLevels = dataclasses.field(default_factory=TraceLevels)
+    url: str = "http://localhost:4318/v1/traces"
+    """OTLP/HTTP endpoint the spans are exported to (Triton's default)."""
+    resource: tuple[tuple[str, str], ...] = (("service.name", "sluice"),)
+    """Resource attributes of every span (``opentelemetry,resource=key=value``)."""
+    bsp_max_queue_size: int = 2048
+    bsp_schedule_delay_ms: int = 5000
+    bsp_max_export_batch_size: int = 512
+
+
 GRPC_SERVERS = ("h2", "grpcio")
 """Values of ``ServerSettings.grpc_server``."""
 
@@ -169,3 +199,5 @@ class ServerSettings:
     """Retries of each request to a cloud repository on transient errors (after the first attempt)."""
     storage_timeout_s: float = 30.0
     """Connect and read timeout of each request to a cloud repository."""
+    tracing: TracingSettings = dataclasses.field(default_factory=TracingSettings)
+    """OpenTelemetry traces of sampled requests (tracing.py); off unless a trace level is set."""

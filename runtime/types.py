@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -155,6 +155,25 @@ class InferRequest:
     # called with each response or error and whether it is the last one (``None`` with ``True``: a
     # bare final flag). None: the caller takes exactly one response (HTTP, unary gRPC).
     responder: Responder | None = None
+    # The request's trace (tracing.py) when it was sampled; None otherwise (the hot path's only check).
+    trace: TraceHook | None = None
+
+
+class TraceHook(Protocol):
+    """What the scheduler, backends, ensembles and BLS tell a sampled request's trace (tracing.Trace)."""
+
+    trace_id: str
+
+    def executed(self, enqueued_ns: int, queue_ns: int, start_ns: int, compute_ns: int, rows: int, size: int) -> None:
+        """The request ran: queued at ``enqueued_ns`` for ``queue_ns``, computed from ``start_ns`` for
+        ``compute_ns`` (scheduler clock), in a batch of ``rows`` rows from ``size`` requests."""
+
+    def compute_split(self, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        """How the backend's compute time divides: input preparation, model run, output split."""
+
+    def child(self, request: InferRequest, kind: str, done: Callable[[Any], None]) -> Callable[[Any], None]:
+        """Trace ``request`` (an ensemble step, ``kind`` "ensemble_step", or a BLS call, "bls") as a
+        child of this one: sets ``request.trace`` and returns ``done`` wrapped to end its span."""
 
 
 @dataclasses.dataclass(slots=True)

@@ -21,7 +21,7 @@ import concurrent.futures
 import contextvars
 import json
 import queue
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,8 +31,9 @@ from sluice.runtime.backends.base import BackendServices
 from sluice.runtime.errors import Cancelled, InvalidArgument, NotFound, SluiceError, Unavailable, Unsupported
 from sluice.runtime.types import CancelToken, InferRequest, InferResponse, RequestedOutput, Tensor, datatype_of
 
-outer_requests: contextvars.ContextVar[tuple[CancelToken, ...]] = contextvars.ContextVar("sluice_bls_outer", default=())
-"""The cancel tokens of the requests the running ``execute`` serves (set by the Python backend)."""
+outer_requests: contextvars.ContextVar[Sequence[InferRequest]] = contextvars.ContextVar("sluice_bls_outer", default=())
+"""The requests the running ``execute`` serves (set by the Python backend): their cancel tokens, and
+the trace a BLS call's span is a child of."""
 
 _CODE_BY_ERROR: tuple[tuple[type[SluiceError], int], ...] = (
     (NotFound, pb_utils.TritonError.NOT_FOUND),
@@ -123,10 +124,12 @@ def unknown_model_message(model: str) -> str:
 class _Call:
     """One BLS request in flight: started on the loop, its responses collected for the model's thread."""
 
-    def __init__(self, request: InferRequest, decoupled: bool, outer: tuple[CancelToken, ...]) -> None:
+    def __init__(self, request: InferRequest, decoupled: bool, outer: Sequence[InferRequest]) -> None:
         self.request = request
         self.decoupled = decoupled
-        self._outer = outer
+        self._outer: tuple[CancelToken, ...] = tuple(r.cancel for r in outer)
+        # The first sampled request of the batch: the BLS call is a child span of its trace (tracing.py).
+        self._parent = next((r.trace for r in outer if r.trace is not None), None)
         self.responses: queue.SimpleQueue[Any] = queue.SimpleQueue()  # decoupled: responses, then _END
         self.single: concurrent.futures.Future[Any] = concurrent.futures.Future()
         if decoupled:
@@ -146,12 +149,15 @@ class _Call:
             for token in self._outer:
                 token.on_cancel(one_cancelled)
         assert services.dispatch is not None
+        # A decoupled call's responses go to its responder: it is not traced (its end is not seen here).
+        parent = None if self.decoupled else self._parent
+        done = self._done if parent is None else parent.child(request, "bls", self._done)
         try:
-            services.dispatch(request, self._done)
+            services.dispatch(request, done)
         except SluiceError as exc:
-            self._done(exc)
+            done(exc)
         except Exception as exc:  # a bug must reach the model as an error response, not hang it
-            self._done(SluiceError(f"BLS request failed: {type(exc).__name__}: {exc}"))
+            done(SluiceError(f"BLS request failed: {type(exc).__name__}: {exc}"))
 
     def _error(self, outcome: SluiceError) -> SluiceError:
         if isinstance(outcome, NotFound) and outcome.message.startswith("Request for unknown model"):

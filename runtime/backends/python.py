@@ -438,7 +438,7 @@ class PythonInstance(ModelInstance):
     def execute(self, requests: Sequence[InferRequest]) -> list[Result]:
         model_name = self._backend._ctx.model_name
         wrapped = [self._to_model_request(request) for request in requests]
-        outer = bls.outer_requests.set(tuple(request.cancel for request in requests))
+        outer = bls.outer_requests.set(requests)
         try:
             with self._backend.model_code():
                 returned = self._resolve(self._model.execute(wrapped))

@@ -20,11 +20,14 @@ from sluice.runtime.settings import Limits
 def _call(context: grpc.aio.ServicerContext) -> Call:
     remaining = context.time_remaining()
     caller = ""
+    traceparent = None
     for key, value in context.invocation_metadata() or ():
         if key == callers.METADATA_KEY and value:
             text = value if isinstance(value, str) else value.decode("latin-1")
             caller = callers.checked(text, f"metadata {callers.METADATA_KEY}")
-    return Call(None if remaining is None else time.monotonic() + remaining, caller)
+        elif key == "traceparent":
+            traceparent = value if isinstance(value, str) else value.decode("latin-1")
+    return Call(None if remaining is None else time.monotonic() + remaining, caller, traceparent)
 
 
 def _serialize(response: Any) -> bytes:

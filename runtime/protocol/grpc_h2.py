@@ -40,7 +40,7 @@ import struct
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -209,7 +209,7 @@ class _Route:
 class _Head:
     """What a request header block says, once parsed; cached per exact block bytes."""
 
-    __slots__ = ("caller", "encoding", "reject", "route", "timeout")
+    __slots__ = ("caller", "encoding", "reject", "route", "timeout", "traceparent")
 
     def __init__(
         self,
@@ -218,12 +218,14 @@ class _Head:
         encoding: int = 0,
         reject: tuple | None = None,
         caller: str = "",
+        traceparent: bytes | None = None,
     ) -> None:
         self.route = route
         self.timeout = timeout
         self.encoding = encoding  # zlib wbits, 0 for identity
         self.reject = reject  # ("rst", h2 code) | ("http", status, text) | ("grpc", StatusCode, message)
         self.caller = caller  # the sluice-caller metadata, checked (callers.py); "" when absent
+        self.traceparent = traceparent  # the W3C traceparent metadata, unparsed (tracing.py)
 
 
 def _malformed(why: str) -> _Head:
@@ -275,6 +277,7 @@ class _Stream:
         "sid",
         "task",
         "timer",
+        "traceparent",
         "trailers",
         "unacked",
         "wbits",
@@ -303,6 +306,7 @@ class _Stream:
         self.queue: asyncio.Queue | None = None
         self.drained: asyncio.Future | None = None  # ModelStreamInfer waiting for its DATA to go out
         self.caller = ""  # the head's sluice-caller
+        self.traceparent: bytes | None = None  # the head's traceparent
 
     def done(self, outcome: InferResponse | SluiceError) -> None:
         """``DataPlane.infer_nowait`` callback."""
@@ -321,6 +325,7 @@ class GrpcConnection(asyncio.Protocol):
         service = server.service
         self._decode_infer = service.decoder.decode
         self._submit = service.submit
+        self._tracing = service.tracing
         self._encode_infer = service.encode_infer
         self._transport: asyncio.Transport | None = None
         self._closed = False
@@ -830,6 +835,7 @@ class GrpcConnection(asyncio.Protocol):
         self._streams[sid] = stream
         stream.remote_closed = end_stream
         stream.caller = head.caller
+        stream.traceparent = head.traceparent
         reject = head.reject
         if reject is not None:
             self._reject(stream, reject)
@@ -969,8 +975,14 @@ class GrpcConnection(asyncio.Protocol):
             if stream.caller:
                 request.caller = stream.caller
             stream.request = request
-            self._submit(request, stream.done)
+            done: Callable[[InferResponse | SluiceError], None] = stream.done
+            if self._tracing.on:  # tracing.py: sample it, continuing the caller's W3C trace
+                done = self._tracing.attach(request, stream.traceparent, done, "grpc")
+            self._submit(request, done)
         except SluiceError as exc:
+            if stream.request is not None and stream.request.trace is not None:
+                done(exc)  # answered through the trace, which records the refusal
+                return
             stream.request = None
             self._respond_error(stream, grpc_code(exc), exc.message)
         except Exception:
@@ -1279,7 +1291,7 @@ class GrpcServer(Listener):
         """Check a decoded request header list and resolve its route (pure; the result is cached)."""
         pseudo: dict[bytes, bytes] = {}
         regular = False
-        content_type = timeout_value = encoding = caller = None
+        content_type = timeout_value = encoding = caller = traceparent = None
         size = 0
         for name, value in headers:
             size += len(name) + len(value) + 32
@@ -1299,6 +1311,8 @@ class GrpcServer(Listener):
                 encoding = value
             elif name == b"sluice-caller":
                 caller = value
+            elif name == b"traceparent":
+                traceparent = value
         if size > self.limits.max_header_bytes:
             return _grpc_reject(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -1345,5 +1359,5 @@ class GrpcServer(Listener):
                 checked = callers.checked(caller.decode("latin-1"), f"metadata {callers.METADATA_KEY}")
             except InvalidArgument as exc:
                 return _grpc_reject(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
-            return _Head(route, timeout, wbits, caller=checked)
-        return _Head(route, timeout, wbits)
+            return _Head(route, timeout, wbits, caller=checked, traceparent=traceparent)
+        return _Head(route, timeout, wbits, traceparent=traceparent)

@@ -23,7 +23,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
-from sluice.runtime import shm
+from sluice.runtime import shm, tracing
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import InvalidArgument, NotFound, PayloadTooLarge, SluiceError, Unsupported
 from sluice.runtime.protocol import grpc_codec
@@ -44,11 +44,12 @@ UNARY, STREAM, INFER, UNIMPLEMENTED = "unary", "stream", "infer", "unimplemented
 class Call:
     """What a handler may know of its call besides the request."""
 
-    __slots__ = ("caller", "deadline")
+    __slots__ = ("caller", "deadline", "traceparent")
 
-    def __init__(self, deadline: float | None = None, caller: str = "") -> None:
+    def __init__(self, deadline: float | None = None, caller: str = "", traceparent: str | None = None) -> None:
         self.deadline = deadline  # time.monotonic() value, or None
         self.caller = caller  # the sluice-caller metadata, checked (callers.py); "" when absent
+        self.traceparent = traceparent  # the W3C traceparent metadata, unparsed (tracing.py); None when absent
 
 
 class Unparsable:
@@ -102,6 +103,7 @@ class Service:
         self.limits = limits
         self.max_message = limits.max_grpc_message_bytes
         self.decoder = InferDecoder(limits)
+        self.tracing = dataplane.tracing
         self.submit: Callable[[InferRequest, Callable[[InferResponse | SluiceError], None]], None] = (
             dataplane.infer_nowait
         )
@@ -140,7 +142,28 @@ class Service:
         request = self.decoder.decode(message)
         if call.caller:
             request.caller = call.caller
+        if self.tracing.on:
+            trace = self.tracing.begin(request, call.traceparent, "grpc")
+            if trace is not None:
+                return await self._model_infer_traced(request, trace)
         return self.encode_infer(await self.dp.infer(request))
+
+    async def _model_infer_traced(self, request: InferRequest, trace: tracing.Trace) -> bytes:
+        clock = self.tracing.clock
+        try:
+            response = await self.dp.infer(request)
+        except SluiceError as exc:
+            now = clock()
+            trace.finish(exc, now, now)
+            raise
+        answered = clock()
+        try:
+            payload = self.encode_infer(response)
+        except SluiceError as exc:
+            trace.finish(exc, answered, clock())
+            raise
+        trace.finish(response, answered, clock())
+        return payload
 
     async def model_stream_infer(self, messages: AsyncIterator[Any], call: Call) -> AsyncIterator[Any]:
         """Requests on one stream run concurrently (up to STREAM_IN_FLIGHT); responses come back as
@@ -352,6 +375,23 @@ class Service:
         self._registry().unregister(request.name, shm.CUDA)
         return pb.CudaSharedMemoryUnregisterResponse()
 
+    # -- trace extension (tracing.py) -----------------------------------------------------------------
+    async def trace_setting(self, request: pb.TraceSettingRequest, call: Call) -> pb.TraceSettingResponse:
+        """Triton's TraceSetting: no settings reads them; a setting with values sets it, one with an empty
+        value list clears it (tritonclient's None)."""
+        model = request.model_name
+        if model:
+            self.dp.check_known(model)
+        if request.settings:
+            changes = {key: (list(value.value) or None) for key, value in request.settings.items()}
+            current = self.tracing.update(model, changes)
+        else:
+            current = self.tracing.setting(model)
+        response = pb.TraceSettingResponse()
+        for key, value in current.items():
+            response.settings[key].value.extend(value if isinstance(value, list) else [value])
+        return response
+
 
 _HANDLERS = {
     "ServerLive": "server_live",
@@ -370,6 +410,7 @@ _HANDLERS = {
     "CudaSharedMemoryStatus": "cuda_shared_memory_status",
     "CudaSharedMemoryRegister": "cuda_shared_memory_register",
     "CudaSharedMemoryUnregister": "cuda_shared_memory_unregister",
+    "TraceSetting": "trace_setting",
 }
 """Method name -> Service handler; methods of the proto not named here are answered UNIMPLEMENTED."""
 

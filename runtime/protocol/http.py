@@ -478,6 +478,7 @@ class V2Routes:
         self.dp = dataplane
         self.limits = limits
         self.codec = InferCodec(limits)
+        self.tracing = dataplane.tracing
         self._infer_paths: dict[bytes, tuple[str, str]] = {}
 
     def __call__(self, request: Request) -> Response | Awaitable[Response] | object:
@@ -507,6 +508,8 @@ class V2Routes:
             return self._repository(request, parts[3:])
         if section == b"systemsharedmemory":
             return self._shared_memory(request, parts[3:], shm.SYSTEM)
+        if section == b"trace" and parts[3:] == [b"setting"]:
+            return self._trace_setting(request, "")
         if section == b"cudasharedmemory":
             return self._shared_memory(request, parts[3:], shm.CUDA)
         raise NotFound(f"no route for {request.path.decode(errors='replace')}")
@@ -545,6 +548,8 @@ class V2Routes:
                 return self._get(
                     request.method, lambda: json_response({"model_stats": self.dp.model_statistics(name, version)})
                 )
+        if tail == [b"trace", b"setting"] and not version:
+            return self._trace_setting(request, name)
         raise NotFound(f"no route for {request.path.decode(errors='replace')}")
 
     def check_head(self, method: bytes, url: bytes) -> Response | None:
@@ -598,7 +603,7 @@ class V2Routes:
             infer_request = self.codec.decode(_decode_body(request, self.limits), length, name, version)
         if caller:
             infer_request.caller = caller
-        self._submit(request.conn, infer_request, name, functools.partial(request.conn.complete, request))
+        self._submit(request.conn, infer_request, name, functools.partial(request.conn.complete, request), request)
         return DEFERRED
 
     async def _infer_off_loop(self, request: Request, name: str, version: str, length: int | None) -> Response:
@@ -622,11 +627,16 @@ class V2Routes:
             if not answered.done():
                 answered.set_result(response)
 
-        self._submit(conn, infer_request, name, respond)
+        self._submit(conn, infer_request, name, respond, request)
         return await answered
 
     def _submit(
-        self, conn: Connection, infer_request: InferRequest, name: str, respond: Callable[[Response], None]
+        self,
+        conn: Connection,
+        infer_request: InferRequest,
+        name: str,
+        respond: Callable[[Response], None],
+        request: Request,
     ) -> None:
         """Hand ``infer_request`` to the data plane; ``respond`` gets the HTTP response (on the loop,
         possibly before this returns: a response-cache hit)."""
@@ -647,12 +657,43 @@ class V2Routes:
                 return
             respond(_encoded(encoded))
 
+        if self.tracing.on:  # tracing.py: sample it, continuing the caller's W3C trace
+            done = self.tracing.attach(infer_request, request.headers.get(b"traceparent"), done, "http")  # type: ignore[assignment]
         conn.inflight = infer_request  # before: ``done`` may run at once and clear it
         try:
             self.dp.infer_nowait(infer_request, done)
+        except SluiceError as exc:
+            conn.inflight = None  # refused at once: nothing to cancel
+            if infer_request.trace is None:
+                raise  # the caller answers
+            done(exc)  # answered through the trace, which records the refusal
         except BaseException:
             conn.inflight = None  # refused at once (the caller answers): nothing to cancel
             raise
+
+    def _trace_setting(self, request: Request, model: str) -> Response:
+        """Triton's trace extension: GET the settings of the server or a model, POST to change them
+        (``{"trace_rate": "10"}``; null clears a setting; ``{}`` for a model removes its settings)."""
+        if model:
+            self.dp.check_known(model)
+        if request.method in (b"GET", b"HEAD"):
+            return json_response(self.tracing.setting(model))
+        if request.method != b"POST":
+            return json_response({"error": "use GET or POST for trace/setting"}, 405)
+        body = http_codec.parse_json(request.body, "trace setting body") if request.body else {}
+        if not isinstance(body, dict):
+            raise InvalidArgument('trace setting body must be a JSON object, e.g. {"trace_rate": "10"}')
+        changes: dict[str, list[str] | None] = {}
+        for key, value in body.items():
+            if value is None:
+                changes[key] = None
+            elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+                changes[key] = value
+            elif isinstance(value, str | int) and not isinstance(value, bool):
+                changes[key] = [str(value)]
+            else:
+                raise InvalidArgument(f"trace setting '{key}': {value!r} must be a string or a list of strings")
+        return json_response(self.tracing.update(model, changes))
 
     def _repository(self, request: Request, rest: list[bytes]) -> Response | Awaitable[Response]:
         if request.method != b"POST":

@@ -166,6 +166,7 @@ def start_server(repo: Path, **overrides: Any) -> Running:
     scheduling = overrides.pop("scheduling", SchedulingDefaults())
     clock = overrides.pop("clock", None)
     cuda = overrides.pop("cuda", None)  # a cudart.Provider: where CUDA shared memory gets its device
+    span_exporter = overrides.pop("span_exporter", None)
     settings = ServerSettings(
         model_repository=repo,
         http_port=overrides.pop("http_port", 0),
@@ -175,7 +176,7 @@ def start_server(repo: Path, **overrides: Any) -> Running:
         scheduling=scheduling,
         **overrides,
     )
-    server = Server(settings, clock=clock, cuda=cuda)
+    server = Server(settings, clock=clock, cuda=cuda, span_exporter=span_exporter)
     loop = asyncio.new_event_loop()
     started = threading.Event()
     errors: list[BaseException] = []

@@ -7,6 +7,7 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
+from sluice.runtime import tracing
 from sluice.runtime.protocol.grpc_service import INFER, STREAM, UNARY, UNIMPLEMENTED, Service
 from sluice.runtime.settings import Limits
 
@@ -16,12 +17,15 @@ SERVED = {
     "ModelConfig", "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
     "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",  # without a GPU: why not
+    "TraceSetting",
 }  # fmt: skip
 ALL = [m.name for m in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods]
 
 
 class NoDataPlane:
     """The table needs no data plane until a call comes."""
+
+    tracing = tracing.disabled()
 
     def infer_nowait(self, request, done):
         raise AssertionError("not called")

@@ -1,0 +1,502 @@
+"""OpenTelemetry tracing (runtime/tracing.py): the pure parts, then the real server on loopback with
+the SDK's in-memory exporter, called with tritonclient over HTTP and gRPC.
+
+Spans are exported when a request's response has been written, which may be just after the client
+read it; tests wait for them on a condition (never a sleep). Absence is checked behind a barrier: a
+request with a sampled ``traceparent`` (always traced) sent after the others; the server answers
+and exports in order on one loop, so once the barrier's span is there, every earlier one is too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+from tritonclient.utils import InferenceServerException
+
+from sluice.runtime import tracing
+from sluice.runtime.errors import InvalidArgument
+from sluice.runtime.settings import TraceLevels, TracingSettings
+
+from .conftest import ADD_SUB_CONFIG, BUILDERS, MLP_CONFIG, write_model
+
+# --- pure parts ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "check"),
+    [
+        ([], lambda s: s.levels == TraceLevels() and s.url == "http://localhost:4318/v1/traces"),
+        (["level=TIMESTAMPS", "rate=1"], lambda s: s.levels.level == ("TIMESTAMPS",) and s.levels.rate == 1),
+        (["mode=opentelemetry", "count=5"], lambda s: s.levels.count == 5),
+        (["opentelemetry,url=http://collector:4318/v1/traces"], lambda s: s.url == "http://collector:4318/v1/traces"),
+        (
+            ["opentelemetry,resource=service.name=edge", "opentelemetry,resource=deployment.environment=prod"],
+            lambda s: dict(s.resource) == {"service.name": "edge", "deployment.environment": "prod"},
+        ),
+        (["opentelemetry,bsp_schedule_delay=200"], lambda s: s.bsp_schedule_delay_ms == 200),
+        (["level=TIMESTAMPS", "level=OFF"], lambda s: s.levels.level == ("OFF",)),
+    ],
+)
+def test_trace_config_accepts_tritons_syntax(values, check):
+    assert check(tracing.parse_trace_config(values))
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("rate=abc", "trace setting 'trace_rate': 'abc' is not allowed; allowed: an integer >= 0"),
+        ("rate=-1", "'trace_rate': '-1' is not allowed"),
+        ("count=-2", "'trace_count': '-2' is not allowed; allowed: an integer >= -1"),
+        ("level=TENSORS", "'trace_level': ['TENSORS'] is not allowed; allowed: OFF or TIMESTAMPS"),
+        ("mode=triton", "mode 'triton' is not supported; allowed: opentelemetry"),
+        ("triton,file=/tmp/t.json", "Triton's file trace mode is not supported"),
+        ("opentelemetry,url=collector:4318", "allowed: an http:// or https:// URL"),
+        ("opentelemetry,resource=novalue", "allowed: resource=<key>=<value>"),
+        ("opentelemetry,bsp_max_queue_size=0", "allowed: an integer > 0"),
+        ("sample=1", "unknown setting; allowed: level=, rate=, count="),
+        ("rate", "expected [<mode>,]<setting>=<value>"),
+    ],
+)
+def test_trace_config_refuses_bad_values_naming_them(value, words):
+    with pytest.raises(tracing.TraceConfigError) as caught:
+        tracing.parse_trace_config([value])
+    message = str(caught.value)
+    assert message.startswith(f"--trace-config {value}: ")
+    assert words in message
+    assert "\n" not in message
+
+
+def test_trace_config_checks_the_batch_against_the_queue():
+    with pytest.raises(tracing.TraceConfigError, match="allowed: at most bsp_max_queue_size"):
+        tracing.parse_trace_config(
+            ["opentelemetry,bsp_max_queue_size=10", "opentelemetry,bsp_max_export_batch_size=20"]
+        )
+
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+SPAN_ID = "00f067aa0ba902b7"
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        (f"00-{TRACE_ID}-{SPAN_ID}-01", (int(TRACE_ID, 16), int(SPAN_ID, 16), True)),
+        (f"00-{TRACE_ID}-{SPAN_ID}-00".encode(), (int(TRACE_ID, 16), int(SPAN_ID, 16), False)),
+        (f"01-{TRACE_ID}-{SPAN_ID}-03-future", (int(TRACE_ID, 16), int(SPAN_ID, 16), True)),  # later versions: read
+        (None, None),
+        ("", None),
+        ("garbage", None),
+        (f"00-{TRACE_ID.upper()}-{SPAN_ID}-01", None),  # W3C: lowercase hex only
+        (f"00-{'0' * 32}-{SPAN_ID}-01", None),  # all-zero ids are invalid
+        (f"00-{TRACE_ID}-{'0' * 16}-01", None),
+        (f"ff-{TRACE_ID}-{SPAN_ID}-01", None),
+        (f"00-{TRACE_ID}-{SPAN_ID}-01-extra", None),  # version 00 has nothing after the flags
+    ],
+)
+def test_traceparent(header, expected):
+    assert tracing.parse_traceparent(header) == expected
+
+
+def test_sampler_takes_every_rateth_request_while_the_count_lasts():
+    sampler = tracing.Sampler(count=2)
+    levels = TraceLevels(level=("TIMESTAMPS",), rate=3, count=2)
+    taken = [sampler.sample(levels, sampled_parent=False) for _ in range(12)]
+    assert taken == [False, False, True, False, False, True] + [False] * 6
+    assert sampler.remaining == 0
+    assert sampler.sample(levels, sampled_parent=True)  # a caller's sampled trace: always, as Triton
+
+
+def test_sampler_off_or_rate_zero():
+    on_rate_zero = TraceLevels(level=("TIMESTAMPS",), rate=0)
+    assert not tracing.Sampler(-1).sample(on_rate_zero, sampled_parent=False)
+    assert tracing.Sampler(-1).sample(on_rate_zero, sampled_parent=True)
+    assert not tracing.Sampler(-1).sample(TraceLevels(rate=1), sampled_parent=True)  # level OFF: nothing
+
+
+def test_updated_checks_every_change_before_applying_any():
+    with pytest.raises(InvalidArgument, match="'trace_count'"):
+        tracing.updated({"rate": 5}, {"trace_rate": ["7"], "trace_count": ["x"]})
+    assert tracing.updated({"rate": 5}, {"trace_rate": None, "trace_count": ["3"]}) == {"count": 3}
+    with pytest.raises(InvalidArgument, match="unknown trace setting 'rate'; allowed: trace_level, trace_rate"):
+        tracing.updated({}, {"rate": ["1"]})
+
+
+# --- the server ---------------------------------------------------------------------------------------
+
+
+class Exporter(InMemorySpanExporter):
+    """The SDK's in-memory exporter, with a wait for spans to arrive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._arrived = threading.Condition()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        result = super().export(spans)
+        with self._arrived:
+            self._arrived.notify_all()
+        return result
+
+    def wait(self, predicate: Callable[[list[ReadableSpan]], bool], timeout: float = 20) -> list[ReadableSpan]:
+        with self._arrived:
+            assert self._arrived.wait_for(lambda: predicate(list(self.get_finished_spans())), timeout)
+        return list(self.get_finished_spans())
+
+    def request_spans(self, count: int) -> list[ReadableSpan]:
+        """Wait for ``count`` top-level request spans (SERVER kind) and return them."""
+        spans = self.wait(lambda spans: sum(s.kind == SpanKind.SERVER for s in spans) >= count)
+        return [s for s in spans if s.kind == SpanKind.SERVER]
+
+
+def children(spans: list[ReadableSpan], parent: ReadableSpan) -> dict[str, ReadableSpan]:
+    return {s.name: s for s in spans if s.parent is not None and s.parent.span_id == parent.context.span_id}
+
+
+def traceparent(sampled: bool = True) -> tuple[str, int, int]:
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}", int(trace_id, 16), int(span_id, 16)
+
+
+BLS_PY = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            inner = pb_utils.InferenceRequest(
+                model_name="add_sub",
+                inputs=[pb_utils.Tensor("INPUT0", pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()),
+                        pb_utils.Tensor("INPUT1", pb_utils.get_input_tensor_by_name(request, "IN").as_numpy())],
+                requested_output_names=["OUTPUT0"],
+            )
+            result = inner.exec()
+            if result.has_error():
+                raise pb_utils.TritonModelException(result.error().message())
+            out = pb_utils.get_output_tensor_by_name(result, "OUTPUT0").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", out)]))
+        return responses
+"""
+
+BLS_CONFIG = """
+name: "bls"
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN", data_type: TYPE_FP32, dims: [ 16 ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 16 ] } ]
+"""
+
+CHAIN = """
+name: "chain"
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "A", data_type: TYPE_FP32, dims: [ 16 ] }, { name: "B", data_type: TYPE_FP32, dims: [ 16 ] } ]
+output [ { name: "SUM", data_type: TYPE_FP32, dims: [ 16 ] } ]
+ensemble_scheduling {
+  step [
+    {
+      model_name: "add_sub"
+      input_map { key: "INPUT0" value: "A" } input_map { key: "INPUT1" value: "B" }
+      output_map { key: "OUTPUT0" value: "s" } output_map { key: "OUTPUT1" value: "d" }
+    },
+    {
+      model_name: "add_sub"
+      input_map { key: "INPUT0" value: "s" } input_map { key: "INPUT1" value: "d" }
+      output_map { key: "OUTPUT0" value: "SUM" }
+    }
+  ]
+}
+"""
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    write_model(repo, "mlp", MLP_CONFIG, {"model.onnx": BUILDERS.mlp_model()})
+    write_model(repo, "bls", BLS_CONFIG, {"model.py": BLS_PY})
+    write_model(repo, "chain", CHAIN, {})
+    return repo
+
+
+def traced(rate: int = 1, **levels: Any) -> TracingSettings:
+    return TracingSettings(levels=TraceLevels(level=("TIMESTAMPS",), rate=rate, **levels))
+
+
+def add_sub_inputs(module: Any, names: tuple[str, str] = ("INPUT0", "INPUT1")) -> list[Any]:
+    inputs = []
+    for name in names:
+        tensor = module.InferInput(name, [16], "FP32")
+        tensor.set_data_from_numpy(np.arange(16, dtype=np.float32))
+        inputs.append(tensor)
+    return inputs
+
+
+def mlp_inputs(module: Any) -> list[Any]:
+    tensor = module.InferInput("INPUT0", [1, 16], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 16), dtype=np.float32))
+    return [tensor]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_callers_trace_continues_into_the_server(serve, repo, protocol):
+    exporter = Exporter()
+    server = serve(repo, tracing=traced(rate=1000), span_exporter=exporter)
+    header, trace_id, parent_span = traceparent(sampled=True)
+    if protocol == "http":
+        client: Any = httpclient.InferenceServerClient(server.http)
+        module: Any = httpclient
+    else:
+        client = grpcclient.InferenceServerClient(server.grpc)
+        module = grpcclient
+
+    client.infer("mlp", mlp_inputs(module), request_id="r-1", headers={"traceparent": header, "sluice-caller": "app"})
+
+    (request,) = exporter.request_spans(1)
+    spans = exporter.wait(lambda spans: len(spans) >= 7)
+    assert request.name == "infer mlp"
+    assert request.context.trace_id == trace_id
+    assert request.parent is not None and request.parent.span_id == parent_span and request.parent.is_remote
+    assert request.attributes is not None
+    assert dict(request.attributes) == {
+        "sluice.protocol": protocol,
+        "model_name": "mlp",
+        "model_version": "1",
+        "request_id": "r-1",
+        "sluice.caller": "app",
+        "sluice.batch_size": 1,
+    }
+    assert request.status.status_code == StatusCode.UNSET
+    parts = children(spans, request)
+    assert set(parts) == {"queue", "batch", "compute_input", "compute_infer", "compute_output", "response"}
+    assert parts["batch"].attributes == {"sluice.batch_size": 1, "sluice.batch_requests": 1}
+    order = ["queue", "batch", "compute_input", "compute_infer", "compute_output", "response"]
+    for earlier, later in itertools.pairwise(order):
+        assert parts[earlier].end_time <= parts[later].start_time, (earlier, later)
+    assert request.start_time <= parts["queue"].start_time and parts["response"].end_time == request.end_time
+    assert parts["compute_infer"].end_time > parts["compute_infer"].start_time  # the ONNX run itself was timed
+
+
+def test_grpcio_front_end_traces_too(serve, repo):
+    exporter = Exporter()
+    server = serve(repo, tracing=traced(), span_exporter=exporter, grpc_server="grpcio")
+    header, trace_id, _ = traceparent()
+    grpcclient.InferenceServerClient(server.grpc).infer(
+        "add_sub", add_sub_inputs(grpcclient), headers={"traceparent": header}
+    )
+    (request,) = exporter.request_spans(1)
+    assert request.context.trace_id == trace_id
+    assert {"queue", "compute_infer", "response"} <= set(children(exporter.wait(lambda s: len(s) >= 7), request))
+
+
+@pytest.mark.parametrize("header", ["garbage", f"00-{TRACE_ID}-{SPAN_ID}", f"00-{'0' * 32}-{SPAN_ID}-01"])
+def test_a_malformed_traceparent_starts_a_new_trace(serve, repo, header):
+    exporter = Exporter()
+    server = serve(repo, tracing=traced(), span_exporter=exporter)
+    result = httpclient.InferenceServerClient(server.http).infer(
+        "add_sub", add_sub_inputs(httpclient), headers={"traceparent": header}
+    )
+    assert result.as_numpy("OUTPUT0") is not None
+    (request,) = exporter.request_spans(1)
+    assert request.parent is None
+    assert request.context.trace_id != int(TRACE_ID, 16)
+
+
+def test_one_in_rate_requests_is_traced_and_the_count_stops_it(serve, repo):
+    exporter = Exporter()
+    server = serve(repo, tracing=traced(rate=3), span_exporter=exporter)
+    client = httpclient.InferenceServerClient(server.http)
+    for _ in range(9):
+        client.infer("add_sub", add_sub_inputs(httpclient))
+    barrier, barrier_trace, _ = traceparent()
+    client.infer("add_sub", add_sub_inputs(httpclient), headers={"traceparent": barrier})
+    spans = exporter.request_spans(4)
+    assert spans[-1].context.trace_id == barrier_trace
+    assert len(spans) == 4  # 3 of 9, then the barrier
+
+    client.update_trace_settings(settings={"trace_count": "1", "trace_rate": "1"})
+    for _ in range(3):
+        client.infer("add_sub", add_sub_inputs(httpclient))
+    barrier, barrier_trace, _ = traceparent()
+    client.infer("add_sub", add_sub_inputs(httpclient), headers={"traceparent": barrier})
+    spans = exporter.request_spans(6)
+    assert spans[-1].context.trace_id == barrier_trace
+    assert len(spans) == 6  # one more, then the count ran out
+    assert client.get_trace_settings()["trace_count"] == "0"
+
+
+def test_rate_zero_traces_only_callers_sampled_traces(serve, repo):
+    exporter = Exporter()
+    server = serve(repo, tracing=traced(rate=0), span_exporter=exporter)
+    client = grpcclient.InferenceServerClient(server.grpc)
+    unsampled, _, _ = traceparent(sampled=False)
+    client.infer("add_sub", add_sub_inputs(grpcclient))
+    client.infer("add_sub", add_sub_inputs(grpcclient), headers={"traceparent": unsampled})
+    sampled, trace_id, _ = traceparent(sampled=True)
+    client.infer("add_sub", add_sub_inputs(grpcclient), headers={"traceparent": sampled})
+    spans = exporter.request_spans(1)
+    assert [s.context.trace_id for s in spans] == [trace_id]
+
+
+def test_ensemble_steps_are_children_of_the_ensemble_request(serve, repo):
+    exporter = Exporter()
+    server = serve(repo, tracing=traced(), span_exporter=exporter)
+    header, trace_id, _ = traceparent()
+    result = httpclient.InferenceServerClient(server.http).infer(
+        "chain", add_sub_inputs(httpclient, ("A", "B")), headers={"traceparent": header}
+    )
+    np.testing.assert_allclose(result.as_numpy("SUM"), 2 * np.arange(16, dtype=np.float32))
+    (request,) = exporter.request_spans(1)
+    spans = exporter.wait(lambda spans: sum(s.name == "ensemble step add_sub" for s in spans) == 2)
+    assert request.name == "infer chain"
+    steps = [s for s in spans if s.name == "ensemble step add_sub"]
+    assert all(s.parent is not None and s.parent.span_id == request.context.span_id for s in steps)
+    assert all(s.context.trace_id == trace_id and s.kind == SpanKind.INTERNAL for s in steps)
+    first, second = sorted(steps, key=lambda s: s.start_time)
+    assert first.end_time <= second.start_time  # the second step needs the first one's outputs
+    assert {"queue", "batch", "compute_infer"} <= set(children(spans, first))
+    assert "response" in children(spans, request)
+
+
+def test_bls_calls_are_children_of_the_calling_request(serve, repo):
+    exporter = Exporter()
+    server = serve(repo, tracing=traced(), span_exporter=exporter)
+    tensor = grpcclient.InferInput("IN", [16], "FP32")
+    tensor.set_data_from_numpy(np.arange(16, dtype=np.float32))
+    result = grpcclient.InferenceServerClient(server.grpc).infer("bls", [tensor])
+    np.testing.assert_allclose(result.as_numpy("OUT"), 2 * np.arange(16, dtype=np.float32))
+    (request,) = exporter.request_spans(1)
+    spans = exporter.wait(lambda spans: any(s.name == "BLS add_sub" for s in spans))
+    (call,) = [s for s in spans if s.name == "BLS add_sub"]
+    assert call.parent is not None and call.parent.span_id == request.context.span_id
+    assert call.attributes is not None and call.attributes["sluice.kind"] == "bls"
+    compute = children(spans, request)["compute_infer"]
+    assert compute.start_time <= call.start_time and call.end_time <= compute.end_time  # made during execute
+
+
+def test_a_failed_request_has_an_error_span_and_its_trace_id_in_the_log(serve, repo, caplog):
+    caplog.set_level(logging.INFO, logger="sluice.runtime.tracing")
+    exporter = Exporter()
+    server = serve(repo, tracing=traced(), span_exporter=exporter)
+    client = httpclient.InferenceServerClient(server.http)
+    wrong = httpclient.InferInput("INPUT0", [8], "FP32")
+    wrong.set_data_from_numpy(np.zeros(8, dtype=np.float32))
+    with pytest.raises(InferenceServerException, match="unexpected shape"):
+        client.infer("add_sub", [wrong, *add_sub_inputs(httpclient)[1:]])
+    (request,) = exporter.request_spans(1)
+    assert request.status.status_code == StatusCode.ERROR
+    assert (
+        request.status.description is not None and "unexpected shape for input 'INPUT0'" in request.status.description
+    )
+    trace_id = format(request.context.trace_id, "032x")
+    lines = [r.getMessage() for r in caplog.records if r.name == "sluice.runtime.tracing"]
+    assert any("model 'add_sub' failed (400)" in line and f"trace_id={trace_id}" in line for line in lines), lines
+
+
+def test_tracing_off_exports_nothing_until_the_api_turns_it_on(serve, repo):
+    exporter = Exporter()
+    server = serve(repo, span_exporter=exporter)
+    client = httpclient.InferenceServerClient(server.http)
+    assert client.get_trace_settings() == {
+        "trace_level": ["OFF"],
+        "trace_rate": "1000",
+        "trace_count": "-1",
+        "log_frequency": "0",
+        "trace_file": "",
+        "trace_mode": "opentelemetry",
+    }
+    header, _, _ = traceparent()
+    client.infer("add_sub", add_sub_inputs(httpclient), headers={"traceparent": header})
+    assert not server.server.tracing.on
+
+    updated = client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
+    assert updated["trace_level"] == ["TIMESTAMPS"] and updated["trace_rate"] == "1"
+    client.infer("add_sub", add_sub_inputs(httpclient))
+    (request,) = exporter.request_spans(1)
+    assert request.parent is None  # the first request, with its traceparent, was not traced
+    assert "trace" in client.get_server_metadata()["extensions"]
+
+
+def test_settings_round_trip_over_http_and_grpc_per_model(serve, repo):
+    exporter = Exporter()
+    server = serve(repo, span_exporter=exporter)
+    http = httpclient.InferenceServerClient(server.http)
+    grpc = grpcclient.InferenceServerClient(server.grpc)
+
+    model = grpc.update_trace_settings("mlp", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1"}, as_json=True)
+    assert model["settings"]["trace_level"]["value"] == ["TIMESTAMPS"]
+    assert http.get_trace_settings("mlp")["trace_rate"] == "1"
+    assert http.get_trace_settings()["trace_level"] == ["OFF"]  # the server-wide settings are unchanged
+    http.update_trace_settings(settings={"trace_rate": "50"})
+    assert http.get_trace_settings("mlp")["trace_rate"] == "1"  # set for the model: its own
+    assert http.get_trace_settings("mlp")["log_frequency"] == "0"
+
+    http.infer("add_sub", add_sub_inputs(httpclient))  # level OFF for add_sub
+    http.infer("mlp", mlp_inputs(httpclient))
+    (request,) = exporter.request_spans(1)
+    assert request.name == "infer mlp"
+
+    cleared = grpc.update_trace_settings("mlp", {"trace_rate": None}, as_json=True)
+    assert cleared["settings"]["trace_rate"]["value"] == ["50"]  # back to the server's
+    assert http.update_trace_settings("mlp", {}) == http.get_trace_settings()  # the model follows the server again
+    assert grpc.get_trace_settings(as_json=True)["settings"]["trace_rate"]["value"] == ["50"]
+    assert http.update_trace_settings(settings={"trace_rate": None})["trace_rate"] == "1000"  # the start-up value
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"trace_rate": "often"}, "trace setting 'trace_rate': 'often' is not allowed; allowed: an integer >= 0"),
+        ({"trace_level": ["TENSORS"]}, "'trace_level': ['TENSORS'] is not allowed; allowed: OFF or TIMESTAMPS"),
+        ({"trace_file": "/tmp/trace.json"}, "allowed: empty: Sluice exports spans over OTLP"),
+        ({"trace_mode": "triton"}, "'trace_mode': 'triton' is not allowed; allowed: opentelemetry"),
+        ({"trace_sample": "1"}, "unknown trace setting 'trace_sample'; allowed: trace_level, trace_rate"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_setting(serve, repo, settings, words):
+    server = serve(repo, span_exporter=Exporter())
+    http = httpclient.InferenceServerClient(server.http)
+    grpc = grpcclient.InferenceServerClient(server.grpc)
+    with pytest.raises(InferenceServerException) as caught:
+        http.update_trace_settings(settings=settings)
+    assert caught.value.status() == "400" and words in caught.value.message()
+    with pytest.raises(InferenceServerException) as caught:
+        grpc.update_trace_settings("mlp", settings)
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT" and words in caught.value.message()
+    assert http.get_trace_settings()["trace_level"] == ["OFF"]
+
+
+def test_trace_settings_of_an_unknown_model_are_not_found(serve, repo):
+    server = serve(repo, span_exporter=Exporter())
+    with pytest.raises(InferenceServerException, match="Request for unknown model: 'nope' is not found") as caught:
+        httpclient.InferenceServerClient(server.http).get_trace_settings("nope")
+    assert caught.value.status() == "404"
+    with pytest.raises(InferenceServerException) as caught:
+        grpcclient.InferenceServerClient(server.grpc).update_trace_settings("nope", {"trace_rate": "1"})
+    assert caught.value.status() == "StatusCode.NOT_FOUND"
+
+
+def test_a_bad_trace_config_is_one_line_at_start(tmp_path, capsys):
+    from sluice.runtime.__main__ import main
+
+    assert main(["serve", "--model-repository", str(tmp_path), "--trace-config", "rate=abc"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "sluice: error: --trace-config rate=abc: trace setting 'trace_rate': 'abc' is not allowed; allowed: an "
+        "integer >= 0 (trace 1 of N requests; 0: only requests with a sampled traceparent)\n"
+    )
