@@ -21,7 +21,7 @@ from pathlib import Path
 from sluice.runtime import __version__
 from sluice.runtime.batching import BATCH_POLICIES
 from sluice.runtime.pull import PullSettings
-from sluice.runtime.settings import GRPC_SERVERS, Limits, SchedulingDefaults, ServerSettings
+from sluice.runtime.settings import GRPC_SERVERS, Limits, LogSettings, SchedulingDefaults, ServerSettings
 
 
 def _bool(value: str) -> bool:
@@ -156,6 +156,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity"
+    )
+    serve.add_argument(
+        "--log-verbose",
+        type=_non_negative(int),
+        default=0,
+        help="Triton's flag: 1 or more also writes verbose (DEBUG) records; changeable at run time (/v2/logging)",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=["default", "ISO8601"],
+        default="default",
+        help="Triton's flag: timestamps in local time (default) or ISO 8601 UTC; changeable at run time",
     )
     sched = SchedulingDefaults()
     serve.add_argument(
@@ -307,6 +319,20 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         split_file=args.split_file,
         caller_label_limit=args.caller_label_limit,
         duplicate_window_s=args.duplicate_window_s,
+        log=log_settings_from_args(args),
+    )
+
+
+def log_settings_from_args(args: argparse.Namespace) -> LogSettings:
+    """The start log settings: ``--log-level`` is the least severity written, ``--log-verbose``
+    (or ``--log-level DEBUG``) turns verbose records on."""
+    level = args.log_level
+    return LogSettings(
+        info=level in ("DEBUG", "INFO"),
+        warning=level != "ERROR",
+        error=True,
+        verbose_level=max(args.log_verbose, 1 if level == "DEBUG" else 0),
+        format=args.log_format,
     )
 
 
@@ -314,6 +340,8 @@ async def serve(settings: ServerSettings) -> int:
     from sluice.runtime.server import Server, StartupError
 
     server = Server(settings)
+    for handler in logging.getLogger().handlers:  # the stderr handler main() made
+        server.log_control.govern(handler)
     try:
         await server.start()
     except StartupError as exc:

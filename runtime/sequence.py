@@ -791,7 +791,13 @@ class SequenceScheduler:
         )
 
     def _done(
-        self, worker: batching._Worker, rows: list[_Row], queue_ns: list[int], results: list[Result], compute_ns: int
+        self,
+        worker: batching._Worker,
+        rows: list[_Row],
+        queue_ns: list[int],
+        results: list[Result],
+        compute_ns: int,
+        phases_ns: tuple[int, int] = (0, 0),
     ) -> None:
         """On the loop, when a worker finished a batch."""
         worker.batch = None
@@ -810,7 +816,7 @@ class SequenceScheduler:
             answers.append(outcome)
             self._finish(row.entry, outcome)
         self._book.finished(jobs, now)
-        self._observer.on_batch(requests, waits, compute_ns, answers)
+        self._observer.on_batch(requests, waits, compute_ns, answers, phases_ns)
         self._maybe_idle()
         if not self._closing:
             self._pump()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from sluice.runtime import names, shm
+from sluice.runtime import logs, names, shm
 from sluice.runtime.backends.base import BackendServices
 from sluice.runtime.backends.triton_python_backend_utils import MetricRegistry
 from sluice.runtime.batching import Clock
@@ -72,6 +72,8 @@ class Server:
             self.forwarder = Forwarder()
             self._split_watcher = SplitFileWatcher(settings.split_file, self.forwarder.table, clock)
         self.shared_memory = shm.Registry()
+        self.log_control = logs.LogControl(settings.log)
+        """The logging extension's settings; ``__main__`` hands it the stderr handler to govern."""
         self.dataplane = DataPlane(
             self.repository,
             strict_readiness=settings.strict_readiness,
@@ -84,6 +86,7 @@ class Server:
                 if settings.duplicate_window_s > 0
                 else None
             ),
+            log_control=self.log_control,
         )
         self.metrics = Metrics(
             self.repository.all_versions,
@@ -104,6 +107,7 @@ class Server:
     async def start(self) -> Ports:
         loop = asyncio.get_running_loop()
         self.backend_services.loop = loop
+        self.log_control.apply()
         settings = self.settings
         if not settings.model_repository.is_dir():
             raise StartupError(f"--model-repository {settings.model_repository} is not a directory")
@@ -260,6 +264,7 @@ class Server:
             await self._metrics_http.stop_listening()
             await self._metrics_http.drain(time.monotonic())
         self.shared_memory.close()  # regions still held by a request are unmapped when it is answered
+        self.log_control.close()
 
 
 async def _start_unix(listener: Listener, path: Path, flag: str) -> None:

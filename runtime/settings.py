@@ -98,6 +98,21 @@ GRPC_SERVERS = ("h2", "grpcio")
 
 
 @dataclasses.dataclass(frozen=True)
+class LogSettings:
+    """Triton's log settings (its logging extension, ``/v2/logging``): which severities are written
+    and how; the server applies them to Python logging (logs.py) and clients may change them while
+    it runs. Sluice writes to stderr only: there is no ``log_file``."""
+
+    info: bool = True
+    warning: bool = True
+    error: bool = True
+    verbose_level: int = 0
+    """0: no verbose (DEBUG) records; 1 or more: DEBUG records too (Sluice has one verbose level)."""
+    format: str = "default"
+    """``default`` (local time, as Sluice always wrote) or ``ISO8601`` (UTC, ``2024-05-20T20:03:26Z``)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerSettings:
     model_repository: Path
     host: str = "127.0.0.1"
@@ -147,3 +162,5 @@ class ServerSettings:
     """A request with the same inputs for the same model version from the same caller within this
     long of the last one counts as a duplicate (``sluice_caller_duplicate_request_total``); 0 turns
     duplicate detection off (nothing is hashed). Requests that name no caller are never hashed."""
+    log: LogSettings = dataclasses.field(default_factory=LogSettings)
+    """The log settings in force at start (``--log-level``, ``--log-verbose``, ``--log-format``)."""

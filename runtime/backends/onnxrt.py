@@ -10,6 +10,7 @@ so instances, not threads, carry the parallelism and nothing spins against the e
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -152,9 +153,12 @@ class OnnxInstance(ModelInstance):
                 self._string_inputs.add(state.input_name)
 
     def execute(self, requests: Sequence[InferRequest]) -> list[Result]:
+        start = time.monotonic_ns()
         feeds = merge_inputs(requests)
         for name in self._string_inputs.intersection(feeds):
             feeds[name] = np.vectorize(lambda b: b.decode("utf-8", "replace"), otypes=[object])(feeds[name])
+        inputs_done = time.monotonic_ns()
+        self.last_phases_ns = (inputs_done - start, 0)
         try:
             arrays = self._session.run(self._outputs, feeds)
         except Exception as exc:
@@ -162,6 +166,7 @@ class OnnxInstance(ModelInstance):
             if "INVALID_ARGUMENT" in str(exc):
                 error = InvalidArgument(f"model '{self._label}' rejected the inputs: {exc}")
             return [error] * len(requests)
+        outputs_start = time.monotonic_ns()
         outputs = {}
         for name, array in zip(self._outputs, arrays, strict=True):
             if name in self._reshape:
@@ -170,7 +175,9 @@ class OnnxInstance(ModelInstance):
                 items = [s.encode() if isinstance(s, str) else s for s in array.ravel()]
                 array = np.array(items, dtype=object).reshape(array.shape)
             outputs[name] = (self._datatypes[name], array)
-        return list(split_outputs(requests, outputs, batched=self._batched))
+        results: list[Result] = list(split_outputs(requests, outputs, batched=self._batched))
+        self.last_phases_ns = (inputs_done - start, time.monotonic_ns() - outputs_start)
+        return results
 
 
 class OnnxBackend(ModelBackend):

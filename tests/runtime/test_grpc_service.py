@@ -16,6 +16,7 @@ SERVED = {
     "ModelConfig", "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
     "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",  # served: "no GPU"
+    "LogSettings",
 }  # fmt: skip
 ALL = [m.name for m in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods]
 
