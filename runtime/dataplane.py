@@ -24,8 +24,8 @@ from sluice.runtime.errors import InvalidArgument, SluiceError, Unavailable, Uns
 from sluice.runtime.forwarding import Forwarder
 from sluice.runtime.repository import ModelVersion, Repository
 from sluice.runtime.settings import LogSettings
-from sluice.runtime.stats import RESPONSE_CANCEL, RESPONSE_EMPTY, RESPONSE_FAIL, RESPONSE_SUCCESS
 from sluice.runtime.signature import check_request
+from sluice.runtime.stats import RESPONSE_CANCEL, RESPONSE_EMPTY, RESPONSE_FAIL, RESPONSE_SUCCESS
 from sluice.runtime.types import InferRequest, InferResponse, Responder
 
 EXTENSIONS = [

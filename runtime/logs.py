@@ -72,9 +72,7 @@ def updated(settings: LogSettings, changes: Mapping[str, object]) -> LogSettings
             new["verbose_level"] = value
         elif name == "log_format":
             if value not in FORMATS:
-                raise InvalidArgument(
-                    f"log setting 'log_format' must be one of {', '.join(FORMATS)}, got {value!r}"
-                )
+                raise InvalidArgument(f"log setting 'log_format' must be one of {', '.join(FORMATS)}, got {value!r}")
             new["format"] = value
         else:
             new[name.removeprefix("log_")] = _bool(name, value)
@@ -119,7 +117,7 @@ class _Formatter(logging.Formatter):
         super().__init__(DEFAULT_FORMAT)
         self._control = control
 
-    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 - logging's name
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         if self._control.settings.format == "ISO8601":
             return time.strftime(ISO8601_DATE, time.gmtime(record.created))
         return super().formatTime(record, datefmt)

@@ -44,7 +44,13 @@ def metric_names(expr: str) -> set[str]:
         name = match.group()
         before = text[match.start() - 1] if match.start() else ""
         after = text[match.end() :].lstrip()[:1]
-        if after == "(" or name in KEYWORDS or before == "$" or before.isdigit() or re.fullmatch(r"[eE]\d*|inf|nan|NaN|Inf", name):
+        if (
+            after == "("
+            or name in KEYWORDS
+            or before == "$"
+            or before.isdigit()
+            or re.fullmatch(r"[eE]\d*|inf|nan|NaN|Inf", name)
+        ):
             continue
         names.add(name)
     return names
@@ -136,7 +142,7 @@ def test_every_expression_names_a_family_the_runtime_exports(runtime_families):
     assert used, "no PromQL found in the dashboard"
     unknown = {name: sorted(where) for name, where in used.items() if name not in runtime_families | NOT_SLUICE}
     assert unknown == {}, f"the dashboard reads families the runtime does not export: {unknown}"
-    assert NOT_SLUICE <= set(used), "the GPU row reads dcgm-exporter's families"
+    assert set(used) >= NOT_SLUICE, "the GPU row reads dcgm-exporter's families"
     assert not NOT_SLUICE & runtime_families, "the runtime exports a GPU family now: use it, drop the allowlist"
 
 
@@ -160,6 +166,11 @@ def test_the_dashboard_is_importable_grafana_json():
     assert len(ids) == len(set(ids))
     titles = [p["title"] for p in dashboard["panels"]]
     # the seed lesson: queue depth and the cache hit rate side by side on one row
-    depth, hits = (next(p for p in dashboard["panels"] if p["title"] == t) for t in ("Queue depth", "Response cache hit rate"))
-    assert depth["gridPos"]["y"] == hits["gridPos"]["y"] and depth["gridPos"]["x"] + depth["gridPos"]["w"] == hits["gridPos"]["x"]
+    depth, hits = (
+        next(p for p in dashboard["panels"] if p["title"] == t) for t in ("Queue depth", "Response cache hit rate")
+    )
+    assert (
+        depth["gridPos"]["y"] == hits["gridPos"]["y"]
+        and depth["gridPos"]["x"] + depth["gridPos"]["w"] == hits["gridPos"]["x"]
+    )
     assert any("GPU" in t and "dcgm-exporter" in t for t in titles)

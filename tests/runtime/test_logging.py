@@ -90,7 +90,12 @@ def test_settings_are_read_and_changed_over_http_and_grpc_alike(server):
         answer = grpc.update_log_settings({"log_format": "ISO8601", "log_info": None}, as_json=True)
         assert answer["settings"]["log_format"] == {"string_param": "ISO8601"}
         assert answer["settings"]["log_info"] == {"bool_param": False}
-        assert http.get_log_settings() == {**DEFAULTS, "log_verbose_level": 2, "log_info": False, "log_format": "ISO8601"}
+        assert http.get_log_settings() == {
+            **DEFAULTS,
+            "log_verbose_level": 2,
+            "log_info": False,
+            "log_format": "ISO8601",
+        }
     finally:
         http.close()
         grpc.close()

@@ -40,7 +40,9 @@ def grpc_stats(server: Any, model: str = "", version: str = "") -> list[dict[str
         message = client.get_inference_statistics(model, version)
     finally:
         client.close()
-    doc = json_format.MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    doc = json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
 
     def ints(value: Any, key: str = "") -> Any:
         if isinstance(value, dict):
@@ -65,7 +67,9 @@ def test_batch_stats_are_keyed_by_the_batch_sizes_formed_and_both_protocols_agre
     with ThreadPoolExecutor(4) as pool:
         blocker = pool.submit(infer, server, "http", "batched", 1.0, "blocker")
         wait_started(batched, "blocker")  # the only instance is busy: the next three queue up
-        queued = [pool.submit(infer, server, p, "batched", 2.0, f"{p}{i}") for i, p in enumerate(("http", "grpc", "http"))]
+        queued = [
+            pool.submit(infer, server, p, "batched", 2.0, f"{p}{i}") for i, p in enumerate(("http", "grpc", "http"))
+        ]
         wait_queued(server, "batched", 3)
         results = [blocker.result(10), *(call.result(10) for call in queued)]
     assert results == [2.0, 4.0, 4.0, 4.0]
