@@ -720,7 +720,7 @@ class Scheduler:
         for entry, result in zip(batch, results, strict=True):
             self._finish(entry, result)
         self._exec_ewma_ns = compute_ns if not self._exec_ewma_ns else 0.8 * self._exec_ewma_ns + 0.2 * compute_ns
-        self._observer.on_batch([e.request for e in batch], queue_ns, compute_ns, results, phases_ns)
+        self._observer.on_batch([e.request for e in batch], queue_ns, compute_ns, results, phases_ns=phases_ns)
         self._maybe_idle()
         if self._pending:
             self._pump(freed=True)

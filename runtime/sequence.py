@@ -816,7 +816,7 @@ class SequenceScheduler:
             answers.append(outcome)
             self._finish(row.entry, outcome)
         self._book.finished(jobs, now)
-        self._observer.on_batch(requests, waits, compute_ns, answers, phases_ns)
+        self._observer.on_batch(requests, waits, compute_ns, answers, phases_ns=phases_ns)
         self._maybe_idle()
         if not self._closing:
             self._pump()
