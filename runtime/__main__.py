@@ -22,7 +22,14 @@ from pathlib import Path
 from sluice.runtime import __version__
 from sluice.runtime.batching import BATCH_POLICIES
 from sluice.runtime.pull import PullSettings
-from sluice.runtime.settings import GRPC_SERVERS, MODEL_CONTROL_MODES, Limits, SchedulingDefaults, ServerSettings
+from sluice.runtime.settings import (
+    GRPC_SERVERS,
+    MODEL_CONTROL_MODES,
+    Limits,
+    LogSettings,
+    SchedulingDefaults,
+    ServerSettings,
+)
 from sluice.runtime.tracing import TraceConfigError, parse_trace_config
 
 
@@ -204,6 +211,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity"
     )
+    serve.add_argument(
+        "--log-verbose",
+        type=_non_negative(int),
+        default=0,
+        help="Triton's flag: 1 or more also writes verbose (DEBUG) records; changeable at run time (/v2/logging)",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=["default", "ISO8601"],
+        default="default",
+        help="Triton's flag: timestamps in local time (default) or ISO 8601 UTC; changeable at run time",
+    )
     sched = SchedulingDefaults()
     serve.add_argument(
         "--queue-timeout-us",
@@ -367,6 +386,20 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         caller_label_limit=args.caller_label_limit,
         duplicate_window_s=args.duplicate_window_s,
         tracing=parse_trace_config(args.trace_config),
+        log=log_settings_from_args(args),
+    )
+
+
+def log_settings_from_args(args: argparse.Namespace) -> LogSettings:
+    """The start log settings: ``--log-level`` is the least severity written, ``--log-verbose``
+    (or ``--log-level DEBUG``) turns verbose records on."""
+    level = args.log_level
+    return LogSettings(
+        info=level in ("DEBUG", "INFO"),
+        warning=level != "ERROR",
+        error=True,
+        verbose_level=max(args.log_verbose, 1 if level == "DEBUG" else 0),
+        format=args.log_format,
     )
 
 
@@ -374,6 +407,8 @@ async def serve(settings: ServerSettings) -> int:
     from sluice.runtime.server import Server, StartupError
 
     server = Server(settings)
+    for handler in logging.getLogger().handlers:  # the stderr handler main() made
+        server.log_control.govern(handler)
     try:
         await server.start()
     except StartupError as exc:

@@ -178,9 +178,15 @@ class Observer:
         pass
 
     def on_batch(
-        self, requests: Sequence[InferRequest], queue_ns: Sequence[int], compute_ns: int, results: list[Result]
+        self,
+        requests: Sequence[InferRequest],
+        queue_ns: Sequence[int],
+        compute_ns: int,
+        results: list[Result],
+        phases_ns: tuple[int, int] = (0, 0),
     ) -> None:
-        pass
+        """``phases_ns``: the input preparation and output extraction within ``compute_ns``, as the
+        instance measured them (``ModelInstance.last_phases_ns``)."""
 
 
 _QUEUED, _RUNNING, _DONE = 0, 1, 2
@@ -266,8 +272,11 @@ class _Worker:
                     requests
                 )
             compute_ns = self._clock() - start
+            phases_ns = self.instance.last_phases_ns
             try:
-                self._loop.call_soon_threadsafe(self._done, self, batch, queue_ns, results, compute_ns, start)
+                self._loop.call_soon_threadsafe(
+                    self._done, self, batch, queue_ns, results, compute_ns, start, phases_ns
+                )
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 return
 
@@ -705,6 +714,7 @@ class Scheduler:
         results: list[Result],
         compute_ns: int,
         start_ns: int = 0,
+        phases_ns: tuple[int, int] = (0, 0),
     ) -> None:
         """Called on the loop (call_soon_threadsafe) when a worker finished a batch."""
         worker.batch = None
@@ -717,7 +727,7 @@ class Scheduler:
                 trace.executed(entry.enqueued, waited, start_ns, compute_ns, rows, len(batch))
             self._finish(entry, result)
         self._exec_ewma_ns = compute_ns if not self._exec_ewma_ns else 0.8 * self._exec_ewma_ns + 0.2 * compute_ns
-        self._observer.on_batch([e.request for e in batch], queue_ns, compute_ns, results)
+        self._observer.on_batch([e.request for e in batch], queue_ns, compute_ns, results, phases_ns=phases_ns)
         self._maybe_idle()
         if self._pending:
             self._pump(freed=True)

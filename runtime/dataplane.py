@@ -16,14 +16,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sluice.runtime import __version__, callers, classification, shm, tracing
+from sluice.runtime import __version__, callers, classification, logs, shm, tracing
 from sluice.runtime import config as model_config
 from sluice.runtime.cache import cache_key
 from sluice.runtime.callers import CallerLabels, DuplicateWindow
 from sluice.runtime.errors import InvalidArgument, NotFound, SluiceError, Unavailable, Unsupported
 from sluice.runtime.forwarding import Forwarder
 from sluice.runtime.repository import ModelVersion, Repository
+from sluice.runtime.settings import LogSettings
 from sluice.runtime.signature import check_request
+from sluice.runtime.stats import RESPONSE_CANCEL, RESPONSE_EMPTY, RESPONSE_FAIL, RESPONSE_SUCCESS
 from sluice.runtime.types import InferRequest, InferResponse, Responder
 from sluice.runtime.watcher import ModelControl
 
@@ -37,6 +39,7 @@ EXTENSIONS = [
     "statistics",
     "system_shared_memory",
     "trace",
+    "logging",
 ]
 
 
@@ -64,10 +67,13 @@ class DataPlane:
         caller_labels: CallerLabels | None = None,
         duplicates: DuplicateWindow | None = None,
         control: ModelControl | None = None,
+        log_control: logs.LogControl | None = None,
     ) -> None:
         self.repository = repository
         # Who may load and unload (--model-control-mode); without one, the repository API is refused.
         self.control = control if control is not None else ModelControl(repository, "none")
+        self.log_control = log_control if log_control is not None else logs.LogControl(LogSettings())
+        """The logging extension's settings (``/v2/logging``, gRPC ``LogSettings``)."""
         self.shared_memory = shared_memory
         """Registered system and CUDA shared-memory regions (None: the extensions are off, as in unit tests)."""
         self.tracing = tracing if tracing is not None else _tracing_off()
@@ -161,15 +167,27 @@ class DataPlane:
         return model_config.config_to_json(self.model_config(name, version))
 
     def model_statistics(self, name: str = "", version: str = "") -> list[dict[str, Any]]:
-        if name:
-            if version:
-                versions = [self.repository.get(name, version)]
-            else:
-                self.repository.get(name)  # raises NotFound for unknown models
-                versions = [self.repository.get(name, str(v)) for v in self.repository.ready_versions(name)]
-        else:
-            versions = self.repository.all_versions()
-        return [v.stats.as_triton() for v in versions]
+        """Triton's statistics extension: every ready version of every model (no name), of one model
+        (no version) or one version. An unknown or not-ready model or version is INVALID_ARGUMENT,
+        with Triton's messages."""
+        if not name:
+            return [v.stats.as_triton() for v in self.repository.all_versions()]
+        ready = self.repository.ready_versions(name)
+        if not ready:
+            raise InvalidArgument(f"requested model '{name}' is not available")
+        if version:
+            if not version.isdigit() or int(version) not in ready:
+                raise InvalidArgument(f"requested model version is not available for model '{name}'")
+            ready = [int(version)]
+        return [self.repository.get(name, str(v)).stats.as_triton() for v in ready]
+
+    # -- logging -----------------------------------------------------------------------------
+    def log_settings(self) -> dict[str, Any]:
+        return logs.as_triton(self.log_control.settings)
+
+    def update_log_settings(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Apply ``changes`` (Triton's setting names) at once; returns every setting in force."""
+        return logs.as_triton(self.log_control.update(changes))
 
     def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
         out = []
@@ -367,12 +385,27 @@ def _tracing_off() -> tracing.Tracer:
 
 def _on_loop(responder: Responder, mv: ModelVersion, request: InferRequest) -> Responder:
     """A decoupled model's responder callable from any thread: each response reaches
-    ``responder`` on the event loop, in the order sent, named like a response of ``mv``."""
+    ``responder`` on the event loop, in the order sent, named like a response of ``mv``, and is
+    counted in the version's ``response_stats`` under its index (the time since the request's
+    previous response, or since it arrived)."""
     loop = asyncio.get_running_loop()
+    stats = mv.stats
+    index = 0
+    since = time.monotonic_ns()
 
     def deliver(item: InferResponse | Exception | None, final: bool) -> None:
+        nonlocal index, since
+        now = time.monotonic_ns()
         if isinstance(item, InferResponse):
             _named(item, mv, request)
+            kind = RESPONSE_SUCCESS
+        else:
+            kind = RESPONSE_EMPTY if item is None else RESPONSE_FAIL
+        if request.cancel.cancelled:
+            kind = RESPONSE_CANCEL
+        stats.on_response(index, kind, now - since)
+        index += 1
+        since = now
         responder(item, final)
 
     def respond(item: InferResponse | Exception | None, final: bool) -> None:

@@ -798,6 +798,7 @@ class SequenceScheduler:
         results: list[Result],
         compute_ns: int,
         start_ns: int = 0,
+        phases_ns: tuple[int, int] = (0, 0),
     ) -> None:
         """On the loop, when a worker finished a batch."""
         worker.batch = None
@@ -816,7 +817,7 @@ class SequenceScheduler:
             answers.append(outcome)
             self._finish(row.entry, outcome)
         self._book.finished(jobs, now)
-        self._observer.on_batch(requests, waits, compute_ns, answers)
+        self._observer.on_batch(requests, waits, compute_ns, answers, phases_ns=phases_ns)
         self._maybe_idle()
         if not self._closing:
             self._pump()

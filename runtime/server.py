@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from sluice.runtime import cudart, names, pull, shm, tracing
+from sluice.runtime import cudart, logs, names, pull, shm, tracing
 from sluice.runtime.backends.base import BackendServices
 from sluice.runtime.backends.triton_python_backend_utils import MetricRegistry
 from sluice.runtime.batching import Clock
@@ -95,6 +95,8 @@ class Server:
             clock=clock,
         )
         self.shared_memory = shm.Registry(cuda=cuda)  # cuda: where the CUDA runtime is looked for (None: everywhere)
+        self.log_control = logs.LogControl(settings.log)
+        """The logging extension's settings; ``__main__`` hands it the stderr handler to govern."""
         self.dataplane = DataPlane(
             self.repository,
             strict_readiness=settings.strict_readiness,
@@ -109,6 +111,7 @@ class Server:
                 else None
             ),
             control=self.control,
+            log_control=self.log_control,
         )
         self.metrics = Metrics(
             self.repository.all_versions,
@@ -131,6 +134,7 @@ class Server:
     async def start(self) -> Ports:
         loop = asyncio.get_running_loop()
         self.backend_services.loop = loop
+        self.log_control.apply()
         settings = self.settings
         self._check_model_control()
         if settings.repository_url is not None:
@@ -338,6 +342,7 @@ class Server:
             await self._metrics_http.drain(time.monotonic())
         await self.tracing.aclose()
         self.shared_memory.close()  # regions still held by a request are unmapped when it is answered
+        self.log_control.close()
 
 
 async def _start_unix(listener: Listener, path: Path, flag: str) -> None:

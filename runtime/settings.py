@@ -132,6 +132,21 @@ MODEL_CONTROL_MODES = ("none", "poll", "explicit")
 
 
 @dataclasses.dataclass(frozen=True)
+class LogSettings:
+    """Triton's log settings (its logging extension, ``/v2/logging``): which severities are written
+    and how; the server applies them to Python logging (logs.py) and clients may change them while
+    it runs. Sluice writes to stderr only: there is no ``log_file``."""
+
+    info: bool = True
+    warning: bool = True
+    error: bool = True
+    verbose_level: int = 0
+    """0: no verbose (DEBUG) records; 1 or more: DEBUG records too (Sluice has one verbose level)."""
+    format: str = "default"
+    """``default`` (local time, as Sluice always wrote) or ``ISO8601`` (UTC, ``2024-05-20T20:03:26Z``)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerSettings:
     model_repository: Path
     host: str = "127.0.0.1"
@@ -201,3 +216,5 @@ class ServerSettings:
     """Connect and read timeout of each request to a cloud repository."""
     tracing: TracingSettings = dataclasses.field(default_factory=TracingSettings)
     """OpenTelemetry traces of sampled requests (tracing.py); off unless a trace level is set."""
+    log: LogSettings = dataclasses.field(default_factory=LogSettings)
+    """The log settings in force at start (``--log-level``, ``--log-verbose``, ``--log-format``)."""

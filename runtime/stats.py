@@ -68,7 +68,56 @@ class Histogram:
 
 @dataclasses.dataclass
 class BatchStats:
+    """Triton's ``InferBatchStatistics`` of one batch size: every count is the executions of that size."""
+
+    compute_input: Duration = dataclasses.field(default_factory=Duration)
     compute_infer: Duration = dataclasses.field(default_factory=Duration)
+    compute_output: Duration = dataclasses.field(default_factory=Duration)
+
+
+RESPONSE_SUCCESS, RESPONSE_FAIL, RESPONSE_EMPTY, RESPONSE_CANCEL = "success", "fail", "empty_response", "cancel"
+
+
+@dataclasses.dataclass
+class ResponseStats:
+    """Triton's ``InferResponseStatistics``: the responses of a decoupled model at one index (the
+    first response of each request at "0", the second at "1", ...)."""
+
+    compute_infer: Duration = dataclasses.field(default_factory=Duration)
+    compute_output: Duration = dataclasses.field(default_factory=Duration)
+    success: Duration = dataclasses.field(default_factory=Duration)
+    fail: Duration = dataclasses.field(default_factory=Duration)
+    empty_response: Duration = dataclasses.field(default_factory=Duration)
+    cancel: Duration = dataclasses.field(default_factory=Duration)
+
+    def add(self, kind: str, ns: int) -> None:
+        """One response of ``kind`` that took ``ns`` since the request's previous response (or its
+        arrival, for the first), as Triton's ``UpdateResponse*`` count them: the whole interval is
+        compute_infer (the model's output extraction is not timed apart: compute_output gets 0 ns)."""
+        if kind == RESPONSE_CANCEL:
+            self.cancel.add(ns)
+            return
+        self.compute_infer.add(ns)
+        if kind == RESPONSE_SUCCESS:
+            self.compute_output.add(0)
+            self.success.add(ns)
+        elif kind == RESPONSE_FAIL:
+            self.fail.add(ns)
+        else:
+            self.empty_response.add(ns)
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {field.name: getattr(self, field.name).as_dict() for field in dataclasses.fields(self)}
+
+
+def split_compute(compute_ns: int, phases_ns: tuple[int, int]) -> tuple[int, int, int]:
+    """(compute_input, compute_infer, compute_output) ns of one execution that took ``compute_ns`` in
+    all, of which the backend measured ``phases_ns`` (input preparation, output extraction); pure.
+    The phases are capped so the three add up to ``compute_ns`` (the clocks may differ: a test's
+    manual clock does not move while the backend's does)."""
+    input_ns = min(max(phases_ns[0], 0), compute_ns)
+    output_ns = min(max(phases_ns[1], 0), compute_ns - input_ns)
+    return input_ns, compute_ns - input_ns - output_ns, output_ns
 
 
 class ModelStats(Observer):
@@ -94,6 +143,8 @@ class ModelStats(Observer):
         self.rejected_shed = 0
         self.server_fail = 0
         self.batch: dict[int, BatchStats] = {}
+        self.responses: dict[int, ResponseStats] = {}
+        """Decoupled models' responses by index (Triton's ``response_stats``)."""
         self.queue_hist = Histogram(QUEUE_BUCKETS_S)
         self.compute_hist = Histogram(QUEUE_BUCKETS_S)
         self.batch_hist = Histogram(BATCH_BUCKETS)
@@ -126,36 +177,57 @@ class ModelStats(Observer):
             self.rejected_shed += 1
 
     def on_batch(
-        self, requests: Sequence[InferRequest], queue_ns: Sequence[int], compute_ns: int, results: list[Result]
+        self,
+        requests: Sequence[InferRequest],
+        queue_ns: Sequence[int],
+        compute_ns: int,
+        results: list[Result],
+        phases_ns: tuple[int, int] = (0, 0),
     ) -> None:
+        """One execution. As Triton counts: the queue and compute durations and ``inference_count``
+        cover the requests that succeeded, each request adding the whole execution's compute time
+        (so ``compute_infer.ns / count`` is the mean execution time a request saw); ``batch_stats``
+        and ``execution_count`` count the execution once, under its rows."""
+        input_ns, infer_ns, output_ns = split_compute(compute_ns, phases_ns)
         rows = 0
-        for request, waited in zip(requests, queue_ns, strict=True):
+        succeeded = 0
+        for request, waited, result in zip(requests, queue_ns, results, strict=True):
             rows += request.batch_size
-            self.queue.add(waited)
             self.queue_hist.observe(waited / 1e9)
+            if isinstance(result, SluiceError):
+                continue
+            succeeded += 1
+            self.inference_count += request.batch_size
+            self.queue.add(waited)
         self.execution_count += 1
-        self.inference_count += rows
-        self.compute_infer.add(compute_ns, len(requests))
-        # Input merge and output split run inside the measured execution; Triton's clients
-        # (perf_analyzer) require the three compute counts to agree.
-        self.compute_input.add(0, len(requests))
-        self.compute_output.add(0, len(requests))
+        self.compute_input.add(input_ns * succeeded, succeeded)
+        self.compute_infer.add(infer_ns * succeeded, succeeded)
+        self.compute_output.add(output_ns * succeeded, succeeded)
         self.compute_hist.observe(compute_ns / 1e9)
         self.batch_hist.observe(rows)
         stats = self.batch.get(rows)
         if stats is None:
             stats = self.batch[rows] = BatchStats()
-        stats.compute_infer.add(compute_ns)
+        stats.compute_input.add(input_ns)
+        stats.compute_infer.add(infer_ns)
+        stats.compute_output.add(output_ns)
         self.last_inference_ms = int(time.time() * 1000)
+
+    def on_response(self, index: int, kind: str, ns: int) -> None:
+        """A decoupled model's response number ``index`` of a request (dataplane, on the loop)."""
+        stats = self.responses.get(index)
+        if stats is None:
+            stats = self.responses[index] = ResponseStats()
+        stats.add(kind, ns)
 
     # -- response cache (dataplane) ------------------------------------------------------
     def on_cache_hit(self, lookup_ns: int) -> None:
-        """A hit counts as a success and in the queue, never as an inference or execution (Triton)."""
+        """A hit counts as a success and in the queue, never as an inference or execution, and does not
+        move ``last_inference``, which follows executions (Triton)."""
         self.success.add(lookup_ns)
         self.request_hist.observe(lookup_ns / 1e9)
         self.queue.add(0)
         self.cache_hit.add(lookup_ns)
-        self.last_inference_ms = int(time.time() * 1000)
 
     def on_cache_miss(self, ns: int) -> None:
         self.cache_miss.add(ns)
@@ -193,11 +265,14 @@ class ModelStats(Observer):
             "batch_stats": [
                 {
                     "batch_size": size,
-                    "compute_input": {"count": s.compute_infer.count, "ns": 0},
+                    "compute_input": s.compute_input.as_dict(),
                     "compute_infer": s.compute_infer.as_dict(),
-                    "compute_output": {"count": s.compute_infer.count, "ns": 0},
+                    "compute_output": s.compute_output.as_dict(),
                 }
                 for size, s in sorted(self.batch.items())
             ],
+            # Triton fills this from backends that report what they allocated (TensorRT, ONNX Runtime
+            # on GPU); Sluice's backends do not measure it.
             "memory_usage": [],
+            "response_stats": {str(index): r.as_dict() for index, r in sorted(self.responses.items())},
         }

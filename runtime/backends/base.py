@@ -73,6 +73,11 @@ class LoadContext:
 class ModelInstance(abc.ABC):
     """One executor of a model: owns its session/interpreter; used by one thread at a time."""
 
+    last_phases_ns: tuple[int, int] = (0, 0)
+    """(input preparation, output extraction) nanoseconds of the last ``execute``, for the statistics'
+    ``compute_input`` / ``compute_output`` (the rest of the execution is ``compute_infer``). Set by
+    backends that can tell them apart; read by the scheduler's worker right after ``execute``."""
+
     @abc.abstractmethod
     def execute(self, requests: Sequence[InferRequest]) -> list[Result]: ...
 

@@ -21,7 +21,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result, TensorSpec
 from sluice.runtime.backends.tensor import merge_inputs, split_outputs
 from sluice.runtime.errors import ConfigError, InvalidArgument, ModelError, Unavailable, Unsupported
-from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, InferRequest, TraceHook
+from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, InferRequest
 
 # ORT type strings -> V2 datatypes.
 _V2_BY_ORT = {
@@ -153,28 +153,14 @@ class OnnxInstance(ModelInstance):
                 self._string_inputs.add(state.input_name)
 
     def execute(self, requests: Sequence[InferRequest]) -> list[Result]:
-        traced = [r.trace for r in requests if r.trace is not None] or None  # sampled requests (tracing.py)
-        if traced is not None:
-            return self._execute_traced(requests, traced)
-        return self._execute(requests)
-
-    def _execute_traced(self, requests: Sequence[InferRequest], traces: list[TraceHook]) -> list[Result]:
-        """``_execute``, timing its three parts for the traces' compute_input/infer/output spans."""
-        marks: list[int] = []
-        results = self._execute(requests, marks)
-        if len(marks) == 4:
-            for trace in traces:
-                trace.compute_split(marks[1] - marks[0], marks[2] - marks[1], marks[3] - marks[2])
-        return results
-
-    def _execute(self, requests: Sequence[InferRequest], marks: list[int] | None = None) -> list[Result]:
-        if marks is not None:
-            marks.append(time.perf_counter_ns())
+        # The three parts are timed for every batch: the statistics' compute_input/output (last_phases_ns),
+        # and, for a batch with sampled requests (tracing.py), their compute_input/infer/output spans.
+        start = time.monotonic_ns()
         feeds = merge_inputs(requests)
         for name in self._string_inputs.intersection(feeds):
             feeds[name] = np.vectorize(lambda b: b.decode("utf-8", "replace"), otypes=[object])(feeds[name])
-        if marks is not None:
-            marks.append(time.perf_counter_ns())
+        inputs_done = time.monotonic_ns()
+        self.last_phases_ns = (inputs_done - start, 0)
         try:
             arrays = self._session.run(self._outputs, feeds)
         except Exception as exc:
@@ -182,8 +168,7 @@ class OnnxInstance(ModelInstance):
             if "INVALID_ARGUMENT" in str(exc):
                 error = InvalidArgument(f"model '{self._label}' rejected the inputs: {exc}")
             return [error] * len(requests)
-        if marks is not None:
-            marks.append(time.perf_counter_ns())
+        outputs_start = time.monotonic_ns()
         outputs = {}
         for name, array in zip(self._outputs, arrays, strict=True):
             if name in self._reshape:
@@ -193,8 +178,11 @@ class OnnxInstance(ModelInstance):
                 array = np.array(items, dtype=object).reshape(array.shape)
             outputs[name] = (self._datatypes[name], array)
         results: list[Result] = list(split_outputs(requests, outputs, batched=self._batched))
-        if marks is not None:
-            marks.append(time.perf_counter_ns())
+        done = time.monotonic_ns()
+        self.last_phases_ns = (inputs_done - start, done - outputs_start)
+        for request in requests:
+            if request.trace is not None:  # sampled (tracing.py)
+                request.trace.compute_split(inputs_done - start, outputs_start - inputs_done, done - outputs_start)
         return results
 
 

@@ -26,6 +26,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -437,7 +438,9 @@ class PythonInstance(ModelInstance):
 
     def execute(self, requests: Sequence[InferRequest]) -> list[Result]:
         model_name = self._backend._ctx.model_name
+        start = time.monotonic_ns()
         wrapped = [self._to_model_request(request) for request in requests]
+        self.last_phases_ns = (time.monotonic_ns() - start, 0)
         outer = bls.outer_requests.set(requests)
         try:
             with self._backend.model_code():
@@ -463,10 +466,13 @@ class PythonInstance(ModelInstance):
         if problem is not None:
             message = f"model '{model_name}': {problem}"
             return [ModelError(message) for _ in requests]
-        return [
+        outputs_start = time.monotonic_ns()
+        results = [
             self._to_result(position, request, response)
             for position, (request, response) in enumerate(zip(requests, returned, strict=True))
         ]
+        self.last_phases_ns = (self.last_phases_ns[0], time.monotonic_ns() - outputs_start)
+        return results
 
     def _to_model_request(self, request: InferRequest) -> ServedRequest:
         parameters = request.parameters

@@ -328,6 +328,29 @@ class Service:
         await self.dp.unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
+    # -- logging (Triton's extension) ---------------------------------------------------------------
+    async def log_settings(self, request: pb.LogSettingsRequest, call: Call) -> pb.LogSettingsResponse:
+        """Read the log settings; the settings the request names (a value without a choice is left
+        as it is, as Triton does) are changed first."""
+        if request.settings:
+            changes: dict[str, Any] = {}
+            for name, value in request.settings.items():
+                choice = value.WhichOneof("parameter_choice")
+                changes[name] = None if choice is None else getattr(value, choice)
+            current = self.dp.update_log_settings(changes)
+        else:
+            current = self.dp.log_settings()
+        response = pb.LogSettingsResponse()
+        for name, setting in current.items():
+            slot = response.settings[name]
+            if isinstance(setting, bool):
+                slot.bool_param = setting
+            elif isinstance(setting, int):
+                slot.uint32_param = setting
+            else:
+                slot.string_param = setting
+        return response
+
     # -- shared memory (Triton's extensions) ---------------------------------------------------------
     def _registry(self) -> shm.Registry:
         if self.dp.shared_memory is None:
@@ -404,6 +427,7 @@ _HANDLERS = {
     "RepositoryIndex": "repository_index",
     "RepositoryModelLoad": "repository_model_load",
     "RepositoryModelUnload": "repository_model_unload",
+    "LogSettings": "log_settings",
     "SystemSharedMemoryStatus": "system_shared_memory_status",
     "SystemSharedMemoryRegister": "system_shared_memory_register",
     "SystemSharedMemoryUnregister": "system_shared_memory_unregister",

@@ -512,6 +512,8 @@ class V2Routes:
             return self._trace_setting(request, "")
         if section == b"cudasharedmemory":
             return self._shared_memory(request, parts[3:], shm.CUDA)
+        if section == b"logging" and n == 3:
+            return self._logging(request)
         raise NotFound(f"no route for {request.path.decode(errors='replace')}")
 
     @staticmethod
@@ -577,7 +579,7 @@ class V2Routes:
             rest = parts[3:]
             if rest != [b"index"] and not (len(rest) == 3 and rest[0] == b"models" and rest[2] in (b"load", b"unload")):
                 return error_response(NotFound(f"no route for {path.decode(errors='replace')}"))
-        elif section not in (b"", b"health", b"models", b"systemsharedmemory", b"cudasharedmemory"):
+        elif section not in (b"", b"health", b"models", b"systemsharedmemory", b"cudasharedmemory", b"logging"):
             return error_response(NotFound(f"no route for {path.decode(errors='replace')}"))
         return None
 
@@ -694,6 +696,19 @@ class V2Routes:
             else:
                 raise InvalidArgument(f"trace setting '{key}': {value!r} must be a string or a list of strings")
         return json_response(self.tracing.update(model, changes))
+
+    def _logging(self, request: Request) -> Response:
+        """Triton's logging extension: GET reads the log settings, POST changes some of them and
+        answers with all of them."""
+        if request.method == b"POST":
+            body = http_codec.parse_json(request.body, "log settings body") if request.body else {}
+            if not isinstance(body, dict):
+                raise InvalidArgument(
+                    'log settings body must be a JSON object, e.g. {"log_verbose_level": 1}; settings: '
+                    "log_file, log_info, log_warning, log_error, log_verbose_level, log_format"
+                )
+            return json_response(self.dp.update_log_settings(body))
+        return self._get(request.method, lambda: json_response(self.dp.log_settings()))
 
     def _repository(self, request: Request, rest: list[bytes]) -> Response | Awaitable[Response]:
         if request.method != b"POST":

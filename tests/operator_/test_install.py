@@ -7,6 +7,7 @@ reason when it is missing.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import pathlib
 import re
@@ -206,7 +207,8 @@ def test_helm_lint_is_clean():
     ["--set", "webhook.enabled=true", "--set", "webhook.certManager.enabled=true",
      "--set", "webhook.failurePolicy=Ignore",
      "--set-string", "webhook.objectSelector.matchLabels.sluice\\.dev/sidecar=true"],
-], ids=["defaults", "namespaced-ha", "minimal", "autoscaling", "webhook", "webhook-cert-manager"])
+    ["--set", "grafana.dashboard.enabled=true", "--set-string", "grafana.dashboard.annotations.grafana_folder=Sluice"],
+], ids=["defaults", "namespaced-ha", "minimal", "autoscaling", "webhook", "webhook-cert-manager", "grafana"])
 def test_helm_template_renders_valid_manifests(values):
     validate(template(*values))
 
@@ -283,6 +285,8 @@ def test_rbac_covers_every_kind_the_operator_writes():
     (["--set", "webhook.failurePolicy=Sometimes"], "/webhook/failurePolicy': value must be one of 'Fail', 'Ignore'"),
     (["--set", "webhook.timeoutSeconds=31"], "/webhook/timeoutSeconds"),
     (["--set", "webhook.nativeSidecars=maybe"], "/webhook/nativeSidecars"),
+    (["--set", "grafana.dashboard.enabeld=true"], "additional properties 'enabeld' not allowed"),
+    (["--set", "grafana.dashboard.label=grafana dashboard"], "/grafana/dashboard/label"),
 ])
 def test_bad_values_fail_the_install(args, message):
     assert message in template_error(*args)
@@ -628,3 +632,23 @@ def test_webhook_rbac_is_by_name():
     assert role["metadata"]["namespace"] == settings.webhook.namespace
     assert {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [settings.webhook.secret],
             "verbs": ["get", "patch"]} in role["rules"]
+
+
+# ---------------------------------------------------------------- Grafana dashboard
+
+def test_grafana_dashboard_config_map_holds_the_charts_dashboard_for_the_sidecar():
+    assert [d for d in template() if d["metadata"]["name"].endswith("-grafana-dashboard")] == []  # off by default
+    [config_map] = [d for d in _rendered("ConfigMap", "--set", "grafana.dashboard.enabled=true")
+                    if d["metadata"]["name"].endswith("-grafana-dashboard")]
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["namespace"] == "sluice-system"
+    dashboard = (CHART / "dashboards" / "sluice.json").read_text()
+    assert json.loads(config_map["data"]["sluice.json"]) == json.loads(dashboard)
+    [custom] = [d for d in _rendered("ConfigMap", "--set", "grafana.dashboard.enabled=true",
+                                     "--set", "grafana.dashboard.label=example.com/dashboard",
+                                     "--set-string", "grafana.dashboard.labelValue=sluice",
+                                     "--set", "grafana.dashboard.namespace=monitoring")
+                if d["metadata"]["name"].endswith("-grafana-dashboard")]
+    assert custom["metadata"]["labels"]["example.com/dashboard"] == "sluice"
+    assert "grafana_dashboard" not in custom["metadata"]["labels"]
+    assert custom["metadata"]["namespace"] == "monitoring"

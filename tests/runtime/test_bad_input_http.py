@@ -599,7 +599,7 @@ CASES = [
     case("non-numeric-version", request("GET", "/v2/models/add_sub/versions/latest"), 404, "'add_sub'", "latest"),
     case("unknown-model-metadata", request("GET", "/v2/models/nope"), 404, "'nope'"),
     case("unknown-model-config", request("GET", "/v2/models/nope/config"), 404, "'nope'"),
-    case("unknown-model-stats", request("GET", "/v2/models/nope/stats"), 404, "'nope'"),
+    case("unknown-model-stats", request("GET", "/v2/models/nope/stats"), 400, "model 'nope' is not available"),
     case("load-bad-json", request("POST", "/v2/repository/models/add_sub/load", b"{"), 400, "load request body"),
     case(
         "load-file-override",

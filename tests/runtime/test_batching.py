@@ -188,7 +188,7 @@ class Recorder(Observer):
     def on_rejected(self, reason: str) -> None:
         self.rejected.append(reason)
 
-    def on_batch(self, requests, queue_ns, compute_ns, results) -> None:
+    def on_batch(self, requests, queue_ns, compute_ns, results, phases_ns=(0, 0)) -> None:
         self.batch_sizes.append(len(requests))
 
 

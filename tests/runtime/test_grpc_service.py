@@ -18,6 +18,7 @@ SERVED = {
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
     "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",  # without a GPU: why not
     "TraceSetting",
+    "LogSettings",
 }  # fmt: skip
 ALL = [m.name for m in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods]
 
