@@ -119,7 +119,9 @@ class Report:
 def _to_dict(m: plan.Measurement) -> dict[str, Any]:
     c = m.point.config
     return {
-        "config": {"policy": c.policy, "instances": c.instances, "preferred": list(c.preferred), "delay_us": c.delay_us},
+        "config": {
+            "policy": c.policy, "instances": c.instances, "preferred": list(c.preferred), "delay_us": c.delay_us,
+        },
         "label": c.label(),
         "concurrency": m.point.concurrency,
         "throughput": m.throughput,
@@ -233,7 +235,8 @@ class Session:
             await self.clients.control.load_model(self.settings.model, config=text)
         except InferenceServerException as exc:
             raise TuneError(
-                f"the server refused to load '{self.settings.model}' with {config.label()}: {exc.message()}", EXIT_FAILED
+                f"the server refused to load '{self.settings.model}' with {config.label()}: {exc.message()}",
+                EXIT_FAILED,
             ) from None
         self.reload_s.append(time.perf_counter() - started)
         self.loaded = config
@@ -468,7 +471,8 @@ async def _search(
     served = (await clients.control.get_model_config(settings.model)).config
     if served.platform == "ensemble":
         raise TuneError(
-            f"'{settings.model}' is an ensemble: it has no batching of its own; tune its step models instead", EXIT_MODEL
+            f"'{settings.model}' is an ensemble: it has no batching of its own; tune its step models instead",
+            EXIT_MODEL,
         )
     if served.HasField("sequence_batching"):
         raise TuneError(

@@ -435,7 +435,9 @@ def calibration(predictions: Mapping[Point, Prediction], measured: Mapping[Point
     return (statistics.median(xs) if xs else 1.0, statistics.median(ls) if ls else 1.0)
 
 
-def calibrated(predictions: Mapping[Point, Prediction], measured: Mapping[Point, Measurement]) -> dict[Point, Prediction]:
+def calibrated(
+    predictions: Mapping[Point, Prediction], measured: Mapping[Point, Measurement]
+) -> dict[Point, Prediction]:
     x_ratio, l_ratio = calibration(predictions, measured)
     return {
         p: dataclasses.replace(
@@ -539,7 +541,8 @@ def plan_durations(
     :class:`BudgetTooSmall` when even those do not fit."""
     if needed_s(wanted, n_cost, least_points, reload_s) <= remaining_s:
         return wanted
-    floor = Durations(*(min(a, b) for a, b in zip(dataclasses.astuple(SHORTEST), dataclasses.astuple(wanted), strict=True)))
+    pairs = zip(dataclasses.astuple(SHORTEST), dataclasses.astuple(wanted), strict=True)
+    floor = Durations(*(min(a, b) for a, b in pairs))
     least = needed_s(floor, n_cost, least_points, reload_s)
     if least > remaining_s:
         raise BudgetTooSmall(
@@ -559,7 +562,8 @@ def plan_durations(
 
 
 def _between(low: Durations, high: Durations, f: float) -> Durations:
-    return Durations(*(a + (b - a) * f for a, b in zip(dataclasses.astuple(low), dataclasses.astuple(high), strict=True)))
+    pairs = zip(dataclasses.astuple(low), dataclasses.astuple(high), strict=True)
+    return Durations(*(a + (b - a) * f for a, b in pairs))
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|m|s|ms)?")
@@ -578,7 +582,9 @@ def parse_duration(text: str) -> float:
         total += float(match.group(1)) * scale[match.group(2)]
         pos = match.end()
     if not raw or pos != len(raw):
-        raise PlanError(f"{text!r} is not a duration; allowed: seconds (300) or a number with h, m, s or ms (90s, 5m, 1m30s)")
+        raise PlanError(
+            f"{text!r} is not a duration; allowed: seconds (300) or a number with h, m, s or ms (90s, 5m, 1m30s)"
+        )
     if total <= 0:
         raise PlanError(f"{text!r} is not a positive duration; allowed: more than 0 seconds")
     return total
@@ -737,7 +743,8 @@ def edit_config_text(text: str, original: mc.ModelConfig, tuned: mc.ModelConfig)
     if list(original.instance_group) != list(tuned.instance_group):
         replace_all("instance_group", "\n".join(_render("instance_group", g) for g in tuned.instance_group))
     key = BATCH_POLICY_PARAMETER
-    if key in tuned.parameters and (key not in original.parameters or original.parameters[key] != tuned.parameters[key]):
+    changed = key not in original.parameters or original.parameters[key] != tuned.parameters[key]
+    if key in tuned.parameters and changed:
         rendered = _render_parameter(key, tuned.parameters[key])
         mine = [s for s in spans if s.name == "parameters" and _parameter_key(text[s.start : s.end]) == key]
         if mine:
