@@ -326,25 +326,29 @@ def predict(
     window_start = 0
     timer_at: int | None = None
 
+    loop_busy = 0  # ns the loop has worked so far: its share of a core competes with the instances
+
     def slowdown() -> float:
-        return max(1.0, (busy + 1) / cpus)
+        return max(1.0, (busy + (loop_busy / loop_free if loop_free else 0.0)) / cpus)
 
     def through_loop(now: int) -> int:
         """A request's way in or out: serial time on the loop, then time that overlaps with others'."""
-        nonlocal loop_free
+        nonlocal loop_free, loop_busy
         start = max(now, loop_free)
-        loop_free = start + int(loop_half_ns * rng.uniform(0.8, 1.2) * slowdown())
+        work = int(loop_half_ns * rng.uniform(0.8, 1.2) * slowdown())
+        loop_free, loop_busy = start + work, loop_busy + work
         return loop_free + max(1, int(delay_half_ns * rng.uniform(0.8, 1.2)))
 
     def dispatch(now: int) -> None:
-        nonlocal busy, timer_at, loop_free
+        nonlocal busy, timer_at, loop_free, loop_busy
         while busy < config.instances and queue:
             head = queue[: max(facts.max_batch_size, 1) + 1]
             decision = decide([Pending(1, (), t) for t, _ in head], now, policy)
             if isinstance(decision, Dispatch):
                 taken, queue[:] = queue[: decision.count], queue[decision.count :]
                 busy += 1
-                loop_free = max(now, loop_free) + int(batch_ns * slowdown())
+                work = int(batch_ns * slowdown())
+                loop_free, loop_busy = max(now, loop_free) + work, loop_busy + work
                 run = max(1, int(curve.exec_s(len(taken)) * 1e9 * rng.uniform(0.85, 1.15) * slowdown()))
                 push(now + run, "done", [client for _, client in taken])
                 batches.append(len(taken))
@@ -566,7 +570,7 @@ def _between(low: Durations, high: Durations, f: float) -> Durations:
     return Durations(*(a + (b - a) * f for a, b in pairs))
 
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|m|s|ms)?")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|h|m|s)?")
 
 
 def parse_duration(text: str) -> float:
@@ -743,8 +747,11 @@ def edit_config_text(text: str, original: mc.ModelConfig, tuned: mc.ModelConfig)
     if list(original.instance_group) != list(tuned.instance_group):
         replace_all("instance_group", "\n".join(_render("instance_group", g) for g in tuned.instance_group))
     key = BATCH_POLICY_PARAMETER
-    changed = key not in original.parameters or original.parameters[key] != tuned.parameters[key]
-    if key in tuned.parameters and changed:
+    # (indexing a protobuf map inserts the key: look before indexing)
+    changed = key in tuned.parameters and (
+        key not in original.parameters or original.parameters[key] != tuned.parameters[key]
+    )
+    if changed:
         rendered = _render_parameter(key, tuned.parameters[key])
         mine = [s for s in spans if s.name == "parameters" and _parameter_key(text[s.start : s.end]) == key]
         if mine:
