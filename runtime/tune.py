@@ -403,11 +403,13 @@ def _read_config_file(model_dir: Path, served: mc.ModelConfig) -> _ConfigFile:
 async def run(
     settings: TuneSettings,
     *,
-    out: TextIO = sys.stdout,
-    err: TextIO = sys.stderr,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> int:
-    """The whole ``sluice tune`` run; returns the exit code."""
+    """The whole ``sluice tune`` run; returns the exit code. ``out``/``err``: stdout/stderr by default."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     started = clock()
     progress = _Progress(err, clock, started, settings.time_budget_s)
     problem = _model_problem(settings)
