@@ -178,6 +178,7 @@ def _input_arrays(config: mc.ModelConfig, rows: int) -> list[tuple[str, str, np.
         shape = [d if d > 0 else 1 for d in spec.dims]
         if config.max_batch_size > 0:
             shape = [rows, *shape]
+        data: np.ndarray
         if datatype == "BYTES":
             data = np.full(shape, b"0", dtype=np.object_)
         elif datatype == "BOOL":
@@ -358,7 +359,8 @@ def _server_settings(settings: TuneSettings) -> ServerSettings:
     # The load API must accept loads: with model-control modes (Triton's none | poll | explicit),
     # tune runs its own server in explicit mode, which serves only the model asked for.
     if "model_control_mode" in {f.name for f in dataclasses.fields(ServerSettings)}:
-        server = dataclasses.replace(server, model_control_mode="explicit")
+        explicit: dict[str, Any] = {"model_control_mode": "explicit"}
+        server = dataclasses.replace(server, **explicit)
     return server
 
 
