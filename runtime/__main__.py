@@ -1,5 +1,6 @@
-"""Command line: ``sluice serve --model-repository DIR`` (also ``python -m sluice.runtime serve``) and
-``sluice pull SOURCE DESTINATION`` (the model puller the operator runs as an init container).
+"""Command line: ``sluice serve --model-repository DIR`` (also ``python -m sluice.runtime serve``),
+``sluice pull SOURCE DESTINATION`` (the model puller the operator runs as an init container) and
+``sluice tune --model-repository DIR --model NAME`` (batching settings search, runtime/tune.py).
 
 Settings are parsed here, once, into ``ServerSettings`` and passed down; nothing else reads
 the command line or the environment.
@@ -18,6 +19,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sluice.runtime import __version__
 from sluice.runtime.batching import BATCH_POLICIES
@@ -31,6 +33,9 @@ from sluice.runtime.settings import (
     ServerSettings,
 )
 from sluice.runtime.tracing import TraceConfigError, parse_trace_config
+
+if TYPE_CHECKING:
+    from sluice.runtime.tune import TuneSettings
 
 
 def _bool(value: str) -> bool:
@@ -279,7 +284,117 @@ def _parser() -> argparse.ArgumentParser:
             help=field.metadata["help"],
         )
     _pull_parser(sub)
+    _tune_parser(sub)
     return parser
+
+
+def _positive_ints(value: str) -> tuple[int, ...]:
+    try:
+        numbers = tuple(int(part) for part in value.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: allowed: comma-separated integers, such as 1,8,32") from None
+    if not numbers or any(n < 1 for n in numbers):
+        raise argparse.ArgumentTypeError(f"{value!r}: allowed: comma-separated integers >= 1, such as 1,8,32")
+    return tuple(dict.fromkeys(numbers))
+
+
+def _non_negative_ints(value: str) -> tuple[int, ...]:
+    try:
+        numbers = tuple(int(part) for part in value.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: allowed: comma-separated integers, such as 250,1000") from None
+    if not numbers or any(n < 0 for n in numbers):
+        raise argparse.ArgumentTypeError(f"{value!r}: allowed: comma-separated integers >= 0, such as 250,1000")
+    return tuple(dict.fromkeys(numbers))
+
+
+def _duration(value: str) -> float:
+    from sluice.runtime import tune_plan
+
+    try:
+        return tune_plan.parse_duration(value)
+    except tune_plan.PlanError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def parse(value: str) -> int | float:
+        number = _non_negative(kind)(value)
+        if number <= 0:
+            raise argparse.ArgumentTypeError(f"{value!r}: allowed: {kind.__name__} > 0")
+        return number
+
+    return parse
+
+
+def _tune_parser(sub: argparse._SubParsersAction) -> None:
+    from sluice.runtime.tune_plan import Durations, SearchSpace
+
+    durations, space = Durations(), SearchSpace()
+    tune = sub.add_parser(
+        "tune",
+        help="find the batching settings with the most throughput under a latency budget",
+        description="Start a server with one model, measure its batch-size cost curve, predict throughput and "
+        "latency of batching configs (batch policy, preferred batch size, max queue delay, instance count) at "
+        "each --concurrency, confirm the most promising by measurement (each applied to the live model through "
+        "the repository load API with a config override), and print the table, the best config and the "
+        "config.pbtxt diff. Progress goes to stderr. Exit codes: 0 done, 1 unexpected failure, 2 bad arguments, "
+        "3 unknown model or one tune cannot change, 4 time budget too small, 5 no config met the latency budget "
+        "(the closest is named), 130 interrupted (the best so far is printed).",
+        formatter_class=_HelpFormatter,
+    )
+    tune.add_argument("--model-repository", required=True, type=Path, help="directory of <model>/config.pbtxt")
+    tune.add_argument("--model", required=True, help="the model to tune")
+    tune.add_argument("--latency-budget-ms", type=_positive(float), default=None,
+                      help="p99 latency a config must keep to count; None: the most throughput, whatever the latency")
+    tune.add_argument("--time-budget", type=_duration, default=300.0, metavar="DURATION",
+                      help="the whole run stays within this: seconds (300) or 90s, 5m, 1m30s")
+    tune.add_argument("--concurrency", type=_positive_ints, default=(1, 8, 32), metavar="N[,N...]",
+                      help="closed-loop clients of each measured point")
+    tune.add_argument("--protocol", choices=["grpc", "http"], default="grpc", help="protocol of the load generator")
+    tune.add_argument("--search", choices=["model", "grid"], default="model",
+                      help="model: predict from the cost curve, measure the best few; grid: measure every point")
+    tune.add_argument("--max-instances", type=_positive(int), default=space.max_instances,
+                      help="instance counts tried: 1, 2, 4, ... up to this")
+    tune.add_argument("--delays-us", type=_non_negative_ints, default=space.delays_us, metavar="US[,US...]",
+                      help="max_queue_delay_microseconds values tried with fixed_wait")
+    tune.add_argument("--point-s", type=_positive(float), default=durations.point_s,
+                      help="seconds each point is measured (shortened when the time budget is tight)")
+    tune.add_argument("--warmup-s", type=_non_negative(float), default=durations.warmup_s,
+                      help="seconds of load before each point that are not counted")
+    tune.add_argument("--cost-s", type=_positive(float), default=durations.cost_s,
+                      help="seconds each batch size of the cost curve is measured")
+    tune.add_argument("--max-points", type=_positive(int), default=12,
+                      help="most points the model search measures (it usually stops before)")
+    tune.add_argument("--cpus", type=_non_negative(int), default=0,
+                      help="cores the prediction assumes; 0: this process's CPU affinity")
+    tune.add_argument("--apply", action="store_true",
+                      help="write the tuned config.pbtxt (atomically; the old one is kept as config.pbtxt.bak)")
+    tune.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the result as JSON")
+    tune.add_argument(
+        "--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="server log verbosity"
+    )
+
+
+def tune_settings_from_args(args: argparse.Namespace) -> TuneSettings:
+    from sluice.runtime.tune import TuneSettings
+    from sluice.runtime.tune_plan import Durations, SearchSpace
+
+    return TuneSettings(
+        model_repository=args.model_repository,
+        model=args.model,
+        latency_budget_ms=args.latency_budget_ms,
+        time_budget_s=args.time_budget,
+        concurrency=tuple(args.concurrency),
+        protocol=args.protocol,
+        search=args.search,
+        space=SearchSpace(max_instances=args.max_instances, delays_us=tuple(args.delays_us)),
+        durations=Durations(cost_s=args.cost_s, warmup_s=args.warmup_s, point_s=args.point_s),
+        max_points=args.max_points,
+        apply=args.apply,
+        json_path=args.json,
+        cpus=args.cpus,
+    )
 
 
 def _pull_parser(sub: argparse._SubParsersAction) -> None:
@@ -460,16 +575,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "pull":
         return _pull(args)
     try:
-        settings = settings_from_args(args)
-    except TraceConfigError as exc:
-        print(f"sluice: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    try:
         import uvloop
 
         runner = uvloop.run
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         runner = asyncio.run
+    if args.command == "tune":
+        from sluice.runtime import tune
+
+        return runner(tune.run(tune_settings_from_args(args)))
+    try:
+        settings = settings_from_args(args)
+    except TraceConfigError as exc:
+        print(f"sluice: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     return runner(serve(settings))
 
 
