@@ -64,3 +64,24 @@ if command -v npm >/dev/null 2>&1 && command -v node >/dev/null 2>&1; then
     fi
   fi
 fi
+
+# perf_analyzer: Triton's C++ load generator, the binary inside PyPI's perf-analyzer wheel, into
+# .tools/bin, for tests/runtime/test_perf_analyzer.py (its server-side report reads the statistics
+# extension). The wheel is tagged manylinux_2_38, so it is fetched by that tag (on an older system
+# pip would pick the empty 0.1.0 placeholder) and kept only where this system's glibc (>= 2.38:
+# Ubuntu 24.04, Debian 13) runs it; elsewhere the tests skip, or take SLUICE_PERF_ANALYZER.
+PERF_ANALYZER_VERSION=2.60.0
+if [ ! -x .tools/bin/perf_analyzer ]; then
+  tmp=$(mktemp -d)
+  if "$VENV/bin/python" -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_38_x86_64 \
+        -d "$tmp" "perf-analyzer==$PERF_ANALYZER_VERSION" >/dev/null 2>&1 \
+      && "$VENV/bin/python" -m zipfile -e "$tmp"/perf_analyzer-*.whl "$tmp/x" \
+      && chmod +x "$tmp/x/perf_analyzer/bin/perf_analyzer" \
+      && "$tmp/x/perf_analyzer/bin/perf_analyzer" --version >/dev/null 2>&1; then
+    cp "$tmp/x/perf_analyzer/bin/perf_analyzer" .tools/bin/perf_analyzer
+  else
+    echo "tools.sh: perf_analyzer $PERF_ANALYZER_VERSION does not run here (it needs glibc >= 2.38); its tests" \
+      "skip unless SLUICE_PERF_ANALYZER names one that runs" >&2
+  fi
+  rm -rf "$tmp"
+fi
