@@ -292,7 +292,10 @@ class _Run:
             if self.finished:
                 return
             if step.remote is not None:
-                self.tasks[step.index] = asyncio.ensure_future(self.scheduler.remote.call(step, inner, self.step_done))
+                trace = self.request.trace  # sampled (tracing.py): a client span, the trace sent along
+                traced = None if trace is None else trace.forward(step.model, step.remote)
+                call = self.scheduler.remote.call(step, inner, self.step_done, traced)
+                self.tasks[step.index] = asyncio.ensure_future(call)
                 continue
             done: Done = functools.partial(self.step_done, step)
             if self.request.trace is not None:  # sampled (tracing.py): the step is a child span
@@ -427,19 +430,33 @@ class RemoteSteps:
     def __init__(self) -> None:
         self._clients = remote.RemoteClients()
 
-    async def call(self, step: Step, request: InferRequest, done: Callable[[Step, Result], None]) -> None:
-        """Run ``request`` on the remote step and report to ``done`` (not called when cancelled)."""
+    async def call(
+        self,
+        step: Step,
+        request: InferRequest,
+        done: Callable[[Step, Result], None],
+        traced: tuple[Callable[[object], None], str] | None = None,
+    ) -> None:
+        """Run ``request`` on the remote step and report to ``done`` (not called when cancelled).
+        ``traced``: a sampled request's client span (its end, and the traceparent sent along)."""
+        end, traceparent = traced if traced is not None else (None, None)
         outcome: Result
         try:
-            outcome = await self.infer(step, request)
+            outcome = await self.infer(step, request, traceparent)
         except SluiceError as exc:
             outcome = exc
+        except asyncio.CancelledError:
+            if end is not None:
+                end(Cancelled(f"the call of remote step '{step.model}' was cancelled"))
+            raise
         except Exception as exc:  # whatever the client raises, the ensemble request must be answered
             outcome = Internal(f"calling {step.remote}: {type(exc).__name__}: {exc}")
+        if end is not None:
+            end(outcome)
         done(step, outcome)
 
-    async def infer(self, step: Step, request: InferRequest) -> InferResponse:
-        response = await self._clients.infer(step.remote or "", step.model, step.version, request)
+    async def infer(self, step: Step, request: InferRequest, traceparent: str | None = None) -> InferResponse:
+        response = await self._clients.infer(step.remote or "", step.model, step.version, request, traceparent)
         return InferResponse(step.model, step.version, response.outputs, request.id)
 
     async def aclose(self) -> None:

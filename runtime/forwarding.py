@@ -86,7 +86,8 @@ class Forwarder:
             self.counts.add(request.model_name, target, False)
             done(self._cancelled(request.model_name))
             return
-        task = asyncio.get_running_loop().create_task(self._call(target, request, done, local))
+        traced = None if request.trace is None else request.trace.forward(request.model_name, target)
+        task = asyncio.get_running_loop().create_task(self._call(target, request, done, local, traced))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -96,15 +97,24 @@ class Forwarder:
         request.cancel.on_cancel(cancel)
 
     async def _call(
-        self, target: str, request: InferRequest, done: Done, local: Callable[[InferRequest, Done], None] | None,
+        self,
+        target: str,
+        request: InferRequest,
+        done: Done,
+        local: Callable[[InferRequest, Done], None] | None,
+        traced: tuple[Callable[[object], None], str] | None = None,
     ) -> None:
+        """``traced``: a sampled request's client span (its end, and the traceparent sent along)."""
         model = request.model_name
+        end, traceparent = traced if traced is not None else (None, None)
         outcome: InferResponse | SluiceError
         try:
-            outcome = await self._clients.infer(target, model, "", request)
+            outcome = await self._clients.infer(target, model, "", request, traceparent)
         except remote.Unreachable as exc:
             if local is not None and not request.cancel.cancelled:
                 self.counts.add(model, target, False, fallback=True)
+                if end is not None:  # the span says why it is served here
+                    end(exc)
                 local(request, done)
                 return
             outcome = canary_error(model, target, exc)
@@ -112,11 +122,16 @@ class Forwarder:
             outcome = canary_error(model, target, exc)
         except asyncio.CancelledError:
             self.counts.add(model, target, False)
-            done(self._cancelled(model))
+            outcome = self._cancelled(model)
+            if end is not None:
+                end(outcome)
+            done(outcome)
             raise
         except Exception as exc:  # whatever the client raises, the request must be answered
             outcome = canary_error(model, target, Internal(f"{type(exc).__name__}: {exc}"))
         self.counts.add(model, target, not isinstance(outcome, SluiceError))
+        if end is not None:
+            end(outcome)
         done(outcome)
 
     def _cancelled(self, model: str) -> SluiceError:

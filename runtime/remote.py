@@ -202,12 +202,16 @@ class RemoteClients:
             entry = self._channels[target] = (channel, service_pb2_grpc.GRPCInferenceServiceStub(channel))
         return entry[1]
 
-    async def infer(self, target: str, model: str, version: str, request: InferRequest) -> InferResponse:
+    async def infer(
+        self, target: str, model: str, version: str, request: InferRequest, traceparent: str | None = None
+    ) -> InferResponse:
         """Run ``request`` as ``model`` (``version``: "" for the latest) at ``target``; raises the
-        SluiceError of the remote's status. Cancelling the awaiting task cancels the call."""
+        SluiceError of the remote's status. Cancelling the awaiting task cancels the call.
+        ``traceparent`` (a traced request, tracing.py) goes as metadata: the target continues the trace."""
         message = request_message(request, model, version)
+        metadata = None if traceparent is None else (("traceparent", traceparent),)
         try:
-            answer = await self._stub(target).ModelInfer(message)
+            answer = await self._stub(target).ModelInfer(message, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             error = remote_error(exc.code().name, exc.details() or str(exc.code().name), target)
             channel = self._channels[target][0]

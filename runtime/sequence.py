@@ -774,6 +774,7 @@ class SequenceScheduler:
             1,
             request.shape_key,
             request.caller,
+            trace=request.trace,  # sampled (tracing.py): the backend reports its compute split to it
         )
 
     def _padding_row(self, template: InferRequest) -> InferRequest:
@@ -810,6 +811,10 @@ class SequenceScheduler:
             if row.entry is None or row.job is None:
                 continue
             self._running -= 1
+            trace = row.entry.request.trace
+            if trace is not None:  # sampled (tracing.py): the timestamps taken anyway, before it is answered
+                size = sum(1 for other in rows if other.entry is not None)
+                trace.executed(row.entry.enqueued, waited, start_ns, compute_ns, len(rows), size)
             outcome = self._take_state(row.job, row.entry.request, result)
             jobs.append(row.job)
             requests.append(row.entry.request)

@@ -15,7 +15,12 @@ Span tree of one request (times from the scheduler's clock, shifted to the wall 
       compute_input / compute_infer / compute_output
       ensemble step <model>  one per step of an ensemble, each with its own children
       BLS <model>            one per BLS call a Python model made for it
+      forward <model>        CLIENT; the call to another server (a split model's canary, a remote
+                             ensemble step), whose own spans continue the trace under it
       response               the model's answer -> the response written
+
+A decoupled request (ModelStreamInfer to a decoupled model, a decoupled BLS call) records each of
+its responses as an event on its span (:meth:`Trace.responses`), which ends at its final response.
 
 Pure parts (settings parsing and checking, ``traceparent``, sampling) are plain functions tested
 without I/O. The SDK (``opentelemetry-sdk``, ``opentelemetry-exporter-otlp-proto-http``) is imported
@@ -39,6 +44,7 @@ log = logging.getLogger("sluice.runtime.tracing")
 
 Clock = Callable[[], int]
 Done = Callable[[Any], None]
+Responder = Callable[[Any, bool], None]
 
 LEVELS = ("OFF", "TIMESTAMPS")
 SETTINGS = ("trace_level", "trace_rate", "trace_count", "log_frequency", "trace_file", "trace_mode")
@@ -408,7 +414,7 @@ class Trace:
     """One sampled request: its span (started when it was sampled) and the timestamps reported to
     it; :meth:`finish` builds the children and ends it. Implements ``types.TraceHook``."""
 
-    __slots__ = ("_compute", "_executed", "_offset", "_top", "_tracer", "span", "trace_id")
+    __slots__ = ("_compute", "_ended", "_executed", "_offset", "_responses", "_top", "_tracer", "span", "trace_id")
 
     def __init__(self, tracer: Tracer, span: Any, offset: int, top: bool) -> None:
         self._tracer = tracer
@@ -417,11 +423,15 @@ class Trace:
         self._top = top
         self._executed: tuple[int, int, int, int, int, int] | None = None
         self._compute: tuple[int, int, int] | None = None
+        self._responses = 0  # a decoupled request's responses so far
+        self._ended = False
         self.trace_id = format(span.get_span_context().trace_id, "032x")
 
     # -- types.TraceHook ----------------------------------------------------------------------
     def executed(self, enqueued_ns: int, queue_ns: int, start_ns: int, compute_ns: int, rows: int, size: int) -> None:
         self._executed = (enqueued_ns, queue_ns, start_ns, compute_ns, rows, size)
+        if self._ended:  # a decoupled model's final response came before its execute() returned
+            self._phases()
 
     def compute_split(self, input_ns: int, infer_ns: int, output_ns: int) -> None:
         self._compute = (input_ns, infer_ns, output_ns)
@@ -433,6 +443,65 @@ class Trace:
         context = otel.set_span_in_context(self.span)
         child = self._tracer._trace(request, name, context, otel.SpanKind.INTERNAL, {"sluice.kind": kind}, top=False)
         return child.wrap(done)
+
+    def responses(self, responder: Responder) -> Responder:
+        """A decoupled request's ``responder`` wrapped: each response (or error, or bare final flag)
+        becomes an event on the span, and the span ends at the final one (for the request a client
+        sent, once that response is written; its ``response`` child covers the writing)."""
+        clock = self._tracer.clock
+        failed: list[SluiceError] = []
+
+        def traced(item: Any, final: bool) -> None:
+            answered = clock()
+            try:
+                responder(item, final)
+            finally:
+                if isinstance(item, Exception) and not failed:
+                    failed.append(item if isinstance(item, SluiceError) else SluiceError(str(item)))
+                self._response_event(item, final, answered)
+                if final:
+                    self.span.set_attribute("sluice.responses", self._responses)
+                    outcome = failed[0] if failed else item
+                    self.finish(outcome, answered, clock() if self._top else answered)
+
+        return traced
+
+    def _response_event(self, item: Any, final: bool, at_ns: int) -> None:
+        attributes: dict[str, Any] = {"sluice.final": final}
+        if item is None:
+            name = "final flag"
+        else:
+            name = "response" if isinstance(item, InferResponse) else "error"
+            attributes["sluice.response_index"] = self._responses
+            self._responses += 1
+            if not isinstance(item, InferResponse):
+                attributes["sluice.error"] = getattr(item, "message", None) or str(item)
+        self.span.add_event(name, attributes, timestamp=at_ns + self._offset)
+
+    def forward(self, model: str, target: str) -> tuple[Done, str]:
+        """A call this request makes to another server (``target``, host:port): a CLIENT span
+        ``forward <model>``, child of this one. Returns the function that ends it (with the
+        call's response or SluiceError) and the W3C ``traceparent`` to send with the call, so
+        that server continues the trace under this span."""
+        from opentelemetry import trace as otel
+
+        tracer = self._tracer
+        now = tracer.clock()
+        span = tracer._otel.start_span(
+            f"forward {model}",
+            context=otel.set_span_in_context(self.span),
+            kind=otel.SpanKind.CLIENT,
+            attributes={"model_name": model, "sluice.kind": "forward", "sluice.target": target},
+            start_time=now + self._offset,
+        )
+        call = Trace(tracer, span, self._offset, top=False)
+        context = span.get_span_context()
+
+        def end(outcome: Any) -> None:
+            at = tracer.clock()
+            call.finish(outcome, at, at)
+
+        return end, f"00-{context.trace_id:032x}-{context.span_id:016x}-01"
 
     # -- ending ---------------------------------------------------------------------------------
     def wrap(self, done: Done) -> Done:
@@ -452,41 +521,16 @@ class Trace:
     def finish(self, outcome: Any, answered_ns: int, ended_ns: int) -> None:
         """End the trace: ``outcome`` (response or SluiceError) came at ``answered_ns``, the response
         was written by ``ended_ns`` (the same for a child: nothing is written)."""
-        from opentelemetry import trace as otel
+        if self._ended:  # a decoupled request answered twice (an error after its final response)
+            return
         from opentelemetry.trace import Status, StatusCode
 
         span = self.span
-        offset = self._offset
-        tracer = self._tracer._otel
-        context = otel.set_span_in_context(span)
-
-        def child(name: str, start: int, end: int, attributes: dict[str, Any] | None = None) -> None:
-            tracer.start_span(name, context=context, attributes=attributes, start_time=start + offset).end(
-                end_time=max(end, start) + offset
-            )
-
-        executed = self._executed
-        if executed is not None:
-            enqueued, waited, start, compute, rows, size = executed
-            dispatched = enqueued + waited
-            span.set_attribute("sluice.batch_size", rows)
-            child("queue", enqueued, dispatched)
-            child(
-                "batch", dispatched, max(start, dispatched), {"sluice.batch_size": rows, "sluice.batch_requests": size}
-            )
-            end = start + compute
-            split = self._compute
-            if split is None:
-                child("compute_input", start, start)
-                child("compute_infer", start, end)
-                child("compute_output", end, end)
-            else:
-                input_ns, infer_ns, output_ns = split
-                child("compute_input", start, start + input_ns)
-                child("compute_infer", start + input_ns, start + input_ns + infer_ns)
-                child("compute_output", max(end - output_ns, start + input_ns + infer_ns), end)
+        if self._executed is not None:
+            span.set_attribute("sluice.batch_size", self._executed[4])
+            self._phases()
         if self._top:
-            child("response", answered_ns, ended_ns)
+            self._child_span("response", answered_ns, ended_ns)
         if isinstance(outcome, InferResponse) and outcome.model_version:
             span.set_attribute("model_version", outcome.model_version)
         if isinstance(outcome, SluiceError):
@@ -501,7 +545,39 @@ class Trace:
                     outcome.message,
                     self.trace_id,
                 )
-        span.end(end_time=ended_ns + offset)
+        self._ended = True
+        span.end(end_time=ended_ns + self._offset)
+
+    def _child_span(self, name: str, start: int, end: int, attributes: dict[str, Any] | None = None) -> None:
+        from opentelemetry import trace as otel
+
+        offset = self._offset
+        context = otel.set_span_in_context(self.span)
+        self._tracer._otel.start_span(name, context=context, attributes=attributes, start_time=start + offset).end(
+            end_time=max(end, start) + offset
+        )
+
+    def _phases(self) -> None:
+        """The children built from the scheduler's timestamps: queue, batch, compute_input/infer/output
+        (with the backend's split of the compute when it reported one)."""
+        executed = self._executed
+        assert executed is not None
+        child = self._child_span
+        enqueued, waited, start, compute, rows, size = executed
+        dispatched = enqueued + waited
+        child("queue", enqueued, dispatched)
+        child("batch", dispatched, max(start, dispatched), {"sluice.batch_size": rows, "sluice.batch_requests": size})
+        end = start + compute
+        split = self._compute
+        if split is None:
+            child("compute_input", start, start)
+            child("compute_infer", start, end)
+            child("compute_output", end, end)
+        else:
+            input_ns, infer_ns, output_ns = split
+            child("compute_input", start, start + input_ns)
+            child("compute_infer", start + input_ns, start + input_ns + infer_ns)
+            child("compute_output", max(end - output_ns, start + input_ns + infer_ns), end)
 
 
 def disabled() -> Tracer:

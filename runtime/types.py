@@ -175,6 +175,14 @@ class TraceHook(Protocol):
         """Trace ``request`` (an ensemble step, ``kind`` "ensemble_step", or a BLS call, "bls") as a
         child of this one: sets ``request.trace`` and returns ``done`` wrapped to end its span."""
 
+    def responses(self, responder: Responder) -> Responder:
+        """A decoupled request's ``responder`` wrapped to record each response and end the span at
+        the final one."""
+
+    def forward(self, model: str, target: str) -> tuple[Callable[[Any], None], str]:
+        """Start a client span for a call to another server; returns the function that ends it (with
+        the call's outcome) and the W3C ``traceparent`` to send with the call."""
+
 
 @dataclasses.dataclass(slots=True)
 class InferResponse:

@@ -149,9 +149,12 @@ class _Call:
             for token in self._outer:
                 token.on_cancel(one_cancelled)
         assert services.dispatch is not None
-        # A decoupled call's responses go to its responder: it is not traced (its end is not seen here).
-        parent = None if self.decoupled else self._parent
-        done = self._done if parent is None else parent.child(request, "bls", self._done)
+        done = self._done
+        if self._parent is not None:  # sampled (tracing.py): the call is a child span of the request's
+            done = self._parent.child(request, "bls", done)
+            if request.responder is not None and request.trace is not None:
+                # decoupled: its span records each response and ends at the final one
+                request.responder = request.trace.responses(request.responder)
         try:
             services.dispatch(request, done)
         except SluiceError as exc:

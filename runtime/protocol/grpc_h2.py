@@ -1048,7 +1048,8 @@ class GrpcConnection(asyncio.Protocol):
 
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            replies = self._server.service.model_stream_infer(requests(), Call(deadline, stream.caller))
+            call = Call(deadline, stream.caller, stream.traceparent)
+            replies = self._server.service.model_stream_infer(requests(), call)
             async with contextlib.aclosing(replies):
                 async for reply in replies:
                     if stream.finished:

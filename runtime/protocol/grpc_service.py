@@ -46,7 +46,9 @@ class Call:
 
     __slots__ = ("caller", "deadline", "traceparent")
 
-    def __init__(self, deadline: float | None = None, caller: str = "", traceparent: str | None = None) -> None:
+    def __init__(
+        self, deadline: float | None = None, caller: str = "", traceparent: str | bytes | None = None
+    ) -> None:
         self.deadline = deadline  # time.monotonic() value, or None
         self.caller = caller  # the sluice-caller metadata, checked (callers.py); "" when absent
         self.traceparent = traceparent  # the W3C traceparent metadata, unparsed (tracing.py); None when absent
@@ -189,12 +191,12 @@ class Service:
                     empty_final = parameters.pop(EMPTY_FINAL_PARAMETER) is True
                     infer_request.parameters = parameters
                 if self.dp.decoupled(infer_request.model_name, infer_request.model_version):
-                    await self._decoupled(infer_request, message, results, empty_final)
+                    await self._decoupled(infer_request, message, results, empty_final, call.traceparent)
                     return
-                response = await self.dp.infer(infer_request)
-                out = pb.ModelStreamInferResponse(infer_response=grpc_codec.encode_infer(response))
-                if empty_final:
-                    out.infer_response.parameters[FINAL_PARAMETER].bool_param = True
+                if self.tracing.on:  # tracing.py: sample it; a stream's requests share its traceparent
+                    out = await self._stream_infer_traced(infer_request, call.traceparent, empty_final)
+                else:
+                    out = _stream_response(await self.dp.infer(infer_request), empty_final)
             except SluiceError as exc:
                 out = _stream_error(exc, message)
             await results.put((out, True))
@@ -232,17 +234,43 @@ class Service:
             for task in list(tasks):
                 task.cancel()
 
+    async def _stream_infer_traced(
+        self, request: InferRequest, traceparent: str | bytes | None, empty_final: bool
+    ) -> pb.ModelStreamInferResponse:
+        """A ModelStreamInfer request while tracing is on: its span ends once its response is encoded
+        and queued on the stream (which writes the responses in order as its client reads them)."""
+        trace = self.tracing.begin(request, traceparent, "grpc")
+        if trace is None:
+            return _stream_response(await self.dp.infer(request), empty_final)
+        clock = self.tracing.clock
+        try:
+            response = await self.dp.infer(request)
+        except SluiceError as exc:
+            now = clock()
+            trace.finish(exc, now, now)
+            raise
+        answered = clock()
+        try:
+            out = _stream_response(response, empty_final)
+        except SluiceError as exc:
+            trace.finish(exc, answered, clock())
+            raise
+        trace.finish(response, answered, clock())
+        return out
+
     async def _decoupled(
         self,
         request: InferRequest,
         message: Any,
         results: asyncio.Queue[tuple[pb.ModelStreamInferResponse | None, bool] | None],
         empty_final: bool,
+        traceparent: str | bytes | None,
     ) -> None:
         """One request to a decoupled model: every response the model sends goes on the stream
         with ``triton_final_response`` saying whether it is the last, as Triton does; a bare final
         flag becomes an empty response only when the request asked for one
-        (``triton_enable_empty_final_response``, tritonclient's ``enable_empty_final_response``)."""
+        (``triton_enable_empty_final_response``, tritonclient's ``enable_empty_final_response``).
+        A sampled request's span records each response and ends at the final one (tracing.py)."""
         finished = asyncio.get_running_loop().create_future()
 
         def respond(item: InferResponse | Exception | None, final: bool) -> None:
@@ -264,15 +292,21 @@ class Service:
             if final:
                 finished.set_result(None)
 
+        send: Callable[[InferResponse | Exception | None, bool], None] = respond
+        if self.tracing.on:
+            trace = self.tracing.begin(request, traceparent, "grpc")
+            if trace is not None:
+                send = trace.responses(respond)
+
         def done(outcome: InferResponse | SluiceError) -> None:
             if isinstance(outcome, SluiceError):
-                respond(outcome, True)
+                send(outcome, True)
 
-        request.responder = respond
+        request.responder = send
         try:
             self.dp.infer_nowait(request, done)
         except SluiceError as exc:
-            respond(exc, True)
+            send(exc, True)
         try:
             await finished
         except asyncio.CancelledError:
@@ -448,6 +482,15 @@ FINAL_PARAMETER = "triton_final_response"
 
 def _named_response(message: Any) -> pb.ModelInferResponse:
     return pb.ModelInferResponse(model_name=message.model_name, model_version=message.model_version, id=message.id)
+
+
+def _stream_response(response: InferResponse, empty_final: bool) -> pb.ModelStreamInferResponse:
+    """The stream message of a (not decoupled) model's one response; final when the request asked
+    for the final flag."""
+    out = pb.ModelStreamInferResponse(infer_response=grpc_codec.encode_infer(response))
+    if empty_final:
+        out.infer_response.parameters[FINAL_PARAMETER].bool_param = True
+    return out
 
 
 def _stream_error(exc: SluiceError, message: Any) -> pb.ModelStreamInferResponse:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import secrets
 import threading
 from collections.abc import Callable, Sequence
@@ -30,8 +31,16 @@ from tritonclient.utils import InferenceServerException
 from sluice.runtime import tracing
 from sluice.runtime.errors import InvalidArgument
 from sluice.runtime.settings import TraceLevels, TracingSettings
+from sluice_testing import sequence_models as sm
 
 from .conftest import ADD_SUB_CONFIG, BUILDERS, MLP_CONFIG, write_model
+from .test_python_bls_decoupled import (  # type: ignore[import-not-found]
+    BLS_SQUARE_PY,
+    FAILING_DECOUPLED_PY,
+    SQUARE_CONFIG,
+    SQUARE_PY,
+)
+from .test_split_forwarding import write_split  # type: ignore[import-not-found]
 
 # --- pure parts ---------------------------------------------------------------------------------------
 
@@ -231,6 +240,23 @@ def repo(tmp_path: Path) -> Path:
     write_model(repo, "mlp", MLP_CONFIG, {"model.onnx": BUILDERS.mlp_model()})
     write_model(repo, "bls", BLS_CONFIG, {"model.py": BLS_PY})
     write_model(repo, "chain", CHAIN, {})
+    return repo
+
+
+@pytest.fixture
+def kinds_repo(repo: Path) -> Path:
+    """``repo`` and models of the other request kinds: decoupled (``square`` streams IN responses,
+    ``failing`` raises), a decoupled BLS call (``bls_square``) and a sequence model (``acc``)."""
+    write_model(repo, "square", SQUARE_CONFIG, {"model.py": SQUARE_PY})
+    write_model(repo, "failing", SQUARE_CONFIG.replace('"square"', '"failing"'), {"model.py": FAILING_DECOUPLED_PY})
+    write_model(
+        repo,
+        "bls_square",
+        'name: "bls_square"\nbackend: "python"\ninput [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        'output [ { name: "SUM" data_type: TYPE_INT32 dims: [ 1 ] } ]\n',
+        {"model.py": BLS_SQUARE_PY},
+    )
+    write_model(repo, "acc", sm.accumulator_config("acc"), {"model.onnx": sm.accumulator_onnx()})
     return repo
 
 
@@ -500,3 +526,196 @@ def test_a_bad_trace_config_is_one_line_at_start(tmp_path, capsys):
         "sluice: error: --trace-config rate=abc: trace setting 'trace_rate': 'abc' is not allowed; allowed: an "
         "integer >= 0 (trace 1 of N requests; 0: only requests with a sampled traceparent)\n"
     )
+
+
+# --- the other request kinds: streams, decoupled models and BLS calls, forwards, sequences ---------
+
+
+class Stream:
+    """A tritonclient gRPC stream opened with a ``traceparent`` header; answers are read back in order."""
+
+    def __init__(self, url: str, header: str) -> None:
+        self.client = grpcclient.InferenceServerClient(url)
+        self.answers: queue.Queue[Any] = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.answers.put(error or result),
+                                 headers={"traceparent": header})  # fmt: skip
+
+    def take(self, count: int) -> list[Any]:
+        return [self.answers.get(timeout=20) for _ in range(count)]
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+
+def int_input(name: str, value: int, shape: tuple[int, ...] = (1,)) -> Any:
+    tensor = grpcclient.InferInput(name, list(shape), "INT32")
+    tensor.set_data_from_numpy(np.full(shape, value, dtype=np.int32))
+    return tensor
+
+
+@pytest.mark.parametrize("grpc_server", ["h2", "grpcio"])
+def test_stream_requests_are_traced_under_the_streams_traceparent(serve, repo, grpc_server):
+    exporter = Exporter()
+    server = serve(repo, tracing=traced(rate=0), span_exporter=exporter, grpc_server=grpc_server)
+    header, trace_id, parent_span = traceparent()
+    stream = Stream(server.grpc, header)
+    try:
+        for request_id in ("s-1", "s-2"):
+            stream.client.async_stream_infer("add_sub", add_sub_inputs(grpcclient), request_id=request_id)
+        answers = stream.take(2)
+    finally:
+        stream.close()
+    assert all(not isinstance(answer, Exception) for answer in answers), answers
+    requests = exporter.request_spans(2)
+    spans = exporter.wait(lambda spans: sum(s.name == "response" for s in spans) >= 2)
+    assert sorted(s.attributes["request_id"] for s in requests) == ["s-1", "s-2"]  # type: ignore[index]
+    for request in requests:
+        assert request.name == "infer add_sub" and request.attributes["sluice.protocol"] == "grpc"  # type: ignore[index]
+        assert request.context.trace_id == trace_id
+        assert request.parent is not None and request.parent.span_id == parent_span
+        parts = children(spans, request)
+        assert {"queue", "batch", "compute_input", "compute_infer", "compute_output", "response"} == set(parts)
+        assert parts["response"].end_time == request.end_time
+
+
+def test_a_decoupled_request_records_each_response_and_ends_at_the_final_one(serve, kinds_repo):
+    exporter = Exporter()
+    server = serve(kinds_repo, tracing=traced(rate=0), span_exporter=exporter)
+    header, trace_id, _ = traceparent()
+    stream = Stream(server.grpc, header)
+    try:
+        stream.client.async_stream_infer("square", [int_input("IN", 3)], request_id="d-1")
+        answers = stream.take(3)
+    finally:
+        stream.close()
+    assert [answer.as_numpy("OUT")[0] for answer in answers] == [3, 3, 3]
+    (request,) = exporter.request_spans(1)
+    assert request.name == "infer square" and request.context.trace_id == trace_id
+    assert request.attributes is not None and request.attributes["sluice.responses"] == 3
+    events = list(request.events)
+    assert [e.name for e in events] == ["response", "response", "response", "final flag"]
+    assert [e.attributes.get("sluice.response_index") for e in events] == [0, 1, 2, None]  # type: ignore[union-attr]
+    assert [e.attributes["sluice.final"] for e in events] == [False, False, False, True]  # type: ignore[index]
+    assert all(a.timestamp <= b.timestamp for a, b in itertools.pairwise(events))
+    assert request.start_time <= events[0].timestamp and events[-1].timestamp <= request.end_time
+    parts = children(exporter.wait(lambda spans: len(spans) >= 7), request)
+    assert {"queue", "batch", "compute_infer", "response"} <= set(parts)
+    assert parts["response"].start_time == events[-1].timestamp  # the span ends once the final one is sent
+    assert request.status.status_code == StatusCode.UNSET
+
+
+def test_a_failed_decoupled_request_has_an_error_span(serve, kinds_repo):
+    exporter = Exporter()
+    server = serve(kinds_repo, tracing=traced(rate=0), span_exporter=exporter)
+    header, _, _ = traceparent()
+    stream = Stream(server.grpc, header)
+    try:
+        stream.client.async_stream_infer("failing", [int_input("IN", 1)])
+        (answer,) = stream.take(1)
+    finally:
+        stream.close()
+    assert isinstance(answer, InferenceServerException) and "no responses today" in answer.message()
+    (request,) = exporter.request_spans(1)
+    assert request.status.status_code == StatusCode.ERROR
+    assert request.status.description is not None and "no responses today" in request.status.description
+    assert [e.name for e in request.events] == ["error"]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_decoupled_bls_call_is_a_child_that_ends_at_its_final_response(serve, kinds_repo, protocol):
+    exporter = Exporter()
+    server = serve(kinds_repo, tracing=traced(), span_exporter=exporter)
+    module: Any = httpclient if protocol == "http" else grpcclient
+    client = module.InferenceServerClient(server.http if protocol == "http" else server.grpc)
+    tensor = module.InferInput("IN", [1], "INT32")
+    tensor.set_data_from_numpy(np.array([4], dtype=np.int32))
+    assert client.infer("bls_square", [tensor]).as_numpy("SUM")[0] == 16  # 4 responses of 4
+    (request,) = exporter.request_spans(1)
+    spans = exporter.wait(lambda spans: any(s.name == "BLS square" for s in spans))
+    (call,) = [s for s in spans if s.name == "BLS square"]
+    assert call.parent is not None and call.parent.span_id == request.context.span_id
+    assert call.attributes is not None and call.attributes["sluice.kind"] == "bls"
+    assert call.attributes["sluice.responses"] == 4
+    assert [e.name for e in call.events] == ["response"] * 4 + ["final flag"]
+    assert call.end_time == call.events[-1].timestamp
+    compute = children(spans, request)["compute_infer"]
+    assert compute.start_time <= call.start_time and call.end_time <= compute.end_time  # made during execute
+    assert {"queue", "compute_infer"} <= set(children(spans, call))  # square's own queue and compute
+
+
+def test_sequence_requests_get_queue_and_compute_children(serve, kinds_repo):
+    exporter = Exporter()
+    server = serve(kinds_repo, tracing=traced(), span_exporter=exporter)
+    client = grpcclient.InferenceServerClient(server.grpc)
+    for value, start, end in ((2, True, False), (5, False, True)):
+        result = client.infer(
+            "acc", [int_input("INPUT", value, (1, 1))], sequence_id=7, sequence_start=start, sequence_end=end
+        )
+    assert result.as_numpy("OUTPUT")[0, 0] == 7  # the state carried from one request to the next
+    requests = exporter.request_spans(2)
+    spans = exporter.wait(lambda spans: sum(s.name == "response" for s in spans) >= 2)
+    for request in requests:
+        assert request.name == "infer acc"
+        parts = children(spans, request)
+        assert set(parts) == {"queue", "batch", "compute_input", "compute_infer", "compute_output", "response"}
+        assert parts["batch"].attributes == {"sluice.batch_size": 1, "sluice.batch_requests": 1}
+        assert parts["compute_infer"].end_time > parts["compute_infer"].start_time  # ONNX Runtime's own split
+        for earlier, later in itertools.pairwise(["queue", "batch", "compute_input", "compute_infer", "response"]):
+            assert parts[earlier].end_time <= parts[later].start_time, (earlier, later)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_forwarded_request_is_a_client_span_the_canary_continues(serve, tmp_path, protocol):
+    canary_repo = tmp_path / "canary"
+    write_model(canary_repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()}, version=2)
+    canary_spans = Exporter()
+    canary = serve(canary_repo, tracing=traced(rate=0), span_exporter=canary_spans)  # only callers' traces
+    stable_repo = tmp_path / "stable"
+    write_model(stable_repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    split_file = tmp_path / "split.json"
+    write_split(split_file, canary.grpc, 100)
+    stable_spans = Exporter()
+    stable = serve(stable_repo, tracing=traced(), span_exporter=stable_spans, split_file=split_file)
+    header, trace_id, parent_span = traceparent()
+    module: Any = httpclient if protocol == "http" else grpcclient
+    client = module.InferenceServerClient(stable.http if protocol == "http" else stable.grpc)
+    result = client.infer("add_sub", add_sub_inputs(module), headers={"traceparent": header})
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * np.arange(16, dtype=np.float32))
+
+    (request,) = stable_spans.request_spans(1)
+    spans = stable_spans.wait(lambda spans: any(s.name == "forward add_sub" for s in spans))
+    assert request.context.trace_id == trace_id and request.parent is not None
+    assert request.parent.span_id == parent_span
+    assert request.attributes is not None and request.attributes["model_version"] == "2"  # the canary answered
+    parts = children(spans, request)
+    assert set(parts) == {"forward add_sub", "response"}  # nothing queued or computed here
+    forward = parts["forward add_sub"]
+    assert forward.kind == SpanKind.CLIENT and forward.status.status_code == StatusCode.UNSET
+    assert forward.attributes is not None and forward.attributes["sluice.target"] == canary.grpc
+
+    (served,) = canary_spans.request_spans(1)  # the canary continues the trace under the forward span
+    assert served.context.trace_id == trace_id
+    assert served.parent is not None and served.parent.span_id == forward.context.span_id and served.parent.is_remote
+    assert {"queue", "compute_infer", "response"} <= set(children(canary_spans.wait(lambda s: len(s) >= 7), served))
+
+
+def test_a_remote_ensemble_step_passes_the_trace_on(serve, tmp_path):
+    remote_repo = tmp_path / "remote"
+    write_model(remote_repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    remote_spans = Exporter()
+    remote = serve(remote_repo, tracing=traced(rate=0), span_exporter=remote_spans)
+    repo = tmp_path / "repo"
+    config = CHAIN + f'parameters {{ key: "sluice.remote.add_sub" value {{ string_value: "{remote.grpc}" }} }}\n'
+    write_model(repo, "chain", config, {})
+    spans_here = Exporter()
+    server = serve(repo, tracing=traced(), span_exporter=spans_here)
+    result = httpclient.InferenceServerClient(server.http).infer("chain", add_sub_inputs(httpclient, ("A", "B")))
+    np.testing.assert_allclose(result.as_numpy("SUM"), 2 * np.arange(16, dtype=np.float32))
+    (request,) = spans_here.request_spans(1)
+    spans = spans_here.wait(lambda spans: sum(s.name == "forward add_sub" for s in spans) == 2)
+    calls = [s for s in spans if s.name == "forward add_sub"]
+    assert all(c.kind == SpanKind.CLIENT and c.parent.span_id == request.context.span_id for c in calls)  # type: ignore[union-attr]
+    served = remote_spans.request_spans(2)
+    assert {s.parent.span_id for s in served} == {c.context.span_id for c in calls}  # type: ignore[union-attr]
+    assert all(s.context.trace_id == request.context.trace_id for s in served)
