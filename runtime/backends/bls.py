@@ -21,7 +21,7 @@ import concurrent.futures
 import contextvars
 import json
 import queue
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -149,7 +149,7 @@ class _Call:
             for token in self._outer:
                 token.on_cancel(one_cancelled)
         assert services.dispatch is not None
-        done = self._done
+        done: Callable[[Any], None] = self._done
         if self._parent is not None:  # sampled (tracing.py): the call is a child span of the request's
             done = self._parent.child(request, "bls", done)
             if request.responder is not None and request.trace is not None:
