@@ -7,7 +7,8 @@ lookup) whether a request without an explicit version goes to the canary, and ha
 :meth:`Forwarder.forward`, which calls the target over gRPC (remote.py: one channel per target)
 and answers with the canary's response or error, the canary named in the error's message.
 Forwarded requests count here (:class:`ForwardCounts`, read by metrics.py at scrape time), never in
-the stable model's statistics: the canary counts them.
+the stable model's statistics: the canary counts them. A sampled request's forward is a client span
+(tracing.py) whose ``traceparent`` goes along as gRPC metadata, so the canary continues the trace.
 
 :class:`SplitFileWatcher` reads the file at start and then every :data:`POLL_S` seconds of the
 server's clock (kubelet swaps a symlink when a mounted ConfigMap changes, so the content is
