@@ -88,9 +88,9 @@ class TritonPythonModel:
         for request in requests:
             value = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
             timeout = int(json.loads(request.parameters()).get("bls_timeout_us", 0))
+            row = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy().reshape(1, 1)  # a batch of one
             inner = pb_utils.InferenceRequest(
-                model_name="target", requested_output_names=["OUT"],
-                inputs=[pb_utils.Tensor("IN", pb_utils.get_input_tensor_by_name(request, "IN").as_numpy().reshape(1, 1))],
+                model_name="target", requested_output_names=["OUT"], inputs=[pb_utils.Tensor("IN", row)],
                 timeout=timeout)
             answer = inner.exec()
             error = answer.error()
@@ -102,8 +102,8 @@ class TritonPythonModel:
             if answer.has_error():
                 out.append(pb_utils.InferenceResponse(error=error))
             else:
-                row = pb_utils.get_output_tensor_by_name(answer, "OUT").as_numpy().reshape(1)
-                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", row)]))
+                echo = pb_utils.get_output_tensor_by_name(answer, "OUT").as_numpy().reshape(1)
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", echo)]))
         return out
 """.replace("GATE", GATE)
 

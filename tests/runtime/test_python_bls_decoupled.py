@@ -183,7 +183,9 @@ def _repo(root):
     # Calls itself with one instance: its inner request can only be answered by its queue timeout
     # (a queue policy needs dynamic batching, so batches of one; the inner request has no MODEL_NAME).
     selfish = (
-        "max_batch_size: 1\n" + IO4 + 'input [ { name: "MODEL_NAME" data_type: TYPE_STRING dims: [ 1 ] optional: true } ]\n'
+        "max_batch_size: 1\n"
+        + IO4
+        + 'input [ { name: "MODEL_NAME" data_type: TYPE_STRING dims: [ 1 ] optional: true } ]\n'
         "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
         "dynamic_batching { default_queue_policy { default_timeout_microseconds: 200000 } }\n"
     )
