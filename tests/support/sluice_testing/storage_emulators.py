@@ -207,8 +207,16 @@ def gcs_store(tmp: Path) -> Iterator[Store]:
     def add(bucket: str, objects: dict[str, bytes]) -> None:
         for key, body in objects.items():
             name = urllib.parse.quote(key, safe="")
-            call(f"{api}/upload/storage/v1/b/{bucket}/o?uploadType=media&name={name}", body,
-                 "application/octet-stream")
+            if body:
+                call(f"{api}/upload/storage/v1/b/{bucket}/o?uploadType=media&name={name}", body,
+                     "application/octet-stream")
+                continue
+            # An empty object (a console's "folder"): the emulator's media upload needs a body; multipart works.
+            boundary = "sluice-test-boundary"
+            multipart = (f"--{boundary}\r\nContent-Type: application/json\r\n\r\n{json.dumps({'name': key})}\r\n"
+                         f"--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n\r\n--{boundary}--\r\n")
+            call(f"{api}/upload/storage/v1/b/{bucket}/o?uploadType=multipart", multipart.encode(),
+                 f"multipart/related; boundary={boundary}")
 
     def put(bucket: str, objects: dict[str, bytes]) -> None:
         call(f"{api}/storage/v1/b?project=sluice-test", json.dumps({"name": bucket}).encode(), "application/json")
