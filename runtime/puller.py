@@ -189,7 +189,8 @@ def without_folder_markers(files: list[RemoteFile]) -> list[RemoteFile]:
     """Drop the empty objects that stand for folders: consoles and sync tools write ``a/b/`` (gcsfs lists it with
     its slash, filtered above; adlfs strips the slash and lists ``a/b`` as an empty file). An empty object whose
     path is also the folder of other objects is such a marker: a file and a directory cannot share a path."""
-    folders = {"/".join(parts[:end]) for parts in (f.relative.split("/") for f in files) for end in range(1, len(parts))}
+    paths = [f.relative.split("/") for f in files]
+    folders = {"/".join(parts[:end]) for parts in paths for end in range(1, len(parts))}
     return [f for f in files if not (f.size == 0 and f.relative in folders)]
 
 

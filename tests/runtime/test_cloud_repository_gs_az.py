@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from sluice_testing.storage_emulators import AZURITE_KEY, TOKEN, Store
 
 from sluice.runtime import mirror
 from sluice.runtime.server import StartupError
 from sluice.runtime.snapshot import Change, Kind
+from sluice_testing.storage_emulators import AZURITE_KEY, TOKEN, Store
 
 from .test_model_control import CONFIG, infer_http, metric_lines, plus_model  # type: ignore[import-not-found]
 
