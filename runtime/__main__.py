@@ -151,8 +151,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_bool,
         default=False,
         metavar="{true,false}",
-        help="Triton's older flag: true is --disable-auto-complete-config, false (the default) lets "
-        "auto_complete_config run",
+        help="Triton's older flag: true turns Python models' auto_complete_config off (as the flag above does), "
+        "false lets it run",
     )
     serve.add_argument(
         "--strict-readiness",
