@@ -147,6 +147,14 @@ def _parser() -> argparse.ArgumentParser:
         help="do not let Python models' auto_complete_config complete their configs (Triton's flag)",
     )
     serve.add_argument(
+        "--strict-model-config",
+        type=_bool,
+        default=False,
+        metavar="{true,false}",
+        help="Triton's older flag: true turns Python models' auto_complete_config off (as the flag above does), "
+        "false lets it run",
+    )
+    serve.add_argument(
         "--strict-readiness",
         type=_bool,
         default=defaults.strict_readiness,
@@ -493,7 +501,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         shutdown_grace_s=args.shutdown_grace_s,
         models=tuple(args.model),
         strict_readiness=args.strict_readiness,
-        auto_complete_config=not args.disable_auto_complete_config,
+        auto_complete_config=not (args.disable_auto_complete_config or args.strict_model_config),
         drain_period_s=args.drain_period_s,
         server_name=args.server_name,
         grpc_server=args.grpc_server,

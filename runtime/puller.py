@@ -174,14 +174,24 @@ class FsspecStore:
         if info.get("type") == "file":
             return [RemoteFile(self._root, pull.relative_key("", self._source.name), int(info["size"]), whole=True)]
         found = self._fs.find(self._root, detail=True)
-        return [RemoteFile(key, pull.relative_key(self._root, key), int(entry["size"]), tag=_object_tag(entry))
-                for key, entry in sorted(found.items())
-                if entry.get("type") == "file" and not key.endswith("/")]
+        return without_folder_markers(
+            [RemoteFile(key, pull.relative_key(self._root, key), int(entry["size"]), tag=_object_tag(entry))
+             for key, entry in sorted(found.items())
+             if entry.get("type") == "file" and not key.endswith("/")])
 
     @contextlib.contextmanager
     def open(self, file: RemoteFile) -> Iterator[tuple[IO[bytes], int | None]]:
         with self._fs.open(file.key, "rb", block_size=8 * CHUNK, cache_type="readahead") as body:
             yield body, None
+
+
+def without_folder_markers(files: list[RemoteFile]) -> list[RemoteFile]:
+    """Drop the empty objects that stand for folders: consoles and sync tools write ``a/b/`` (gcsfs lists it with
+    its slash, filtered above; adlfs strips the slash and lists ``a/b`` as an empty file). An empty object whose
+    path is also the folder of other objects is such a marker: a file and a directory cannot share a path."""
+    paths = [f.relative.split("/") for f in files]
+    folders = {"/".join(parts[:end]) for parts in paths for end in range(1, len(parts))}
+    return [f for f in files if not (f.size == 0 and f.relative in folders)]
 
 
 def _without_library_retries(fs: Any, scheme: str) -> None:

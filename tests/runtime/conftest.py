@@ -2,7 +2,8 @@
 
 ``serve(repo, **settings)`` starts ``sluice.runtime.server.Server`` on free 127.0.0.1 ports in a
 background thread with its own event loop and returns a handle with the URLs; tests then talk
-to it with tritonclient over HTTP and gRPC exactly as a user would.
+to it with tritonclient over HTTP and gRPC exactly as a user would. ``store`` is an emulated
+Google Cloud Storage, then Azure Blob Storage (each started once per module that uses it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import pytest
 
 from sluice.runtime.server import Server
 from sluice.runtime.settings import Limits, SchedulingDefaults, ServerSettings
+from sluice_testing import storage_emulators
+from sluice_testing.storage_emulators import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -259,3 +262,22 @@ def mlp_session() -> Any:
     import onnxruntime as ort
 
     return ort.InferenceSession(BUILDERS.mlp_model(), providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture(scope="module", params=["gs", "az"])
+def emulated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    """Google Cloud Storage's emulator, then Azurite: each started once for the module that uses it."""
+    tmp = tmp_path_factory.mktemp(f"store-{request.param}")
+    with (storage_emulators.gcs_store if request.param == "gs" else storage_emulators.azure_store)(tmp) as store:
+        yield store
+
+
+@pytest.fixture
+def store(emulated: Store, monkeypatch: pytest.MonkeyPatch) -> Store:
+    """The module's emulated store, with the pod-like environment set and the proxy's record cleared."""
+    for key in storage_emulators.CLEARED:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in emulated.env.items():
+        monkeypatch.setenv(key, value)
+    emulated.proxy.reset()
+    return emulated

@@ -610,3 +610,17 @@ def test_progress_is_logged_periodically_without_a_terminal(caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("progress")]
     assert lines == ["progress: 300 B of 1000 B (30%), 0/2 files, 25 B/s",
                      "progress: 600 B of 1000 B (60%), 0/2 files, 25 B/s"]
+
+
+@pytest.mark.parametrize(
+    ("listed", "kept"),
+    [
+        # adlfs lists the folder object "m/1/" as an empty file "m/1" beside "m/1/model.onnx"
+        ([("m", 0), ("m/1", 0), ("m/1/model.onnx", 3), ("m/config.pbtxt", 5)], ["m/1/model.onnx", "m/config.pbtxt"]),
+        ([("m/empty.txt", 0), ("m/1/model.onnx", 3)], ["m/empty.txt", "m/1/model.onnx"]),  # an empty file stays
+        ([("m/1", 4), ("m/1/model.onnx", 3)], ["m/1", "m/1/model.onnx"]),  # not empty: not a marker, kept
+    ],
+)
+def test_folder_markers_are_dropped_from_a_listing(listed, kept):
+    files = [puller.RemoteFile(f"bucket/{path}", path, size) for path, size in listed]
+    assert [f.relative for f in puller.without_folder_markers(files)] == kept

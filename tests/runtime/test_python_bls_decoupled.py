@@ -44,7 +44,7 @@ class TritonPythonModel:
     def execute(self, requests):
         out = []
         for r in requests:
-            target = pb_utils.get_input_tensor_by_name(r, "MODEL_NAME").as_numpy()[0]
+            target = pb_utils.get_input_tensor_by_name(r, "MODEL_NAME").as_numpy().flat[0]
             inner = pb_utils.InferenceRequest(
                 model_name=target, requested_output_names=["OUTPUT0", "OUTPUT1"],
                 inputs=[pb_utils.get_input_tensor_by_name(r, "INPUT0"), pb_utils.get_input_tensor_by_name(r, "INPUT1")])
@@ -180,8 +180,15 @@ def _repo(root):
     write_model(repo, "add_sub", f'name: "add_sub"\nbackend: "python"\n{IO4}', {"model.py": ADD_SUB_PY})
     bls_io = IO4 + 'input [ { name: "MODEL_NAME" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
     write_model(repo, "bls", f'name: "bls"\nbackend: "python"\n{bls_io}', {"model.py": BLS_PY})
-    # Calls itself with one instance: its inner request can only be answered by its queue timeout.
-    selfish = bls_io + "dynamic_batching { default_queue_policy { default_timeout_microseconds: 200000 } }\n"
+    # Calls itself with one instance: its inner request can only be answered by its queue timeout
+    # (a queue policy needs dynamic batching, so batches of one; the inner request has no MODEL_NAME).
+    selfish = (
+        "max_batch_size: 1\n"
+        + IO4
+        + 'input [ { name: "MODEL_NAME" data_type: TYPE_STRING dims: [ 1 ] optional: true } ]\n'
+        "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
+        "dynamic_batching { default_queue_policy { default_timeout_microseconds: 200000 } }\n"
+    )
     write_model(repo, "selfish", f'name: "selfish"\nbackend: "python"\n{selfish}', {"model.py": BLS_PY})
     write_model(repo, "bls_async", f'name: "bls_async"\nbackend: "python"\n{IO4}', {"model.py": BLS_ASYNC_PY})
     write_model(repo, "square", SQUARE_CONFIG, {"model.py": SQUARE_PY})
@@ -274,12 +281,14 @@ def test_bls_to_an_unknown_model_is_an_error_response_in_tritons_words(server):
 def test_bls_to_itself_is_answered_by_its_queue_timeout_not_a_hang(server):
     client = httpclient.InferenceServerClient(server.http, network_timeout=60)
     _, _, inputs = _add_sub_inputs(httpclient, "selfish")
+    for tensor in inputs:  # a batch of one
+        tensor.set_shape([1, *tensor.shape()])
 
     with pytest.raises(InferenceServerException) as error:
         client.infer("selfish", inputs)
 
     assert error.value.status() == "503"
-    assert "selfish" in error.value.message()
+    assert error.value.message().startswith("Request timeout expired: request for model 'selfish")
 
 
 def test_async_exec_gathers_two_bls_calls(server):
