@@ -80,6 +80,7 @@ def main() -> int:
     p.add_argument("--models", default="mlp,add_sub,mlp_heavy")
     args = p.parse_args()
     rows = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
         write_repo(repo)
@@ -90,13 +91,16 @@ def main() -> int:
             pick = tuned["best"] or tuned["closest"]
             best = grid["best"] or grid["closest"]
             seen = by_point.get(key(pick)) if pick else None
-            rows.append((model, pick, seen, best, len(tuned["measured"]), tune_wall, len(grid["measured"]), grid_wall))
+            runs = tuned.get("measurements", len(tuned["measured"]))
+            rows.append((model, pick, seen, best, runs, tune_wall, len(grid["measured"]), grid_wall))
     print(f"latency budget p99 <= {args.latency_budget_ms:g} ms; concurrency {args.concurrency}; "
           f"{args.point_s:g} s per point after {args.warmup_s:g} s warm-up; instances up to {args.max_instances}; "
-          f"delays {args.delays_us} us; {os.cpu_count()} CPUs\n")
+          f"delays {args.delays_us} us; {os.cpu_count()} CPUs; load average (1, 5, 15 min) "
+          f"{' '.join(f'{x:.2f}' for x in load_before)} before, "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after\n")
     print("| model | tune's choice | grid's choice | tune's choice as the grid measured it | grid's best "
-          "| tune: points, wall | grid: points, wall | speed-up |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| of grid's best | tune: runs, wall | grid: runs, wall | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for model, pick, seen, best, n_tune, t_tune, n_grid, t_grid in rows:
         def cell(r: dict | None) -> str:
             return "-" if r is None else f"{r['throughput']:.0f} inf/s, p99 {r['p99_ms']:.2f} ms"
@@ -104,7 +108,9 @@ def main() -> int:
         def name(r: dict | None) -> str:
             return "-" if r is None else f"{r['label']} @c{r['concurrency']}"
 
-        print(f"| {model} | {name(pick)} | {name(best)} | {cell(seen)} | {cell(best)} | {n_tune}, {t_tune:.0f} s "
+        share = f"{seen['throughput'] / best['throughput']:.0%}" if seen and best else "-"
+        print(f"| {model} | {name(pick)} | {name(best)} | {cell(seen)} | {cell(best)} | {share} "
+              f"| {n_tune}, {t_tune:.0f} s "
               f"| {n_grid}, {t_grid:.0f} s | {t_grid / t_tune:.1f}x |")
     return 0
 
