@@ -78,6 +78,7 @@ def main() -> int:
     p.add_argument("--delays-us", default="250,1000,4000")
     p.add_argument("--time-budget", default="5m", help="of the model search (the grid gets all the time it needs)")
     p.add_argument("--models", default="mlp,add_sub,mlp_heavy")
+    p.add_argument("--keep", type=Path, default=None, metavar="DIR", help="copy each run's --json result here")
     args = p.parse_args()
     rows = []
     load_before = os.getloadavg()
@@ -87,6 +88,10 @@ def main() -> int:
         for model in args.models.split(","):
             tuned, tune_wall = tune(repo, model, "model", args, Path(tmp) / f"{model}-model.json")
             grid, grid_wall = tune(repo, model, "grid", args, Path(tmp) / f"{model}-grid.json")
+            if args.keep is not None:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                for search in ("model", "grid"):
+                    shutil.copy(Path(tmp) / f"{model}-{search}.json", args.keep / f"{model}-{search}.json")
             by_point = {key(r): r for r in grid["measured"]}
             pick = tuned["best"] or tuned["closest"]
             best = grid["best"] or grid["closest"]

@@ -462,7 +462,7 @@ def calibrated(
     for p, m in measured.items():
         by_group.setdefault(group_of(p), {})[p] = m
     ratios = {g: calibration(predictions, ms) for g, ms in by_group.items()}
-    adjusted = {}
+    adjusted: dict[Point, Prediction] = {}
     for p, pred in predictions.items():
         x_ratio, l_ratio = ratios.get(group_of(p), overall)
         adjusted[p] = dataclasses.replace(
