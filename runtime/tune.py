@@ -79,7 +79,7 @@ class TuneSettings:
     space: plan.SearchSpace = dataclasses.field(default_factory=plan.SearchSpace)
     durations: plan.Durations = dataclasses.field(default_factory=plan.Durations)
     max_points: int = 30
-    """Most points the model search measures (it usually stops earlier)."""
+    """Most runs (measurements) the model search makes (it usually stops earlier)."""
     apply: bool = False
     """Write the tuned config.pbtxt (a .bak keeps the old one)."""
     json_path: Path | None = None
