@@ -78,25 +78,34 @@ def main() -> int:
     p.add_argument("--delays-us", default="250,1000,4000")
     p.add_argument("--time-budget", default="5m", help="of the model search (the grid gets all the time it needs)")
     p.add_argument("--models", default="mlp,add_sub,mlp_heavy")
+    p.add_argument("--keep", type=Path, default=None, metavar="DIR", help="copy each run's --json result here")
     args = p.parse_args()
     rows = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
         write_repo(repo)
         for model in args.models.split(","):
             tuned, tune_wall = tune(repo, model, "model", args, Path(tmp) / f"{model}-model.json")
             grid, grid_wall = tune(repo, model, "grid", args, Path(tmp) / f"{model}-grid.json")
+            if args.keep is not None:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                for search in ("model", "grid"):
+                    shutil.copy(Path(tmp) / f"{model}-{search}.json", args.keep / f"{model}-{search}.json")
             by_point = {key(r): r for r in grid["measured"]}
             pick = tuned["best"] or tuned["closest"]
             best = grid["best"] or grid["closest"]
             seen = by_point.get(key(pick)) if pick else None
-            rows.append((model, pick, seen, best, len(tuned["measured"]), tune_wall, len(grid["measured"]), grid_wall))
+            runs = tuned.get("measurements", len(tuned["measured"]))
+            rows.append((model, pick, seen, best, runs, tune_wall, len(grid["measured"]), grid_wall))
     print(f"latency budget p99 <= {args.latency_budget_ms:g} ms; concurrency {args.concurrency}; "
           f"{args.point_s:g} s per point after {args.warmup_s:g} s warm-up; instances up to {args.max_instances}; "
-          f"delays {args.delays_us} us; {os.cpu_count()} CPUs\n")
+          f"delays {args.delays_us} us; {os.cpu_count()} CPUs; load average (1, 5, 15 min) "
+          f"{' '.join(f'{x:.2f}' for x in load_before)} before, "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after\n")
     print("| model | tune's choice | grid's choice | tune's choice as the grid measured it | grid's best "
-          "| tune: points, wall | grid: points, wall | speed-up |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| of grid's best | tune: runs, wall | grid: runs, wall | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for model, pick, seen, best, n_tune, t_tune, n_grid, t_grid in rows:
         def cell(r: dict | None) -> str:
             return "-" if r is None else f"{r['throughput']:.0f} inf/s, p99 {r['p99_ms']:.2f} ms"
@@ -104,7 +113,9 @@ def main() -> int:
         def name(r: dict | None) -> str:
             return "-" if r is None else f"{r['label']} @c{r['concurrency']}"
 
-        print(f"| {model} | {name(pick)} | {name(best)} | {cell(seen)} | {cell(best)} | {n_tune}, {t_tune:.0f} s "
+        share = f"{seen['throughput'] / best['throughput']:.0%}" if seen and best else "-"
+        print(f"| {model} | {name(pick)} | {name(best)} | {cell(seen)} | {cell(best)} | {share} "
+              f"| {n_tune}, {t_tune:.0f} s "
               f"| {n_grid}, {t_grid:.0f} s | {t_grid / t_tune:.1f}x |")
     return 0
 

@@ -372,8 +372,8 @@ def _tune_parser(sub: argparse._SubParsersAction) -> None:
                       help="seconds of load before each point that are not counted")
     tune.add_argument("--cost-s", type=_positive(float), default=durations.cost_s,
                       help="seconds each batch size of the cost curve is measured")
-    tune.add_argument("--max-points", type=_positive(int), default=12,
-                      help="most points the model search measures (it usually stops before)")
+    tune.add_argument("--max-points", type=_positive(int), default=30,
+                      help="most measurements the model search makes (it usually stops before)")
     tune.add_argument("--cpus", type=_non_negative(int), default=0,
                       help="cores the prediction assumes; 0: this process's CPU affinity")
     tune.add_argument("--apply", action="store_true",

@@ -78,8 +78,8 @@ class TuneSettings:
     """``model``: predict from the cost curve, measure the best few; ``grid``: measure every point."""
     space: plan.SearchSpace = dataclasses.field(default_factory=plan.SearchSpace)
     durations: plan.Durations = dataclasses.field(default_factory=plan.Durations)
-    max_points: int = 12
-    """Most points the model search measures (it usually stops earlier)."""
+    max_points: int = 30
+    """Most runs (measurements) the model search makes (it usually stops earlier)."""
     apply: bool = False
     """Write the tuned config.pbtxt (a .bak keeps the old one)."""
     json_path: Path | None = None
@@ -535,67 +535,93 @@ async def _search(
         )
     # Two saturation probes at the highest concurrency give the event loop's share of the overhead:
     # the work-conserving one is also a candidate point, measured in full.
-    measured: dict[plan.Point, plan.Measurement] = {}
     widest = max(settings.concurrency)
     first = plan.Point(plan.BatchingConfig(plan.WORK_CONSERVING, 1, current.preferred, current.delay_us), widest)
-    await _measure_one(session, report, measured, first, durations, progress, settings.max_points, what="saturation")
+    batched = await _measure_one(session, report, first, durations, progress, settings.max_points, what="saturation")
     single = None
     if served.max_batch_size > 1 and not interrupted.is_set():
         short = dataclasses.replace(durations, warmup_s=durations.cost_s / 2, point_s=durations.cost_s)
         unbatched = await session.measure(plan.Point(plan.BatchingConfig(plan.FIXED_WAIT, 1, (1,), 0), widest), short)
         single = plan.Probe(unbatched.throughput, max(unbatched.mean_batch, 1.0))
         progress(f"saturation without batching: {unbatched.throughput:.0f} inf/s")
-    batched = measured[first]
     curve = plan.fit_cost_curve(samples, plan.Probe(batched.throughput, batched.mean_batch), single)
     report.curve = curve
     report.predicted = {p: plan.predict(p.config, p.concurrency, curve, facts) for p in all_points}
     progress(
         f"predicted {len(all_points)} point(s) from the cost curve (per request: {curve.overhead_s * 1e3:.3f} ms "
-        f"overhead, {curve.loop_s * 1e3:.3f} ms of it on the event loop; {curve.batch_s * 1e3:.3f} ms per batch)"
+        f"overhead, {curve.loop_s * 1e3:.3f} ms of it on the event loop; per batch: {curve.batch_s * 1e3:.3f} ms on "
+        f"the loop, {curve.hold_s * 1e3:.3f} ms holding the instance)"
     )
     budget_s = None if settings.latency_budget_ms is None else settings.latency_budget_ms / 1e3
-    while len(measured) < settings.max_points and not interrupted.is_set():
-        point = plan.next_point(report.predicted, measured, budget_s)
-        if point is None:
-            report.stopped = "no unmeasured point is predicted to beat the best measured one"
+    screen = plan.screen_durations(durations)
+    per_screen = plan.point_s(screen, session.reload_estimate())
+    fitted_at = len(report.measured)
+
+    def refit() -> None:
+        nonlocal curve, fitted_at
+        fitted_at = len(report.measured)
+        new = plan.refit_curve(curve, facts, plan.pooled(report.measured))
+        if new != curve:
+            curve = report.curve = new
+            report.predicted = {p: plan.predict(p.config, p.concurrency, curve, facts) for p in all_points}
+            progress(f"refit to {len(plan.pooled(report.measured))} measured point(s): "
+                     f"{curve.hold_s * 1e3:.3f} ms per batch holding the instance")
+
+    while len(report.measured) < settings.max_points and not interrupted.is_set():
+        step = plan.next_step(report.predicted, report.measured, budget_s)
+        if step is not None and step.why != "screen" and len(report.measured) - fitted_at >= REFIT_EVERY:
+            refit()
+            step = plan.next_step(report.predicted, report.measured, budget_s)
+        if step is None and len(report.measured) > fitted_at:
+            refit()  # the stop rule asks the model refit to everything measured
+            step = plan.next_step(report.predicted, report.measured, budget_s)
+        if step is None:
+            report.stopped = "the best measured points are confirmed and no unmeasured point is predicted to beat them"
             break
-        if progress.left() < per_point + plan.RESERVE_S:
+        if progress.left() < (per_point if step.full else per_screen) + plan.RESERVE_S:
             report.stopped = "time budget reached"
             break
-        await _measure_one(session, report, measured, point, durations, progress, settings.max_points)
+        await _measure_one(session, report, step.point, durations if step.full else screen, progress,
+                           settings.max_points, what=step.why, full=step.full)
     else:
         report.stopped = "interrupted" if interrupted.is_set() else f"measured --max-points {settings.max_points}"
     # The current config at the chosen concurrency, for "how much better" (when time allows).
-    choice = plan.choose(measured.values(), budget_s)
+    choice = plan.choose(report.measured, budget_s)
     chosen = choice.best or choice.closest
     if chosen is not None and not interrupted.is_set():
         baseline = plan.Point(current, chosen.point.concurrency)
-        if baseline not in measured and progress.left() >= per_point + plan.RESERVE_S:
-            await _measure_one(session, report, measured, baseline, durations, progress, 0, what="current config")
+        if baseline not in plan.pooled(report.measured) and progress.left() >= per_point + plan.RESERVE_S:
+            await _measure_one(session, report, baseline, durations, progress, 0, what="current config")
     return EXIT_INTERRUPTED if interrupted.is_set() else EXIT_OK
+
+
+REFIT_EVERY = 4
+"""Measurements after which the simulation is refit to all measured points (and when the search would end)."""
 
 
 async def _measure_one(
     session: Session,
     report: Report,
-    measured: dict[plan.Point, plan.Measurement],
     point: plan.Point,
     durations: plan.Durations,
     progress: _Progress,
     limit: int,
     what: str = "",
-) -> None:
+    full: bool = True,
+) -> plan.Measurement:
     per_point = plan.point_s(durations, session.reload_estimate())
-    eta = progress.left() if not limit else min(progress.left(), (limit - len(measured)) * per_point)
-    progress(f"measuring {what or 'point ' + str(len(measured) + 1)}: {point.config.label(report.batching)} "
+    done = len(report.measured)
+    eta = progress.left() if not limit else min(progress.left(), (limit - done) * per_point)
+    length = "" if full else f", {durations.point_s:.2f}s"
+    progress(f"measuring {done + 1} ({what or 'point'}{length}): {point.config.label(report.batching)} "
              f"@ concurrency {point.concurrency} (at most {eta:.0f}s left)")
-    m = await session.measure(point, durations)
-    measured[point] = m
+    m = dataclasses.replace(await session.measure(point, durations), full=full)
     report.measured.append(m)
     predicted = report.predicted.get(point)
     guess = f" (predicted {predicted.throughput:.0f}/s, p99 {predicted.p99_s * 1e3:.2f} ms)" if predicted else ""
     progress(f"  {m.throughput:.0f} inf/s, p50 {m.p50_s * 1e3:.2f} ms, p99 {m.p99_s * 1e3:.2f} ms, "
              f"{m.errors} error(s){guess}")
+    return m
 
 
 async def _grid(
@@ -606,16 +632,15 @@ async def _grid(
     progress: _Progress,
     interrupted: asyncio.Event,
 ) -> int:
-    measured: dict[plan.Point, plan.Measurement] = {}
     per_point = plan.point_s(durations, session.reload_estimate())
     for point in all_points:
         if interrupted.is_set():
             report.stopped = "interrupted"
             return EXIT_INTERRUPTED
         if progress.left() < per_point + plan.RESERVE_S:
-            report.stopped = f"time budget reached after {len(measured)} of {len(all_points)} point(s)"
+            report.stopped = f"time budget reached after {len(report.measured)} of {len(all_points)} point(s)"
             break
-        await _measure_one(session, report, measured, point, durations, progress, len(all_points))
+        await _measure_one(session, report, point, durations, progress, len(all_points))
     else:
         report.stopped = f"measured all {len(all_points)} point(s)"
     return EXIT_OK
@@ -623,7 +648,7 @@ async def _grid(
 
 def _table(report: Report, budget_s: float | None) -> str:
     rows = [("config", "conc", "inf/s", "p50 ms", "p99 ms", "batch", "errors", "within")]
-    for m in sorted(report.measured, key=lambda m: (-m.throughput, m.p99_s)):
+    for m in sorted(plan.pooled(report.measured).values(), key=lambda m: (-m.throughput, m.p99_s)):
         within = "-" if budget_s is None and m.ok else ("yes" if m.within(budget_s) else "no")
         rows.append((
             m.point.config.label(report.batching), str(m.point.concurrency), f"{m.throughput:.0f}",
@@ -642,7 +667,9 @@ def _finish(settings: TuneSettings, report: Report, code: int, interrupted: bool
     choice = plan.choose(report.measured, budget_s)
     if report.stopped:
         print(f"search ended: {report.stopped}", file=err, flush=True)
-    print(f"sluice tune: model '{report.model}', {report.search} search, {len(report.measured)} point(s) measured "
+    runs = len(report.measured)
+    print(f"sluice tune: model '{report.model}', {report.search} search, {len(plan.pooled(report.measured))} point(s) "
+          f"measured ({runs} run{'s' if runs != 1 else ''}) "
           f"in {report.elapsed_s:.1f}s" + (" (interrupted: best so far)" if interrupted else ""), file=out)
     print(_table(report, budget_s), file=out)
     what = "no latency budget" if budget_s is None else f"p99 <= {settings.latency_budget_ms:g} ms"
@@ -666,7 +693,8 @@ def _finish(settings: TuneSettings, report: Report, code: int, interrupted: bool
         file=out,
     )
     baseline = next(
-        (m for m in report.measured if m.point == plan.Point(report.current, best.point.concurrency)), None
+        (m for m in plan.pooled(report.measured).values()
+         if m.point == plan.Point(report.current, best.point.concurrency)), None
     ) if report.current else None
     if baseline is not None and baseline.throughput > 0 and baseline.point != best.point:
         print(f"current config at concurrency {best.point.concurrency}: {baseline.throughput:.0f} inf/s, p99 "
@@ -737,9 +765,11 @@ def _write_json(
         "stopped": report.stopped,
         "best": _to_dict(best) if best else None,
         "closest": _to_dict(closest) if closest else None,
-        "measured": [_to_dict(m) for m in report.measured],
+        "measured": [_to_dict(m) for m in plan.pooled(report.measured).values()],
+        "measurements": len(report.measured),
         "cost_curve": None if curve is None else {
             "exec_ms": {str(b): t * 1e3 for b, t in curve.exec_points}, "overhead_ms": curve.overhead_s * 1e3,
+            "loop_ms": curve.loop_s * 1e3, "batch_ms": curve.batch_s * 1e3, "hold_ms": curve.hold_s * 1e3,
         },
         "diff": report.diff,
         "applied": report.applied,

@@ -13,9 +13,10 @@
    (:func:`sluice.runtime.batching.decide`), so fixed-wait delays and preferred sizes act as they do
    in the server. Its capacity is about ``min(k, cores) * b / c(b)``; its latency is queueing plus
    the wait for a batch to fill plus c(b) plus the overhead.
-4. **Confirmation** (:func:`next_point`): measure the predicted best first, calibrate predictions
-   with what was measured, and stop once no unmeasured point on the predicted Pareto front
-   (throughput up, p99 down) could beat the best measured one.
+4. **A race** (:func:`next_step`): short runs of each family's (policy, preferred size) predicted
+   best, then of the runners-up in the families that measured best, full-length runs of the best
+   few, each family calibrated on its own points and the simulation refit to all of them
+   (:func:`refit_curve`), until no unmeasured point is predicted to beat the best measured.
 5. **Budget** (:func:`plan_durations`), **the choice** (:func:`choose`) and **the config change**
    (:func:`tuned_model_config`, :func:`edit_config_text`, :func:`config_diff`).
 """
@@ -196,6 +197,10 @@ class CostCurve:
     """Of that, the event loop's time per request, which requests cannot share (bounds throughput)."""
     batch_s: float = 0.0
     """The event loop's time per batch (dispatch to a worker and back, merging, splitting)."""
+    hold_s: float = 0.0
+    """Time an instance is held per batch beyond c(b), in parallel with the event loop (the hand-off to
+    its worker thread and back, waiting for the GIL): while it passes the queue grows, so batches
+    form larger than the loop's pace alone would fill them."""
 
     def exec_s(self, batch: int) -> float:
         """c(b): interpolated linearly between measured sizes, extrapolated from the last two."""
@@ -253,7 +258,15 @@ def fit_cost_curve(
     # one = loop + batch; wide = loop + batch / b
     batch = (one - wide) / (1 - 1 / batched.mean_batch)
     loop = max(one - batch, 0.0)
-    return dataclasses.replace(curve, loop_s=loop, batch_s=batch)
+    # Where the per-batch time goes is not visible from outside: compared with the measured points
+    # (docs/tune.md), most of it holds the instance while the loop goes on serving requests (so the
+    # queue grows meanwhile), a smaller share stops the loop. The split starts as below;
+    # :func:`refit_curve` scales the held part to the points measured.
+    return dataclasses.replace(curve, loop_s=loop, batch_s=batch * LOOP_SHARE_OF_BATCH, hold_s=batch)
+
+
+LOOP_SHARE_OF_BATCH = 0.25
+"""Of the per-batch time the saturation probes show, the share that stops the event loop."""
 
 
 # -- prediction --------------------------------------------------------------------------------
@@ -349,7 +362,8 @@ def predict(
                 busy += 1
                 work = int(batch_ns * slowdown())
                 loop_free, loop_busy = max(now, loop_free) + work, loop_busy + work
-                run = max(1, int(curve.exec_s(len(taken)) * 1e9 * rng.uniform(0.85, 1.15) * slowdown()))
+                held = curve.exec_s(len(taken)) + curve.hold_s
+                run = max(1, int(held * 1e9 * rng.uniform(0.85, 1.15) * slowdown()))
                 push(now + run, "done", [client for _, client in taken])
                 batches.append(len(taken))
                 continue
@@ -409,6 +423,8 @@ class Measurement:
     requests: int
     errors: int
     mean_batch: float = 0.0
+    full: bool = True
+    """Measured for the full ``--point-s`` (False: a short screening run)."""
 
     @property
     def ok(self) -> bool:
@@ -419,36 +435,70 @@ class Measurement:
         return self.ok and (latency_budget_s is None or self.p99_s <= latency_budget_s)
 
 
-def pareto_front(predictions: Mapping[Point, Prediction]) -> list[Point]:
-    """Points no other point beats on both throughput (higher) and p99 (lower), best throughput first."""
-    ordered = sorted(predictions.items(), key=lambda item: (-item[1].throughput, item[1].p99_s, item[0]))
-    front: list[Point] = []
-    best_p99 = math.inf
-    for point, prediction in ordered:
-        if prediction.p99_s < best_p99:
-            front.append(point)
-            best_p99 = prediction.p99_s
-    return front
-
-
 def calibration(predictions: Mapping[Point, Prediction], measured: Mapping[Point, Measurement]) -> tuple[float, float]:
     """Median ratio measured/predicted of throughput and of p99 over the measured points (1, 1 before any)."""
     pairs = [(predictions[p], m) for p, m in measured.items() if p in predictions and m.ok]
     xs = [m.throughput / pred.throughput for pred, m in pairs if pred.throughput > 0]
-    ls = [m.p99_s / pred.p99_s for pred, m in pairs if pred.p99_s > 0]
+    ls = [m.p99_s / pred.p99_s for pred, m in pairs if pred.p99_s > 0 and math.isfinite(m.p99_s)]
     return (statistics.median(xs) if xs else 1.0, statistics.median(ls) if ls else 1.0)
+
+
+def group_of(point: Point) -> tuple[str, tuple[int, ...]]:
+    """The family a point belongs to: its batch policy and preferred size. Within a family the
+    simulation ranks delays, instance counts and concurrency well; across families its errors
+    differ (a preferred size that leaves the loop and the instance working in turn, say), so each
+    family is calibrated on its own measured points."""
+    config = point.config
+    return (config.policy, config.preferred if config.policy == FIXED_WAIT else ())
 
 
 def calibrated(
     predictions: Mapping[Point, Prediction], measured: Mapping[Point, Measurement]
 ) -> dict[Point, Prediction]:
-    x_ratio, l_ratio = calibration(predictions, measured)
-    return {
-        p: dataclasses.replace(
+    """Predictions scaled by how far off the measured points of their family were (all measured
+    points where the family has none yet)."""
+    overall = calibration(predictions, measured)
+    by_group: dict[tuple[str, tuple[int, ...]], dict[Point, Measurement]] = {}
+    for p, m in measured.items():
+        by_group.setdefault(group_of(p), {})[p] = m
+    ratios = {g: calibration(predictions, ms) for g, ms in by_group.items()}
+    adjusted: dict[Point, Prediction] = {}
+    for p, pred in predictions.items():
+        x_ratio, l_ratio = ratios.get(group_of(p), overall)
+        adjusted[p] = dataclasses.replace(
             pred, throughput=pred.throughput * x_ratio, p50_s=pred.p50_s * l_ratio, p99_s=pred.p99_s * l_ratio
         )
-        for p, pred in predictions.items()
-    }
+    return adjusted
+
+
+def refit_curve(
+    curve: CostCurve,
+    facts: ModelFacts,
+    measured: Mapping[Point, Measurement],
+    factors: Sequence[float] = (0.25, 0.5, 1.0, 2.0, 4.0),
+) -> CostCurve:
+    """The curve whose simulation best matches the measured points: the per-batch time an instance
+    is held scaled by each of ``factors`` (the part the probes cannot split), the one with the
+    least squared log error of throughput kept. c(b) and the per-request times are measured
+    directly and stay."""
+    base = curve.hold_s or curve.batch_s
+    ok = {p: m for p, m in measured.items() if m.ok and m.throughput > 0}
+    if base <= 0 or not ok:
+        return curve
+
+    def error(candidate: CostCurve) -> float:
+        total = 0.0
+        for p, m in ok.items():
+            predicted = predict(p.config, p.concurrency, candidate, facts, completions=REFIT_COMPLETIONS)
+            total += math.log(m.throughput / max(predicted.throughput, 1e-9)) ** 2
+        return total
+
+    candidates = [dataclasses.replace(curve, hold_s=base * f) for f in factors]
+    return min(candidates, key=lambda c: (error(c), abs(c.hold_s - curve.hold_s)))
+
+
+REFIT_COMPLETIONS = 300
+"""Simulated requests per point while refitting (fewer than for a prediction: it runs many times)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -460,7 +510,8 @@ class Choice:
 
 
 def choose(measurements: Iterable[Measurement], latency_budget_s: float | None) -> Choice:
-    ms = list(measurements)
+    """Among the measured points (several measurements of one point pooled, :func:`pool`)."""
+    ms = list(pooled(measurements).values())
     within = [m for m in ms if m.within(latency_budget_s)]
     if within:
         return Choice(max(within, key=lambda m: (m.throughput, -m.p99_s)), None)
@@ -468,41 +519,149 @@ def choose(measurements: Iterable[Measurement], latency_budget_s: float | None) 
     return Choice(None, min(ok, key=lambda m: m.p99_s) if ok else None)
 
 
-def next_point(
-    predictions: Mapping[Point, Prediction],
-    measured: Mapping[Point, Measurement],
-    latency_budget_s: float | None,
-    *,
-    margin: float = 0.1,
-    latency_slack: float = 1.5,
-    least: int = 2,
-) -> Point | None:
-    """The next point worth measuring, or None when the search is done.
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What to measure next: ``point``, for the full duration (``full``) or a short screening one."""
 
-    Predictions are first scaled by how far off the measured points were. Worth measuring: an
-    unmeasured point on the Pareto front of the points predicted within ``latency_slack`` times
-    the budget, best predicted throughput first, as long as it could still beat the best measured
-    throughput by the ``margin``. When no point is predicted within the budget, the ``least``
-    points predicted fastest (lowest p99) are measured, so that the closest one can be named.
+    point: Point
+    full: bool
+    why: str
+    """screen | refine | confirm | predicted best | closest (for the progress line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Racing:
+    """The knobs of the search (:func:`next_step`)."""
+
+    refine_groups: int = 3
+    """Families (policy, preferred size) whose runners-up are measured after screening."""
+    refine_per_group: int = 2
+    """Points measured per refined family besides its first."""
+    confirm: int = 3
+    """The best measured points that must have a full-length measurement before the search ends."""
+    margin: float = 0.05
+    """An unmeasured point predicted (refit, calibrated) above the best measured by more than this is measured."""
+    refine_margin: float = 0.1
+    """A runner-up is measured only when predicted within this of its family's best measured."""
+    latency_slack: float = 1.5
+    """Points predicted within this multiple of the latency budget count as feasible."""
+    least: int = 2
+    """When nothing is predicted within the budget: how many of the fastest points are measured."""
+
+
+def pool(samples: Sequence[Measurement]) -> Measurement:
+    """Several measurements of one point as one: rows over total time; percentiles weighted by requests;
+    ``full`` when any of them was full-length."""
+    if len(samples) == 1:
+        return samples[0]
+    ok = [m for m in samples if m.requests > 0 and m.throughput > 0]
+    requests = sum(m.requests for m in samples)
+    errors = sum(m.errors for m in samples)
+    window = sum(m.requests / m.throughput for m in ok)
+
+    def weighted(field: str) -> float:
+        return sum(getattr(m, field) * m.requests for m in ok) / requests if requests else math.inf
+
+    return Measurement(
+        point=samples[0].point,
+        throughput=sum(m.requests for m in ok) / window if window > 0 else 0.0,
+        p50_s=weighted("p50_s"),
+        p99_s=weighted("p99_s"),
+        requests=requests,
+        errors=errors,
+        mean_batch=weighted("mean_batch") if requests else 0.0,
+        full=any(m.full for m in samples),
+    )
+
+
+def pooled(measurements: Iterable[Measurement]) -> dict[Point, Measurement]:
+    """One (pooled) measurement per point, in the order the points were first measured."""
+    by_point: dict[Point, list[Measurement]] = {}
+    for m in measurements:
+        by_point.setdefault(m.point, []).append(m)
+    return {p: pool(ms) for p, ms in by_point.items()}
+
+
+def next_step(
+    predictions: Mapping[Point, Prediction],
+    measurements: Iterable[Measurement],
+    latency_budget_s: float | None,
+    racing: Racing = Racing(),
+) -> Step | None:
+    """The next measurement worth making, or None when the search is done. A race, short runs first:
+
+    1. **screen**: the predicted best point of every family (policy, preferred size) with a point
+       predicted within ``latency_slack`` x the budget, short; each family is calibrated on its own
+       points from then on (:func:`calibrated`), so one family the simulation gets wrong does not
+       hide or promote the others;
+    2. **refine**: in the ``refine_groups`` families that measured best, up to ``refine_per_group``
+       more points each (their next best predicted delays, instance counts, concurrency), short;
+    3. **confirm**: the ``confirm`` best measured points within the budget (a short run's p99 may
+       be up to ``latency_slack`` x the budget), full length, pooled with their short runs;
+    4. **stop rule**: the search ends only when no unmeasured point is predicted (``predictions``
+       refit and calibrated) above the best measured by more than ``margin``; such a point is
+       measured, short, and, if it is among the best, confirmed.
+
+    When no point is predicted within the budget, the ``least`` fastest predicted points are
+    measured, so that the closest one can be named.
     """
+    measured = pooled(measurements)
     adjusted = calibrated(predictions, measured)
     unmeasured = {p: pred for p, pred in adjusted.items() if p not in measured}
-    if not unmeasured:
-        return None
     if latency_budget_s is not None:
-        feasible = {p: pred for p, pred in unmeasured.items() if pred.p99_s <= latency_budget_s * latency_slack}
+        limit = latency_budget_s * racing.latency_slack
+        feasible = {p: pred for p, pred in adjusted.items() if pred.p99_s <= limit}
     else:
-        feasible = unmeasured
-    best = choose(measured.values(), latency_budget_s).best
-    if not feasible:
-        if best is not None or len(measured) >= least:
+        feasible = dict(adjusted)
+    within = sorted(
+        (m for m in measured.values() if m.within(latency_budget_s)), key=lambda m: (-m.throughput, m.p99_s, m.point)
+    )
+    if not within and not any(p not in measured for p in feasible):
+        if len(measured) >= racing.least or not unmeasured:
             return None
-        return min(unmeasured, key=lambda p: (unmeasured[p].p99_s, p))
-    front = pareto_front(feasible)
-    top = front[0]
-    if best is not None and adjusted[top].throughput * (1 + margin) < best.throughput:
-        return None
-    return top
+        return Step(min(unmeasured, key=lambda p: (unmeasured[p].p99_s, p)), True, "closest")
+
+    def rank(ps: Iterable[Point]) -> list[Point]:
+        return sorted(ps, key=lambda p: (-adjusted[p].throughput, adjusted[p].p99_s, p))
+
+    families: dict[tuple[str, tuple[int, ...]], list[Point]] = {}
+    for p in rank(feasible):
+        families.setdefault(group_of(p), []).append(p)
+    measured_families = {group_of(p) for p in measured}
+    for family, ps in families.items():  # best predicted family first
+        if family not in measured_families:
+            return Step(ps[0], False, "screen")
+
+    best_in_family: dict[tuple[str, tuple[int, ...]], float] = {}
+    for m in within:
+        best_in_family.setdefault(group_of(m.point), m.throughput)
+    leaders = sorted(best_in_family, key=lambda f: -best_in_family[f])[: racing.refine_groups]
+    for family in leaders:
+        count = sum(1 for p in measured if group_of(p) == family)
+        if count > racing.refine_per_group:
+            continue
+        floor = best_in_family[family] * (1 - racing.refine_margin)
+        for p in families.get(family, []):
+            if p not in measured and adjusted[p].throughput >= floor:
+                return Step(p, False, "refine")
+
+    # A short run's p99 is noisy: one over the budget but within the slack may still be confirmed.
+    contenders = sorted(
+        (m for m in measured.values() if m.within(latency_budget_s) or (
+            not m.full and m.within(None if latency_budget_s is None else latency_budget_s * racing.latency_slack))),
+        key=lambda m: (-m.throughput, m.p99_s, m.point),
+    )
+    for m in contenders[: racing.confirm]:
+        if not m.full:
+            return Step(m.point, True, "confirm")
+
+    candidates = rank(p for p in feasible if p not in measured)
+    if candidates:
+        top = candidates[0]
+        best = within[0].throughput if within else 0.0
+        if adjusted[top].throughput > best * (1 + racing.margin):
+            return Step(top, False, "predicted best")
+    return None
 
 
 # -- time budget -------------------------------------------------------------------------------
@@ -535,6 +694,16 @@ def needed_s(d: Durations, n_cost: int, points_: int, reload_s: float) -> float:
 
 def point_s(d: Durations, reload_s: float) -> float:
     return reload_s + d.warmup_s + d.point_s
+
+
+SCREEN_SHARE = 1 / 3
+"""A screening run lasts this share of a full one (at least 0.25 s, warm-up at most 0.15 s)."""
+
+
+def screen_durations(d: Durations) -> Durations:
+    """The durations of a short (screening) run."""
+    short = min(d.point_s, max(0.25, d.point_s * SCREEN_SHARE))
+    return dataclasses.replace(d, warmup_s=min(d.warmup_s, 0.15), point_s=short)
 
 
 def plan_durations(
