@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,58 @@ def tune(repo: Path, model: str, search: str, args, out: Path) -> tuple[dict, fl
     return json.loads(out.read_text()), wall
 
 
+def judge(repo: Path, model: str, picks: list[dict], args, out: Path) -> tuple[list[list[dict]], float]:
+    """Each of ``picks`` (--json rows) measured ``--rounds`` times, interleaved (A B A B ...), in a fresh
+    process with the same load generator, concurrency, warm-up and duration as the grid's points."""
+    command = [sys.executable, "-P", str(Path(__file__).resolve()), "--judge-worker", json.dumps({
+        "repo": str(repo), "model": model, "picks": picks, "rounds": args.rounds, "point_s": args.point_s,
+        "warmup_s": args.warmup_s, "out": str(out),
+    })]
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=tempfile.gettempdir())
+    if done.returncode != 0:
+        raise SystemExit(f"judging failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text()), time.monotonic() - started
+
+
+def judge_worker(spec: dict) -> int:
+    import asyncio
+
+    from sluice.runtime import tune
+    from sluice.runtime import tune_plan as plan
+    from sluice.runtime.server import Server
+    from sluice.runtime.settings import SchedulingDefaults
+
+    points = [plan.Point(plan.BatchingConfig(r["config"]["policy"], r["config"]["instances"],
+                                             tuple(r["config"]["preferred"]), r["config"]["delay_us"]),
+                         r["concurrency"]) for r in spec["picks"]]
+    settings = tune.TuneSettings(Path(spec["repo"]), spec["model"], concurrency=tuple(p.concurrency for p in points))
+    durations = plan.Durations(warmup_s=spec["warmup_s"], point_s=spec["point_s"])
+
+    async def go() -> list[list[dict]]:
+        server = Server(tune._server_settings(settings))
+        await server.start()
+        try:
+            clients = tune._Clients(f"127.0.0.1:{server.ports.grpc}", f"127.0.0.1:{server.ports.http}", "grpc",
+                                    max(settings.concurrency))
+            try:
+                served = (await clients.control.get_model_config(spec["model"])).config
+                session = tune.Session(settings, clients, served, SchedulingDefaults().batch_policy, asyncio.Event())
+                await session.measure(points[0], durations)  # warm-up of the process (not counted)
+                runs: list[list[dict]] = [[] for _ in points]
+                for _ in range(spec["rounds"]):
+                    for i, point in enumerate(points):
+                        runs[i].append(tune._to_dict(await session.measure(point, durations)))
+                return runs
+            finally:
+                await clients.aclose()
+        finally:
+            await server.stop(grace_s=1.0)
+
+    Path(spec["out"]).write_text(json.dumps(asyncio.run(go())))
+    return 0
+
+
 def key(row: dict) -> tuple:
     c = row["config"]
     return (c["policy"], c["instances"], tuple(c["preferred"]), c["delay_us"], row["concurrency"])
@@ -79,7 +132,11 @@ def main() -> int:
     p.add_argument("--time-budget", default="5m", help="of the model search (the grid gets all the time it needs)")
     p.add_argument("--models", default="mlp,add_sub,mlp_heavy")
     p.add_argument("--keep", type=Path, default=None, metavar="DIR", help="copy each run's --json result here")
+    p.add_argument("--rounds", type=int, default=5, help="judging rounds (each choice measured once per round)")
+    p.add_argument("--judge-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.judge_worker is not None:
+        return judge_worker(json.loads(args.judge_worker))
     rows = []
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,25 +154,41 @@ def main() -> int:
             best = grid["best"] or grid["closest"]
             seen = by_point.get(key(pick)) if pick else None
             runs = tuned.get("measurements", len(tuned["measured"]))
-            rows.append((model, pick, seen, best, runs, tune_wall, len(grid["measured"]), grid_wall))
+            picks = [best] if key(pick) == key(best) else [best, pick]
+            judged, judge_wall = judge(repo, model, picks, args, Path(tmp) / f"{model}-judge.json")
+            judged = judged if len(judged) == 2 else judged * 2
+            rows.append((model, pick, seen, best, runs, tune_wall, len(grid["measured"]), grid_wall,
+                         judged, judge_wall))
     print(f"latency budget p99 <= {args.latency_budget_ms:g} ms; concurrency {args.concurrency}; "
           f"{args.point_s:g} s per point after {args.warmup_s:g} s warm-up; instances up to {args.max_instances}; "
           f"delays {args.delays_us} us; {os.cpu_count()} CPUs; load average (1, 5, 15 min) "
           f"{' '.join(f'{x:.2f}' for x in load_before)} before, "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} after\n")
-    print("| model | tune's choice | grid's choice | tune's choice as the grid measured it | grid's best "
-          "| of grid's best | tune: runs, wall | grid: runs, wall | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for model, pick, seen, best, n_tune, t_tune, n_grid, t_grid in rows:
-        def cell(r: dict | None) -> str:
-            return "-" if r is None else f"{r['throughput']:.0f} inf/s, p99 {r['p99_ms']:.2f} ms"
+    def median(runs: list[dict], field: str) -> float:
+        return statistics.median(r[field] for r in runs)
 
-        def name(r: dict | None) -> str:
-            return "-" if r is None else f"{r['label']} @c{r['concurrency']}"
+    def spread(runs: list[dict]) -> str:
+        xs = [r["throughput"] for r in runs]
+        return (f"{median(runs, 'throughput'):.0f} [{min(xs):.0f}-{max(xs):.0f}] inf/s, "
+                f"p99 {median(runs, 'p99_ms'):.2f} ms")
 
-        share = f"{seen['throughput'] / best['throughput']:.0%}" if seen and best else "-"
-        print(f"| {model} | {name(pick)} | {name(best)} | {cell(seen)} | {cell(best)} | {share} "
-              f"| {n_tune}, {t_tune:.0f} s "
+    def name(r: dict | None) -> str:
+        return "-" if r is None else f"{r['label']} @c{r['concurrency']}"
+
+    print(f"judged: {args.rounds} interleaved rounds (grid's choice, tune's choice, ...) after one warm-up run; "
+          "median [min-max] of the rounds; 'same or better': tune's median >= 0.95 x grid's and its median p99 "
+          "within the budget\n")
+    print("| model | grid's choice (its single run) | tune's choice | grid's choice, judged | tune's choice, judged "
+          "| tune/grid | same or better | tune: runs, wall | grid: runs, wall | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    budget = args.latency_budget_ms
+    for model, pick, _seen, best, n_tune, t_tune, n_grid, t_grid, judged, _judge_wall in rows:
+        g, t = judged
+        ratio = median(t, "throughput") / median(g, "throughput")
+        ok = ratio >= 0.95 and median(t, "p99_ms") <= budget
+        same = " (same)" if key(pick) == key(best) else ""
+        print(f"| {model} | {name(best)} ({best['throughput']:.0f} inf/s) | {name(pick)}{same} | {spread(g)} "
+              f"| {spread(t)} | {ratio:.2f} | {'yes' if ok else 'no'} | {n_tune}, {t_tune:.0f} s "
               f"| {n_grid}, {t_grid:.0f} s | {t_grid / t_tune:.1f}x |")
     return 0
 

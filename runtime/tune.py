@@ -585,6 +585,8 @@ async def _search(
                            settings.max_points, what=step.why, full=step.full)
     else:
         report.stopped = "interrupted" if interrupted.is_set() else f"measured --max-points {settings.max_points}"
+    if not interrupted.is_set():
+        await _final(session, report, durations, progress, budget_s, interrupted)
     # The current config at the chosen concurrency, for "how much better" (when time allows).
     choice = plan.choose(report.measured, budget_s)
     chosen = choice.best or choice.closest
@@ -593,6 +595,32 @@ async def _search(
         if baseline not in plan.pooled(report.measured) and progress.left() >= per_point + plan.RESERVE_S:
             await _measure_one(session, report, baseline, durations, progress, 0, what="current config")
     return EXIT_INTERRUPTED if interrupted.is_set() else EXIT_OK
+
+
+async def _final(
+    session: Session,
+    report: Report,
+    durations: plan.Durations,
+    progress: _Progress,
+    budget_s: float | None,
+    interrupted: asyncio.Event,
+) -> None:
+    """The race's best few measured again, full length, interleaved (A B C A B C ...) and repeated; the
+    choice then ranks them by their median (:func:`plan.choose`). One run each leaves time for the
+    baseline; with too little time left the race's choice stands."""
+    racing = plan.Racing()
+    points = plan.finalists(report.measured, budget_s, racing)
+    per_point = plan.point_s(durations, session.reload_estimate())
+    left = progress.left() - plan.RESERVE_S - per_point  # the current config's run afterwards
+    rounds = plan.final_rounds(per_point, len(points), left, racing)
+    if not rounds:
+        return
+    progress(f"final: {len(points)} best point(s), {rounds} interleaved round(s) each, ranked by the median")
+    for point in plan.final_order(points, rounds):
+        if interrupted.is_set() or progress.left() < per_point + plan.RESERVE_S:
+            return
+        m = await _measure_one(session, report, point, durations, progress, 0, what="final")
+        report.measured[-1] = dataclasses.replace(m, final=True)
 
 
 REFIT_EVERY = 4
@@ -689,7 +717,8 @@ def _finish(settings: TuneSettings, report: Report, code: int, interrupted: bool
     best = choice.best
     print(
         f"best ({what}): {best.point.config.label(report.batching)} at concurrency {best.point.concurrency}: "
-        f"{best.throughput:.0f} inf/s, p50 {best.p50_s * 1e3:.2f} ms, p99 {best.p99_s * 1e3:.2f} ms",
+        f"{best.throughput:.0f} inf/s, p50 {best.p50_s * 1e3:.2f} ms, p99 {best.p99_s * 1e3:.2f} ms"
+        + (" (medians of the final runs)" if best.final else ""),
         file=out,
     )
     baseline = next(

@@ -425,6 +425,8 @@ class Measurement:
     mean_batch: float = 0.0
     full: bool = True
     """Measured for the full ``--point-s`` (False: a short screening run)."""
+    final: bool = False
+    """One of the interleaved, repeated final runs (:func:`final_order`); the choice ranks by their median."""
 
     @property
     def ok(self) -> bool:
@@ -510,8 +512,14 @@ class Choice:
 
 
 def choose(measurements: Iterable[Measurement], latency_budget_s: float | None) -> Choice:
-    """Among the measured points (several measurements of one point pooled, :func:`pool`)."""
-    ms = list(pooled(measurements).values())
+    """Among the measured points (several measurements of one point pooled, :func:`pool`).
+
+    When there are final runs (:func:`final_order`), only their points compete, each by the median
+    of its final runs (:func:`judged`): one lucky run among noisy near-ties does not win.
+    """
+    measurements = list(measurements)
+    finals = [m for m in measurements if m.final]
+    ms = list(judged(finals).values()) if finals else list(pooled(measurements).values())
     within = [m for m in ms if m.within(latency_budget_s)]
     if within:
         return Choice(max(within, key=lambda m: (m.throughput, -m.p99_s)), None)
@@ -547,6 +555,12 @@ class Racing:
     """Points predicted within this multiple of the latency budget count as feasible."""
     least: int = 2
     """When nothing is predicted within the budget: how many of the fastest points are measured."""
+    finalists: int = 3
+    """The best points of the race measured again, interleaved and repeated, and ranked by their median."""
+    rounds: int = 5
+    """Rounds of the final runs (each finalist once per round), at most."""
+    least_rounds: int = 3
+    """Fewer rounds than this do not make a median worth the time: the race's choice stands."""
 
 
 def pool(samples: Sequence[Measurement]) -> Measurement:
@@ -580,6 +594,56 @@ def pooled(measurements: Iterable[Measurement]) -> dict[Point, Measurement]:
     for m in measurements:
         by_point.setdefault(m.point, []).append(m)
     return {p: pool(ms) for p, ms in by_point.items()}
+
+
+def judged(measurements: Iterable[Measurement]) -> dict[Point, Measurement]:
+    """One measurement per point: the median throughput, p50 and p99 of its runs (``requests`` and
+    ``errors`` summed), robust to a single run the machine disturbed."""
+    by_point: dict[Point, list[Measurement]] = {}
+    for m in measurements:
+        by_point.setdefault(m.point, []).append(m)
+    return {
+        p: Measurement(
+            point=p,
+            throughput=statistics.median(m.throughput for m in ms),
+            p50_s=statistics.median(m.p50_s for m in ms),
+            p99_s=statistics.median(m.p99_s for m in ms),
+            requests=sum(m.requests for m in ms),
+            errors=sum(m.errors for m in ms),
+            mean_batch=statistics.median(m.mean_batch for m in ms),
+            full=all(m.full for m in ms),
+            final=any(m.final for m in ms),
+        )
+        for p, ms in by_point.items()
+    }
+
+
+def finalists(
+    measurements: Iterable[Measurement], latency_budget_s: float | None, racing: Racing = Racing()
+) -> list[Point]:
+    """The ``racing.finalists`` best points the race measured (pooled) within the latency budget, or
+    within ``latency_slack`` x it when measured only short, best first."""
+    slack = None if latency_budget_s is None else latency_budget_s * racing.latency_slack
+    contenders = sorted(
+        (m for m in pooled(measurements).values() if m.within(latency_budget_s) or (not m.full and m.within(slack))),
+        key=lambda m: (-m.throughput, m.p99_s, m.point),
+    )
+    return [m.point for m in contenders[: racing.finalists]]
+
+
+def final_rounds(per_run_s: float, count: int, left_s: float, racing: Racing = Racing()) -> int:
+    """How many interleaved rounds of ``count`` finalists fit in ``left_s`` (runs of ``per_run_s``):
+    ``racing.rounds`` at most, 0 when not even ``racing.least_rounds`` fit (the race's choice stands)."""
+    if count <= 1 or per_run_s <= 0:
+        return 0
+    fit = int(left_s // (per_run_s * count))
+    return min(racing.rounds, fit) if fit >= racing.least_rounds else 0
+
+
+def final_order(points_: Sequence[Point], rounds: int) -> list[Point]:
+    """A B C A B C ...: each finalist once per round, so that a slow minute of the machine falls on all
+    of them alike rather than on one."""
+    return [p for _ in range(rounds) for p in points_]
 
 
 def next_step(
