@@ -586,7 +586,7 @@ async def _search(
     else:
         report.stopped = "interrupted" if interrupted.is_set() else f"measured --max-points {settings.max_points}"
     if not interrupted.is_set():
-        await _final(session, report, durations, progress, budget_s, interrupted)
+        await _final(session, report, durations, progress, budget_s, interrupted, len(all_points))
     # The current config at the chosen concurrency, for "how much better" (when time allows).
     choice = plan.choose(report.measured, budget_s)
     chosen = choice.best or choice.closest
@@ -604,6 +604,7 @@ async def _final(
     progress: _Progress,
     budget_s: float | None,
     interrupted: asyncio.Event,
+    space_points: int,
 ) -> None:
     """The race's best few measured again, full length, interleaved (A B C A B C ...) and repeated; the
     choice then ranks them by their median (:func:`plan.choose`). One run each leaves time for the
@@ -612,7 +613,7 @@ async def _final(
     points = plan.finalists(report.measured, budget_s, racing)
     per_point = plan.point_s(durations, session.reload_estimate())
     left = progress.left() - plan.RESERVE_S - per_point  # the current config's run afterwards
-    rounds = plan.final_rounds(per_point, len(points), left, racing)
+    rounds = plan.final_rounds(per_point, len(points), left, racing, max_runs=space_points)
     if not rounds:
         return
     progress(f"final: {len(points)} best point(s), {rounds} interleaved round(s) each, ranked by the median")

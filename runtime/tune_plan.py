@@ -631,12 +631,18 @@ def finalists(
     return [m.point for m in contenders[: racing.finalists]]
 
 
-def final_rounds(per_run_s: float, count: int, left_s: float, racing: Racing = Racing()) -> int:
-    """How many interleaved rounds of ``count`` finalists fit in ``left_s`` (runs of ``per_run_s``):
-    ``racing.rounds`` at most, 0 when not even ``racing.least_rounds`` fit (the race's choice stands)."""
+def final_rounds(
+    per_run_s: float, count: int, left_s: float, racing: Racing = Racing(), max_runs: int | None = None
+) -> int:
+    """How many interleaved rounds of ``count`` finalists fit in ``left_s`` (runs of ``per_run_s``) and
+    in ``max_runs`` runs (the size of the whole space: the finals never measure more than a grid
+    would): ``racing.rounds`` at most, 0 when not even ``racing.least_rounds`` fit (the race's
+    choice stands)."""
     if count <= 1 or per_run_s <= 0:
         return 0
     fit = int(left_s // (per_run_s * count))
+    if max_runs is not None:
+        fit = min(fit, max_runs // count)
     return min(racing.rounds, fit) if fit >= racing.least_rounds else 0
 
 

@@ -353,6 +353,55 @@ def test_choose_best_within_budget_or_the_closest():
     assert nothing.best is None and nothing.closest == ms[0]
 
 
+def final(point: plan.Point, x: float, p99_ms: float) -> plan.Measurement:
+    return dataclasses.replace(meas(point, x, p99_ms), final=True)
+
+
+def test_finalists_are_the_best_few_within_the_budget_short_ones_within_the_slack():
+    a, b, c, d, e = fam(FW, (32,)), fam(FW, (16,)), fam(WC, ()), fam(FW, (8,)), fam(FW, (4,))
+    ms = [meas(a, 9000, 25), short(b, 8000, 25), meas(c, 7000, 10), meas(d, 6000, 10), meas(e, 9500, 40)]
+    # a is full length and over the budget: out; b is short and within 1.5 x: in; e over even that.
+    assert plan.finalists(ms, 0.020, plan.Racing(finalists=3)) == [b, c, d]
+    assert plan.finalists(ms, None, plan.Racing(finalists=2)) == [e, a]
+
+
+def test_final_order_interleaves_the_finalists_round_by_round():
+    a, b, c = pt(WC, 1), pt(WC, 2), pt(FW, 1)
+    assert plan.final_order([a, b, c], 2) == [a, b, c, a, b, c]
+    assert plan.final_order([a], 0) == []
+
+
+def test_final_rounds_fit_the_time_left_or_none_when_too_few():
+    racing = plan.Racing(rounds=5, least_rounds=3)
+    assert plan.final_rounds(2.0, 3, 100.0, racing) == 5
+    assert plan.final_rounds(2.0, 3, 24.0, racing) == 4
+    assert plan.final_rounds(2.0, 3, 17.0, racing) == 0  # two rounds only: the race's choice stands
+    assert plan.final_rounds(2.0, 1, 100.0, racing) == 0  # a single finalist: nothing to rank
+    # never more final runs than the whole space has points (a grid would be quicker)
+    assert plan.final_rounds(2.0, 3, 100.0, racing, max_runs=12) == 4
+    assert plan.final_rounds(2.0, 3, 100.0, racing, max_runs=6) == 0
+
+
+def test_the_choice_ranks_finalists_by_the_median_not_by_one_lucky_run():
+    a, b = pt(WC, 1), pt(WC, 2)
+    race = [meas(a, 9000, 5), meas(b, 7000, 5)]
+    assert plan.choose(race, 0.020).best.point == a
+    # a had one lucky run; interleaved and repeated, b is steadily faster.
+    finals = [final(a, 12000, 5), final(b, 8000, 5), final(a, 6000, 5), final(b, 7900, 5), final(a, 6100, 5),
+              final(b, 8100, 5)]
+    chosen = plan.choose(race + finals, 0.020).best
+    assert chosen.point == b and chosen.throughput == 8000 and chosen.final
+    assert plan.choose(race + finals, None).best.point == b
+
+
+def test_the_choice_uses_the_median_p99_against_the_budget():
+    a, b = pt(WC, 1), pt(WC, 2)
+    finals = [final(a, 9000, 25), final(b, 7000, 5), final(a, 9100, 12), final(b, 7100, 5), final(a, 9200, 30)]
+    assert plan.choose(finals, 0.020).best.point == b  # a's median p99 is 25 ms
+    judged = plan.judged(finals)
+    assert judged[a].throughput == 9100 and judged[a].p99_s == pytest.approx(0.025) and judged[a].requests == 3000
+
+
 # -- budget ---------------------------------------------------------------------------------------
 
 
