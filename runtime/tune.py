@@ -502,8 +502,12 @@ async def _search(
     except plan.PlanError as exc:
         raise TuneError(str(exc), EXIT_USAGE) from None
     all_points = plan.points(configs, settings.concurrency)
+    search = plan.search_for(settings.search, len(all_points))
+    report.search = search
+    if search != settings.search:
+        progress(f"{len(all_points)} point(s) only: measuring each once is cheaper than modelling them (grid search)")
     session = Session(settings, clients, served, default_policy, interrupted)
-    sizes = plan.cost_sizes(served.max_batch_size) if settings.search == "model" else ()
+    sizes = plan.cost_sizes(served.max_batch_size) if search == "model" else ()
     # Load the cost-curve config first: its reload time sizes the plan.
     await session.configure(plan.BatchingConfig(plan.WORK_CONSERVING, 1, current.preferred, current.delay_us))
     try:
@@ -519,9 +523,9 @@ async def _search(
     per_point = plan.point_s(durations, session.reload_estimate())
     progress(
         f"{len(configs)} config(s) x {len(settings.concurrency)} concurrency level(s) = {len(all_points)} point(s); "
-        f"{settings.search} search, {per_point:.1f}s per measured point"
+        f"{search} search, {per_point:.1f}s per measured point"
     )
-    if settings.search == "grid":
+    if search == "grid":
         return await _grid(session, report, all_points, durations, progress, interrupted)
     samples = []
     for i, batch in enumerate(sizes):

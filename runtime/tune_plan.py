@@ -561,6 +561,17 @@ class Racing:
     """Rounds of the final runs (each finalist once per round), at most."""
     least_rounds: int = 3
     """Fewer rounds than this do not make a median worth the time: the race's choice stands."""
+    grid_below: int = 12
+    """A space of fewer points than this is measured point by point: the cost curve, the probes, the
+    race and its final runs would take more runs than the space has (add_sub's 6 points: 11 runs)."""
+
+
+def search_for(requested: str, space_points: int, racing: Racing = Racing()) -> str:
+    """The search that runs: ``grid`` when asked for, or when the space is small enough that measuring
+    every point once is cheaper than modelling it; else ``model``."""
+    if requested == "grid" or space_points < racing.grid_below:
+        return "grid"
+    return requested
 
 
 def pool(samples: Sequence[Measurement]) -> Measurement:

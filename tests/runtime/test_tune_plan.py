@@ -530,3 +530,17 @@ def test_labels():
     assert plan.BatchingConfig(WC, 1).label() == "work_conserving, 1 instance"
     assert plan.BatchingConfig(WC, 3).label(batching=False) == "3 instances"
     assert not math.isnan(plan.CostCurve(((1, 0.001),), 0.0005).capacity(1, 1, 2))
+
+
+@pytest.mark.parametrize(
+    ("requested", "space", "expected"),
+    [
+        ("model", 6, "grid"),  # add_sub: cost curve + probes + race + finals would out-run the 6 points
+        ("model", 11, "grid"),
+        ("model", 12, "model"),
+        ("model", 132, "model"),
+        ("grid", 132, "grid"),
+    ],
+)
+def test_a_small_space_is_measured_point_by_point(requested, space, expected):
+    assert plan.search_for(requested, space) == expected
