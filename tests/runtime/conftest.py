@@ -9,10 +9,13 @@ Google Cloud Storage, then Azure Blob Storage (each started once per module that
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib.util
+import sys
 import textwrap
 import threading
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -84,6 +87,51 @@ class TritonPythonModel:
 EXPLICIT: dict[str, Any] = {"model_control_mode": "explicit", "load_models": ("*",)}
 """Server settings of tests that call the repository load/unload API: Triton's explicit model control,
 every model loaded at start (the default mode, ``none``, refuses the API)."""
+
+
+GATED_CONFIG = """
+name: "gated"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+"""
+
+
+def gated_py(gate_module: str) -> str:
+    """A Python model (OUTPUT0 = INPUT0 * 2) that sets ``entered`` of the in-process module
+    ``gate_module`` and waits for its ``release`` before answering (see :func:`gate`)."""
+    return f"""
+import sys
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        gate = sys.modules["{gate_module}"]
+        gate.entered.set()
+        gate.release.wait(30)
+        return [
+            pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() * 2)
+            ])
+            for r in requests
+        ]
+"""
+
+
+@contextlib.contextmanager
+def gate(gate_module: str) -> Iterator[Any]:
+    """The module :func:`gated_py` models wait on: ``entered`` and ``release`` events; released and
+    removed on exit, so a model still waiting never hangs the test run."""
+    module = types.ModuleType(gate_module)
+    module.entered, module.release = threading.Event(), threading.Event()  # type: ignore[attr-defined]
+    sys.modules[gate_module] = module
+    try:
+        yield module
+    finally:
+        module.release.set()  # type: ignore[attr-defined]
+        del sys.modules[gate_module]
 
 
 def write_model(repo: Path, name: str, config: str, files: dict[str, bytes | str], version: int = 1) -> Path:

@@ -20,9 +20,7 @@ import ctypes
 import http.client
 import json
 import shutil
-import sys
 import threading
-import types
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,7 +36,16 @@ from tritonclient.utils import InferenceServerException
 from sluice.runtime import cudart, shm
 from sluice.runtime.errors import InvalidArgument
 
-from .conftest import ADD_SUB_CONFIG, BUILDERS, Running, start_server, write_model  # type: ignore[import-not-found]
+from .conftest import (  # type: ignore[import-not-found]
+    ADD_SUB_CONFIG,
+    BUILDERS,
+    GATED_CONFIG,
+    Running,
+    gated_py,
+    start_server,
+    write_model,
+)
+from .conftest import gate as held_gate  # type: ignore[import-not-found]
 
 PROTOCOLS = ["http", "grpc"]
 HANDLE = bytes(range(64))
@@ -147,7 +154,7 @@ def test_loader_on_this_machine_says_why_not() -> None:
 
 def make_repo(repo: Path) -> Path:
     write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
-    write_model(repo, "gated", GATED_CONFIG, {"model.py": GATED_PY})
+    write_model(repo, "gated", GATED_CONFIG, {"model.py": gated_py("sluice_cuda_gate")})
     return repo
 
 
@@ -309,41 +316,10 @@ class HostGpu:
         self.copies += 1
 
 
-GATED_PY = """
-import sys
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        gate = sys.modules["sluice_cuda_gate"]
-        gate.entered.set()
-        gate.release.wait(30)
-        return [
-            pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() * 2)
-            ])
-            for r in requests
-        ]
-"""
-
-GATED_CONFIG = """
-name: "gated"
-backend: "python"
-max_batch_size: 0
-input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
-output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
-"""
-
-
 @pytest.fixture(scope="module")
 def gate() -> Iterator[Any]:
-    module = types.ModuleType("sluice_cuda_gate")
-    module.entered, module.release = threading.Event(), threading.Event()  # type: ignore[attr-defined]
-    sys.modules["sluice_cuda_gate"] = module
-    yield module
-    module.release.set()  # type: ignore[attr-defined]
-    del sys.modules["sluice_cuda_gate"]
+    with held_gate("sluice_cuda_gate") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,16 @@ from sluice.runtime import shm as sluice_shm
 from sluice.runtime.server import Server, StartupError
 from sluice.runtime.settings import ServerSettings
 
-from .conftest import ADD_SUB_CONFIG, BUILDERS, Running, start_server, write_model  # type: ignore[import-not-found]
+from .conftest import (  # type: ignore[import-not-found]
+    ADD_SUB_CONFIG,
+    BUILDERS,
+    GATED_CONFIG,
+    Running,
+    gated_py,
+    start_server,
+    write_model,
+)
+from .conftest import gate as held_gate  # type: ignore[import-not-found]
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -79,34 +88,6 @@ dynamic_batching { max_queue_delay_microseconds: 2000 }
 """
 
 CACHED_CONFIG = ADD_SUB_CONFIG.replace('name: "add_sub"', 'name: "cached"') + "response_cache { enable: true }\n"
-
-GATED_PY = """
-import sys
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        gate = sys.modules["sluice_test_gate"]
-        gate.entered.set()
-        gate.release.wait(30)
-        return [
-            pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() * 2)
-            ])
-            for r in requests
-        ]
-"""
-
-GATED_CONFIG = """
-name: "gated"
-backend: "python"
-max_batch_size: 0
-input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
-output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
-"""
-
 
 ECHO_PY = """
 import triton_python_backend_utils as pb_utils
@@ -466,47 +447,42 @@ def test_cached_response_does_not_follow_the_region(server: Running, regions: Re
 
 
 def test_unregister_while_in_use_unmaps_after_the_request(tmp_path: Path, regions: Regions) -> None:
-    import types
-
-    gate = types.ModuleType("sluice_test_gate")
-    gate.entered, gate.release = threading.Event(), threading.Event()  # type: ignore[attr-defined]
-    sys.modules["sluice_test_gate"] = gate
     repo = tmp_path / "repo"
-    write_model(repo, "gated", GATED_CONFIG, {"model.py": GATED_PY})
-    handle = start_server(repo)
-    try:
-        client = grpcclient.InferenceServerClient(handle.grpc)
-        region, key = regions.create(32)
-        x = np.array([1, 2, 3, 4], dtype=np.float32)
-        shm.set_shared_memory_region(region, [x])
-        ours = mapped(key)  # this process is the client too: its own mapping
-        client.register_system_shared_memory("busy", key, 32)
-        assert mapped(key) == ours + 1
-        inp = grpcclient.InferInput("INPUT0", [4], "FP32")
-        inp.set_shared_memory("busy", 16)
-        out = grpcclient.InferRequestedOutput("OUTPUT0")
-        out.set_shared_memory("busy", 16, offset=16)
-        answers: list[Any] = []
-        finished = threading.Event()
+    write_model(repo, "gated", GATED_CONFIG, {"model.py": gated_py("sluice_test_gate")})
+    with held_gate("sluice_test_gate") as gate:
+        handle = start_server(repo)
+        try:
+            client = grpcclient.InferenceServerClient(handle.grpc)
+            region, key = regions.create(32)
+            x = np.array([1, 2, 3, 4], dtype=np.float32)
+            shm.set_shared_memory_region(region, [x])
+            ours = mapped(key)  # this process is the client too: its own mapping
+            client.register_system_shared_memory("busy", key, 32)
+            assert mapped(key) == ours + 1
+            inp = grpcclient.InferInput("INPUT0", [4], "FP32")
+            inp.set_shared_memory("busy", 16)
+            out = grpcclient.InferRequestedOutput("OUTPUT0")
+            out.set_shared_memory("busy", 16, offset=16)
+            answers: list[Any] = []
+            finished = threading.Event()
 
-        def callback(result: Any, error: Any) -> None:
-            answers.append((result, error))
-            finished.set()
+            def callback(result: Any, error: Any) -> None:
+                answers.append((result, error))
+                finished.set()
 
-        client.async_infer("gated", [inp], callback, outputs=[out])
-        assert gate.entered.wait(30)  # type: ignore[attr-defined]
-        client.unregister_system_shared_memory("busy")
-        assert len(client.get_system_shared_memory_status().regions) == 0  # the name is free at once...
-        assert mapped(key) == ours + 1  # ...the memory stays mapped for the request using it
-        gate.release.set()  # type: ignore[attr-defined]
-        assert finished.wait(30)
-        assert answers[0][1] is None
-        np.testing.assert_array_equal(shm.get_contents_as_numpy(region, np.float32, [4], offset=16), x * 2)
-        assert mapped(key) == ours
-    finally:
-        gate.release.set()  # type: ignore[attr-defined]
-        handle.stop()
-        del sys.modules["sluice_test_gate"]
+            client.async_infer("gated", [inp], callback, outputs=[out])
+            assert gate.entered.wait(30)  # type: ignore[attr-defined]
+            client.unregister_system_shared_memory("busy")
+            assert len(client.get_system_shared_memory_status().regions) == 0  # the name is free at once...
+            assert mapped(key) == ours + 1  # ...the memory stays mapped for the request using it
+            gate.release.set()  # type: ignore[attr-defined]
+            assert finished.wait(30)
+            assert answers[0][1] is None
+            np.testing.assert_array_equal(shm.get_contents_as_numpy(region, np.float32, [4], offset=16), x * 2)
+            assert mapped(key) == ours
+        finally:
+            gate.release.set()  # type: ignore[attr-defined]
+            handle.stop()
 
 
 # -- bad input, through the real clients ----------------------------------------------------------
