@@ -299,6 +299,41 @@ def _close_all(instances: Sequence[ModelInstance], label: str) -> None:
             log.exception("model '%s': closing an instance failed", label)
 
 
+async def wait_idle(idle: asyncio.Event | None, busy: bool, deadline: float) -> None:
+    """Wait until a scheduler that is ``busy`` sets ``idle``, or the loop's clock reaches ``deadline``."""
+    if idle is None or not busy:
+        return
+    loop = asyncio.get_running_loop()
+    try:
+        await asyncio.wait_for(idle.wait(), max(deadline - loop.time(), 0.0))
+    except TimeoutError:
+        pass
+
+
+async def retire(
+    workers: list[_Worker], stuck: list[_Worker], instances: Sequence[ModelInstance], deadline: float, label: str
+) -> None:
+    """Stop a closing scheduler's workers, join them (the ``stuck`` ones, still executing, until ``deadline``
+    of the loop's clock) and close every instance no thread still runs; one still executing is left to its
+    thread, never closed under it."""
+    loop = asyncio.get_running_loop()
+    for worker in workers:
+        worker.stop()
+    if workers:
+        await loop.run_in_executor(None, _join_all, workers, stuck, max(deadline - loop.time(), 0.0))
+    running = [worker.instance for worker in workers if worker.thread.is_alive()]
+    closing = []
+    for instance in instances:
+        if any(instance is other for other in running):
+            log.warning(
+                "model '%s': an instance is still executing after the grace period; left running, not closed", label
+            )
+            continue
+        closing.append(instance)
+    if closing:  # off the loop: a Python model's finalize may block
+        await loop.run_in_executor(None, _close_all, closing, label)
+
+
 class Scheduler:
     """Queues requests for one model version and runs them in batches on its instances."""
 
@@ -377,11 +412,7 @@ class Scheduler:
             self._unwatch()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(grace_s, 0.0)
-        if self._idle is not None and (self._pending or self._running):
-            try:
-                await asyncio.wait_for(self._idle.wait(), max(deadline - loop.time(), 0.0))
-            except TimeoutError:
-                pass
+        await wait_idle(self._idle, bool(self._pending or self._running), deadline)
         workers, self._workers = self._workers, []
         stuck = [worker for worker in workers if worker.batch is not None]
         for worker in stuck:
@@ -401,22 +432,7 @@ class Scheduler:
         self._queued = [0] * len(self._queued)
         if self._timer is not None:
             self._timer.cancel()
-        for worker in workers:
-            worker.stop()
-        if workers:
-            await loop.run_in_executor(None, _join_all, workers, stuck, max(deadline - loop.time(), 0.0))
-        running = [worker.instance for worker in workers if worker.thread.is_alive()]
-        closing = []
-        for instance in self._instances:
-            if any(instance is other for other in running):
-                log.warning(
-                    "model '%s': an instance is still executing after the grace period; left running, not closed",
-                    self._config.model_label,
-                )
-                continue
-            closing.append(instance)
-        if closing:  # off the loop: a Python model's finalize may block
-            await loop.run_in_executor(None, _close_all, closing, self._config.model_label)
+        await retire(workers, stuck, self._instances, deadline, self._config.model_label)
 
     @property
     def queue_depth(self) -> int:

@@ -574,11 +574,7 @@ class SequenceScheduler:
             self._unwatch()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(grace_s, 0.0)
-        if self._idle is not None and (self._pending or self._running):
-            try:
-                await asyncio.wait_for(self._idle.wait(), max(deadline - loop.time(), 0.0))
-            except TimeoutError:
-                pass
+        await batching.wait_idle(self._idle, bool(self._pending or self._running), deadline)
         for entry in list(self._queued):
             self._finish(entry, Unavailable("the model is being unloaded"))
         self._pending = 0
@@ -598,14 +594,7 @@ class SequenceScheduler:
                             f"the {grace_s:g} s grace period"
                         ),
                     )
-        for worker in workers:
-            worker.stop()
-        if workers:
-            await loop.run_in_executor(None, batching._join_all, workers, stuck, max(deadline - loop.time(), 0.0))
-        alive = [worker.instance for worker in workers if worker.thread.is_alive()]
-        closing = [i for i in self._instances if not any(i is other for other in alive)]
-        if closing:
-            await loop.run_in_executor(None, batching._close_all, closing, self._config.model_label)
+        await batching.retire(workers, stuck, self._instances, deadline, self._config.model_label)
 
     @property
     def queue_depth(self) -> int:
