@@ -350,8 +350,10 @@ def plan_batches(
     for index in sorted(set(allowed)):
         profile = profiles[index]
         limit = min((profile[n].max[0] for n in shapes if n in profile), default=0)
-        if limit > 0 and limit < rows and all(
-            n not in profile or profile[n].admits([limit, *s[1:]]) for n, s in shapes.items()
+        if (
+            limit > 0
+            and limit < rows
+            and all(n not in profile or profile[n].admits([limit, *s[1:]]) for n, s in shapes.items())
         ):
             step = max(step, limit)
     if step == 0:
@@ -404,30 +406,27 @@ def model_path(config: mc.ModelConfig, ctx: LoadContext) -> Path:
     return path
 
 
-class _Logger:
-    """A TensorRT logger that keeps the last error (TensorRT reports why through the logger)."""
+def _logger(trt: Any) -> Any:
+    """A TensorRT logger that keeps the last error (TensorRT says why something failed through it)."""
 
-    def __init__(self, trt: Any) -> None:
-        self.last_error = ""
-        parent = trt.ILogger
+    class Logger(trt.ILogger):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+            self.last_error = ""
 
-        class Logger(parent):  # type: ignore[misc, valid-type]
-            def __init__(inner) -> None:  # noqa: N805
-                parent.__init__(inner)
+        def log(self, severity: Any, msg: str) -> None:
+            if severity in (trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR):
+                self.last_error = msg
 
-            def log(inner, severity: Any, msg: str) -> None:  # noqa: N805
-                if severity in (trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR):
-                    self.last_error = msg
-
-        self.logger = Logger()
+    return Logger()
 
 
-def _deserialize(trt: Any, path: Path, cuda: Any, device_id: int) -> tuple[Any, Any, _Logger]:
+def _deserialize(trt: Any, path: Path, cuda: Any, device_id: int) -> tuple[Any, Any, Any]:
     """(runtime, engine, logger) on ``device_id``; the caller keeps all three alive while it uses the
     engine (TensorRT holds the logger and wants the runtime to outlive its engines)."""
     cuda.use(device_id)
-    logger = _Logger(trt)
-    runtime = trt.Runtime(logger.logger)
+    logger = _logger(trt)
+    runtime = trt.Runtime(logger)
     engine = runtime.deserialize_cuda_engine(path.read_bytes())
     if engine is None:
         raise ConfigError(
@@ -621,7 +620,7 @@ class TrtBackend(ModelBackend):
         self._path = path
         self._trt = _trt()
         self._cuda = _cuda()
-        self._engines: dict[int, tuple[Any, Any, _Logger, EngineInfo]] = {}
+        self._engines: dict[int, tuple[Any, Any, Any, EngineInfo]] = {}
         self._profiles: list[tuple[int, ...]] | None = None
 
     def new_instance(self, index: int, kind: int, device_id: int) -> ModelInstance:
