@@ -130,7 +130,7 @@ class _Option:
     ort_key: str
     kind: str  # "bool", "int", "uint" (>= 0), "string" or "choice"
     choices: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    """For kind "choice": accepted value (lower case) -> the value ONNX Runtime is given."""
+    """For kind "choice": accepted value (any case) -> the value ONNX Runtime is given."""
 
     def allowed(self) -> str:
         if self.kind == "bool":
@@ -151,7 +151,7 @@ class _Option:
                 return None
             return None if self.kind == "uint" and number < 0 else str(number)
         if self.kind == "choice":
-            return self.choices.get(value.lower()) or self.choices.get(value)
+            return {key.lower(): ort for key, ort in self.choices.items()}.get(value.lower())
         return value
 
 
@@ -160,7 +160,7 @@ def _options(table: Mapping[str, tuple[str, str]]) -> dict[str, _Option]:
 
 
 TENSORRT_OPTIONS: dict[str, _Option] = {
-    "precision_mode": _Option("precision_mode", "choice", {"fp32": "FP32", "fp16": "FP16", "int8": "INT8"}),
+    "precision_mode": _Option("precision_mode", "choice", {"FP32": "FP32", "FP16": "FP16", "INT8": "INT8"}),
     **_options({
         "max_workspace_size_bytes": ("trt_max_workspace_size", "uint"),
         "trt_max_partition_iterations": ("trt_max_partition_iterations", "uint"),
@@ -201,14 +201,14 @@ CUDA_OPTIONS: dict[str, _Option] = {
     "cudnn_conv_algo_search": _Option(
         "cudnn_conv_algo_search",
         "choice",
-        {"0": "EXHAUSTIVE", "1": "HEURISTIC", "2": "DEFAULT", "exhaustive": "EXHAUSTIVE", "heuristic": "HEURISTIC",
-         "default": "DEFAULT"},
+        {"0": "EXHAUSTIVE", "1": "HEURISTIC", "2": "DEFAULT", "EXHAUSTIVE": "EXHAUSTIVE", "HEURISTIC": "HEURISTIC",
+         "DEFAULT": "DEFAULT"},
     ),
     "arena_extend_strategy": _Option(
         "arena_extend_strategy",
         "choice",
-        {"0": "kNextPowerOfTwo", "1": "kSameAsRequested", "knextpoweroftwo": "kNextPowerOfTwo",
-         "ksameasrequested": "kSameAsRequested"},
+        {"0": "kNextPowerOfTwo", "1": "kSameAsRequested", "kNextPowerOfTwo": "kNextPowerOfTwo",
+         "kSameAsRequested": "kSameAsRequested"},
     ),
     **_options({
         "gpu_mem_limit": ("gpu_mem_limit", "uint"),

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import shutil
 
 import numpy as np
@@ -296,7 +297,7 @@ def test_plan_batches_covers_the_rows_with_chunks_each_profile_admits(problem):
         assert not any(_admits(profiles[i], shapes) for i in allowed)
         return
     assert chunks[0].start == 0 and chunks[-1].stop == rows
-    assert all(a.stop == b.start for a, b in zip(chunks, chunks[1:], strict=False))
+    assert all(a.stop == b.start for a, b in itertools.pairwise(chunks))
     for chunk in chunks:
         assert chunk.profile in allowed
         part = {n: (chunk.stop - chunk.start, *s[1:]) for n, s in shapes.items()}
@@ -419,7 +420,7 @@ def test_instances_keep_to_their_profiles_and_split_larger_batches(tmp_path, ser
     plan = build_plan(affine_onnx(), [(1, 4, 8), (1, 16, 32)])
     write_model(
         repo, "affine", 'platform: "tensorrt_plan"\n'
-        'instance_group [ { kind: KIND_GPU count: 1 profile: [ "0" ] }, { kind: KIND_GPU count: 1 profile: [ "1" ] } ]\n',
+        'instance_group [ { kind: KIND_GPU profile: [ "0" ] }, { kind: KIND_GPU profile: [ "1" ] } ]\n',
         {"model.plan": plan},
     )  # fmt: skip
     server = serve(repo)
