@@ -455,9 +455,13 @@ def engine_info(trt: Any, engine: Any) -> EngineInfo:
     for p in range(engine.num_optimization_profiles):
         ranges = {}
         for tensor in tensors:
-            if tensor.is_input and not tensor.shape_tensor:
+            if not tensor.is_input or tensor.shape_tensor:
+                continue
+            if -1 in tensor.shape:
                 low, opt, high = engine.get_tensor_profile_shape(tensor.name, p)
-                ranges[tensor.name] = Range(tuple(low), tuple(opt), tuple(high))
+                ranges[tensor.name] = Range(*(tuple(int(d) for d in dims) for dims in (low, opt, high)))
+            else:  # a static input: its one shape
+                ranges[tensor.name] = Range(tensor.shape, tensor.shape, tensor.shape)
         profiles.append(ranges)
     return EngineInfo(tuple(tensors), tuple(profiles))
 
