@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import itertools
 import shutil
@@ -26,10 +27,11 @@ from hypothesis import strategies as st
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
+from sluice.runtime import cudart
 from sluice.runtime.backends import tensorrt as trt_backend
 from sluice.runtime.backends.tensorrt import Chunk, EngineInfo, EngineTensor, Range, plan_batches, select_profile
-from sluice.runtime.errors import ConfigError, InvalidArgument, Unsupported
-from sluice.runtime.types import CONFIG_TYPE_BY_DATATYPE
+from sluice.runtime.errors import ConfigError, InvalidArgument, ModelError, Unsupported
+from sluice.runtime.types import CONFIG_TYPE_BY_DATATYPE, InferRequest, InferResponse, Tensor
 
 from .conftest import BUILDERS, EXPLICIT, write_model  # type: ignore[import-not-found]
 
@@ -304,6 +306,155 @@ def test_plan_batches_covers_the_rows_with_chunks_each_profile_admits(problem):
         assert _admits(profiles[chunk.profile], part)
     if any(_admits(profiles[i], shapes) for i in allowed):
         assert len(chunks) == 1
+
+
+# -- the instance's call sequence, through its seams ----------------------------------------------------
+# TrtInstance takes its engine and its CUDA runtime as arguments. These doubles implement the calls it
+# makes (TensorRT 10's context API; cudart.Runtime's buffers and streams over host memory) for
+# y = 2x + 1, so chunking, buffer growth, profile switches and error answers run on CPU. They check
+# Sluice's side of the contract only; TensorRT itself runs in the GPU tests below.
+
+
+class HostCuda:
+    """cudart.Runtime's buffer and stream calls over host memory; ``oom`` mallocs fail first."""
+
+    def __init__(self, oom: int = 0) -> None:
+        self.buffers: dict[int, ctypes.Array] = {}
+        self.oom = oom
+        self.streams = 0
+
+    def use(self, device_id):
+        assert device_id == 0
+
+    def stream_create(self, device_id):
+        self.streams += 1
+        return 7
+
+    def stream_destroy(self, stream):
+        self.streams -= 1
+
+    def stream_synchronize(self, stream):
+        assert stream == 7
+
+    def malloc(self, byte_size, device_id):
+        if self.oom:
+            self.oom -= 1
+            raise cudart.CudaError("cudaMalloc", cudart.MEMORY_ALLOCATION, "cudaErrorMemoryAllocation", "out of memory")
+        buffer = (ctypes.c_char * max(byte_size, 1))()
+        self.buffers[ctypes.addressof(buffer)] = buffer
+        return ctypes.addressof(buffer)
+
+    def free(self, pointer, device_id):
+        del self.buffers[pointer]
+
+    def to_device_async(self, pointer, host, byte_size, stream):
+        assert pointer in self.buffers and len(self.buffers[pointer]) >= byte_size
+        ctypes.memmove(pointer, host, byte_size)
+
+    def to_host_async(self, host, pointer, byte_size, stream):
+        ctypes.memmove(host, pointer, byte_size)
+
+
+class AffineContext:
+    """An execution context computing y = 2x + 1 on [batch, 4] FP32 that holds to its profile's ranges."""
+
+    def __init__(self, info: EngineInfo) -> None:
+        self.info, self.profile, self.fail = info, 0, False
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.addresses: dict[str, int] = {}
+        self.runs: list[tuple[int, tuple[int, ...]]] = []
+
+    def set_optimization_profile_async(self, index, stream):
+        self.profile = index
+        return True
+
+    def set_input_shape(self, name, shape):
+        self.shapes[name] = tuple(shape)
+        return self.info.profiles[self.profile][name].admits(shape)
+
+    def get_tensor_shape(self, name):
+        return self.shapes["x"]
+
+    def set_tensor_address(self, name, pointer):
+        self.addresses[name] = pointer
+
+    def execute_async_v3(self, stream):
+        if self.fail:
+            return False
+        count = int(np.prod(self.shapes["x"]))
+        x = np.ctypeslib.as_array((ctypes.c_float * count).from_address(self.addresses["x"]))
+        y = np.ctypeslib.as_array((ctypes.c_float * count).from_address(self.addresses["y"]))
+        y[:] = 2 * x + 1
+        self.runs.append((self.profile, self.shapes["x"]))
+        return True
+
+
+class OneContext:
+    def __init__(self, context: AffineContext) -> None:
+        self.context = context
+
+    def create_execution_context(self):
+        return self.context
+
+
+def instance_for(profiles, allowed, cuda):
+    info = engine(*profiles)
+    config = cfg(f"instance_group [ {{ profile: {[str(p) for p in range(len(profiles))]} }} ]".replace("'", '"'))
+    trt_backend.complete_config(config, info)
+    context = AffineContext(info)
+    return trt_backend.TrtInstance(OneContext(context), info, config, allowed, cuda, 0), context
+
+
+def requests(*rows: int) -> tuple[list[InferRequest], list[np.ndarray]]:
+    rng = np.random.default_rng(sum(rows))
+    arrays = [rng.standard_normal((n, 4)).astype(np.float32) for n in rows]
+    return [InferRequest("m", "1", [Tensor("x", "FP32", a)], batch_size=len(a)) for a in arrays], arrays
+
+
+def test_a_batch_larger_than_the_instances_profiles_runs_in_chunks_and_is_cut_back_per_request():
+    cuda = HostCuda()
+    instance, context = instance_for([SMALL, LARGE], (0,), cuda)
+    batch, arrays = requests(12, 8)
+    results = instance.execute(batch)
+    assert context.runs == [(0, (8, 4)), (0, (8, 4)), (0, (4, 4))]
+    for result, x in zip(results, arrays, strict=True):
+        assert isinstance(result, InferResponse)
+        np.testing.assert_array_equal(result.outputs[0].data, 2 * x + 1)
+    instance.close()
+    assert cuda.buffers == {} and cuda.streams == 0
+
+
+def test_the_instance_switches_profiles_between_batches():
+    instance, context = instance_for([SMALL, LARGE], (0, 1), HostCuda())
+    for rows in (3, 20, 2):
+        batch, arrays = requests(rows)
+        np.testing.assert_array_equal(instance.execute(batch)[0].outputs[0].data, 2 * arrays[0] + 1)
+    assert context.runs == [(0, (3, 4)), (1, (20, 4)), (0, (2, 4))]
+
+
+def test_out_of_gpu_memory_answers_the_batch_and_the_instance_goes_on_serving():
+    instance, _context = instance_for([SMALL], (0,), HostCuda(oom=1))
+    batch, arrays = requests(2, 3)
+    failed = instance.execute(batch)
+    assert [type(r) for r in failed] == [ModelError, ModelError]
+    assert "out of GPU memory on GPU 0" in failed[0].message and "goes on serving" in failed[0].message
+    np.testing.assert_array_equal(instance.execute(batch)[1].outputs[0].data, 2 * arrays[1] + 1)
+
+
+def test_a_failed_execution_answers_the_batch_and_the_next_one_runs():
+    instance, context = instance_for([SMALL], (0,), HostCuda())
+    batch, arrays = requests(4)
+    context.fail = True
+    assert "execute_async_v3 returned false" in instance.execute(batch)[0].message
+    context.fail = False
+    np.testing.assert_array_equal(instance.execute(batch)[0].outputs[0].data, 2 * arrays[0] + 1)
+
+
+def test_a_batch_no_profile_admits_is_an_invalid_argument_for_each_request():
+    instance, context = instance_for([batch_profile(2, 4, 8)], (0,), HostCuda())
+    results = instance.execute(requests(1)[0])
+    assert isinstance(results[0], InvalidArgument) and "x [1, 4] fit no optimization profile" in results[0].message
+    assert context.runs == []
 
 
 # -- through the real server, without TensorRT ----------------------------------------------------------
