@@ -96,3 +96,4 @@ class ModelBackend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Called after every instance was closed."""
+

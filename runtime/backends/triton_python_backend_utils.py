@@ -164,6 +164,7 @@ def deserialize_bytes_tensor(encoded_tensor: bytes) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 
+
 def _parameters_json(parameters: Any) -> str:
     """Triton keeps request/response parameters as a JSON string; accept a dict or that string."""
     if parameters is None:
@@ -171,7 +172,6 @@ def _parameters_json(parameters: Any) -> str:
     if isinstance(parameters, str):
         return parameters
     return json.dumps(parameters, default=str)
-
 
 class TritonError:
     """An error a model puts in an :class:`InferenceResponse`; not an exception, as in Triton."""
@@ -485,7 +485,9 @@ class ModelConfig:
     _OUTPUT_PROPERTIES = ("name", "data_type", "dims")
 
     def __init__(self, model_config: str | dict[str, Any]) -> None:
-        self._model_config: dict[str, Any] = json.loads(model_config) if isinstance(model_config, str) else model_config
+        self._model_config: dict[str, Any] = (
+            json.loads(model_config) if isinstance(model_config, str) else model_config
+        )
         self._model_config.setdefault("input", [])
         self._model_config.setdefault("output", [])
         self._model_config.setdefault("max_batch_size", 0)
