@@ -15,6 +15,10 @@ time a CUDA region is registered or the server metadata is read. Nothing is load
   (as Triton) to check a registered size against the allocation behind a handle.
 * :class:`Device` is what ``shm`` uses of it (a protocol, so tests of the region bookkeeping can run
   without a GPU).
+* For the TensorRT backend (``backends/tensorrt.py``), which needs device buffers and a stream per
+  instance: ``cudaMalloc`` / ``cudaFree``, ``cudaStreamCreateWithFlags`` (non-blocking) /
+  ``cudaStreamSynchronize`` / ``cudaStreamDestroy``, ``cudaMemcpyAsync`` on a stream. An
+  out-of-memory answer is a :class:`CudaError` whose ``code`` is :data:`MEMORY_ALLOCATION`.
 
 Pure parts: :func:`library_order`, :func:`no_gpu_reason`.
 """
@@ -36,6 +40,9 @@ IPC_HANDLE_SIZE = 64
 """``sizeof(cudaIpcMemHandle_t)`` (``CUDA_IPC_HANDLE_SIZE``)."""
 
 _SUCCESS = 0
+MEMORY_ALLOCATION = 2
+"""``cudaErrorMemoryAllocation``: the device is out of memory."""
+_STREAM_NON_BLOCKING = 1
 _INSUFFICIENT_DRIVER = 35
 _IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 _MEMCPY_HOST_TO_DEVICE = 1
@@ -139,6 +146,12 @@ class Runtime:
             ("cudaIpcOpenMemHandle", [ctypes.POINTER(c_void_p), _IpcHandle, ctypes.c_uint]),
             ("cudaIpcCloseMemHandle", [c_void_p]),
             ("cudaMemcpy", [c_void_p, c_void_p, c_size_t, c_int]),
+            ("cudaMalloc", [ctypes.POINTER(c_void_p), c_size_t]),
+            ("cudaFree", [c_void_p]),
+            ("cudaMemcpyAsync", [c_void_p, c_void_p, c_size_t, c_int, c_void_p]),
+            ("cudaStreamCreateWithFlags", [ctypes.POINTER(c_void_p), ctypes.c_uint]),
+            ("cudaStreamSynchronize", [c_void_p]),
+            ("cudaStreamDestroy", [c_void_p]),
         ):
             getattr(library, function).argtypes = argtypes
             getattr(library, function).restype = c_int
@@ -219,6 +232,45 @@ class Runtime:
         self._use(device_id)
         code = self._lib.cudaMemcpy(pointer, host, byte_size, _MEMCPY_HOST_TO_DEVICE)
         self._check("cudaMemcpy (host to device)", code)
+
+    # -- device buffers and streams (the TensorRT backend) -----------------------------------------
+
+    def malloc(self, byte_size: int, device_id: int) -> int:
+        """A device allocation of ``byte_size`` bytes; CudaError (code MEMORY_ALLOCATION) when full."""
+        self._use(device_id)
+        pointer = ctypes.c_void_p()
+        self._check("cudaMalloc", self._lib.cudaMalloc(ctypes.byref(pointer), max(byte_size, 1)))
+        return int(pointer.value or 0)
+
+    def free(self, pointer: int, device_id: int) -> None:
+        self._use(device_id)
+        self._check("cudaFree", self._lib.cudaFree(ctypes.c_void_p(pointer)))
+
+    def stream_create(self, device_id: int) -> int:
+        """A non-blocking stream (it does not wait on the legacy default stream); its handle as an int."""
+        self._use(device_id)
+        stream = ctypes.c_void_p()
+        code = self._lib.cudaStreamCreateWithFlags(ctypes.byref(stream), _STREAM_NON_BLOCKING)
+        self._check("cudaStreamCreateWithFlags", code)
+        return int(stream.value or 0)
+
+    def stream_synchronize(self, stream: int) -> None:
+        self._check("cudaStreamSynchronize", self._lib.cudaStreamSynchronize(ctypes.c_void_p(stream)))
+
+    def stream_destroy(self, stream: int) -> None:
+        self._check("cudaStreamDestroy", self._lib.cudaStreamDestroy(ctypes.c_void_p(stream)))
+
+    def to_device_async(self, pointer: int, host: int, byte_size: int, stream: int) -> None:
+        code = self._lib.cudaMemcpyAsync(pointer, host, byte_size, _MEMCPY_HOST_TO_DEVICE, ctypes.c_void_p(stream))
+        self._check("cudaMemcpyAsync (host to device)", code)
+
+    def to_host_async(self, host: int, pointer: int, byte_size: int, stream: int) -> None:
+        code = self._lib.cudaMemcpyAsync(host, pointer, byte_size, _MEMCPY_DEVICE_TO_HOST, ctypes.c_void_p(stream))
+        self._check("cudaMemcpyAsync (device to host)", code)
+
+    def use(self, device_id: int) -> None:
+        """Make ``device_id`` the calling thread's current device (TensorRT calls run on it)."""
+        self._use(device_id)
 
 
 class Loader:

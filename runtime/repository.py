@@ -173,8 +173,12 @@ def _backend_loader(backend: str) -> Callable[[mc.ModelConfig, LoadContext], Mod
         from sluice.runtime.backends import python
 
         return python.load
+    if backend == "tensorrt":
+        from sluice.runtime.backends import tensorrt
+
+        return tensorrt.load
     raise ConfigError(
-        f"backend '{backend}' is not available in this Sluice build; available: onnxruntime, python",
+        f"backend '{backend}' is not available in this Sluice build; available: onnxruntime, python, tensorrt",
         field="backend",
     )
 
@@ -268,6 +272,14 @@ def prepare(
         ctx = LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root, services)
         inputs, outputs = onnxrt.probe(onnxrt.model_path(config, ctx))
         warnings += model_config.complete_io(config, inputs, outputs)
+    if backend == "tensorrt":  # the engine's IO and profiles complete and check the config
+        from sluice.runtime.backends import tensorrt
+
+        last = LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root, services)
+        try:
+            warnings += tensorrt.complete_config(config, tensorrt.probe(tensorrt.model_path(config, last)))
+        except ConfigError as exc:
+            raise ConfigError(exc.detail, file=exc.file or loaded.source, field=exc.field) from None
     if backend == "python":  # TritonPythonModel.auto_complete_config, before validation
         from sluice.runtime.backends import python
 

@@ -3,15 +3,21 @@
 Instances of kind GPU (or AUTO on a machine with CUDA) use the CUDA execution provider, with
 TensorRT first when ``parameters { key: "execution_accelerator" value { string_value: "tensorrt" } }``
 or an ``optimization.execution_accelerators.gpu_execution_accelerator`` named ``tensorrt`` asks for
-it. Threads per session come from the config parameters ``intra_op_thread_count`` /
+it. Provider options come from the config as in Triton's onnxruntime backend (:func:`accelerators`:
+the accelerators' ``parameters``, and the deprecated CUDA keys in the model's ``parameters``), checked
+(an unknown key or a bad value is a ConfigError naming the field and what is allowed);
+``cpu_execution_accelerator`` ``openvino`` asks for the OpenVINO provider. A session on the GPU binds
+its IO (:func:`binding_for`): inputs from host arrays, outputs to device memory, copied back in one
+step. Threads per session come from the config parameters ``intra_op_thread_count`` /
 ``inter_op_thread_count`` (Triton's names); Sluice defaults to one intra-op thread per instance
 so instances, not threads, carry the parallelism and nothing spins against the event loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,15 +110,202 @@ def _int_param(config: mc.ModelConfig, key: str, default: int) -> int:
     return value
 
 
-def _wants_tensorrt(config: mc.ModelConfig) -> bool:
-    if (_param(config, "execution_accelerator") or "").lower() == "tensorrt":
-        return True
-    accelerators = config.optimization.execution_accelerators.gpu_execution_accelerator
-    return any(a.name.lower() == "tensorrt" for a in accelerators)
+# -- execution providers and their options (pure) ------------------------------------------------------
+
+ProviderOptions = dict[str, str]
+Provider = tuple[str, ProviderOptions]
+
+GPU_ACCELERATORS = ("tensorrt", "cuda")
+"""Names of ``optimization.execution_accelerators.gpu_execution_accelerator`` (Triton's onnxruntime backend)."""
+CPU_ACCELERATORS = ("openvino",)
+"""Names of ``optimization.execution_accelerators.cpu_execution_accelerator``."""
+
+_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
-def providers_for(kind: int, device_id: int, config: mc.ModelConfig, available: Sequence[str]) -> list[Any]:
-    """Execution providers for an instance kind, given what this onnxruntime build offers (pure)."""
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    """One provider option: its ONNX Runtime key, the kind of value and, for choices, the values."""
+
+    ort_key: str
+    kind: str  # "bool", "int", "uint" (>= 0), "string" or "choice"
+    choices: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """For kind "choice": accepted value (any case) -> the value ONNX Runtime is given."""
+
+    def allowed(self) -> str:
+        if self.kind == "bool":
+            return '"1"/"true" or "0"/"false"'
+        if self.kind == "choice":
+            return ", ".join(repr(c) for c in dict.fromkeys(self.choices))
+        return {"int": "an integer", "uint": "an integer >= 0", "string": "a string"}[self.kind]
+
+    def parse(self, raw: str) -> str | None:
+        """The value for ONNX Runtime, None when ``raw`` is not allowed."""
+        value = raw.strip()
+        if self.kind == "bool":
+            return "1" if value.lower() in _TRUE else "0" if value.lower() in _FALSE else None
+        if self.kind in ("int", "uint"):
+            try:
+                number = int(value)
+            except ValueError:
+                return None
+            return None if self.kind == "uint" and number < 0 else str(number)
+        if self.kind == "choice":
+            return {key.lower(): ort for key, ort in self.choices.items()}.get(value.lower())
+        return value
+
+
+def _options(table: Mapping[str, tuple[str, str]]) -> dict[str, _Option]:
+    return {key: _Option(ort_key, kind) for key, (ort_key, kind) in table.items()}
+
+
+TENSORRT_OPTIONS: dict[str, _Option] = {
+    "precision_mode": _Option("precision_mode", "choice", {"FP32": "FP32", "FP16": "FP16", "INT8": "INT8"}),
+    **_options({
+        "max_workspace_size_bytes": ("trt_max_workspace_size", "uint"),
+        "trt_max_partition_iterations": ("trt_max_partition_iterations", "uint"),
+        "trt_min_subgraph_size": ("trt_min_subgraph_size", "uint"),
+        "int8_calibration_table_name": ("trt_int8_calibration_table_name", "string"),
+        "int8_use_native_calibration_table": ("trt_int8_use_native_calibration_table", "bool"),
+        "trt_dla_enable": ("trt_dla_enable", "bool"),
+        "trt_dla_core": ("trt_dla_core", "uint"),
+        "trt_engine_cache_enable": ("trt_engine_cache_enable", "bool"),
+        "trt_engine_cache_path": ("trt_engine_cache_path", "string"),
+        "trt_engine_cache_prefix": ("trt_engine_cache_prefix", "string"),
+        "trt_dump_subgraphs": ("trt_dump_subgraphs", "bool"),
+        "trt_force_sequential_engine_build": ("trt_force_sequential_engine_build", "bool"),
+        "trt_context_memory_sharing_enable": ("trt_context_memory_sharing_enable", "bool"),
+        "trt_layer_norm_fp32_fallback": ("trt_layer_norm_fp32_fallback", "bool"),
+        "trt_timing_cache_enable": ("trt_timing_cache_enable", "bool"),
+        "trt_timing_cache_path": ("trt_timing_cache_path", "string"),
+        "trt_force_timing_cache": ("trt_force_timing_cache", "bool"),
+        "trt_detailed_build_log": ("trt_detailed_build_log", "bool"),
+        "trt_build_heuristics_enable": ("trt_build_heuristics_enable", "bool"),
+        "trt_sparsity_enable": ("trt_sparsity_enable", "bool"),
+        "trt_builder_optimization_level": ("trt_builder_optimization_level", "uint"),
+        "trt_auxiliary_streams": ("trt_auxiliary_streams", "int"),
+        "trt_tactic_sources": ("trt_tactic_sources", "string"),
+        "trt_extra_plugin_lib_paths": ("trt_extra_plugin_lib_paths", "string"),
+        "trt_profile_min_shapes": ("trt_profile_min_shapes", "string"),
+        "trt_profile_max_shapes": ("trt_profile_max_shapes", "string"),
+        "trt_profile_opt_shapes": ("trt_profile_opt_shapes", "string"),
+        "trt_cuda_graph_enable": ("trt_cuda_graph_enable", "bool"),
+        "trt_dump_ep_context_model": ("trt_dump_ep_context_model", "bool"),
+        "trt_ep_context_file_path": ("trt_ep_context_file_path", "string"),
+        "trt_ep_context_embed_mode": ("trt_ep_context_embed_mode", "uint"),
+    }),
+}  # fmt: skip
+"""Triton's TensorRT-accelerator keys (onnxruntime_backend README) -> TensorRT execution provider options."""
+
+CUDA_OPTIONS: dict[str, _Option] = {
+    "cudnn_conv_algo_search": _Option(
+        "cudnn_conv_algo_search",
+        "choice",
+        {"0": "EXHAUSTIVE", "1": "HEURISTIC", "2": "DEFAULT", "EXHAUSTIVE": "EXHAUSTIVE", "HEURISTIC": "HEURISTIC",
+         "DEFAULT": "DEFAULT"},
+    ),
+    "arena_extend_strategy": _Option(
+        "arena_extend_strategy",
+        "choice",
+        {"0": "kNextPowerOfTwo", "1": "kSameAsRequested", "kNextPowerOfTwo": "kNextPowerOfTwo",
+         "kSameAsRequested": "kSameAsRequested"},
+    ),
+    **_options({
+        "gpu_mem_limit": ("gpu_mem_limit", "uint"),
+        "do_copy_in_default_stream": ("do_copy_in_default_stream", "bool"),
+        "cudnn_conv_use_max_workspace": ("cudnn_conv_use_max_workspace", "bool"),
+        "cudnn_conv1d_pad_to_nc1d": ("cudnn_conv1d_pad_to_nc1d", "bool"),
+        "enable_cuda_graph": ("enable_cuda_graph", "bool"),
+        "use_ep_level_unified_stream": ("use_ep_level_unified_stream", "bool"),
+        "use_tf32": ("use_tf32", "bool"),
+        "prefer_nhwc": ("prefer_nhwc", "bool"),
+        "enable_skip_layer_norm_strict_mode": ("enable_skip_layer_norm_strict_mode", "bool"),
+        "tunable_op_enable": ("tunable_op_enable", "bool"),
+        "tunable_op_tuning_enable": ("tunable_op_tuning_enable", "bool"),
+        "tunable_op_max_tuning_duration_ms": ("tunable_op_max_tuning_duration_ms", "uint"),
+    }),
+}  # fmt: skip
+"""CUDA execution provider options, under their ONNX Runtime names (Triton passes them through)."""
+
+DEPRECATED_CUDA_PARAMETERS = (
+    "cudnn_conv_algo_search",
+    "gpu_mem_limit",
+    "arena_extend_strategy",
+    "do_copy_in_default_stream",
+)
+"""CUDA options Triton also reads from the model's ``parameters`` (deprecated there; the accelerator wins)."""
+
+
+def _parsed(table: Mapping[str, _Option], key: str, raw: str, field: str, what: str) -> tuple[str, str]:
+    option = table.get(key)
+    if option is None:
+        raise ConfigError(f"unknown {what} option {key!r}; allowed: {', '.join(table)}", field=field)
+    value = option.parse(raw)
+    if value is None:
+        raise ConfigError(f"{key} is {raw!r}; allowed: {option.allowed()}", field=field)
+    return option.ort_key, value
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerators:
+    """What the config asks of the execution providers, checked (see :func:`accelerators`)."""
+
+    tensorrt: ProviderOptions | None
+    """TensorRT execution provider options; None: TensorRT not asked for."""
+    cuda: ProviderOptions
+    openvino: bool
+
+
+def accelerators(config: mc.ModelConfig) -> Accelerators:
+    """Read and check ``optimization.execution_accelerators`` and the deprecated CUDA ``parameters`` (pure).
+
+    An unknown accelerator or option name, or a value outside what the option takes, is a ConfigError
+    naming the field and what is allowed."""
+    where = "optimization.execution_accelerators"
+    cuda: ProviderOptions = {}
+    for key in DEPRECATED_CUDA_PARAMETERS:
+        raw = _param(config, key)
+        if raw is not None:
+            ort_key, value = _parsed(CUDA_OPTIONS, key, raw, f"parameters[{key}]", "CUDA")
+            cuda[ort_key] = value
+    by_parameter = (_param(config, "execution_accelerator") or "").lower() == "tensorrt"  # Sluice's older switch
+    tensorrt: ProviderOptions | None = {} if by_parameter else None
+    for index, accelerator in enumerate(config.optimization.execution_accelerators.gpu_execution_accelerator):
+        field = f"{where}.gpu_execution_accelerator[{index}]"
+        name = accelerator.name.lower()
+        if name not in GPU_ACCELERATORS:
+            raise ConfigError(
+                f"unknown GPU execution accelerator {accelerator.name!r}; allowed: {', '.join(GPU_ACCELERATORS)}",
+                field=f"{field}.name",
+            )
+        table, target = (TENSORRT_OPTIONS, "TensorRT") if name == "tensorrt" else (CUDA_OPTIONS, "CUDA")
+        options: ProviderOptions = {}
+        for key, raw in sorted(accelerator.parameters.items()):
+            ort_key, value = _parsed(table, key, raw, f"{field}.parameters[{key}]", target)
+            if ort_key == "precision_mode":  # Triton's one key for two TensorRT EP flags
+                options.update({"FP16": {"trt_fp16_enable": "1"}, "INT8": {"trt_int8_enable": "1"}}.get(value, {}))
+            else:
+                options[ort_key] = value
+        if name == "tensorrt":
+            tensorrt = {**(tensorrt or {}), **options}
+        else:
+            cuda.update(options)
+    openvino = False
+    for index, accelerator in enumerate(config.optimization.execution_accelerators.cpu_execution_accelerator):
+        if accelerator.name.lower() not in CPU_ACCELERATORS:
+            raise ConfigError(
+                f"unknown CPU execution accelerator {accelerator.name!r}; allowed: {', '.join(CPU_ACCELERATORS)}",
+                field=f"{where}.cpu_execution_accelerator[{index}].name",
+            )
+        openvino = True
+    return Accelerators(tensorrt, cuda, openvino)
+
+
+def providers_for(kind: int, device_id: int, config: mc.ModelConfig, available: Sequence[str]) -> list[Provider]:
+    """Execution providers, each with its options, for an instance kind given what this onnxruntime
+    build offers (pure). The config's accelerators are checked whatever the kind, so a bad option
+    fails its load on a CPU-only machine too."""
+    asked = accelerators(config)
     gpu_ok = "CUDAExecutionProvider" in available
     if kind == mc.ModelInstanceGroup.KIND_GPU and not gpu_ok:
         raise Unavailable(
@@ -120,17 +313,52 @@ def providers_for(kind: int, device_id: int, config: mc.ModelConfig, available: 
             f"(this build offers {', '.join(available)}); install the 'gpu' extra or use KIND_CPU"
         )
     if kind in (mc.ModelInstanceGroup.KIND_GPU, mc.ModelInstanceGroup.KIND_AUTO) and gpu_ok:
-        providers: list[Any] = []
-        if _wants_tensorrt(config) and "TensorrtExecutionProvider" in available:
-            providers.append(("TensorrtExecutionProvider", {"device_id": device_id}))
-        providers.append(("CUDAExecutionProvider", {"device_id": device_id}))
-        providers.append("CPUExecutionProvider")
+        device = {"device_id": str(device_id)}
+        providers: list[Provider] = []
+        if asked.tensorrt is not None and "TensorrtExecutionProvider" in available:
+            providers.append(("TensorrtExecutionProvider", {**device, **asked.tensorrt}))
+        providers.append(("CUDAExecutionProvider", {**device, **asked.cuda}))
+        providers.append(("CPUExecutionProvider", {}))
         return providers
-    return ["CPUExecutionProvider"]
+    if asked.openvino:
+        if "OpenVINOExecutionProvider" not in available:
+            raise Unavailable(
+                "cpu_execution_accelerator 'openvino' needs onnxruntime with the OpenVINO execution provider "
+                f"(this build offers {', '.join(available)}); install onnxruntime-openvino or remove the accelerator"
+            )
+        return [("OpenVINOExecutionProvider", {}), ("CPUExecutionProvider", {})]
+    return [("CPUExecutionProvider", {})]
+
+
+@dataclasses.dataclass(frozen=True)
+class Binding:
+    """IO binding of a GPU session: inputs are bound from host arrays (ONNX Runtime copies them to
+    the device once), outputs to memory on ``device`` (ONNX Runtime allocates it), copied back after
+    the run in one step."""
+
+    device: str
+    device_id: int
+
+
+def binding_for(providers: Sequence[Provider], config: mc.ModelConfig, datatypes: Iterable[str]) -> Binding | None:
+    """Whether and where to bind IO (pure): on a session whose first provider runs on the GPU, outputs
+    to device memory (``"cuda"``), unless ``parameters { key: "io_binding" value { string_value: "off" } }``
+    or a BYTES tensor (strings live on the host) is among the model's ``datatypes``; None: plain ``run``."""
+    raw = (_param(config, "io_binding") or "on").lower()
+    if raw not in ("on", "off"):
+        raise ConfigError(f"must be 'on' or 'off', got {raw!r}", field="parameters[io_binding]")
+    name, options = providers[0]
+    if raw == "off" or name not in ("CUDAExecutionProvider", "TensorrtExecutionProvider"):
+        return None
+    if "BYTES" in set(datatypes):
+        return None
+    return Binding("cuda", int(options.get("device_id", "0")))
 
 
 class OnnxInstance(ModelInstance):
-    def __init__(self, session: Any, config: mc.ModelConfig, model_label: str) -> None:
+    def __init__(
+        self, session: Any, config: mc.ModelConfig, model_label: str, providers: Sequence[Provider] = ()
+    ) -> None:
         self._session = session
         self._label = model_label
         self._batched = config.max_batch_size > 0
@@ -151,6 +379,22 @@ class OnnxInstance(ModelInstance):
             self._datatypes[state.output_name] = DATATYPE_BY_CONFIG_TYPE[mc.DataType.Name(state.data_type)]
             if state.data_type == mc.TYPE_STRING:
                 self._string_inputs.add(state.input_name)
+        datatypes = [
+            *self._datatypes.values(),
+            *(DATATYPE_BY_CONFIG_TYPE[mc.DataType.Name(i.data_type)] for i in config.input),
+        ]
+        self._binding = binding_for(providers, config, datatypes) if providers else None
+
+    def _run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if self._binding is None:
+            return list(self._session.run(self._outputs, feeds))
+        binding = self._session.io_binding()
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(array))
+        for name in self._outputs:
+            binding.bind_output(name, self._binding.device, self._binding.device_id)
+        self._session.run_with_iobinding(binding)
+        return list(binding.copy_outputs_to_cpu())
 
     def execute(self, requests: Sequence[InferRequest]) -> list[Result]:
         # The three parts are timed for every batch: the statistics' compute_input/output (last_phases_ns),
@@ -162,7 +406,7 @@ class OnnxInstance(ModelInstance):
         inputs_done = time.monotonic_ns()
         self.last_phases_ns = (inputs_done - start, 0)
         try:
-            arrays = self._session.run(self._outputs, feeds)
+            arrays = self._run(feeds)
         except Exception as exc:
             error = ModelError(f"onnxruntime failed to run model '{self._label}': {type(exc).__name__}: {exc}")
             if "INVALID_ARGUMENT" in str(exc):
@@ -206,7 +450,7 @@ class OnnxBackend(ModelBackend):
             session = ort.InferenceSession(str(self._path), options, providers=providers)
         except Exception as exc:
             raise ConfigError(f"ONNX Runtime cannot load the model: {exc}", file=str(self._path)) from exc
-        return OnnxInstance(session, self.config, f"{self._ctx.model_name}:{self._ctx.version}")
+        return OnnxInstance(session, self.config, f"{self._ctx.model_name}:{self._ctx.version}", providers)
 
 
 def load(config: mc.ModelConfig, ctx: LoadContext) -> OnnxBackend:

@@ -658,7 +658,9 @@ WARNINGS = [
         ["sequence_batching.direct.minimum_slot_utilization: Direct dispatches as soon as an instance is free"],
     ),
     ('model_warmup [ { name: "w" batch_size: 1 } ]', ["model_warmup: not implemented yet; the model is not warmed up"]),
-    ("optimization { priority: PRIORITY_MAX }", ["optimization: "]),
+    ("optimization { priority: PRIORITY_MAX }", ["optimization.priority: not implemented yet"]),
+    ("optimization { execution_accelerators { gpu_execution_accelerator [ { name: 'cuda' } ] } }", []),  # implemented
+    ('instance_group [ { kind: KIND_GPU profile: [ "0", "1" ] } ]', []),  # implemented (tensorrt)
     ('input [ { name: "a" data_type: TYPE_FP32 dims: [ 1 ] format: FORMAT_NCHW } ]', ["input[0].format: ignored"]),
     (
         'input [ { name: "a" data_type: TYPE_INT32 dims: [ 1 ] },'
@@ -723,7 +725,7 @@ def test_every_top_level_field_is_implemented_or_in_the_table() -> None:
     # ensemble_scheduling and sequence_batching share a oneof with dynamic_batching: FULL_PBTXT cannot hold them.
     implemented = {fd.name for fd, _ in config.ListFields()}
     implemented |= {"backend", "default_model_filename", "ensemble_scheduling", "model_transaction_policy",
-                    "sequence_batching"}
+                    "sequence_batching", "optimization"}  # optimization: execution_accelerators (onnxrt.py)
     for fd in mc.ModelConfig.DESCRIPTOR.fields:
         assert (
             fd.name in implemented

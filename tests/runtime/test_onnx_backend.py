@@ -18,6 +18,7 @@ CPU = ["CPUExecutionProvider"]
 CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
 TRT = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
 K = mc.ModelInstanceGroup
+CPU_EP = ("CPUExecutionProvider", {})
 
 
 def cfg(text: str = "") -> mc.ModelConfig:
@@ -27,18 +28,18 @@ def cfg(text: str = "") -> mc.ModelConfig:
 @pytest.mark.parametrize(
     ("kind", "available", "config", "expected"),
     [
-        (K.KIND_CPU, CUDA, "", ["CPUExecutionProvider"]),
-        (K.KIND_AUTO, CPU, "", ["CPUExecutionProvider"]),
-        (K.KIND_AUTO, CUDA, "", [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]),
-        (K.KIND_GPU, CUDA, "", [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]),
+        (K.KIND_CPU, CUDA, "", [CPU_EP]),
+        (K.KIND_AUTO, CPU, "", [CPU_EP]),
+        (K.KIND_AUTO, CUDA, "", [("CUDAExecutionProvider", {"device_id": "1"}), CPU_EP]),
+        (K.KIND_GPU, CUDA, "", [("CUDAExecutionProvider", {"device_id": "1"}), CPU_EP]),
         (
             K.KIND_GPU,
             TRT,
             'parameters { key: "execution_accelerator" value { string_value: "tensorrt" } }',
             [
-                ("TensorrtExecutionProvider", {"device_id": 1}),
-                ("CUDAExecutionProvider", {"device_id": 1}),
-                "CPUExecutionProvider",
+                ("TensorrtExecutionProvider", {"device_id": "1"}),
+                ("CUDAExecutionProvider", {"device_id": "1"}),
+                CPU_EP,
             ],
         ),
         (
@@ -46,9 +47,9 @@ def cfg(text: str = "") -> mc.ModelConfig:
             TRT,
             "optimization { execution_accelerators { gpu_execution_accelerator { name: 'tensorrt' } } }",
             [
-                ("TensorrtExecutionProvider", {"device_id": 1}),
-                ("CUDAExecutionProvider", {"device_id": 1}),
-                "CPUExecutionProvider",
+                ("TensorrtExecutionProvider", {"device_id": "1"}),
+                ("CUDAExecutionProvider", {"device_id": "1"}),
+                CPU_EP,
             ],
         ),
         # TensorRT asked for but not in this build: CUDA alone
@@ -56,7 +57,7 @@ def cfg(text: str = "") -> mc.ModelConfig:
             K.KIND_GPU,
             CUDA,
             'parameters { key: "execution_accelerator" value { string_value: "tensorrt" } }',
-            [("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"],
+            [("CUDAExecutionProvider", {"device_id": "1"}), CPU_EP],
         ),
     ],
 )
