@@ -80,9 +80,7 @@ def protocol_workers_problem(value: object) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int):
         return f"must be an integer from 0 to {MAX_PROTOCOL_WORKERS}, got {value!r}"
     if not 0 <= value <= MAX_PROTOCOL_WORKERS:
-        return (
-            f"must be from 0 (no workers: one process decodes every request) to {MAX_PROTOCOL_WORKERS}, got {value}"
-        )
+        return f"must be from 0 (no workers: one process decodes every request) to {MAX_PROTOCOL_WORKERS}, got {value}"
     return None
 
 
@@ -188,7 +186,7 @@ class EngineSide:
         self.stopped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._peer = requests_arena  # the worker's arena: large inputs, copied out on receipt
         self._arena = worker_wire.Arena(responses_arena)  # ours: large outputs, until the worker took them
-        self._cancels: dict[int, Callable[[], None]] = {}  # rid -> cancels that request
+        self._cancels: dict[int, Callable[[], object]] = {}  # rid -> cancels that request
         self._tasks: dict[int, asyncio.Task] = {}
         self._streams: dict[int, asyncio.Queue[bytes | None]] = {}
         self._handlers: dict[str, Callable[..., None]] = {
@@ -415,9 +413,7 @@ class WorkerPool:
         for index in range(self.count):
             await self._spawn(index)
         try:
-            await asyncio.wait_for(
-                asyncio.gather(*(w.side.ready for w in self._workers.values())), START_TIMEOUT_S
-            )
+            await asyncio.wait_for(asyncio.gather(*(w.side.ready for w in self._workers.values())), START_TIMEOUT_S)
         except (ConnectionError, TimeoutError) as exc:
             await self.stop(time.monotonic())
             raise RuntimeError(f"a protocol worker did not start: {exc or 'timed out'}; see its log above") from None
@@ -715,7 +711,7 @@ class _Raw:
     def __init__(self, payload: bytes) -> None:
         self.payload = payload
 
-    def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf method's name
+    def SerializeToString(self) -> bytes:
         return self.payload
 
 
@@ -790,7 +786,6 @@ async def _serve_worker(args: argparse.Namespace) -> int:
     plane = RemotePlane(_map(requests_fd, ARENA_BYTES), _map(responses_fd, ARENA_BYTES))
     started: asyncio.Future[tuple] = loop.create_future()
     stopping: asyncio.Future[float] = loop.create_future()
-    gone = asyncio.Event()
 
     def first(message: tuple) -> None:
         if message[0] == "start":
@@ -800,7 +795,8 @@ async def _serve_worker(args: argparse.Namespace) -> int:
 
     def lost() -> None:
         plane.lost()
-        gone.set()
+        if not stopping.done():
+            stopping.set_result(-1.0)  # the engine is gone
 
     link_sock = socket.socket(fileno=args.link_fd)
     _, link = await loop.create_unix_connection(lambda: Link(first, lost), sock=link_sock)
@@ -824,16 +820,14 @@ async def _serve_worker(args: argparse.Namespace) -> int:
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     link.send(("ready",))
-    stop_wait = loop.create_task(gone.wait())
-    await asyncio.wait([stopping, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-    if gone.is_set():
+    grace = await stopping
+    if grace < 0:
         return 0  # the engine is gone: nothing can be answered
-    deadline = time.monotonic() + stopping.result()
+    deadline = time.monotonic() + grace
     for listener in listeners:
         await listener.stop_listening()
     await asyncio.gather(*(listener.drain(deadline) for listener in listeners))
     link.close()
-    stop_wait.cancel()
     return 0
 
 

@@ -109,7 +109,13 @@ def test_request_and_outcome_round_trip_inline_and_through_the_arena() -> None:
     state = worker_wire.request_state(request, arena, refs)
     assert len(refs) == 1 and arena.used_bytes >= large.nbytes  # only the large tensor went to the arena
     back = worker_wire.request_from_state(worker_wire.pickle.loads(worker_wire.pickle.dumps(state)), memory)
-    assert (back.model_name, back.model_version, back.id, back.parameters, back.caller) == ("m", "2", "r1", {"priority": 1}, "svc")
+    assert (back.model_name, back.model_version, back.id, back.parameters, back.caller) == (
+        "m",
+        "2",
+        "r1",
+        {"priority": 1},
+        "svc",
+    )
     np.testing.assert_array_equal(back.inputs[0].data, large)
     assert list(back.inputs[2].data) == [b"a", b"bc"] and back.inputs[2].parameters == {"p": 1}
     assert back.outputs is not None and (back.outputs[0].name, back.outputs[0].binary) == ("out", True)
@@ -261,6 +267,10 @@ def test_metadata_ready_config_stats_identical_to_single_process(servers: tuple[
         assert with_workers == single
 
 
+def _json_input(name: str, datatype: str, size: int) -> dict[str, Any]:
+    return {"name": name, "datatype": datatype, "shape": [size], "data": [0] * size}
+
+
 def _post(address: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection(address, timeout=30)
     try:
@@ -275,9 +285,9 @@ def _post(address: str, path: str, body: bytes, headers: dict[str, str] | None =
     ("path", "body"),
     [
         ("/v2/models/nope/infer", {"inputs": []}),
-        ("/v2/models/add_sub/infer", {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [16], "data": [0] * 16}]}),
-        ("/v2/models/add_sub/infer", {"inputs": [{"name": "INPUT0", "datatype": "INT8", "shape": [16], "data": [0] * 16}, {"name": "INPUT1", "datatype": "FP32", "shape": [16], "data": [0] * 16}]}),
-        ("/v2/models/add_sub/infer", {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [4], "data": [0] * 4}, {"name": "INPUT1", "datatype": "FP32", "shape": [16], "data": [0] * 16}]}),
+        ("/v2/models/add_sub/infer", {"inputs": [_json_input("INPUT0", "FP32", 16)]}),
+        ("/v2/models/add_sub/infer", {"inputs": [_json_input("INPUT0", "INT8", 16), _json_input("INPUT1", "FP32", 8)]}),
+        ("/v2/models/add_sub/infer", {"inputs": [_json_input("INPUT0", "FP32", 4), _json_input("INPUT1", "FP32", 16)]}),
         ("/v2/models/add_sub/infer", "{not json"),
         ("/v2/models/add_sub/versions/x/infer", {"inputs": []}),
         ("/v2/repository/models/mlp/load", {}),
@@ -524,9 +534,7 @@ def test_sigterm_drains_in_flight_requests_then_stops(cli: tuple[Cli, Path]) -> 
     server, gate_dir = cli
     answer: list[tuple[int, bytes]] = []
     body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [4], "data": [1, 2, 3, 4]}]})
-    sender = threading.Thread(
-        target=lambda: answer.append(_post(server.http, "/v2/models/held/infer", body.encode()))
-    )
+    sender = threading.Thread(target=lambda: answer.append(_post(server.http, "/v2/models/held/infer", body.encode())))
     sender.start()
     _wait_for(lambda: (gate_dir / "entered").exists(), "the request running in the model")
     server.proc.send_signal(signal.SIGTERM)
@@ -542,7 +550,8 @@ def test_sigterm_drains_in_flight_requests_then_stops(cli: tuple[Cli, Path]) -> 
 
 def test_bad_protocol_workers_value_is_refused(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "sluice.runtime", "serve", "--model-repository", str(tmp_path), "--protocol-workers", "65"],
+        [sys.executable, "-m", "sluice.runtime", "serve", "--model-repository", str(tmp_path),
+         "--protocol-workers", "65"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2
