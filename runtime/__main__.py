@@ -187,6 +187,14 @@ def _parser() -> argparse.ArgumentParser:
         help="gRPC front end: h2 (Sluice's own HTTP/2 server, default) or grpcio (grpc.aio fallback)",
     )
     serve.add_argument(
+        "--protocol-workers",
+        type=_protocol_workers,
+        default=defaults.protocol_workers,
+        metavar="N",
+        help="protocol worker processes that accept connections and decode requests, sending them to this "
+        "process's batchers (0 to 64; 0: one process does everything, for small pods; see docs/frontend-workers.md)",
+    )
+    serve.add_argument(
         "--split-file",
         type=Path,
         default=defaults.split_file,
@@ -294,6 +302,19 @@ def _parser() -> argparse.ArgumentParser:
     _pull_parser(sub)
     _tune_parser(sub)
     return parser
+
+
+def _protocol_workers(value: str) -> int:
+    from sluice.runtime.frontend_workers import protocol_workers_problem
+
+    try:
+        count: object = int(value)
+    except ValueError:
+        count = value
+    problem = protocol_workers_problem(count)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return int(value)
 
 
 def _positive_ints(value: str) -> tuple[int, ...]:
@@ -510,6 +531,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         duplicate_window_s=args.duplicate_window_s,
         tracing=parse_trace_config(args.trace_config),
         log=log_settings_from_args(args),
+        protocol_workers=args.protocol_workers,
     )
 
 

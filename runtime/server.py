@@ -18,12 +18,13 @@ import dataclasses
 import errno
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 
 import grpc
 
-from sluice.runtime import cudart, logs, names, pull, shm, tracing
+from sluice.runtime import cudart, frontend_workers, logs, names, pull, shm, tracing
 from sluice.runtime.backends.base import BackendServices
 from sluice.runtime.backends.triton_python_backend_utils import MetricRegistry
 from sluice.runtime.batching import Clock
@@ -130,6 +131,9 @@ class Server:
         self._grpc_unix: tuple[Path, int] | None = None  # the grpcio server's socket file: (path, inode)
         self._stopped = asyncio.Event()
         self._drain_cut = asyncio.Event()
+        self.workers: frontend_workers.WorkerPool | None = None
+        """The protocol workers (``--protocol-workers`` >= 1), which accept on ``_worker_sockets``."""
+        self._worker_sockets: dict[str, socket.socket] = {}
 
     async def start(self) -> Ports:
         loop = asyncio.get_running_loop()
@@ -159,8 +163,15 @@ class Server:
             self.tracing.start()
         except RuntimeError as exc:
             raise StartupError(f"--trace-config: {exc}") from None
+        problem = frontend_workers.protocol_workers_problem(settings.protocol_workers)
+        if problem is not None:
+            raise StartupError(f"--protocol-workers {problem}")
+        if settings.protocol_workers and settings.grpc_server != "h2" and settings.grpc_port >= 0:
+            raise StartupError("--protocol-workers needs --grpc-server h2 (the grpcio server runs in one process)")
         try:
             await self._listen(loop)
+            if settings.protocol_workers:
+                await self._start_workers()
         except BaseException:
             await self._close_listeners()
             raise
@@ -234,14 +245,18 @@ class Server:
         try:
             if settings.http_port >= 0 or settings.http_uds is not None:
                 self._http = HttpServer(V2Routes(self.dataplane, settings.limits), settings.limits, loop)
-                if settings.http_port >= 0:
+                if settings.http_port >= 0 and settings.protocol_workers:
+                    self.ports.http = self._worker_socket("http", settings.host, settings.http_port)
+                elif settings.http_port >= 0:
                     self.ports.http = await self._http.start(settings.host, settings.http_port)
                 if settings.http_uds is not None:
                     await _start_unix(self._http, settings.http_uds, "--http-uds")
             if settings.grpc_port >= 0 or settings.grpc_uds is not None:
                 if settings.grpc_server == "h2":
                     self._grpc_h2 = GrpcServer(self.dataplane, settings.limits, loop)
-                    if settings.grpc_port >= 0:
+                    if settings.grpc_port >= 0 and settings.protocol_workers:
+                        self.ports.grpc = self._worker_socket("grpc", settings.host, settings.grpc_port)
+                    elif settings.grpc_port >= 0:
                         self.ports.grpc = await self._grpc_h2.start(settings.host, settings.grpc_port)
                     if settings.grpc_uds is not None:
                         await _start_unix(self._grpc_h2, settings.grpc_uds, "--grpc-uds")
@@ -271,7 +286,47 @@ class Server:
                 ) from exc
             raise StartupError(f"cannot listen on {settings.host} ({which}): {exc.strerror or exc}") from exc
 
+    def _worker_socket(self, kind: str, host: str, port: int) -> int:
+        """A listening socket the protocol workers accept on (made here: a port in use fails at once,
+        port 0 is picked once for all workers); the bound port."""
+        family, kind_, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind_, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(2048)
+        except BaseException:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        self._worker_sockets[kind] = sock
+        return int(sock.getsockname()[1])
+
+    async def _start_workers(self) -> None:
+        self.workers = frontend_workers.WorkerPool(
+            self.settings.protocol_workers,
+            self.settings,
+            self.dataplane,
+            None if self._http is None else self._http.route,  # type: ignore[arg-type]
+            None if self._grpc_h2 is None else self._grpc_h2.service,
+        )
+        try:
+            await self.workers.start(self._worker_sockets)
+        except RuntimeError as exc:
+            raise StartupError(f"--protocol-workers: {exc}") from None
+
+    async def _stop_workers(self, deadline: float) -> None:
+        if self.workers is not None:
+            await self.workers.stop(deadline)
+            self.workers = None
+        for sock in self._worker_sockets.values():
+            sock.close()
+        self._worker_sockets.clear()
+
     async def _close_listeners(self) -> None:
+        await self._stop_workers(time.monotonic())
         for listener in (self._http, self._grpc_h2, self._metrics_http):
             if listener is not None:
                 await listener.stop_listening()
@@ -317,6 +372,8 @@ class Server:
                 pass
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
         deadline = time.monotonic() + grace
+        # Protocol workers stop accepting and finish their requests; the engine serves them meanwhile.
+        await self._stop_workers(deadline)
         if self._http is not None:
             await self._http.stop_listening()
         if self._grpc_h2 is not None:

@@ -218,3 +218,8 @@ class ServerSettings:
     """OpenTelemetry traces of sampled requests (tracing.py); off unless a trace level is set."""
     log: LogSettings = dataclasses.field(default_factory=LogSettings)
     """The log settings in force at start (``--log-level``, ``--log-verbose``, ``--log-format``)."""
+    protocol_workers: int = 0
+    """Protocol worker processes (``--protocol-workers``, 0 to 64): with N >= 1 this process runs the
+    data plane and N workers accept the HTTP and gRPC connections, decode requests and send them
+    here (frontend_workers.py), so decoding uses N cores and batches still form across every
+    connection. 0: this one process does everything (small pods)."""

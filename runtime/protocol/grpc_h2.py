@@ -1272,11 +1272,15 @@ class GrpcConnection(asyncio.Protocol):
 class GrpcServer(Listener):
     """The listening socket, its connections, and the routes of GRPCInferenceService."""
 
-    def __init__(self, dataplane: DataPlane, limits: Limits, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, dataplane: DataPlane, limits: Limits, loop: asyncio.AbstractEventLoop, service: Service | None = None
+    ) -> None:
+        """``service``: the method table to serve (a protocol worker's forwards most methods to the
+        engine); None: ``Service(dataplane, limits)``."""
         super().__init__(loop)
         self.dataplane = dataplane
         self.limits = limits
-        self.service = Service(dataplane, limits)
+        self.service = service if service is not None else Service(dataplane, limits)
         self.routes = {
             f"/{grpc_service.SERVICE.full_name}/{name}".encode(): _Route(method)
             for name, method in self.service.methods.items()

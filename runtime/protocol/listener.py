@@ -91,6 +91,13 @@ class Listener:
         self._start_sweeper()
         return server.sockets[0].getsockname()[1]
 
+    async def start_socket(self, sock: socket.socket) -> None:
+        """Accept on ``sock``, a listening socket made elsewhere (a protocol worker accepts on the
+        engine's sockets: frontend_workers.py)."""
+        server = await self.loop.create_server(self.make_connection, sock=sock, backlog=2048)
+        self._servers.append(server)
+        self._start_sweeper()
+
     async def start_unix(self, path: Path) -> None:
         """Listen on the Unix socket ``path`` as well (``unix_path_problem`` said it is usable)."""
         server = await self.loop.create_unix_server(self.make_connection, os.fspath(path), backlog=2048)

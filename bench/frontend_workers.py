@@ -1,0 +1,175 @@
+"""Throughput and CPU per inference versus the number of protocol workers (``--protocol-workers``).
+
+    python -P bench/frontend_workers.py [--workers 0,1,2,4] [--seconds 8] [--concurrency 64] [--connections 16]
+
+The model is one where the protocol binds: token ids in, embeddings out (``embed``: INT64 [16]
+token ids -> Gather from a 1000x64 embedding table -> a 64x64 dense layer with ReLU -> FP32 [16, 64];
+built with onnx.helper; no attention: a small encoder-style layer is enough to make the model cheap
+and the protocol the cost). For each worker count it starts ``sluice serve`` in a subprocess, loads it
+over gRPC from ``--connections`` connections with ``--concurrency`` requests in flight (tritonclient's
+asyncio client in this process; with SLUICE_PERF_ANALYZER=path, perf_analyzer instead), and reads
+the CPU time of the engine and of each worker from /proc before and after the measured window.
+Prints one row per worker count: inferences/s, engine CPU us per inference, total server CPU us per
+inference (engine + workers), mean batch size formed (from the model's statistics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+SEQ, VOCAB, DIM = 16, 1000, 64
+CONFIG = f"""
+name: "embed"
+platform: "onnxruntime_onnx"
+max_batch_size: 64
+input [ {{ name: "TOKENS", data_type: TYPE_INT64, dims: [ {SEQ} ] }} ]
+output [ {{ name: "EMBEDDINGS", data_type: TYPE_FP32, dims: [ {SEQ}, {DIM} ] }} ]
+dynamic_batching {{ max_queue_delay_microseconds: 500 }}
+instance_group [ {{ count: 1, kind: KIND_CPU }} ]
+"""
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def embed_model() -> bytes:
+    rng = np.random.default_rng(0)
+    table = numpy_helper.from_array(rng.standard_normal((VOCAB, DIM)).astype(np.float32), "table")
+    weight = numpy_helper.from_array((rng.standard_normal((DIM, DIM)) / 8).astype(np.float32), "weight")
+    bias = numpy_helper.from_array(np.zeros(DIM, np.float32), "bias")
+    nodes = [
+        helper.make_node("Gather", ["table", "TOKENS"], ["looked_up"]),
+        helper.make_node("MatMul", ["looked_up", "weight"], ["projected"]),
+        helper.make_node("Add", ["projected", "bias"], ["biased"]),
+        helper.make_node("Relu", ["biased"], ["EMBEDDINGS"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "embed",
+        [helper.make_tensor_value_info("TOKENS", TensorProto.INT64, ["batch", SEQ])],
+        [helper.make_tensor_value_info("EMBEDDINGS", TensorProto.FLOAT, ["batch", SEQ, DIM])],
+        [table, weight, bias],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def start(repo: Path, workers: int) -> tuple[subprocess.Popen, int, list[int]]:
+    cmd = [
+        sys.executable, "-P", "-m", "sluice.runtime", "serve", "--model-repository", str(repo), "--http-port", "0",
+        "--grpc-port", "0", "--metrics-port", "-1", "--protocol-workers", str(workers), "--log-level", "INFO",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo.parent)
+    assert proc.stdout is not None
+    pids: list[int] = []
+    for line in proc.stdout:
+        if "protocol worker(s) serving" in line:
+            pids = [int(p) for p in re.findall(r"\d+", line.split("pids")[1])]
+        if "sluice ready" in line:
+            port = int(re.search(r"gRPC \S+:(\d+)", line).group(1))  # type: ignore[union-attr]
+            return proc, port, pids
+    raise RuntimeError("the server did not start")
+
+
+async def load(port: int, seconds: float, concurrency: int, connections: int) -> int:
+    import tritonclient.grpc.aio as grpcclient
+
+    clients = [
+        grpcclient.InferenceServerClient(f"127.0.0.1:{port}", channel_args=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(connections)
+    ]
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (1, SEQ), dtype=np.int64)
+    tensor = grpcclient.InferInput("TOKENS", [1, SEQ], "INT64")
+    tensor.set_data_from_numpy(tokens)
+    done = 0
+    stop_at = 0.0
+
+    async def one(client: grpcclient.InferenceServerClient) -> None:
+        nonlocal done
+        while time.monotonic() < stop_at:
+            await client.infer("embed", [tensor])
+            done += 1
+
+    stop_at = time.monotonic() + seconds
+    await asyncio.gather(*(one(clients[i % connections]) for i in range(concurrency)))
+    for client in clients:
+        await client.close()
+    return done
+
+
+def perf_analyzer(binary: str, port: int, seconds: float, concurrency: int) -> float:
+    out = subprocess.run(
+        [binary, "-m", "embed", "-u", f"127.0.0.1:{port}", "-i", "grpc", "-b", "1",
+         "--concurrency-range", str(concurrency), "--measurement-interval", str(int(seconds * 1000))],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return float(re.findall(r"Throughput: ([\d.]+) infer/sec", out)[-1])
+
+
+def batch_mean(port: int) -> float:
+    import tritonclient.grpc as grpcclient
+
+    stats = grpcclient.InferenceServerClient(f"127.0.0.1:{port}").get_inference_statistics("embed", as_json=True)
+    model = stats["model_stats"][0]
+    return int(model["inference_count"]) / max(int(model["execution_count"]), 1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", default="0,1,2,4")
+    p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--warmup", type=float, default=2.0)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--connections", type=int, default=16)
+    args = p.parse_args()
+    repo = Path(tempfile.mkdtemp()) / "repo"
+    (repo / "embed" / "1").mkdir(parents=True)
+    (repo / "embed" / "config.pbtxt").write_text(CONFIG)
+    (repo / "embed" / "1" / "model.onnx").write_bytes(embed_model())
+    onnx.checker.check_model(onnx.load(str(repo / "embed" / "1" / "model.onnx")))
+    analyzer = os.environ.get("SLUICE_PERF_ANALYZER")
+    print(f"cpus {os.cpu_count()}, load: {'perf_analyzer' if analyzer else 'tritonclient grpc.aio'}, "
+          f"c{args.concurrency} over {args.connections} connection(s), {args.seconds:g} s per point")  # fmt: skip
+    print(f"{'workers':>7} {'infer/s':>9} {'engine us/inf':>14} {'total us/inf':>13} {'mean batch':>11}")
+    for workers in (int(w) for w in args.workers.split(",")):
+        proc, port, pids = start(repo, workers)
+        try:
+            if args.warmup:
+                asyncio.run(load(port, args.warmup, args.concurrency, args.connections))
+            before = [cpu_s(pid) for pid in (proc.pid, *pids)]
+            started = time.monotonic()
+            if analyzer:
+                rate = perf_analyzer(analyzer, port, args.seconds, args.concurrency)
+                elapsed = time.monotonic() - started
+                count = rate * elapsed
+            else:
+                count = asyncio.run(load(port, args.seconds, args.concurrency, args.connections))
+                elapsed = time.monotonic() - started
+                rate = count / elapsed
+            after = [cpu_s(pid) for pid in (proc.pid, *pids)]
+            engine = (after[0] - before[0]) / count * 1e6
+            total = (sum(after) - sum(before)) / count * 1e6
+            print(f"{workers:>7} {rate:>9.0f} {engine:>14.1f} {total:>13.1f} {batch_mean(port):>11.1f}", flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,857 @@
+"""Protocol worker processes (``sluice serve --protocol-workers N``): a front end that uses every core.
+
+The main process, the *engine*, loads the repository and runs the data plane (schedulers and
+batchers, response cache, statistics, metrics, model control) as in single-process mode. It also
+creates the HTTP and gRPC listening sockets and hands them to N worker processes
+(:class:`WorkerPool`), each running the ordinary HTTP and gRPC front ends on them: the kernel gives
+each new connection to whichever worker accepts first. A worker decodes inference requests itself
+(the CPU that binds one process) and sends each to the engine over its own socketpair
+(:class:`Link`, messages of worker_wire.py), so requests from every connection meet in the engine's
+one batcher per model. Responses come back the same way and the worker encodes them.
+
+Everything else a worker receives it forwards whole to the engine, which answers it with its own
+front ends' routes (:class:`EngineSide`): HTTP requests other than JSON/binary inference (health,
+metadata, config, statistics, repository, shared memory, trace, logging, and raw binary inference),
+and every gRPC method but ``ModelInfer`` (``ModelStreamInfer`` included, message by message). The
+answers are therefore those of single-process mode by construction.
+
+A client that goes away, or a gRPC deadline, cancels the request in the engine (a ``cancel``
+message). SIGTERM: the engine drains as before, then tells the workers to stop; each stops accepting,
+lets its in-flight requests finish and exits, and then the engine stops. A worker that dies is
+restarted (logged). Workers die with the engine: ``PR_SET_PDEATHSIG``, and a worker exits when its
+link closes.
+
+Called by server.py (the engine side) and run as ``python -m sluice.runtime.frontend_workers`` (the
+worker side; started only by :class:`WorkerPool`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import dataclasses
+import gc
+import itertools
+import logging
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, cast
+
+from sluice.runtime import tracing, worker_wire
+from sluice.runtime.dataplane import DataPlane
+from sluice.runtime.errors import Internal, SluiceError
+from sluice.runtime.protocol import grpc_service
+from sluice.runtime.protocol.grpc_h2 import GrpcServer
+from sluice.runtime.protocol.grpc_service import Call, Method, Service
+from sluice.runtime.protocol.http import (
+    DEFERRED,
+    Connection,
+    HttpServer,
+    Request,
+    Response,
+    V2Routes,
+    _model_path,
+    error_response,
+    json_response,
+)
+from sluice.runtime.settings import ServerSettings
+from sluice.runtime.types import CancelToken, InferRequest, InferResponse
+
+log = logging.getLogger("sluice.runtime.workers")
+
+MAX_PROTOCOL_WORKERS = 64
+ARENA_BYTES = 32 * 1024 * 1024
+"""Each worker has two shared-memory arenas of this size (requests' large inputs, responses' large
+outputs); tensors that do not fit go in the frame."""
+START_TIMEOUT_S = 60.0
+WORKER_HEADER = b"sluice-worker"
+"""Response header naming the protocol worker (its index) that served an HTTP request."""
+
+
+def protocol_workers_problem(value: object) -> str | None:
+    """Why ``value`` is not a valid ``--protocol-workers`` (None when it is)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"must be an integer from 0 to {MAX_PROTOCOL_WORKERS}, got {value!r}"
+    if not 0 <= value <= MAX_PROTOCOL_WORKERS:
+        return f"must be from 0 (no workers: one process decodes every request) to {MAX_PROTOCOL_WORKERS}, got {value}"
+    return None
+
+
+def restart_delay(lifetime_s: float) -> float:
+    """How long to wait before restarting a worker that ran ``lifetime_s``: at once unless it died
+    young (a crash at start would otherwise spin)."""
+    return 0.0 if lifetime_s >= 5.0 else 1.0
+
+
+# -- the link: framed messages over a socketpair ------------------------------------------------------
+
+
+class Link(asyncio.Protocol):
+    """One end of a worker's socketpair. Messages go out coalesced: one write per loop turn."""
+
+    def __init__(self, on_message: Callable[[Any], None], on_lost: Callable[[], None]) -> None:
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._framer = worker_wire.Framer()
+        self._transport: asyncio.Transport | None = None
+        self._out: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        on_message = self._on_message
+        for message in self._framer.feed(data):
+            try:
+                on_message(message)
+            except Exception:
+                log.exception("protocol worker link: cannot handle message %r", message[:1])
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._on_lost()
+
+    def send(self, message: tuple) -> None:
+        if self.closed:
+            return
+        out = self._out
+        if not out:
+            self._loop.call_soon(self._flush)
+        out.append(worker_wire.frame(message))
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if self._transport is not None and not self.closed:
+            self._transport.write(b"".join(out))
+
+    def close(self) -> None:
+        self._flush()
+        if self._transport is not None:
+            self._transport.close()
+
+
+def _arena_fd(name: str, size: int) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    return fd
+
+
+def _map(fd: int, size: int) -> memoryview:
+    return memoryview(mmap.mmap(fd, size))
+
+
+# -- the engine side ----------------------------------------------------------------------------------
+
+
+class _ForwardedConnection:
+    """What a V2 route that answers later (raw binary inference) needs of a connection."""
+
+    __slots__ = ("answer", "inflight")
+
+    def __init__(self) -> None:
+        self.inflight: InferRequest | None = None
+        self.answer: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+
+    def complete(self, request: Request, response: Response) -> None:
+        self.inflight = None
+        if not self.answer.done():
+            self.answer.set_result(response)
+
+
+class EngineSide:
+    """The engine's end of one worker's link: runs what the worker sends and answers it."""
+
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        routes: V2Routes | None,
+        service: Service | None,
+        requests_arena: memoryview,
+        responses_arena: memoryview,
+    ) -> None:
+        self.dp = dataplane
+        self.routes = routes
+        self.service = service
+        self.link: Link | None = None
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.stopped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._peer = requests_arena  # the worker's arena: large inputs, copied out on receipt
+        self._arena = worker_wire.Arena(responses_arena)  # ours: large outputs, until the worker took them
+        self._cancels: dict[int, Callable[[], object]] = {}  # rid -> cancels that request
+        self._tasks: dict[int, asyncio.Task] = {}
+        self._streams: dict[int, asyncio.Queue[bytes | None]] = {}
+        self._handlers: dict[str, Callable[..., None]] = {
+            "infer": self._infer,
+            "cancel": self._cancel,
+            "http": self._http,
+            "grpc": self._grpc,
+            "stream_open": self._stream_open,
+            "stream_msg": self._stream_msg,
+            "release": self._release,
+            "ready": self._ready,
+        }
+
+    def on_message(self, message: tuple) -> None:
+        self._handlers[message[0]](*message[1:])
+
+    def on_lost(self) -> None:
+        """The worker is gone: its requests' clients are too."""
+        for cancel in list(self._cancels.values()):
+            cancel()
+        self._cancels.clear()
+        for task in list(self._tasks.values()):
+            task.cancel()
+        if not self.stopped.done():
+            self.stopped.set_result(None)
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError("the protocol worker exited before it was ready"))
+
+    def _send(self, message: tuple) -> None:
+        if self.link is not None:
+            self.link.send(message)
+
+    def _ready(self) -> None:
+        if not self.ready.done():
+            self.ready.set_result(None)
+
+    # -- inference: the hot path ----------------------------------------------------------------------
+    def _infer(self, rid: int, state: tuple) -> None:
+        request = worker_wire.request_from_state(state, self._peer)
+        cancels = self._cancels
+        cancels[rid] = request.cancel.cancel
+
+        def done(outcome: InferResponse | SluiceError) -> None:
+            if cancels.pop(rid, None) is None:
+                return  # the worker is gone
+            self._send(("done", rid, worker_wire.outcome_state(outcome, self._arena)))
+
+        try:
+            self.dp.infer_nowait(request, done)
+        except SluiceError as exc:
+            done(exc)
+        except Exception:
+            log.exception("unhandled error in a protocol worker's inference request")
+            done(Internal("internal server error (see server log)"))
+
+    def _cancel(self, rid: int) -> None:
+        cancel = self._cancels.get(rid)
+        if cancel is not None:
+            cancel()
+
+    def _release(self, offsets: list[int]) -> None:
+        for offset in offsets:
+            self._arena.release(offset)
+
+    # -- forwarded HTTP requests ----------------------------------------------------------------------
+    def _http(self, rid: int, method: bytes, url: bytes, headers: dict[bytes, bytes], body: bytes) -> None:
+        routes = self.routes
+        if routes is None:
+            self._send(("http_done", rid, (404, b'{"error":"HTTP is off"}', b"application/json", None)))
+            return
+        conn = _ForwardedConnection()
+        request = Request(conn, method, url, headers, body)  # type: ignore[arg-type]
+        try:
+            result = routes(request)
+        except SluiceError as exc:
+            result = error_response(exc)
+        except Exception:
+            log.exception("unhandled error on %s", request.path)
+            result = json_response({"error": "internal server error (see server log)"}, 500)
+        if isinstance(result, Response):
+            self._http_answer(rid, result)
+            return
+
+        def cancel() -> None:
+            if conn.inflight is not None:
+                conn.inflight.cancel.cancel()
+            task = self._tasks.get(rid)
+            if task is not None:
+                task.cancel()
+
+        self._cancels[rid] = cancel
+        pending = conn.answer if result is DEFERRED else result
+        self._tasks[rid] = asyncio.get_running_loop().create_task(self._http_later(rid, request, pending))
+
+    async def _http_later(self, rid: int, request: Request, pending: Any) -> None:
+        try:
+            response = await pending
+        except SluiceError as exc:
+            response = error_response(exc)
+        except asyncio.CancelledError:
+            return
+        except Exception:
+            log.exception("unhandled error on %s", request.path)
+            response = json_response({"error": "internal server error (see server log)"}, 500)
+        finally:
+            self._tasks.pop(rid, None)
+            self._cancels.pop(rid, None)
+        self._http_answer(rid, response)
+
+    def _http_answer(self, rid: int, response: Response) -> None:
+        self._send(("http_done", rid, (response.status, response.body, response.content_type, response.extra)))
+
+    # -- forwarded gRPC calls -------------------------------------------------------------------------
+    def _grpc(self, rid: int, name: str, message: bytes, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        task = asyncio.get_running_loop().create_task(self._grpc_call(rid, name, message, deadline))
+        self._tasks[rid] = task
+        self._cancels[rid] = task.cancel
+
+    async def _grpc_call(self, rid: int, name: str, message: bytes, deadline: float | None) -> None:
+        try:
+            assert self.service is not None
+            method = self.service.methods[name]
+            request = message if method.parse is None else method.parse(message)
+            response = await method.handler(request, Call(deadline))
+            payload = response if type(response) is bytes else response.SerializeToString()
+            outcome: tuple = ("ok", payload)
+        except SluiceError as exc:
+            outcome = worker_wire.error_state(exc)
+        except asyncio.CancelledError:
+            return
+        except Exception:
+            log.exception("unhandled error in %s", name)
+            outcome = worker_wire.error_state(Internal("internal server error (see server log)"))
+        finally:
+            self._tasks.pop(rid, None)
+            self._cancels.pop(rid, None)
+        self._send(("grpc_done", rid, outcome))
+
+    def _stream_open(self, rid: int, caller: str, traceparent: bytes | None, timeout: float | None) -> None:
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._streams[rid] = queue
+        deadline = None if timeout is None else time.monotonic() + timeout
+        task = asyncio.get_running_loop().create_task(self._stream(rid, queue, Call(deadline, caller, traceparent)))
+        self._tasks[rid] = task
+        self._cancels[rid] = task.cancel
+
+    def _stream_msg(self, rid: int, message: bytes | None) -> None:
+        queue = self._streams.get(rid)
+        if queue is not None:
+            queue.put_nowait(message)
+
+    async def _stream(self, rid: int, queue: asyncio.Queue[bytes | None], call: Call) -> None:
+        assert self.service is not None
+        method = self.service.methods["ModelStreamInfer"]
+        parse = method.parse
+        assert parse is not None
+
+        async def messages() -> AsyncIterator[Any]:
+            while True:
+                message = await queue.get()
+                if message is None:
+                    return
+                self._send(("stream_taken", rid))  # the worker sends the next one only now
+                yield parse(message)
+
+        outcome: tuple | None = None
+        try:
+            async for reply in method.handler(messages(), call):
+                self._send(("stream_reply", rid, reply.SerializeToString()))
+        except SluiceError as exc:
+            outcome = worker_wire.error_state(exc)
+        except asyncio.CancelledError:
+            return
+        except Exception:
+            log.exception("unhandled error in ModelStreamInfer")
+            outcome = worker_wire.error_state(Internal("internal server error (see server log)"))
+        finally:
+            self._streams.pop(rid, None)
+            self._tasks.pop(rid, None)
+            self._cancels.pop(rid, None)
+        self._send(("stream_done", rid, outcome))
+
+
+@dataclasses.dataclass
+class _Worker:
+    index: int
+    side: EngineSide
+    process: subprocess.Popen
+    started: float
+    fds: tuple[int, int]
+
+
+class WorkerPool:
+    """The engine's protocol workers: started on its listening sockets, restarted when one dies,
+    stopped (drained) on shutdown."""
+
+    def __init__(
+        self,
+        count: int,
+        settings: ServerSettings,
+        dataplane: DataPlane,
+        routes: V2Routes | None,
+        service: Service | None,
+    ) -> None:
+        self.count = count
+        self.settings = settings
+        self.dp = dataplane
+        self.routes = routes
+        self.service = service
+        self.restarts = 0
+        self._sockets: dict[str, socket.socket] = {}
+        self._workers: dict[int, _Worker] = {}
+        self._stopping = False
+        self._restarting: set[asyncio.Task] = set()
+
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers.values()]
+
+    async def start(self, sockets: dict[str, socket.socket]) -> None:
+        """Start the workers on ``sockets`` (``http``/``grpc``: listening sockets) and wait until each
+        is accepting; raises RuntimeError when one cannot start."""
+        self._sockets = sockets
+        for index in range(self.count):
+            await self._spawn(index)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(w.side.ready for w in self._workers.values())), START_TIMEOUT_S)
+        except (ConnectionError, TimeoutError) as exc:
+            await self.stop(time.monotonic())
+            raise RuntimeError(f"a protocol worker did not start: {exc or 'timed out'}; see its log above") from None
+        log.info("%d protocol worker(s) serving: pids %s", self.count, ", ".join(map(str, self.pids())))
+
+    async def _spawn(self, index: int) -> None:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        requests_fd = _arena_fd(f"sluice-worker{index}-requests", ARENA_BYTES)
+        responses_fd = _arena_fd(f"sluice-worker{index}-responses", ARENA_BYTES)
+        listening = {kind: sock.fileno() for kind, sock in self._sockets.items()}
+        fds = (theirs.fileno(), requests_fd, responses_fd, *listening.values())
+        command = [
+            sys.executable,
+            *(["-P"] if sys.flags.safe_path else []),
+            "-m",
+            "sluice.runtime.frontend_workers",
+            "--index", str(index),
+            "--link-fd", str(theirs.fileno()),
+            "--arena-fds", f"{requests_fd},{responses_fd}",
+            "--http-fd", str(listening.get("http", -1)),
+            "--grpc-fd", str(listening.get("grpc", -1)),
+        ]  # fmt: skip
+        try:
+            process = subprocess.Popen(command, pass_fds=fds, stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        side = EngineSide(
+            self.dp, self.routes, self.service, _map(requests_fd, ARENA_BYTES), _map(responses_fd, ARENA_BYTES)
+        )
+        worker = _Worker(index, side, process, time.monotonic(), (requests_fd, responses_fd))
+        self._workers[index] = worker
+        _, link = await loop.create_unix_connection(
+            lambda: Link(side.on_message, lambda: self._lost(worker)), sock=ours
+        )
+        side.link = link
+        link.send(("start", self.settings, index))
+
+    def _lost(self, worker: _Worker) -> None:
+        worker.side.on_lost()
+        for fd in worker.fds:
+            os.close(fd)
+        task = asyncio.get_running_loop().create_task(self._reap(worker))
+        self._restarting.add(task)
+        task.add_done_callback(self._restarting.discard)
+
+    async def _reap(self, worker: _Worker) -> None:
+        loop = asyncio.get_running_loop()
+        code = await loop.run_in_executor(None, worker.process.wait)
+        if self._stopping or self._workers.get(worker.index) is not worker:
+            return
+        lifetime = time.monotonic() - worker.started
+        delay = restart_delay(lifetime)
+        log.warning(
+            "protocol worker %d (pid %d) exited with %s after %.1f s; restarting it%s",
+            worker.index,
+            worker.process.pid,
+            f"signal {-code}" if code < 0 else f"code {code}",
+            lifetime,
+            f" in {delay:g} s" if delay else "",
+        )
+        if delay:
+            await asyncio.sleep(delay)
+        if self._stopping:
+            return
+        self.restarts += 1
+        await self._spawn(worker.index)
+        try:
+            await asyncio.wait_for(self._workers[worker.index].side.ready, START_TIMEOUT_S)
+        except (ConnectionError, TimeoutError):
+            return  # it died again: its own _lost restarts it
+        log.info("protocol worker %d restarted: pid %d", worker.index, self._workers[worker.index].process.pid)
+
+    async def stop(self, deadline: float) -> None:
+        """Tell every worker to stop accepting, finish its in-flight requests (until the monotonic
+        ``deadline``) and exit; kill those still running at the deadline."""
+        self._stopping = True
+        for task in list(self._restarting):
+            task.cancel()
+        workers = list(self._workers.values())
+        for worker in workers:
+            if worker.side.link is not None:
+                worker.side.link.send(("stop", max(deadline - time.monotonic(), 0.0)))
+        waits = [worker.side.stopped for worker in workers]
+        if waits:
+            await asyncio.wait(waits, timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
+        loop = asyncio.get_running_loop()
+        for worker in workers:
+            if worker.process.poll() is None:
+                try:
+                    await asyncio.wait_for(loop.run_in_executor(None, worker.process.wait), 2.0)
+                except TimeoutError:
+                    log.warning("protocol worker %d (pid %d) did not stop: killed", worker.index, worker.process.pid)
+                    worker.process.kill()
+                    await loop.run_in_executor(None, worker.process.wait)
+            if worker.side.link is not None:
+                worker.side.link.close()
+        self._workers.clear()
+
+
+# -- the worker side ----------------------------------------------------------------------------------
+
+
+class RemotePlane:
+    """What the front ends of a worker call instead of the data plane: inference goes to the engine.
+    Only the attributes the inference path reads are here; everything else is forwarded whole."""
+
+    def __init__(self, requests_arena: memoryview, responses_arena: memoryview) -> None:
+        self.link: Link | None = None
+        self.tracing = tracing.disabled()  # requests are traced by the engine's front ends only
+        self.shared_memory = None
+        self._arena = worker_wire.Arena(requests_arena)
+        self._peer = responses_arena
+        self._ids = itertools.count()
+        self._pending: dict[int, tuple[Callable[[Any], None], list[int], CancelToken | None]] = {}
+        self._handlers: dict[str, Callable[..., None]] = {
+            "done": self._done,
+            "http_done": self._answered,
+            "grpc_done": self._answered,
+            "stream_reply": self._stream_event,
+            "stream_taken": self._stream_event,
+            "stream_done": self._stream_event,
+        }
+        self._streams: dict[int, asyncio.Queue[tuple]] = {}
+        self.on_stop: Callable[[float], None] = lambda grace: None
+
+    def on_message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "stop":
+            self.on_stop(message[1])
+            return
+        self._handlers[kind](*message[1:])
+
+    def model_config(self, name: str, version: str = "") -> None:
+        """The head check of HTTP inference (``check_head``) asks the engine nothing: the body is
+        read and the engine answers for an unknown model."""
+        return None
+
+    def _send(self, message: tuple) -> None:
+        assert self.link is not None
+        self.link.send(message)
+
+    # -- inference ------------------------------------------------------------------------------------
+    def infer_nowait(self, request: InferRequest, done: Callable[[InferResponse | SluiceError], None]) -> None:
+        """``DataPlane.infer_nowait`` through the engine: every outcome, refusals included, comes to
+        ``done`` (on this loop, never before this returns)."""
+        rid = next(self._ids)
+        refs: list[int] = []
+        state = worker_wire.request_state(request, self._arena, refs)
+        token = request.cancel
+        self._pending[rid] = (done, refs, token)
+        self._send(("infer", rid, state))
+        token.on_cancel(lambda: self._cancel(rid))
+
+    def _cancel(self, rid: int) -> None:
+        if rid in self._pending and self.link is not None:
+            self.link.send(("cancel", rid))
+
+    def _done(self, rid: int, state: tuple) -> None:
+        entry = self._pending.pop(rid, None)
+        if entry is None:
+            return
+        done, refs, token = entry
+        for offset in refs:
+            self._arena.release(offset)
+        if token is not None:
+            token.clear()
+        taken: list[int] = []
+        outcome = worker_wire.outcome_from_state(state, self._peer, taken)
+        if taken:
+            self._send(("release", taken))
+        done(outcome)
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        waiter: asyncio.Future[InferResponse | SluiceError] = asyncio.get_running_loop().create_future()
+
+        def done(outcome: InferResponse | SluiceError) -> None:
+            if not waiter.done():
+                waiter.set_result(outcome)
+
+        self.infer_nowait(request, done)
+        try:
+            outcome = await waiter
+        except asyncio.CancelledError:
+            request.cancel.cancel()
+            raise
+        if isinstance(outcome, SluiceError):
+            raise outcome
+        return outcome
+
+    def lost(self) -> None:
+        """The engine is gone: answer what is pending (the process exits next)."""
+        for done, _, token in list(self._pending.values()):
+            if token is not None:  # an inference request (a forwarded call's caller goes with the process)
+                done(worker_wire.error_from_state(("error", "Unavailable", "server is shutting down", 503)))
+        self._pending.clear()
+
+    # -- forwarded calls ------------------------------------------------------------------------------
+    async def call(self, message: tuple) -> Any:
+        """Send a forwarded HTTP request or gRPC call (``message`` without its id) and return the
+        engine's answer; cancelling the caller cancels it in the engine."""
+        rid = next(self._ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = (future.set_result, [], None)
+        self._send((message[0], rid, *message[1:]))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self._pending.pop(rid, None) is not None:
+                self._send(("cancel", rid))
+            raise
+
+    def _answered(self, rid: int, outcome: Any) -> None:
+        entry = self._pending.pop(rid, None)
+        if entry is not None:
+            entry[0](outcome)
+
+    def open_stream(self, caller: str, traceparent: bytes | str | None, timeout: float | None) -> tuple[int, Any]:
+        rid = next(self._ids)
+        queue: asyncio.Queue[tuple] = asyncio.Queue()
+        self._streams[rid] = queue
+        self._send(("stream_open", rid, caller, traceparent, timeout))
+        return rid, queue
+
+    def close_stream(self, rid: int, cancel: bool) -> None:
+        self._streams.pop(rid, None)
+        if cancel:
+            self._send(("cancel", rid))
+
+    def _stream_event(self, rid: int, *rest: Any) -> None:
+        queue = self._streams.get(rid)
+        if queue is not None:
+            queue.put_nowait(rest)
+
+
+class WorkerRoutes(V2Routes):
+    """A worker's HTTP routes: JSON and binary inference decoded here and run through the engine,
+    every other request forwarded to the engine whole."""
+
+    def __init__(self, plane: RemotePlane, settings: ServerSettings) -> None:
+        super().__init__(cast(DataPlane, plane), settings.limits)
+        self.plane = plane
+
+    def __call__(self, request: Request) -> Response | Any:
+        if request.method == b"POST" and request.path.endswith(b"/infer"):
+            parts = request.path.split(b"/")
+            length = request.headers.get(b"inference-header-content-length")
+            if len(parts) > 4 and parts[1] == b"v2" and parts[2] == b"models" and (length is None or _positive(length)):
+                try:
+                    name, version, tail = _model_path(parts[3:])
+                except SluiceError:
+                    tail = []
+                if tail == [b"infer"]:
+                    return self._infer(request, name, version)
+        return self._forward(request)
+
+    async def _forward(self, request: Request) -> Response:
+        url = request.path + (b"?" + request.query if request.query else b"")
+        status, body, content_type, extra = await self.plane.call(
+            ("http", request.method, url, request.headers, request.body)
+        )
+        return Response(status, body, content_type, extra)
+
+
+def _positive(header: bytes) -> bool:
+    try:
+        return int(header) > 0
+    except ValueError:
+        return False
+
+
+class _WorkerConnection(Connection):
+    """Names the worker in each response (``sluice-worker``), so tests and operators can see the spread."""
+
+    def _write(self, response: Response, close: bool, head_only: bool = False) -> None:
+        tag = (WORKER_HEADER, self._server.worker_tag)  # type: ignore[attr-defined]
+        response.extra = [*response.extra, tag] if response.extra else [tag]
+        super()._write(response, close, head_only)
+
+
+class _WorkerHttpServer(HttpServer):
+    def __init__(self, routes: WorkerRoutes, settings: ServerSettings, loop: asyncio.AbstractEventLoop, index: int):
+        super().__init__(routes, settings.limits, loop)
+        self.worker_tag = b"%d" % index
+
+    def make_connection(self) -> Connection:
+        return _WorkerConnection(self)
+
+
+class _Raw:
+    """A reply message already serialized by the engine."""
+
+    __slots__ = ("payload",)
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def SerializeToString(self) -> bytes:
+        return self.payload
+
+
+def worker_service(plane: RemotePlane, settings: ServerSettings) -> Service:
+    """gRPC's method table for a worker: ``ModelInfer`` decoded here, the rest forwarded."""
+    service = Service(cast(DataPlane, plane), settings.limits)
+    for name, method in list(service.methods.items()):
+        if method.kind == grpc_service.UNARY:
+            service.methods[name] = Method(name, grpc_service.UNARY, _forward_unary(plane, name), None)
+        elif method.kind == grpc_service.STREAM:
+            service.methods[name] = Method(name, grpc_service.STREAM, _forward_stream(plane), bytes)
+    return service
+
+
+def _forward_unary(plane: RemotePlane, name: str) -> Callable[[bytes, Call], Any]:
+    async def forward(message: bytes, call: Call) -> bytes:
+        timeout = None if call.deadline is None else max(call.deadline - time.monotonic(), 0.0)
+        outcome = await plane.call(("grpc", name, message, timeout))
+        if outcome[0] == "ok":
+            return cast(bytes, outcome[1])
+        raise worker_wire.error_from_state(outcome)
+
+    return forward
+
+
+def _forward_stream(plane: RemotePlane) -> Callable[[AsyncIterator[bytes], Call], AsyncIterator[_Raw]]:
+    async def forward(messages: AsyncIterator[bytes], call: Call) -> AsyncIterator[_Raw]:
+        timeout = None if call.deadline is None else max(call.deadline - time.monotonic(), 0.0)
+        rid, events = plane.open_stream(call.caller, call.traceparent, timeout)
+        taken = asyncio.Event()
+
+        async def pump() -> None:
+            async for message in messages:
+                taken.clear()
+                plane._send(("stream_msg", rid, message))
+                await taken.wait()
+            plane._send(("stream_msg", rid, None))
+
+        sender = asyncio.get_running_loop().create_task(pump())
+        finished = False
+        try:
+            while True:
+                event = await events.get()
+                if len(event) == 0:  # stream_taken
+                    taken.set()
+                elif len(event) == 1 and isinstance(event[0], bytes):
+                    yield _Raw(event[0])
+                else:  # stream_done: (None,) or (error state,)
+                    finished = True
+                    if event[0] is not None:
+                        raise worker_wire.error_from_state(event[0])
+                    return
+        finally:
+            sender.cancel()
+            plane.close_stream(rid, cancel=not finished)
+
+    return forward
+
+
+def _die_with_parent() -> None:
+    """PR_SET_PDEATHSIG: the kernel kills this process when the engine dies (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the link's end-of-file still stops the worker
+        pass
+
+
+async def _serve_worker(args: argparse.Namespace) -> int:
+    loop = asyncio.get_running_loop()
+    requests_fd, responses_fd = (int(fd) for fd in args.arena_fds.split(","))
+    plane = RemotePlane(_map(requests_fd, ARENA_BYTES), _map(responses_fd, ARENA_BYTES))
+    started: asyncio.Future[tuple] = loop.create_future()
+    stopping: asyncio.Future[float] = loop.create_future()
+
+    def first(message: tuple) -> None:
+        if message[0] == "start":
+            started.set_result(message)
+        else:
+            plane.on_message(message)
+
+    def lost() -> None:
+        plane.lost()
+        if not stopping.done():
+            stopping.set_result(-1.0)  # the engine is gone
+
+    link_sock = socket.socket(fileno=args.link_fd)
+    _, link = await loop.create_unix_connection(lambda: Link(first, lost), sock=link_sock)
+    plane.link = link
+    plane.on_stop = lambda grace: None if stopping.done() else stopping.set_result(grace)
+    _, settings, index = await started
+    logging.getLogger().setLevel(logging.DEBUG if settings.log.verbose_level else logging.INFO)
+    listeners: list[HttpServer | GrpcServer] = []
+    if args.http_fd >= 0:
+        http = _WorkerHttpServer(WorkerRoutes(plane, settings), settings, loop, index)
+        http.check_head = None  # unknown models are the engine's to answer, after the body
+        await http.start_socket(socket.socket(fileno=args.http_fd))
+        listeners.append(http)
+    if args.grpc_fd >= 0:
+        grpc_server = GrpcServer(cast(DataPlane, plane), settings.limits, loop, worker_service(plane, settings))
+        await grpc_server.start_socket(socket.socket(fileno=args.grpc_fd))
+        listeners.append(grpc_server)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: None)  # the engine decides when workers stop
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+    link.send(("ready",))
+    grace = await stopping
+    if grace < 0:
+        return 0  # the engine is gone: nothing can be answered
+    deadline = time.monotonic() + grace
+    for listener in listeners:
+        await listener.stop_listening()
+    await asyncio.gather(*(listener.drain(deadline) for listener in listeners))
+    link.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    _die_with_parent()
+    parser = argparse.ArgumentParser(prog="sluice-protocol-worker", description="started by sluice serve only")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--link-fd", type=int, required=True)
+    parser.add_argument("--arena-fds", required=True)
+    parser.add_argument("--http-fd", type=int, default=-1)
+    parser.add_argument("--grpc-fd", type=int, default=-1)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[worker {args.index}]: %(message)s"
+    )
+    if os.getppid() == 1:  # the engine died before prctl took effect
+        return 1
+    try:
+        import uvloop
+
+        return uvloop.run(_serve_worker(args))
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(_serve_worker(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,560 @@
+"""Protocol worker processes (``--protocol-workers``): workers decode, the engine batches.
+
+The wire format and the small decisions are tested as pure functions; the rest on the real server
+with two workers (the engine in this process where a test needs the in-process gate, ``sluice
+serve`` in a subprocess where it needs signals), called with tritonclient and plain HTTP.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import mmap
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from sluice.runtime import errors, worker_wire
+from sluice.runtime.frontend_workers import protocol_workers_problem, restart_delay
+from sluice.runtime.types import InferRequest, InferResponse, RequestedOutput, Tensor
+
+from .conftest import (  # type: ignore[import-not-found]
+    ADD_SUB_CONFIG,
+    BUILDERS,
+    MLP_CONFIG,
+    Running,
+    gate,
+    gated_py,
+    start_server,
+    write_model,
+)
+
+# -- pure ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (0, None),
+        (1, None),
+        (64, None),
+        (65, "must be from 0 (no workers: one process decodes every request) to 64, got 65"),
+        (-1, "must be from 0 (no workers: one process decodes every request) to 64, got -1"),
+        ("two", "must be an integer from 0 to 64, got 'two'"),
+        (True, "must be an integer from 0 to 64, got True"),
+    ],
+)
+def test_protocol_workers_values(value: object, problem: str | None) -> None:
+    assert protocol_workers_problem(value) == problem
+
+
+def test_restart_delay_backs_off_only_for_young_deaths() -> None:
+    assert restart_delay(0.2) == 1.0
+    assert restart_delay(3600.0) == 0.0
+
+
+def test_framer_splits_and_joins_messages() -> None:
+    stream = b"".join(worker_wire.frame(("m", i, b"x" * i)) for i in range(50))
+    framer = worker_wire.Framer()
+    got: list[Any] = []
+    for start in range(0, len(stream), 7):  # messages cut at every place
+        got.extend(framer.feed(stream[start : start + 7]))
+    assert got == [("m", i, b"x" * i) for i in range(50)]
+    assert list(framer.feed(worker_wire.frame(("whole",)))) == [("whole",)]
+
+
+def test_allocator_first_fit_and_coalescing() -> None:
+    allocator = worker_wire.Allocator(1024)
+    a, b, c = allocator.allocate(100), allocator.allocate(200), allocator.allocate(64)
+    assert (a, b, c) == (0, 128, 384)
+    assert allocator.allocate(1024) is None
+    allocator.free(b)
+    assert allocator.allocate(150) == 128  # the freed range is reused
+    allocator.free(a)
+    allocator.free(128)
+    allocator.free(c)
+    assert allocator.used_bytes == 0
+    assert allocator.allocate(1024) == 0  # every range coalesced back into one
+
+
+def test_request_and_outcome_round_trip_inline_and_through_the_arena() -> None:
+    memory = memoryview(mmap.mmap(-1, 1 << 20))
+    arena = worker_wire.Arena(memory, min_bytes=1024)
+    large = np.arange(4096, dtype=np.float32).reshape(2, 2048)
+    words = np.array([b"a", b"bc"], dtype=np.object_)
+    request = InferRequest(
+        "m",
+        "2",
+        [Tensor("big", "FP32", large), Tensor("small", "INT64", np.arange(3)), Tensor("s", "BYTES", words, {"p": 1})],
+        [RequestedOutput("out", True, {"classification": 2})],
+        id="r1",
+        parameters={"priority": 1},
+        caller="svc",
+    )
+    refs: list[int] = []
+    state = worker_wire.request_state(request, arena, refs)
+    assert len(refs) == 1 and arena.used_bytes >= large.nbytes  # only the large tensor went to the arena
+    back = worker_wire.request_from_state(worker_wire.pickle.loads(worker_wire.pickle.dumps(state)), memory)
+    assert (back.model_name, back.model_version, back.id, back.parameters, back.caller) == (
+        "m",
+        "2",
+        "r1",
+        {"priority": 1},
+        "svc",
+    )
+    np.testing.assert_array_equal(back.inputs[0].data, large)
+    assert list(back.inputs[2].data) == [b"a", b"bc"] and back.inputs[2].parameters == {"p": 1}
+    assert back.outputs is not None and (back.outputs[0].name, back.outputs[0].binary) == ("out", True)
+    arena.release(refs[0])
+    assert arena.used_bytes == 0
+
+    response = InferResponse("m", "2", [Tensor("out", "FP32", large)], "r1", {"x": "y"})
+    refs = []
+    taken: list[int] = []
+    out = worker_wire.outcome_from_state(worker_wire.outcome_state(response, arena, refs), memory, taken)
+    assert isinstance(out, InferResponse) and taken == refs
+    np.testing.assert_array_equal(out.outputs[0].data, large)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        errors.NotFound("Request for unknown model: 'x' is not found"),
+        errors.QueueTimeout("timed out"),
+        errors.ConfigError("bad", file="config.pbtxt", field="max_batch_size"),
+        errors.Cancelled("cancelled"),
+    ],
+)
+def test_errors_keep_their_class_message_and_status(error: errors.SluiceError) -> None:
+    back = worker_wire.outcome_from_state(worker_wire.outcome_state(error))
+    assert type(back) is type(error)
+    assert (back.message, back.http_status) == (error.message, error.http_status)
+
+
+# -- the real server ---------------------------------------------------------------------------------
+
+GATE = "sluice_test_worker_gate"
+BATCHED_GATED_CONFIG = """
+name: "gated"
+backend: "python"
+max_batch_size: 4
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+dynamic_batching { }
+"""
+IDENTITY_CONFIG = """
+name: "identity"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+"""
+IDENTITY_PY = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())
+            ])
+            for r in requests
+        ]
+"""
+
+
+def _repo(root: Path) -> Path:
+    repo = root / "repo"
+    write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    write_model(repo, "mlp", MLP_CONFIG, {"model.onnx": BUILDERS.mlp_model()})
+    write_model(repo, "gated", BATCHED_GATED_CONFIG, {"model.py": gated_py(GATE)})
+    write_model(repo, "identity", IDENTITY_CONFIG, {"model.py": IDENTITY_PY})
+    return repo
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Running, Running, Any]]:
+    """(two protocol workers, single process) on the same repository, and the models' gate."""
+    repo = _repo(tmp_path_factory.mktemp("workers"))
+    with gate(GATE) as opened:
+        workers = start_server(repo, protocol_workers=2)
+        single = start_server(repo)
+        try:
+            yield workers, single, opened
+        finally:
+            workers.stop()
+            single.stop()
+
+
+def _add_sub_inputs(module: Any, a: np.ndarray) -> list[Any]:
+    inputs = [module.InferInput(f"INPUT{i}", [16], "FP32") for i in range(2)]
+    for tensor in inputs:
+        tensor.set_data_from_numpy(a)
+    return inputs
+
+
+def test_inference_is_correct_over_http_and_grpc(servers: tuple[Running, Running, Any]) -> None:
+    workers, _, _ = servers
+    a = np.arange(16, dtype=np.float32)
+    http = httpclient.InferenceServerClient(workers.http)
+    grpc = grpcclient.InferenceServerClient(workers.grpc)
+    for client, module in ((http, httpclient), (grpc, grpcclient)):
+        result = client.infer("add_sub", _add_sub_inputs(module, a))
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - a)
+    # A tensor large enough to cross through the shared-memory arenas, both ways.
+    big = np.random.default_rng(1).random(300_000, dtype=np.float32)
+    for client, module in ((http, httpclient), (grpc, grpcclient)):
+        tensor = module.InferInput("INPUT0", [big.size], "FP32")
+        tensor.set_data_from_numpy(big)
+        np.testing.assert_array_equal(client.infer("identity", [tensor]).as_numpy("OUTPUT0"), big)
+
+
+def _both(call: Any) -> tuple[Any, Any]:
+    """The outcome of ``call(client_module, url_of)`` on both servers: (result or error)."""
+    out = []
+    for pick in (0, 1):
+        try:
+            out.append(call(pick))
+        except InferenceServerException as exc:
+            out.append(("error", exc.status(), exc.message()))
+    return out[0], out[1]
+
+
+def test_metadata_ready_config_stats_identical_to_single_process(servers: tuple[Running, Running, Any]) -> None:
+    running = servers[:2]
+    http = [httpclient.InferenceServerClient(r.http) for r in running]
+    grpc = [grpcclient.InferenceServerClient(r.grpc) for r in running]
+    checks = [
+        lambda i: http[i].get_server_metadata(),
+        lambda i: http[i].is_server_ready(),
+        lambda i: http[i].is_server_live(),
+        lambda i: http[i].is_model_ready("mlp"),
+        lambda i: http[i].is_model_ready("nope"),
+        lambda i: http[i].get_model_metadata("mlp"),
+        lambda i: http[i].get_model_config("mlp"),
+        lambda i: http[i].get_inference_statistics("mlp"),
+        lambda i: http[i].get_model_repository_index(),
+        lambda i: http[i].get_log_settings(),
+        lambda i: http[i].get_model_metadata("nope"),
+        lambda i: http[i].get_inference_statistics("nope"),
+        lambda i: str(grpc[i].get_server_metadata()),
+        lambda i: grpc[i].is_server_ready(),
+        lambda i: str(grpc[i].get_model_metadata("mlp")),
+        lambda i: str(grpc[i].get_model_config("mlp")),
+        lambda i: str(grpc[i].get_inference_statistics("mlp")),
+        lambda i: str(grpc[i].get_model_repository_index()),
+        lambda i: str(grpc[i].get_model_metadata("nope")),
+        lambda i: str(grpc[i].get_system_shared_memory_status()),
+    ]
+    for check in checks:
+        with_workers, single = _both(check)
+        assert with_workers == single
+
+
+def _json_input(name: str, datatype: str, size: int) -> dict[str, Any]:
+    return {"name": name, "datatype": datatype, "shape": [size], "data": [0] * size}
+
+
+def _post(address: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(address, timeout=30)
+    try:
+        conn.request("POST", path, body, headers or {})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v2/models/nope/infer", {"inputs": []}),
+        ("/v2/models/add_sub/infer", {"inputs": [_json_input("INPUT0", "FP32", 16)]}),
+        ("/v2/models/add_sub/infer", {"inputs": [_json_input("INPUT0", "INT8", 16), _json_input("INPUT1", "FP32", 8)]}),
+        ("/v2/models/add_sub/infer", {"inputs": [_json_input("INPUT0", "FP32", 4), _json_input("INPUT1", "FP32", 16)]}),
+        ("/v2/models/add_sub/infer", "{not json"),
+        ("/v2/models/add_sub/versions/x/infer", {"inputs": []}),
+        ("/v2/repository/models/mlp/load", {}),
+    ],
+)  # fmt: skip
+def test_bad_input_errors_identical_to_single_process(
+    servers: tuple[Running, Running, Any], path: str, body: Any
+) -> None:
+    raw = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+    answers = [_post(r.http, path, raw) for r in servers[:2]]
+    assert answers[0] == answers[1]
+    assert answers[0][0] >= 400
+
+
+def test_bad_grpc_input_errors_identical_to_single_process(servers: tuple[Running, Running, Any]) -> None:
+    clients = [grpcclient.InferenceServerClient(r.grpc) for r in servers[:2]]
+    wrong_type = grpcclient.InferInput("INPUT0", [16], "INT32")
+    wrong_type.set_data_from_numpy(np.zeros(16, dtype=np.int32))
+    right = grpcclient.InferInput("INPUT1", [16], "FP32")
+    right.set_data_from_numpy(np.zeros(16, dtype=np.float32))
+    for model, inputs in (("nope", [right]), ("add_sub", [wrong_type, right]), ("add_sub", [right])):
+        with_workers, single = _both(lambda i, m=model, x=inputs: clients[i].infer(m, x))
+        assert with_workers == single
+        assert with_workers[0] == "error"
+
+
+def _worker_connections(address: str, count: int) -> dict[str, http.client.HTTPConnection]:
+    """One open keep-alive connection per worker (the sluice-worker header says which served it)."""
+    found: dict[str, http.client.HTTPConnection] = {}
+    for _ in range(200):
+        conn = http.client.HTTPConnection(address, timeout=30)
+        conn.request("GET", "/v2/health/ready")
+        response = conn.getresponse()
+        response.read()
+        worker = response.getheader("sluice-worker")
+        assert worker is not None
+        if worker in found:
+            conn.close()
+        else:
+            found[worker] = conn
+        if len(found) == count:
+            return found
+    raise AssertionError(f"connections reached only workers {sorted(found)}")
+
+
+def _gated_body(value: float) -> bytes:
+    return json.dumps(
+        {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4], "data": [value] * 4}]}
+    ).encode()
+
+
+def _queue_depth(running: Running, model: str) -> float:
+    with urllib.request.urlopen(f"http://{running.metrics}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    match = re.search(r'^sluice_queue_depth\{[^}]*model="' + model + r'"[^}]*\} (\S+)$', text, re.M)
+    assert match is not None
+    return float(match.group(1))
+
+
+def _wait_for(condition: Any, what: str) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+def _batch_sizes(running: Running, model: str) -> dict[int, int]:
+    stats = httpclient.InferenceServerClient(running.http).get_inference_statistics(model)["model_stats"][0]
+    return {int(b["batch_size"]): int(b["compute_infer"]["count"]) for b in stats.get("batch_stats", [])}
+
+
+def test_requests_from_different_workers_form_one_batch(servers: tuple[Running, Running, Any]) -> None:
+    workers, _, opened = servers
+    opened.entered.clear()
+    opened.release.clear()
+    before = _batch_sizes(workers, "gated")
+    conns = _worker_connections(workers.http, 2)
+    answers: dict[str, tuple[int, Any]] = {}
+
+    def send(key: str, conn: http.client.HTTPConnection, value: float) -> None:
+        conn.request("POST", "/v2/models/gated/infer", _gated_body(value))
+        response = conn.getresponse()
+        answers[key] = (response.status, json.loads(response.read()))
+
+    first = threading.Thread(target=send, args=("first", http.client.HTTPConnection(workers.http, timeout=30), 1.0))
+    first.start()
+    assert opened.entered.wait(30)  # the model's one instance is busy with the first request
+    threads = [threading.Thread(target=send, args=(w, conns[w], 2.0 + int(w))) for w in ("0", "1")]
+    for thread in threads:
+        thread.start()
+    _wait_for(lambda: _queue_depth(workers, "gated") == 2, "both workers' requests queued in the engine")
+    opened.release.set()
+    for thread in (first, *threads):
+        thread.join(30)
+    assert {k: v[0] for k, v in answers.items()} == {"first": 200, "0": 200, "1": 200}
+    assert answers["1"][1]["outputs"][0]["data"] == [6.0] * 4
+    after = _batch_sizes(workers, "gated")
+    grown = {size: after.get(size, 0) - before.get(size, 0) for size in after}
+    assert {size: n for size, n in grown.items() if n} == {1: 1, 2: 1}  # the two queued ones ran as one batch
+    for conn in conns.values():
+        conn.close()
+
+
+def test_cancelled_queued_request_never_runs(servers: tuple[Running, Running, Any]) -> None:
+    workers, _, opened = servers
+    opened.entered.clear()
+    opened.release.clear()
+    grpc = grpcclient.InferenceServerClient(workers.grpc)
+    client = httpclient.InferenceServerClient(workers.http)
+    before = client.get_inference_statistics("gated")["model_stats"][0]
+    tensor = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
+    results: list[Any] = []
+    grpc.async_infer("gated", [tensor], lambda result, error: results.append((result, error)))
+    assert opened.entered.wait(30)
+    # queued behind it: one over HTTP whose client goes away, one over gRPC that the client cancels
+    conn = http.client.HTTPConnection(workers.http, timeout=30)
+    conn.request("POST", "/v2/models/gated/infer", _gated_body(5.0))
+    call = grpc.async_infer("gated", [tensor], lambda result, error: results.append((result, error)))
+    _wait_for(lambda: _queue_depth(workers, "gated") == 2, "two requests queued")
+    conn.sock.shutdown(2)  # type: ignore[union-attr]
+    conn.close()
+    call.cancel()
+    _wait_for(lambda: _queue_depth(workers, "gated") == 0, "the cancellations reached the engine's queue")
+    opened.release.set()
+    _wait_for(lambda: len(results) == 2, "both gRPC callbacks")
+    after = client.get_inference_statistics("gated")["model_stats"][0]
+    assert int(after["execution_count"]) - int(before["execution_count"]) == 1  # only the first one ran
+    assert int(after["inference_stats"]["success"]["count"]) - int(before["inference_stats"]["success"]["count"]) == 1
+
+
+# -- sluice serve --protocol-workers 2 -------------------------------------------------------------------
+
+FIFO_CONFIG = """
+name: "held"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+"""
+FIFO_PY = """
+import os
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        gate = os.environ["SLUICE_TEST_GATE_DIR"]
+        open(os.path.join(gate, "entered"), "w").close()
+        with open(os.path.join(gate, "release")) as fifo:  # blocks until the test writes
+            fifo.read()
+        return [
+            pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() + 1)
+            ])
+            for r in requests
+        ]
+"""
+
+
+class Cli:
+    """``sluice serve --protocol-workers 2`` on ports it picks; its output lines as they come."""
+
+    def __init__(self, repo: Path, cwd: Path, env: dict[str, str]) -> None:
+        cmd = [
+            sys.executable, "-m", "sluice.runtime", "serve", "--model-repository", str(repo), "--http-port", "0",
+            "--grpc-port", "0", "--metrics-port", "0", "--protocol-workers", "2", "--drain-period-s", "0",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env}
+        )
+        self.lines: list[str] = []
+        line = self.until("sluice ready")
+        self.http = "127.0.0.1:" + re.search(r"HTTP \S+:(\d+)", line).group(1)  # type: ignore[union-attr]
+        self.pids = [int(p) for p in re.findall(r"\d+", self.find("protocol worker(s) serving").split("pids")[1])]
+
+    def until(self, text: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if text in line:
+                return line
+        raise AssertionError(f"the server ended before {text!r}:\n" + "".join(self.lines))
+
+    def find(self, text: str) -> str:
+        return next(line for line in self.lines if text in line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return not any(line.startswith("State:") and "Z" in line for line in status)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def cli(tmp_path: Path) -> Iterator[tuple[Cli, Path]]:
+    repo = tmp_path / "repo"
+    write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    write_model(repo, "held", FIFO_CONFIG, {"model.py": FIFO_PY})
+    gate_dir = tmp_path / "gate"
+    gate_dir.mkdir()
+    os.mkfifo(gate_dir / "release")
+    server = Cli(repo, tmp_path, {"SLUICE_TEST_GATE_DIR": str(gate_dir)})
+    try:
+        yield server, gate_dir
+    finally:
+        server.close()
+
+
+def _infer_add_sub(address: str) -> None:
+    a = np.arange(16, dtype=np.float32)
+    result = httpclient.InferenceServerClient(address).infer("add_sub", _add_sub_inputs(httpclient, a))
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
+
+
+def test_killed_worker_is_restarted_and_workers_die_with_the_engine(cli: tuple[Cli, Path]) -> None:
+    server, _ = cli
+    assert len(server.pids) == 2
+    os.kill(server.pids[0], signal.SIGKILL)
+    line = server.until("restarted: pid")
+    new_pid = int(line.rsplit("pid", 1)[1])
+    assert new_pid not in server.pids
+    assert any("exited with signal 9" in seen and "restarting it" in seen for seen in server.lines)
+    conns = _worker_connections(server.http, 2)  # both workers take connections again
+    for conn in conns.values():
+        conn.close()
+    for _ in range(4):
+        _infer_add_sub(server.http)
+    workers = [server.pids[1], new_pid]
+    server.proc.kill()  # the engine dies without a word: its workers must not outlive it
+    server.proc.wait(30)
+    _wait_for(lambda: not any(_alive(pid) for pid in workers), "the workers exit with the engine")
+
+
+def test_sigterm_drains_in_flight_requests_then_stops(cli: tuple[Cli, Path]) -> None:
+    server, gate_dir = cli
+    answer: list[tuple[int, bytes]] = []
+    body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [4], "data": [1, 2, 3, 4]}]})
+    sender = threading.Thread(target=lambda: answer.append(_post(server.http, "/v2/models/held/infer", body.encode())))
+    sender.start()
+    _wait_for(lambda: (gate_dir / "entered").exists(), "the request running in the model")
+    server.proc.send_signal(signal.SIGTERM)
+    server.until("stopping on SIGTERM")
+    with open(gate_dir / "release", "w") as fifo:  # let the in-flight request finish
+        fifo.write("go")
+    sender.join(30)
+    assert answer and answer[0][0] == 200
+    assert json.loads(answer[0][1])["outputs"][0]["data"] == [2.0, 3.0, 4.0, 5.0]
+    assert server.proc.wait(30) == 0
+    assert not any(_alive(pid) for pid in server.pids)
+
+
+def test_bad_protocol_workers_value_is_refused(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sluice.runtime", "serve", "--model-repository", str(tmp_path),
+         "--protocol-workers", "65"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--protocol-workers: must be from 0 (no workers: one process decodes every request) to 64, got 65" in (
+        result.stderr
+    )
