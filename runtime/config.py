@@ -73,7 +73,9 @@ DEFAULT_MAX_BATCH_SIZE = 4
 # holding one of these files (Triton auto-completes ONNX and Python models only).
 AUTO_COMPLETE_FILES: dict[str, str] = {"model.onnx": "onnxruntime", "model.py": "python"}
 # With a config that names neither backend nor platform, the backend also follows these files.
-_MODEL_FILES: dict[str, str] = {**AUTO_COMPLETE_FILES, "model.pt": "pytorch", "model.plan": "tensorrt"}
+_MODEL_FILES: dict[str, str] = {
+    **AUTO_COMPLETE_FILES, "model.pt": "pytorch", "model.pt2": "pytorch", "model.plan": "tensorrt"
+}
 
 _NOT_YET = "not implemented yet; this model will be served without it"
 _DIRECT_AT_ONCE = "Direct dispatches as soon as an instance is free; ignored"
