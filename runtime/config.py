@@ -74,7 +74,10 @@ DEFAULT_MAX_BATCH_SIZE = 4
 AUTO_COMPLETE_FILES: dict[str, str] = {"model.onnx": "onnxruntime", "model.py": "python"}
 # With a config that names neither backend nor platform, the backend also follows these files.
 _MODEL_FILES: dict[str, str] = {
-    **AUTO_COMPLETE_FILES, "model.pt": "pytorch", "model.pt2": "pytorch", "model.plan": "tensorrt"
+    **AUTO_COMPLETE_FILES,
+    "model.pt": "pytorch",
+    "model.pt2": "pytorch",
+    "model.plan": "tensorrt",
 }
 
 _NOT_YET = "not implemented yet; this model will be served without it"
