@@ -174,7 +174,8 @@ def test_instance_plan_follows_tritons_placement(groups, gpus, expected):
 
 
 def test_a_listed_gpu_that_is_not_visible_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"GPU 2 is listed but this machine has 2 GPUs visible \(ids 0 to 1\)") as info:
+    visible = r"GPU 2 is listed but this machine has 2 GPUs visible \(ids 0 to 1\)"
+    with pytest.raises(ConfigError, match=visible) as info:
         instance_plan(cfg("instance_group [ { kind: KIND_CPU count: 1 }, { kind: KIND_GPU gpus: [ 0, 2 ] } ]"), 2)
     assert info.value.field == "instance_group[1].gpus"
     with pytest.raises(ConfigError, match=r"GPU 0 is listed but this machine has 0 GPUs visible"):
@@ -253,7 +254,8 @@ def test_outputs_are_picked_by_index_order_or_name():
     ordered = torch_plan.output_binding(["sum", "diff"])
     assert torch_plan.pick_outputs(["s", "d"], ordered, "m") == ["s", "d"]
     assert torch_plan.pick_outputs({"diff": 1, "sum": 2}, ordered, "m") == [2, 1]
-    with pytest.raises(ModelError, match=r"output 'OUTPUT__1' refers to output index 1, but the model returned 1 output$"):
+    missing = r"output 'OUTPUT__1' refers to output index 1, but the model returned 1 output$"
+    with pytest.raises(ModelError, match=missing):
         torch_plan.pick_outputs(["only"], indexed, "m")
     with pytest.raises(ModelError, match=r"returned a dict without 'diff' \(its keys: 'sum'\)"):
         torch_plan.pick_outputs({"sum": 1}, ordered, "m")
@@ -269,7 +271,8 @@ def test_output_shape_checks():
 
 
 def test_config_io_checks_name_the_field():
-    with pytest.raises(ConfigError, match=r"TYPE_UINT32, which the PyTorch backend cannot serve; allowed: TYPE_BOOL") as info:
+    refused = r"TYPE_UINT32, which the PyTorch backend cannot serve; allowed: TYPE_BOOL"
+    with pytest.raises(ConfigError, match=refused) as info:
         torch_plan.check_io(cfg('input { name: "x" data_type: TYPE_UINT32 dims: 1 } output { name: "y" '
                                 'data_type: TYPE_FP32 dims: 1 }'), torch_plan.TORCHSCRIPT)  # fmt: skip
     assert info.value.field == "input[0].data_type"
@@ -341,7 +344,8 @@ def test_out_of_memory_answers_the_batch_empties_the_cache_and_keeps_serving():
 def torch_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("pytorch")
     repo = tmp / "repo"
-    write_model(repo, "add_sub", ADD_SUB_CONFIG + "dynamic_batching { }", {"model.pt": scripted(AddSub(), tmp / "a.pt")})
+    add_sub = scripted(AddSub(), tmp / "a.pt")
+    write_model(repo, "add_sub", ADD_SUB_CONFIG + "dynamic_batching { }", {"model.pt": add_sub})
     write_model(
         repo,
         "named",
@@ -373,7 +377,8 @@ def torch_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
         platform: "pytorch_libtorch"
         max_batch_size: 4
         input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
-        output [ { name: "negated", data_type: TYPE_FP32, dims: [ 4 ] }, { name: "doubled", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        output [ { name: "negated", data_type: TYPE_FP32, dims: [ 4 ] },
+                 { name: "doubled", data_type: TYPE_FP32, dims: [ 4 ] } ]
         """,
         {"model.pt": scripted(DictOut(), tmp / "d.pt")},
     )
