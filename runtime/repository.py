@@ -228,7 +228,7 @@ def instance_plan(config: mc.ModelConfig, gpu_count: int) -> list[tuple[int, int
     """
     K = mc.ModelInstanceGroup
     groups = list(config.instance_group) or [K(count=1, kind=K.KIND_AUTO)]
-    plan = []
+    plan: list[tuple[int, int]] = []
     for index, group in enumerate(groups):
         count = max(group.count, 1)
         kind = group.kind

@@ -19,6 +19,7 @@ scheduler's worker threads (``TorchInstance.execute``).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import threading
 import time
@@ -311,8 +312,9 @@ class TorchInstance(ModelInstance):
     def _capture_graphs(self, config: mc.ModelConfig) -> Any:
         if not torch_plan.graphs_requested(config):
             return None
-        from sluice.runtime.backends import torch_graphs
-
+        # torch_graphs is written beside this backend (CUDA graphs); imported by name, only here,
+        # so CPU-only servers and tests never load it.
+        torch_graphs = importlib.import_module("sluice.runtime.backends.torch_graphs")
         plan = torch_graphs.graph_plan(config)
         if plan is None:
             return None
