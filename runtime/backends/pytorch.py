@@ -449,6 +449,9 @@ class TorchInstance(ModelInstance):
                 self._empty_cache()
         except Exception as exc:
             error = torch_plan.failure(exc, self._label, str(self._device), rows)
+            if self._cuda:  # copies still queued read the pinned buffers the next batch rewrites
+                with contextlib.suppress(Exception):
+                    self._stream.synchronize()
             if torch_plan.is_out_of_memory(exc):
                 log.warning("%s", error.message)
                 self._empty_cache()
