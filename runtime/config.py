@@ -70,8 +70,9 @@ CONFIG_FILE_NAMES: tuple[str, ...] = ("config.pbtxt", "config.yaml", "config.yml
 DEFAULT_MAX_BATCH_SIZE = 4
 
 # A model directory without a config file is auto-completed from the first version directory
-# holding one of these files (Triton auto-completes ONNX and Python models only).
-AUTO_COMPLETE_FILES: dict[str, str] = {"model.onnx": "onnxruntime", "model.py": "python"}
+# holding one of these files (Triton auto-completes ONNX and Python models only; Sluice also
+# completes a torch.export program, model.pt2, from its signature).
+AUTO_COMPLETE_FILES: dict[str, str] = {"model.onnx": "onnxruntime", "model.py": "python", "model.pt2": "pytorch"}
 # With a config that names neither backend nor platform, the backend also follows these files.
 _MODEL_FILES: dict[str, str] = {**AUTO_COMPLETE_FILES, "model.pt": "pytorch", "model.plan": "tensorrt"}
 

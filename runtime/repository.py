@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Collection, Coroutine, Iterable
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from sluice.runtime import classification, ensemble, names, sequence
+from sluice.runtime import classification, cudart, ensemble, names, sequence
 from sluice.runtime import config as model_config
 from sluice.runtime.backends.base import BackendServices, LoadContext, ModelBackend, ModelInstance
 from sluice.runtime.batching import (
@@ -177,8 +178,12 @@ def _backend_loader(backend: str) -> Callable[[mc.ModelConfig, LoadContext], Mod
         from sluice.runtime.backends import tensorrt
 
         return tensorrt.load
+    if backend == "pytorch":
+        from sluice.runtime.backends import pytorch
+
+        return pytorch.load
     raise ConfigError(
-        f"backend '{backend}' is not available in this Sluice build; available: onnxruntime, python, tensorrt",
+        f"backend '{backend}' is not available in this Sluice build; available: onnxruntime, python, pytorch, tensorrt",
         field="backend",
     )
 
@@ -215,15 +220,59 @@ def _quietly(close: Callable[[], object]) -> None:
         log.exception("closing a model instance failed")
 
 
-def _instance_plan(config: mc.ModelConfig) -> list[tuple[int, int]]:
-    """(kind, device_id) for every instance the instance groups ask for."""
-    groups = list(config.instance_group) or [mc.ModelInstanceGroup(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)]
-    plan = []
-    for group in groups:
-        gpus = list(group.gpus) or [0]
-        for i in range(max(group.count, 1)):
-            plan.append((group.kind, gpus[i % len(gpus)]))
+def instance_plan(config: mc.ModelConfig, gpu_count: int) -> list[tuple[int, int]]:
+    """(kind, device_id) for every instance the instance groups ask for, with Triton's semantics (pure).
+
+    No instance_group means one KIND_AUTO group of one instance. KIND_AUTO is KIND_GPU when
+    ``gpu_count`` > 0, else KIND_CPU. KIND_GPU places ``count`` instances on each listed GPU, or on
+    each of the ``gpu_count`` visible GPUs when none is listed; a listed GPU that is not visible is a
+    ConfigError. KIND_GPU without GPUs listed on a machine with none gives ``count`` instances on
+    device 0, so the backend says what it lacks (a CUDA build, a visible GPU). KIND_CPU and
+    KIND_MODEL: ``count`` instances, device 0.
+    """
+    K = mc.ModelInstanceGroup
+    groups = list(config.instance_group) or [K(count=1, kind=K.KIND_AUTO)]
+    plan: list[tuple[int, int]] = []
+    for index, group in enumerate(groups):
+        count = max(group.count, 1)
+        kind = group.kind
+        if kind == K.KIND_AUTO:
+            kind = K.KIND_GPU if gpu_count > 0 or group.gpus else K.KIND_CPU
+        if kind != K.KIND_GPU:
+            plan.extend((kind, 0) for _ in range(count))
+            continue
+        for gpu in group.gpus:
+            if gpu >= gpu_count:
+                visible = f"{gpu_count} GPU{'s' if gpu_count != 1 else ''} visible" + (
+                    f" (ids 0 to {gpu_count - 1})" if gpu_count else ""
+                )
+                raise ConfigError(
+                    f"GPU {gpu} is listed but this machine has {visible}; allowed: ids of visible GPUs",
+                    field=f"instance_group[{index}].gpus",
+                )
+        devices = list(group.gpus) or list(range(gpu_count)) or [0]
+        plan.extend((kind, device) for device in devices for _ in range(count))
     return plan
+
+
+@functools.cache
+def _cudart_gpu_count() -> int:
+    try:
+        return cudart.Loader().get().device_count()
+    except (cudart.NoCuda, cudart.CudaError, OSError):
+        return 0
+
+
+def visible_gpu_count(backend: str) -> int:
+    """GPUs this process sees: torch's count for PyTorch models (torch is being imported anyway),
+    else the CUDA runtime's (ctypes, no framework import), 0 without either."""
+    if backend == "pytorch":
+        from sluice.runtime.backends import pytorch
+
+        count = pytorch.cuda_device_count()
+        if count is not None:
+            return count
+    return _cudart_gpu_count()
 
 
 def prepare(
@@ -285,7 +334,16 @@ def prepare(
 
         last = LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root, services)
         python.auto_complete(config, last)
+    if backend == "pytorch":  # a torch.export program completes the config from its signature
+        from sluice.runtime.backends import pytorch
+
+        last = LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root, services)
+        probed = pytorch.probe(config, last)
+        if probed is not None:
+            warnings += model_config.complete_io(config, *probed, source=loaded.source)
     warnings += model_config.validate(config, source=loaded.source)
+    if backend == "pytorch":
+        warnings += pytorch.check_config(config, last, source=loaded.source)
     labels = classification.read_labels(config, model_dir)  # raises for a missing label file
     warnings = list(dict.fromkeys(warnings))  # load_model_config validates too; report each once
     try:
@@ -303,6 +361,15 @@ def prepare(
         plans = [(version, ensemble.Ensemble(config), []) for version in chosen]
         return _Prepared(config, plans, warnings, None, cache, labels)
     loader = _backend_loader(backend)
+    try:
+        plan = instance_plan(config, visible_gpu_count(backend))
+    except ConfigError as exc:
+        raise ConfigError(exc.detail, file=loaded.source, field=exc.field) from None
+    if backend == "pytorch":
+        from sluice.runtime.backends import torch_plan
+
+        graph_warning = torch_plan.cpu_graph_warning(config, [kind for kind, _ in plan])
+        warnings += [graph_warning] if graph_warning else []
     prepared = _Prepared(config, [], warnings, scheduling, cache, labels, sequencing)
     try:
         for version in chosen:
@@ -310,7 +377,7 @@ def prepare(
             instance_backend = loader(config, ctx)
             instances: list[ModelInstance] = []
             prepared.versions.append((version, instance_backend, instances))
-            for index, (kind, device) in enumerate(_instance_plan(config)):
+            for index, (kind, device) in enumerate(plan):
                 instances.append(instance_backend.new_instance(index, kind, device))
     except BaseException:
         prepared.close()

@@ -1,0 +1,559 @@
+"""PyTorch backend (``backend: "pytorch"`` / ``platform: "pytorch_libtorch"``): one module per instance.
+
+Loads, by what the file holds (:func:`torch_plan.model_kind`), a TorchScript archive (Triton's
+``model.pt``, ``torch.jit.load``), or, as a Sluice extension, a ``torch.export`` program
+(``torch.export.load``) or an AOTInductor package (``torch._inductor.aoti_load_package``), usually
+``model.pt2``. Inputs bind by forward() argument name, ``<name>__<index>`` or the config's order;
+outputs by ``<name>__<index>`` or order (a dict result by name), as in Triton's PyTorch backend.
+
+Instances of kind KIND_GPU run on ``cuda:<device_id>`` with a CUDA stream of their own; inputs go
+host -> device through pinned host buffers kept per instance (:class:`_CudaStaging`), outputs come
+back the same way, and CUDA graphs (``optimization { cuda { graphs: true } }``) come from
+``torch_graphs``, imported only on that path. Every decision sits in ``torch_plan`` (pure); this
+module is the thin layer around torch, imported lazily by the repository.
+
+Who calls it: the repository (``probe``, ``check_config``, ``load``, ``cuda_device_count``), then the
+scheduler's worker threads (``TorchInstance.execute``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import threading
+import time
+import zipfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+
+from sluice.runtime.backends import torch_plan
+from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result, TensorSpec
+from sluice.runtime.backends.tensor import merge_inputs, split_outputs
+from sluice.runtime.errors import ConfigError, ModelError, SluiceError, Unavailable, Unsupported
+from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, InferRequest
+
+log = logging.getLogger("sluice.runtime.backends.pytorch")
+
+_KIND_GPU = mc.ModelInstanceGroup.KIND_GPU
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise Unavailable(
+            "the PyTorch backend needs torch, which is not installed; install the 'torch' extra "
+            "(pip install 'sluice[torch]')"
+        ) from None
+    return torch
+
+
+def cuda_device_count() -> int | None:
+    """torch's count of visible GPUs; None when torch is missing or has no usable CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.device_count())
+
+
+def model_path(config: mc.ModelConfig, ctx: LoadContext) -> Path:
+    present = [p.name for p in ctx.version_dir.iterdir()] if ctx.version_dir.is_dir() else []
+    path = ctx.version_dir / torch_plan.model_filename(config.default_model_filename, present)
+    if not path.is_file():
+        raise ConfigError(
+            f"model file not found: {path} (allowed: {' or '.join(torch_plan.DEFAULT_FILENAMES)}, "
+            "or set default_model_filename)",
+            file=str(path),
+            field="default_model_filename",
+        )
+    return path
+
+
+def kind_of(path: Path) -> str:
+    """TORCHSCRIPT, EXPORT or AOTI for the file at ``path``; ConfigError for anything else."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        raise ConfigError(
+            f"'{path.name}' is not a model torch can load (not a zip archive); allowed: a TorchScript archive "
+            "(torch.jit.save), a torch.export program (torch.export.save) or an AOTInductor package",
+            file=str(path),
+            field="default_model_filename",
+        ) from None
+    try:
+        return torch_plan.model_kind(names, path.name)
+    except ConfigError as exc:
+        raise ConfigError(exc.detail, file=str(path), field=exc.field) from None
+
+
+_DATATYPE_BY_TORCH = {
+    name: DATATYPE_BY_CONFIG_TYPE[mc.DataType.Name(t)] for t, name in torch_plan.TORCH_DTYPE_BY_CONFIG.items()
+}
+
+
+def probe_export(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Inputs and outputs a ``torch.export`` program declares (for completing the config): inputs
+    named after forward()'s arguments, outputs ``OUTPUT__<index>``; symbolic dims are -1."""
+    torch = _torch()
+    program = torch.export.load(str(path))
+    placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+
+    def spec(name: str, value: Any) -> TensorSpec:
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(f"the exported program's '{name}' is not a tensor ({type(value).__name__})")
+        datatype = _DATATYPE_BY_TORCH.get(str(value.dtype).removeprefix("torch."), str(value.dtype))
+        shape = tuple(d if isinstance(d, int) else -1 for d in value.shape)
+        return TensorSpec(name, datatype, shape)
+
+    args = program.module_call_graph[0].signature.forward_arg_names or list(program.graph_signature.user_inputs)
+    users = list(program.graph_signature.user_inputs)
+    inputs = [spec(arg, placeholders[node].meta.get("val")) for arg, node in zip(args, users, strict=False)]
+    output_node = next(node for node in program.graph.nodes if node.op == "output")
+    results = output_node.args[0]
+    values = [r.meta.get("val") for r in (results if isinstance(results, list | tuple) else [results])]
+    user_outputs = len(program.graph_signature.user_outputs)
+    outputs = [spec(f"OUTPUT__{i}", value) for i, value in enumerate(values[-user_outputs:])]
+    return inputs, outputs
+
+
+def probe(config: mc.ModelConfig, ctx: LoadContext) -> tuple[list[TensorSpec], list[TensorSpec]] | None:
+    """What to complete the config from (Triton's auto-complete): a ``torch.export`` program's
+    signature when the config lacks inputs or outputs; None otherwise. Triton does not complete
+    TorchScript configs (forward() declares no shapes), so those must list their inputs and outputs."""
+    path = model_path(config, ctx)
+    if (config.input and config.output) or kind_of(path) != torch_plan.EXPORT:
+        return None
+    try:
+        return probe_export(path)
+    except ConfigError as exc:
+        raise ConfigError(exc.detail, file=str(path), field=exc.field) from None
+
+
+def check_config(config: mc.ModelConfig, ctx: LoadContext, *, source: str) -> list[str]:
+    """After validation: the parameters and IO types this backend accepts; return load warnings."""
+    kind = kind_of(model_path(config, ctx))
+    try:
+        settings, warnings = torch_plan.torch_settings(_parameters(config))
+        torch_plan.check_io(config, kind)
+        if settings.precision is not None and kind == torch_plan.AOTI:
+            raise ConfigError(
+                "an AOTInductor package runs at the precision it was compiled with; allowed: no precision "
+                "parameter (compile the package in fp16/bf16 instead)",
+                field="parameters[precision]",
+            )
+    except ConfigError as exc:
+        raise ConfigError(exc.detail, file=exc.file or source, field=exc.field) from None
+    return warnings
+
+
+def _parameters(config: mc.ModelConfig) -> dict[str, str]:
+    return {key: value.string_value for key, value in config.parameters.items()}
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+class _Loaded:
+    """A module ready to call on one device, and what the naming conventions need of it."""
+
+    def __init__(self, module: Callable[..., Any], forward_args: list[str] | None, dict_input: bool) -> None:
+        self.module = module
+        self.forward_args = forward_args
+        self.dict_input = dict_input
+
+
+def _load_torchscript(torch: Any, path: Path, device: Any, settings: torch_plan.TorchSettings) -> _Loaded:
+    try:
+        module = torch.jit.load(str(path), map_location=device)
+    except Exception as exc:
+        raise ConfigError(f"torch.jit.load cannot load the model: {exc}", file=str(path)) from exc
+    module.eval()
+    if settings.precision is not None:
+        module.to(getattr(torch, settings.precision))
+    if settings.channels_last:
+        module.to(memory_format=torch.channels_last)
+    arguments = list(module.forward.schema.arguments)
+    if arguments and arguments[0].name == "self":
+        arguments = arguments[1:]
+    kinds = [str(a.type.kind()) for a in arguments]
+    if len(arguments) == 1 and kinds[0] == "DictType":
+        return _Loaded(module, None, dict_input=True)
+    for argument, kind in zip(arguments, kinds, strict=True):
+        if kind not in ("TensorType", "ListType"):
+            raise ConfigError(
+                f"forward() argument '{argument.name}' has type {argument.type}; allowed: Tensor, List[str], or one "
+                "Dict[str, Tensor] argument",
+                file=str(path),
+            )
+    return _Loaded(module, [a.name for a in arguments], dict_input=False)
+
+
+def _load_export(torch: Any, path: Path, device: Any, settings: torch_plan.TorchSettings) -> _Loaded:
+    try:
+        program = torch.export.load(str(path))
+    except Exception as exc:
+        raise ConfigError(f"torch.export.load cannot load the program: {exc}", file=str(path)) from exc
+    module = program.module().to(device)
+    if settings.precision is not None:
+        module.to(getattr(torch, settings.precision))
+    args = list(program.module_call_graph[0].signature.forward_arg_names or program.graph_signature.user_inputs)
+    return _Loaded(module, args, dict_input=False)
+
+
+def _load_aoti(torch: Any, path: Path, device: Any, device_id: int) -> _Loaded:
+    from torch._inductor import aoti_load_package
+
+    try:
+        compiled = aoti_load_package(str(path), device_index=device_id if device.type == "cuda" else -1)
+    except Exception as exc:
+        raise ConfigError(f"aoti_load_package cannot load the package: {exc}", file=str(path)) from exc
+    built_for = str(compiled.get_metadata().get("AOTI_DEVICE_KEY", "cpu"))
+    if built_for != device.type:
+        raise ConfigError(
+            f"the AOTInductor package was compiled for {built_for} but the instance runs on {device.type}; "
+            f"allowed: instance_group kind {'KIND_GPU' if built_for == 'cuda' else 'KIND_CPU'} for this package",
+            file=str(path),
+            field="instance_group",
+        )
+    return _Loaded(compiled, None, dict_input=False)
+
+
+# --- CUDA staging --------------------------------------------------------------------------------
+
+
+class _CudaStaging:
+    """Pinned host buffers of one instance, one per tensor name and direction, grown as needed
+    (:func:`torch_plan.pinned_capacity`). Copies are asynchronous on the instance's stream; the
+    instance synchronizes the stream before it answers, so a buffer is free again on the next call."""
+
+    def __init__(self, torch: Any, device: Any, stream: Any) -> None:
+        self._torch = torch
+        self._device = device
+        self._stream = stream
+        self._buffers: dict[tuple[str, str], Any] = {}
+
+    def _buffer(self, key: tuple[str, str], nbytes: int) -> Any:
+        current = self._buffers.get(key)
+        size = 0 if current is None else int(current.numel())
+        capacity = torch_plan.pinned_capacity(nbytes, size)
+        if capacity != size:
+            current = self._torch.empty(capacity, dtype=self._torch.uint8, pin_memory=True)
+            self._buffers[key] = current
+        return current
+
+    def to_device(self, name: str, host: Any) -> Any:
+        nbytes = host.numel() * host.element_size()
+        staged = self._buffer(("in", name), nbytes)[:nbytes].view(host.dtype).view(host.shape)
+        staged.copy_(host)
+        return staged.to(self._device, non_blocking=True)
+
+    def to_host(self, name: str, value: Any) -> Any:
+        value = value.contiguous()
+        nbytes = value.numel() * value.element_size()
+        staged = self._buffer(("out", name), nbytes)[:nbytes].view(value.dtype).view(value.shape)
+        staged.copy_(value, non_blocking=True)
+        return staged
+
+
+# --- instances -----------------------------------------------------------------------------------
+
+
+class TorchInstance(ModelInstance):
+    """Runs one module. ``module`` is what torch loaded (any callable taking tensors); ``empty_cache``
+    frees the CUDA caching allocator after an out-of-memory error (a no-op on CPU instances)."""
+
+    def __init__(
+        self,
+        module: Callable[..., Any],
+        config: mc.ModelConfig,
+        label: str,
+        *,
+        forward_args: Sequence[str] | None = None,
+        dict_input: bool = False,
+        settings: torch_plan.TorchSettings | None = None,
+        device: str = "cpu",
+        empty_cache: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._torch = _torch()
+        self._module = module
+        self._label = label
+        self._settings = settings or torch_plan.TorchSettings()
+        self._device = self._torch.device(device)
+        self._empty_cache = empty_cache
+        self._batched = config.max_batch_size > 0
+        self._inputs = list(config.input)
+        self._outputs = list(config.output)
+        self._in_binding = torch_plan.input_binding([i.name for i in config.input], forward_args, dict_input=dict_input)
+        if self._in_binding.warning:
+            log.warning("model '%s': %s", label, self._in_binding.warning)
+        self._out_binding = torch_plan.output_binding([o.name for o in config.output])
+        self._datatypes = {o.name: DATATYPE_BY_CONFIG_TYPE[mc.DataType.Name(o.data_type)] for o in config.output}
+        self._channels_last = set(torch_plan.channels_last_inputs(config)) if self._settings.channels_last else set()
+        self._run_dtypes = {i.name: torch_plan.run_dtype(i.data_type, self._settings.precision) for i in config.input}
+        self._cuda = self._device.type == "cuda"
+        self._stream: Any = None
+        self._staging: _CudaStaging | None = None
+        self._graphed: Any = None
+        if self._cuda:
+            self._stream = self._torch.cuda.Stream(device=self._device)
+            self._staging = _CudaStaging(self._torch, self._device, self._stream)
+            self._graphed = self._capture_graphs(config)
+
+    # The CUDA-graph hook: torch_graphs (imported only here) captures ``_forward`` per batch size.
+    def _capture_graphs(self, config: mc.ModelConfig) -> Any:
+        if not torch_plan.graphs_requested(config):
+            return None
+        # torch_graphs is written beside this backend (CUDA graphs); imported by name, only here,
+        # so CPU-only servers and tests never load it.
+        torch_graphs = importlib.import_module("sluice.runtime.backends.torch_graphs")
+        plan = torch_graphs.graph_plan(config)
+        if plan is None:
+            return None
+
+        def example_inputs(batch: int) -> list[Any]:
+            return [
+                self._torch.zeros(
+                    torch_plan.example_shape(
+                        list(i.reshape.shape) if i.HasField("reshape") else list(i.dims),
+                        batch if self._batched else None,
+                    ),
+                    dtype=getattr(self._torch, self._run_dtypes[i.name] or "float32"),
+                    device=self._device,
+                )
+                for i in self._inputs
+            ]
+
+        with self._torch.cuda.stream(self._stream), self._modes():
+            return torch_graphs.GraphedModel(self._forward, plan, example_inputs, self._device, self._stream)
+
+    @contextlib.contextmanager
+    def _modes(self) -> Iterator[None]:
+        """The execution modes the parameters ask for, around one call."""
+        torch, settings = self._torch, self._settings
+        for setting, setter in (
+            (settings.enable_jit_executor, torch._C._jit_set_profiling_executor),
+            (settings.enable_jit_profiling, torch._C._jit_set_profiling_mode),
+            (settings.enable_tensor_fuser, torch._C._jit_set_texpr_fuser_enabled),
+        ):
+            if setting is not None:  # process-wide switches, set before each call as Triton does
+                setter(setting)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.inference_mode() if settings.inference_mode else torch.no_grad())
+            if settings.disable_optimized_execution:
+                stack.enter_context(torch.jit.optimized_execution(False))
+            if settings.disable_cudnn:
+                stack.enter_context(torch.backends.cudnn.flags(enabled=False))
+            yield
+
+    def _forward(self, tensors: list[Any]) -> list[Any]:
+        """Run the module on inputs in config order; its results in config output order."""
+        names = [i.name for i in self._inputs]
+        if self._in_binding.convention == torch_plan.DICT_INPUT:
+            result = self._module(dict(zip(names, tensors, strict=True)))
+        else:
+            args: list[Any] = [None] * self._in_binding.arity
+            for name, tensor in zip(names, tensors, strict=True):
+                args[self._in_binding.index[name]] = tensor
+            result = self._module(*args)
+        if isinstance(result, self._torch.Tensor):
+            result = [result]
+        elif isinstance(result, list) and result and all(isinstance(r, str) for r in result):
+            result = [result]  # one List[str] output
+        elif not isinstance(result, list | tuple | dict):
+            raise ModelError(
+                f"model '{self._label}' returned a {type(result).__name__}; allowed: a Tensor, a List[str], "
+                "or a tuple, list or dict of them"
+            )
+        return torch_plan.pick_outputs(result, self._out_binding, self._label)
+
+    def _to_model(self, spec: mc.ModelInput, array: np.ndarray) -> Any:
+        torch = self._torch
+        if spec.HasField("reshape"):
+            shape = tuple(spec.reshape.shape)
+            array = array.reshape((array.shape[0], *shape) if self._batched else shape)
+        if spec.data_type == mc.TYPE_STRING:
+            return [b.decode("utf-8", "replace") if isinstance(b, bytes) else str(b) for b in array.ravel()]
+        if not array.flags.writeable or not array.flags.c_contiguous:
+            array = np.array(array, copy=True, order="C")  # torch shares memory only with writable arrays
+        if spec.data_type == mc.TYPE_BF16:
+            tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        else:
+            tensor = torch.from_numpy(array)
+        if self._staging is not None:
+            tensor = self._staging.to_device(spec.name, tensor)
+        run_dtype = self._run_dtypes[spec.name]
+        if run_dtype is not None and str(tensor.dtype) != f"torch.{run_dtype}":
+            tensor = tensor.to(getattr(torch, run_dtype))
+        if spec.name in self._channels_last:
+            tensor = tensor.contiguous(memory_format=torch.channels_last)
+        return tensor
+
+    def _to_numpy(self, spec: mc.ModelOutput, value: Any, rows: int) -> np.ndarray:
+        torch = self._torch
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            array = np.array([v.encode() for v in value], dtype=object)
+        elif isinstance(value, torch.Tensor):
+            wanted = getattr(torch, torch_plan.TORCH_DTYPE_BY_CONFIG.get(spec.data_type, "float32"))
+            if value.dtype != wanted and spec.data_type != mc.TYPE_STRING:
+                value = value.to(wanted)  # the model ran in another precision
+            value = value.detach()
+            if self._staging is not None and value.is_cuda:
+                value = self._staging.to_host(spec.name, value)
+                self._stream.synchronize()
+            value = value.contiguous()
+            if value.dtype == torch.bfloat16:
+                array = value.view(torch.int16).numpy().view(np.uint16).copy()
+            else:
+                array = value.numpy().copy() if self._staging is not None else value.numpy()
+        else:
+            raise ModelError(
+                f"model '{self._label}': output '{spec.name}' is a {type(value).__name__}; "
+                "allowed: a Tensor or List[str]"
+            )
+        dims = list(spec.reshape.shape) if spec.HasField("reshape") else list(spec.dims)
+        problem = torch_plan.output_shape_problem(spec.name, array.shape, dims, batched=self._batched, rows=rows)
+        if problem is not None:
+            raise ModelError(f"model '{self._label}': {problem}")
+        if spec.HasField("reshape"):
+            array = array.reshape((rows, *spec.dims) if self._batched else tuple(spec.dims))
+        return array
+
+    def execute(self, requests: Sequence[InferRequest]) -> list[Result]:
+        start = time.monotonic_ns()
+        rows = sum(r.batch_size for r in requests) if self._batched else 1
+        inputs_done = outputs_start = start
+        try:
+            feeds = merge_inputs(requests)
+            stream = self._torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
+            with stream, self._modes():
+                tensors = [self._to_model(spec, feeds[spec.name]) for spec in self._inputs]
+                inputs_done = time.monotonic_ns()
+                results = self._graphed.run(tensors) if self._graphed is not None else None
+                if results is None:
+                    results = self._forward(tensors)
+                outputs_start = time.monotonic_ns()
+                arrays = {
+                    spec.name: (self._datatypes[spec.name], self._to_numpy(spec, value, rows))
+                    for spec, value in zip(self._outputs, results, strict=True)
+                }
+            if self._cuda and self._settings.enable_cache_cleaning:
+                self._empty_cache()
+        except Exception as exc:
+            error = torch_plan.failure(exc, self._label, str(self._device), rows)
+            if self._cuda:  # copies still queued read the pinned buffers the next batch rewrites
+                with contextlib.suppress(Exception):
+                    self._stream.synchronize()
+            if torch_plan.is_out_of_memory(exc):
+                log.warning("%s", error.message)
+                self._empty_cache()
+            elif not isinstance(exc, SluiceError):
+                log.info("model '%s' failed: %s", self._label, error.message)
+            return [error] * len(requests)
+        responses: list[Result] = list(split_outputs(requests, arrays, batched=self._batched))
+        done = time.monotonic_ns()
+        self.last_phases_ns = (inputs_done - start, done - outputs_start)
+        for request in requests:
+            if request.trace is not None:  # sampled (tracing.py)
+                request.trace.compute_split(inputs_done - start, outputs_start - inputs_done, done - outputs_start)
+        return responses
+
+    def close(self) -> None:
+        self._graphed = None
+        self._module = None  # type: ignore[assignment]
+        if self._cuda:
+            self._empty_cache()
+
+
+class TorchBackend(ModelBackend):
+    def __init__(self, config: mc.ModelConfig, ctx: LoadContext, path: Path, kind: str) -> None:
+        self.config = config
+        self._ctx = ctx
+        self._path = path
+        self._kind = kind
+        self._settings, _ = torch_plan.torch_settings(_parameters(config))
+        self._shared: dict[str, _Loaded] = {}  # ENABLE_WEIGHT_SHARING: device -> module
+        self._lock = threading.Lock()
+        _apply_thread_counts(_torch(), self._settings, ctx.model_name)
+
+    def _load(self, device: Any, device_id: int) -> _Loaded:
+        torch = _torch()
+        if self._kind == torch_plan.TORCHSCRIPT:
+            return _load_torchscript(torch, self._path, device, self._settings)
+        if self._kind == torch_plan.EXPORT:
+            return _load_export(torch, self._path, device, self._settings)
+        return _load_aoti(torch, self._path, device, device_id)
+
+    def new_instance(self, index: int, kind: int, device_id: int) -> ModelInstance:
+        torch = _torch()
+        if kind == _KIND_GPU:
+            if not torch.cuda.is_available():
+                why = "has no CUDA build" if torch.version.cuda is None else "sees no GPU"
+                raise Unavailable(
+                    f"instance_group kind KIND_GPU needs torch with CUDA and a visible GPU (this torch "
+                    f"{torch.__version__} {why}); use KIND_CPU, or a CUDA build of torch on a GPU machine"
+                )
+            device = torch.device("cuda", device_id)
+        else:
+            device = torch.device("cpu")
+        with self._lock:
+            key = str(device)
+            if self._settings.enable_weight_sharing and key in self._shared:
+                loaded = self._shared[key]
+            else:
+                loaded = self._load(device, device_id)
+                if self._settings.enable_weight_sharing:
+                    self._shared[key] = loaded
+        try:
+            return TorchInstance(
+                loaded.module,
+                self.config,
+                f"{self._ctx.model_name}:{self._ctx.version}",
+                forward_args=loaded.forward_args,
+                dict_input=loaded.dict_input,
+                settings=self._settings,
+                device=str(device),
+                empty_cache=torch.cuda.empty_cache if device.type == "cuda" else (lambda: None),
+            )
+        except ConfigError as exc:
+            raise ConfigError(exc.detail, file=exc.file or str(self._path), field=exc.field) from None
+
+    def close(self) -> None:
+        self._shared.clear()
+
+
+def _apply_thread_counts(torch: Any, settings: torch_plan.TorchSettings, model: str) -> None:
+    """INTRA/INTER_OP_THREAD_COUNT are process-wide in torch (as in Triton, the last value set stands
+    for intra-op; inter-op can be set only once, before torch's first parallel work)."""
+    if settings.intra_op_thread_count is not None and torch.get_num_threads() != settings.intra_op_thread_count:
+        torch.set_num_threads(settings.intra_op_thread_count)
+    if settings.inter_op_thread_count is not None and torch.get_num_interop_threads() != settings.inter_op_thread_count:
+        try:
+            torch.set_num_interop_threads(settings.inter_op_thread_count)
+        except RuntimeError:
+            log.warning(
+                "model '%s': INTER_OP_THREAD_COUNT %d not applied: torch's inter-op pool already runs with %d threads "
+                "(process-wide; only the first setting before any parallel work takes effect)",
+                model,
+                settings.inter_op_thread_count,
+                torch.get_num_interop_threads(),
+            )
+
+
+def load(config: mc.ModelConfig, ctx: LoadContext) -> TorchBackend:
+    """Find and classify the model file; ``config`` is already completed and validated."""
+    if config.model_transaction_policy.decoupled:
+        raise Unsupported(
+            f"failed to load '{ctx.model_name}' version {ctx.version}: the pytorch backend does not support "
+            "model_transaction_policy { decoupled: true }; only Python-backend models may be decoupled"
+        )
+    path = model_path(config, ctx)
+    return TorchBackend(config, ctx, path, kind_of(path))

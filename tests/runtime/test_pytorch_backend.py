@@ -1,0 +1,684 @@
+"""PyTorch backend: Triton's pytorch_libtorch conventions served through tritonclient (HTTP and gRPC),
+torch.export programs and AOTInductor packages, instance placement, and the pure decisions
+(naming conventions, parameters, CUDA-path choices) tested without torch where they need none.
+
+Models are built here (torch.jit.script / trace, torch.export); nothing binary is committed.
+GPU tests skip with the reason on machines without CUDA.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.utils import InferenceServerException
+
+from sluice.runtime.backends import torch_plan
+from sluice.runtime.errors import ConfigError, ModelError, Unavailable
+from sluice.runtime.repository import instance_plan
+from sluice.runtime.types import InferRequest, Tensor
+
+from .conftest import EXPLICIT, ManualClock, write_model  # type: ignore[import-not-found]
+
+torch = pytest.importorskip("torch")
+
+K = mc.ModelInstanceGroup
+GPU_REASON = "needs a CUDA GPU and a CUDA build of torch (this machine has neither)"
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU_REASON)
+
+
+def cfg(text: str = "") -> mc.ModelConfig:
+    return text_format.Parse(text, mc.ModelConfig())
+
+
+# --- models, built in the tests -------------------------------------------------------------------
+
+
+class AddSub(torch.nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return a + b, a - b
+
+
+class Scale(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x * 2 + y
+
+
+class DictOut(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"doubled": x * 2, "negated": -x}
+
+
+class Upper(torch.nn.Module):
+    def forward(self, words: list[str]) -> list[str]:
+        return [w.upper() for w in words]
+
+
+class Boom(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool(x.sum() > 100):
+            raise ValueError("input sum too large")
+        return x + 1
+
+
+def scripted(module: torch.nn.Module, path: Path) -> bytes:
+    torch.jit.script(module).save(str(path))
+    return path.read_bytes()
+
+
+def exported_add_sub(path: Path) -> Any:
+    batch = torch.export.Dim("batch", min=1, max=64)
+    example = (torch.randn(2, 4), torch.randn(2, 4))
+    program = torch.export.export(AddSub(), example, dynamic_shapes=({0: batch}, {0: batch}))
+    torch.export.save(program, str(path))
+    return program
+
+
+ADD_SUB_CONFIG = """
+platform: "pytorch_libtorch"
+max_batch_size: 8
+input [
+  { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ] },
+  { name: "INPUT__1", data_type: TYPE_FP32, dims: [ 4 ] }
+]
+output [
+  { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 4 ] },
+  { name: "OUTPUT__1", data_type: TYPE_FP32, dims: [ 4 ] }
+]
+"""
+
+
+def rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 4)).astype(np.float32)
+
+
+def http_infer(server: Any, model: str, arrays: dict[str, np.ndarray], datatype: str = "FP32") -> Any:
+    client = httpclient.InferenceServerClient(server.http)
+    inputs = []
+    for name, array in arrays.items():
+        tensor = httpclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    try:
+        return client.infer(model, inputs)
+    finally:
+        client.close()
+
+
+def grpc_infer(server: Any, model: str, arrays: dict[str, np.ndarray], datatype: str = "FP32") -> Any:
+    client = grpcclient.InferenceServerClient(server.grpc)
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    try:
+        return client.infer(model, inputs)
+    finally:
+        client.close()
+
+
+def load_error(server: Any, model: str) -> str:
+    client = httpclient.InferenceServerClient(server.http)
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            client.load_model(model)
+        return str(info.value)
+    finally:
+        client.close()
+
+
+# --- pure: instance placement ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("groups", "gpus", "expected"),
+    [
+        ("", 0, [(K.KIND_CPU, 0)]),
+        ("", 2, [(K.KIND_GPU, 0), (K.KIND_GPU, 1)]),
+        ("instance_group [ { kind: KIND_AUTO count: 2 } ]", 0, [(K.KIND_CPU, 0)] * 2),
+        ("instance_group [ { kind: KIND_CPU count: 3 } ]", 2, [(K.KIND_CPU, 0)] * 3),
+        # KIND_GPU without gpus: count instances on EACH visible GPU
+        (
+            "instance_group [ { kind: KIND_GPU count: 2 } ]",
+            2,
+            [(K.KIND_GPU, 0), (K.KIND_GPU, 0), (K.KIND_GPU, 1), (K.KIND_GPU, 1)],
+        ),
+        # with gpus: count on each listed GPU
+        (
+            "instance_group [ { kind: KIND_GPU count: 2 gpus: [ 1, 3 ] } ]",
+            4,
+            [(K.KIND_GPU, 1), (K.KIND_GPU, 1), (K.KIND_GPU, 3), (K.KIND_GPU, 3)],
+        ),
+        (
+            "instance_group [ { kind: KIND_GPU gpus: [ 0 ] }, { kind: KIND_CPU count: 2 } ]",
+            1,
+            [(K.KIND_GPU, 0), (K.KIND_CPU, 0), (K.KIND_CPU, 0)],
+        ),
+        # no GPU at all: the backend explains what it lacks
+        ("instance_group [ { kind: KIND_GPU } ]", 0, [(K.KIND_GPU, 0)]),
+    ],
+)
+def test_instance_plan_follows_tritons_placement(groups, gpus, expected):
+    assert instance_plan(cfg(groups), gpus) == expected
+
+
+def test_a_listed_gpu_that_is_not_visible_is_a_config_error():
+    visible = r"GPU 2 is listed but this machine has 2 GPUs visible \(ids 0 to 1\)"
+    with pytest.raises(ConfigError, match=visible) as info:
+        instance_plan(cfg("instance_group [ { kind: KIND_CPU count: 1 }, { kind: KIND_GPU gpus: [ 0, 2 ] } ]"), 2)
+    assert info.value.field == "instance_group[1].gpus"
+    with pytest.raises(ConfigError, match=r"GPU 0 is listed but this machine has 0 GPUs visible"):
+        instance_plan(cfg("instance_group [ { kind: KIND_GPU gpus: [ 0 ] } ]"), 0)
+
+
+# --- pure: file kinds, parameters, conventions ----------------------------------------------------
+
+
+def test_model_kind_tells_the_three_archives_apart(tmp_path):
+    scripted(AddSub(), tmp_path / "model.pt")
+    exported_add_sub(tmp_path / "model.pt2")
+    names = {p: zipfile.ZipFile(tmp_path / p).namelist() for p in ("model.pt", "model.pt2")}
+    assert torch_plan.model_kind(names["model.pt"], "model.pt") == torch_plan.TORCHSCRIPT
+    assert torch_plan.model_kind(names["model.pt2"], "model.pt2") == torch_plan.EXPORT
+    aoti = ["pkg/data/aotinductor/model/abc.wrapper.so", "pkg/archive_format", "pkg/archive_version"]
+    assert torch_plan.model_kind(aoti, "model.pt2") == torch_plan.AOTI
+    with pytest.raises(ConfigError, match=r"'weights.zip' is a zip archive but not a model torch can load; allowed"):
+        torch_plan.model_kind(["weights/a.npy"], "weights.zip")
+
+
+def test_model_filename_prefers_the_config_then_model_pt():
+    assert torch_plan.model_filename("", ["model.pt2", "model.pt"]) == "model.pt"
+    assert torch_plan.model_filename("", ["model.pt2"]) == "model.pt2"
+    assert torch_plan.model_filename("net.pt", ["model.pt"]) == "net.pt"
+
+
+def test_parameters_are_read_and_bad_values_refused():
+    settings, warnings = torch_plan.torch_settings({
+        "DISABLE_OPTIMIZED_EXECUTION": "true",
+        "INFERENCE_MODE": "false",
+        "ENABLE_JIT_PROFILING": "False",
+        "INTRA_OP_THREAD_COUNT": "2",
+        "ENABLE_NVFUSER": "true",
+        "precision": "fp16",
+        "memory_format": "channels_last",
+        "batch_policy": "fixed_wait",  # someone else's: left alone
+    })  # fmt: skip
+    assert settings.disable_optimized_execution and not settings.inference_mode
+    assert settings.enable_jit_profiling is False and settings.enable_jit_executor is None
+    assert settings.intra_op_thread_count == 2
+    assert settings.precision == "float16" and settings.channels_last
+    assert warnings == ["parameters[ENABLE_NVFUSER]: ignored (NvFuser was removed from PyTorch; Triton ignores it too)"]
+    for key, value, message in [
+        ("INFERENCE_MODE", "maybe", r"must be 'true' or 'false', got 'maybe'"),
+        ("INTRA_OP_THREAD_COUNT", "0", r"must be a positive integer string, got '0'"),
+        ("precision", "fp8", r"must be one of fp32, fp16, bf16, got 'fp8'"),
+        ("memory_format", "nhwc", r"must be one of contiguous, channels_last, got 'nhwc'"),
+    ]:
+        with pytest.raises(ConfigError, match=message) as info:
+            torch_plan.torch_settings({key: value})
+        assert info.value.field == f"parameters[{key}]"
+
+
+def test_input_naming_conventions():
+    forward = torch_plan.input_binding(["y", "x"], ["x", "y"])
+    assert (forward.convention, forward.index) == (torch_plan.FORWARD_ARGUMENT, {"y": 1, "x": 0})
+    indexed = torch_plan.input_binding(["B__1", "A__0"], ["a", "b"])
+    assert (indexed.convention, indexed.index) == (torch_plan.NAMED_INDEX, {"B__1": 1, "A__0": 0})
+    ordered = torch_plan.input_binding(["first", "second"], ["a", "b"])
+    assert ordered.convention == torch_plan.CONFIG_ORDER and ordered.index == {"first": 0, "second": 1}
+    assert "passed in the config's order" in ordered.warning
+    assert torch_plan.input_binding(["k1", "k2"], None, dict_input=True).convention == torch_plan.DICT_INPUT
+    with pytest.raises(ConfigError, match=r"lists 1 inputs but the model's forward\(\) takes 2 \(a, b\)"):
+        torch_plan.input_binding(["INPUT__0"], ["a", "b"])
+    with pytest.raises(ConfigError, match=r"'INPUT__5' names index 5 but the model takes 2 inputs") as info:
+        torch_plan.input_binding(["INPUT__0", "INPUT__5"], ["a", "b"])
+    assert info.value.field == "input[1].name"
+    with pytest.raises(ConfigError, match=r"'B__0' has index 0, like 'A__0'"):
+        torch_plan.input_binding(["A__0", "B__0"], None)
+
+
+def test_outputs_are_picked_by_index_order_or_name():
+    indexed = torch_plan.output_binding(["OUTPUT__1", "OUTPUT__0"])
+    assert torch_plan.pick_outputs(("a", "b"), indexed, "m") == ["b", "a"]
+    ordered = torch_plan.output_binding(["sum", "diff"])
+    assert torch_plan.pick_outputs(["s", "d"], ordered, "m") == ["s", "d"]
+    assert torch_plan.pick_outputs({"diff": 1, "sum": 2}, ordered, "m") == [2, 1]
+    missing = r"output 'OUTPUT__1' refers to output index 1, but the model returned 1 output$"
+    with pytest.raises(ModelError, match=missing):
+        torch_plan.pick_outputs(["only"], indexed, "m")
+    with pytest.raises(ModelError, match=r"returned a dict without 'diff' \(its keys: 'sum'\)"):
+        torch_plan.pick_outputs({"sum": 1}, ordered, "m")
+
+
+def test_output_shape_checks():
+    assert torch_plan.output_shape_problem("o", (3, 4), [4], batched=True, rows=3) is None
+    assert torch_plan.output_shape_problem("o", (3, 7), [-1], batched=True, rows=3) is None
+    assert torch_plan.output_shape_problem("o", (2, 4), [4], batched=True, rows=3) == (
+        "output 'o' has shape [2, 4] but the config expects [3, 4] (the batch rows first)"
+    )
+    assert torch_plan.output_shape_problem("o", (4,), [2, 2], batched=False, rows=1) is not None
+
+
+def test_config_io_checks_name_the_field():
+    refused = r"TYPE_UINT32, which the PyTorch backend cannot serve; allowed: TYPE_BOOL"
+    with pytest.raises(ConfigError, match=refused) as info:
+        torch_plan.check_io(cfg('input { name: "x" data_type: TYPE_UINT32 dims: 1 } output { name: "y" '
+                                'data_type: TYPE_FP32 dims: 1 }'), torch_plan.TORCHSCRIPT)  # fmt: skip
+    assert info.value.field == "input[0].data_type"
+    two_d = 'max_batch_size: 4 input { name: "s" data_type: TYPE_STRING dims: [ 2 ] } output { name: "y" data_type: TYPE_STRING dims: [ 1 ] reshape { shape: [] } }'  # noqa: E501
+    with pytest.raises(ConfigError, match=r"TYPE_STRING with 2 dimensions .* allowed: one dimension in all") as info:
+        torch_plan.check_io(cfg(two_d), torch_plan.TORCHSCRIPT)
+    assert info.value.field == "input[0].dims"
+    with pytest.raises(ConfigError, match=r"needs the inputs listed in the config"):
+        torch_plan.check_io(cfg('output { name: "y" data_type: TYPE_FP32 dims: 1 }'), torch_plan.TORCHSCRIPT)
+
+
+def test_cuda_path_decisions():
+    assert torch_plan.run_dtype(mc.TYPE_FP32, "float16") == "float16"
+    assert torch_plan.run_dtype(mc.TYPE_INT64, "float16") == "int64"
+    assert torch_plan.run_dtype(mc.TYPE_BF16, None) == "bfloat16"
+    assert torch_plan.run_dtype(mc.TYPE_STRING, None) is None
+    config = cfg(
+        'max_batch_size: 8 input [ { name: "image" data_type: TYPE_FP16 dims: [ 3, 224, 224 ] },'
+        '{ name: "ids" data_type: TYPE_INT64 dims: [ 3, 4, 4 ] }, { name: "flat" data_type: TYPE_FP32 dims: [ 16 ] } ]'
+    )
+    assert torch_plan.channels_last_inputs(config) == ["image"]
+    assert torch_plan.pinned_capacity(100, 0) == 65536
+    assert torch_plan.pinned_capacity(100, 65536) == 65536
+    assert torch_plan.pinned_capacity(70000, 65536) == 131072
+    assert torch_plan.pinned_capacity(1 << 20, 65536) == 1 << 20
+    assert torch_plan.example_shape([3, -1], 4) == [4, 3, 1]
+    graphs = cfg("optimization { cuda { graphs: true } }")
+    assert "run eagerly" in (torch_plan.cpu_graph_warning(graphs, [K.KIND_CPU]) or "")
+    assert torch_plan.cpu_graph_warning(graphs, [K.KIND_GPU]) is None
+    assert torch_plan.cpu_graph_warning(cfg(), [K.KIND_CPU]) is None
+
+
+# --- the out-of-memory seam -----------------------------------------------------------------------
+
+
+def test_out_of_memory_answers_the_batch_empties_the_cache_and_keeps_serving():
+    config = cfg(
+        'max_batch_size: 8 input { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 4 ] }'
+        ' output { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] }'
+    )
+    calls: list[str] = []
+
+    def module(x: Any) -> Any:
+        if x.shape[0] > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return x * 3
+
+    from sluice.runtime.backends.pytorch import TorchInstance
+
+    instance = TorchInstance(module, config, "big:1", forward_args=["x"], empty_cache=lambda: calls.append("emptied"))
+
+    def request(n: int) -> InferRequest:
+        return InferRequest("big", "1", [Tensor("INPUT__0", "FP32", rows(n))], batch_size=n)
+
+    results = instance.execute([request(2), request(1)])
+    assert all(isinstance(r, Unavailable) for r in results)
+    assert "ran out of GPU memory on cpu for a batch of 3 rows: CUDA out of memory. Tried to allocate 20.00 GiB" in (
+        results[0].message
+    )
+    assert calls == ["emptied"]
+    (answer,) = instance.execute([request(2)])
+    assert np.allclose(answer.outputs[0].data, rows(2) * 3)
+
+
+# --- served through tritonclient ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torch_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("pytorch")
+    repo = tmp / "repo"
+    add_sub = scripted(AddSub(), tmp / "a.pt")
+    write_model(repo, "add_sub", ADD_SUB_CONFIG + "dynamic_batching { }", {"model.pt": add_sub})
+    write_model(
+        repo,
+        "named",
+        """
+        backend: "pytorch"
+        max_batch_size: 0
+        input [ { name: "y", data_type: TYPE_FP32, dims: [ 4 ] }, { name: "x", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        output [ { name: "result", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        """,
+        {"model.pt": scripted(Scale(), tmp / "s.pt")},
+    )
+    traced = torch.jit.trace(torch.nn.Linear(4, 2).eval(), torch.randn(1, 4))
+    traced.save(str(tmp / "t.pt"))
+    write_model(
+        repo,
+        "linear",
+        """
+        platform: "pytorch_libtorch"
+        max_batch_size: 4
+        input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 2 ] } ]
+        """,
+        {"model.pt": (tmp / "t.pt").read_bytes()},
+    )
+    write_model(
+        repo,
+        "dict_out",
+        """
+        platform: "pytorch_libtorch"
+        max_batch_size: 4
+        input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        output [ { name: "negated", data_type: TYPE_FP32, dims: [ 4 ] },
+                 { name: "doubled", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        """,
+        {"model.pt": scripted(DictOut(), tmp / "d.pt")},
+    )
+    write_model(
+        repo,
+        "upper",
+        """
+        platform: "pytorch_libtorch"
+        max_batch_size: 0
+        input [ { name: "INPUT__0", data_type: TYPE_STRING, dims: [ -1 ] } ]
+        output [ { name: "OUTPUT__0", data_type: TYPE_STRING, dims: [ -1 ] } ]
+        """,
+        {"model.pt": scripted(Upper(), tmp / "u.pt")},
+    )
+    write_model(
+        repo,
+        "boom",
+        """
+        platform: "pytorch_libtorch"
+        max_batch_size: 0
+        input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        """,
+        {"model.pt": scripted(Boom(), tmp / "b.pt")},
+    )
+    (repo / "exported" / "1").mkdir(parents=True)
+    exported_add_sub(repo / "exported" / "1" / "model.pt2")  # no config at all: completed from the program
+    return repo
+
+
+@pytest.fixture(scope="module")
+def torch_server(torch_repo: Path) -> Any:
+    from .conftest import start_server  # type: ignore[import-not-found]
+
+    handle = start_server(torch_repo)
+    yield handle
+    handle.stop()
+
+
+@pytest.mark.parametrize("infer", [http_infer, grpc_infer], ids=["http", "grpc"])
+def test_index_named_torchscript_serves_over_both_protocols(torch_server, infer):
+    a, b = rows(3, 1), rows(3, 2)
+    result = infer(torch_server, "add_sub", {"INPUT__0": a, "INPUT__1": b})
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), a + b, rtol=1e-6)
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__1"), a - b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("infer", [http_infer, grpc_infer], ids=["http", "grpc"])
+def test_forward_argument_names_bind_inputs_whatever_the_config_order(torch_server, infer):
+    x, y = rows(1, 3)[0], rows(1, 4)[0]
+    result = infer(torch_server, "named", {"x": x, "y": y})
+    np.testing.assert_allclose(result.as_numpy("result"), x * 2 + y, rtol=1e-6)
+
+
+def test_traced_module_and_dict_result(torch_server):
+    x = rows(2, 5)
+    result = http_infer(torch_server, "linear", {"INPUT__0": x})
+    assert result.as_numpy("OUTPUT__0").shape == (2, 2)
+    result = grpc_infer(torch_server, "dict_out", {"INPUT__0": x})
+    np.testing.assert_array_equal(result.as_numpy("doubled"), x * 2)
+    np.testing.assert_array_equal(result.as_numpy("negated"), -x)
+
+
+@pytest.mark.parametrize("infer", [http_infer, grpc_infer], ids=["http", "grpc"])
+def test_strings_go_in_and_out_as_lists(torch_server, infer):
+    words = np.array([b"triton", b"sluice", "caf\u00e9".encode()], dtype=object)
+    result = infer(torch_server, "upper", {"INPUT__0": words}, "BYTES")
+    # TorchScript upper-cases ASCII only; the UTF-8 text goes through intact
+    assert list(result.as_numpy("OUTPUT__0")) == [b"TRITON", b"SLUICE", "CAF\u00e9".encode()]
+
+
+@pytest.mark.parametrize("infer", [http_infer, grpc_infer], ids=["http", "grpc"])
+def test_a_model_that_raises_answers_with_its_error_and_keeps_serving(torch_server, infer):
+    with pytest.raises(InferenceServerException, match=r"model 'boom:1': ValueError: input sum too large") as info:
+        infer(torch_server, "boom", {"INPUT__0": np.full(4, 50, np.float32)})
+    assert str(info.value.status()) in ("500", "StatusCode.INTERNAL")
+    assert "/" not in str(info.value).split("input sum too large")[0].split("model 'boom:1'")[1]  # no script paths
+    result = infer(torch_server, "boom", {"INPUT__0": np.ones(4, np.float32)})
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT__0"), np.full(4, 2, np.float32))
+
+
+def test_bad_inputs_are_refused_before_the_model(torch_server):
+    with pytest.raises(InferenceServerException, match=r"INPUT__1") as info:
+        http_infer(torch_server, "add_sub", {"INPUT__0": rows(1)})
+    assert str(info.value.status()) == "400"
+    with pytest.raises(InferenceServerException, match=r"(?i)datatype|FP64") as info:
+        wide = rows(1).astype(np.float64)
+        grpc_infer(torch_server, "add_sub", {"INPUT__0": wide, "INPUT__1": wide}, "FP64")
+    assert str(info.value.status()) == "StatusCode.INVALID_ARGUMENT", info.value
+
+
+def test_export_program_is_served_with_the_config_completed_from_its_signature(torch_server):
+    client = httpclient.InferenceServerClient(torch_server.http)
+    config = client.get_model_config("exported")
+    client.close()
+    assert config["platform"] == "pytorch_libtorch"
+    assert [(i["name"], i["data_type"], i["dims"]) for i in config["input"]] == [
+        ("a", "TYPE_FP32", [4]),
+        ("b", "TYPE_FP32", [4]),
+    ]
+    assert [o["name"] for o in config["output"]] == ["OUTPUT__0", "OUTPUT__1"]
+    assert config["max_batch_size"] == 4
+    a, b = rows(3, 7), rows(3, 8)
+    result = grpc_infer(torch_server, "exported", {"a": a, "b": b})
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__1"), a - b, rtol=1e-6)
+
+
+def test_dynamic_batching_forms_batches_of_torch_requests(tmp_path, serve):
+    repo = tmp_path / "repo"
+    write_model(
+        repo,
+        "add_sub",
+        ADD_SUB_CONFIG.replace("max_batch_size: 8", "max_batch_size: 4")
+        + "dynamic_batching { max_queue_delay_microseconds: 1000000 }\n"
+        + 'parameters { key: "batch_policy" value { string_value: "fixed_wait" } }',
+        {"model.pt": scripted(AddSub(), tmp_path / "a.pt")},
+    )
+    server = serve(repo, clock=ManualClock())  # the clock never moves: only full batches of 4 go
+
+    def call(i: int) -> np.ndarray:
+        infer = http_infer if i % 2 else grpc_infer
+        return infer(server, "add_sub", {"INPUT__0": rows(1, i), "INPUT__1": rows(1, 100 + i)}).as_numpy("OUTPUT__0")
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(call, range(8)))
+    for i, answer in enumerate(answers):
+        np.testing.assert_allclose(answer, rows(1, i) + rows(1, 100 + i), rtol=1e-6)
+    client = httpclient.InferenceServerClient(server.http)
+    stats = client.get_inference_statistics("add_sub")["model_stats"][0]
+    client.close()
+    assert (stats["inference_count"], stats["execution_count"]) == (8, 2)
+    assert [b["batch_size"] for b in stats["batch_stats"]] == [4]
+
+
+@pytest.mark.parametrize(
+    ("config", "files", "message"),
+    [
+        (
+            ADD_SUB_CONFIG.replace(',\n  { name: "INPUT__1", data_type: TYPE_FP32, dims: [ 4 ] }', ""),
+            "addsub",
+            r"bad/1/model.pt: field 'input': the config lists 1 inputs but the model's forward\(\) takes 2 \(a, b\)",
+        ),
+        (
+            ADD_SUB_CONFIG + 'parameters { key: "INFERENCE_MODE" value { string_value: "sometimes" } }',
+            "addsub",
+            r"config.pbtxt: field 'parameters\[INFERENCE_MODE\]': must be 'true' or 'false', got 'sometimes'",
+        ),
+        (
+            ADD_SUB_CONFIG.replace('"INPUT__0", data_type: TYPE_FP32', '"INPUT__0", data_type: TYPE_UINT64'),
+            "addsub",
+            r"field 'input\[0\].data_type': input 'INPUT__0' has data_type TYPE_UINT64, which the PyTorch backend",
+        ),
+        (ADD_SUB_CONFIG, "garbage", r"'model.pt' is not a model torch can load \(not a zip archive\)"),
+        (ADD_SUB_CONFIG, "none", r"model file not found: .*model.pt .*allowed: model.pt or model.pt2"),
+        (
+            ADD_SUB_CONFIG + "instance_group [ { kind: KIND_GPU gpus: [ 3 ] } ]",
+            "addsub",
+            r"field 'instance_group\[0\].gpus': GPU 3 is listed but this machine has \d+ GPUs? visible",
+        ),
+        (
+            ADD_SUB_CONFIG + 'parameters { key: "memory_format" value { string_value: "nhwc" } }',
+            "addsub",
+            r"'parameters\[memory_format\]': must be one of contiguous, channels_last, got 'nhwc'",
+        ),
+    ],
+    ids=["input-count", "bad-bool", "bad-type", "not-zip", "no-file", "gpu-not-visible", "memory-format"],
+)
+def test_bad_configs_fail_the_load_with_file_and_field(tmp_path, serve, config, files, message):
+    repo = tmp_path / "repo"
+    content = {
+        "addsub": {"model.pt": scripted(AddSub(), tmp_path / "a.pt")},
+        "garbage": {"model.pt": b"not a model"},
+        "none": {},
+    }[files]
+    write_model(repo, "bad", config, content)
+    server = serve(repo, **EXPLICIT)
+    error = load_error(server, "bad")
+    assert "failed to load 'bad'" in error
+    assert str(tmp_path) not in error  # no server paths
+    assert re.search(message, error), error
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the KIND_GPU model loads")
+def test_gpu_instance_without_cuda_fails_with_the_reason(tmp_path, serve):
+    repo = tmp_path / "repo"
+    write_model(
+        repo,
+        "gpu",
+        ADD_SUB_CONFIG + "instance_group [ { kind: KIND_GPU } ]",
+        {"model.pt": scripted(AddSub(), tmp_path / "a.pt")},
+    )
+    server = serve(repo, **EXPLICIT)
+    assert "KIND_GPU needs torch with CUDA and a visible GPU" in load_error(server, "gpu")
+
+
+def test_graphs_on_a_cpu_instance_load_with_a_warning_and_run_eagerly(tmp_path, serve, caplog):
+    repo = tmp_path / "repo"
+    write_model(
+        repo,
+        "graphs",
+        ADD_SUB_CONFIG + "instance_group [ { kind: KIND_CPU } ]\noptimization { cuda { graphs: true } }",
+        {"model.pt": scripted(AddSub(), tmp_path / "a.pt")},
+    )
+    with caplog.at_level("WARNING", logger="sluice"):
+        server = serve(repo)
+        a = rows(2)
+        result = http_infer(server, "graphs", {"INPUT__0": a, "INPUT__1": a})
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), 2 * a)
+    assert any("optimization.cuda.graphs is set but some instances run on the CPU" in r.message for r in caplog.records)
+
+
+# --- AOTInductor (compiles C++ with gcc: ~25 s on the 2-core machine) -------------------------------
+
+
+def test_aot_inductor_package_is_served(tmp_path, serve):
+    from torch._inductor import aoti_compile_and_package
+
+    program = exported_add_sub(tmp_path / "program.pt2")
+    repo = tmp_path / "repo"
+    (repo / "aoti" / "1").mkdir(parents=True)
+    with warnings.catch_warnings():  # torch's own deprecation inside its compile (torch 2.13)
+        warnings.simplefilter("ignore", FutureWarning)
+        aoti_compile_and_package(program, package_path=str(repo / "aoti" / "1" / "model.pt2"))
+    write_model(repo, "aoti", ADD_SUB_CONFIG, {})
+    server = serve(repo)
+    a, b = rows(5, 1), rows(5, 2)
+    for infer in (http_infer, grpc_infer):
+        result = infer(server, "aoti", {"INPUT__0": a, "INPUT__1": b})
+        np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), a + b, rtol=1e-5)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT__1"), a - b, rtol=1e-5)
+
+
+# --- GPU (skipped here: no CUDA) ------------------------------------------------------------------
+
+
+class Conv(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x).mean(dim=(2, 3))
+
+
+@needs_gpu
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+def test_gpu_instances_serve_fp16_channels_last(tmp_path, serve, graphs):
+    torch.manual_seed(0)
+    module = Conv().eval()
+    repo = tmp_path / "repo"
+    optimization = (
+        "optimization { cuda { graphs: true } }\ndynamic_batching { preferred_batch_size: [ 2, 4 ] }" if graphs else ""
+    )
+    write_model(
+        repo,
+        "conv",
+        f"""
+        platform: "pytorch_libtorch"
+        max_batch_size: 4
+        input [ {{ name: "INPUT__0", data_type: TYPE_FP16, dims: [ 3, 8, 8 ] }} ]
+        output [ {{ name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 8 ] }} ]
+        instance_group [ {{ kind: KIND_GPU count: 2 }} ]
+        parameters {{ key: "precision" value {{ string_value: "fp16" }} }}
+        parameters {{ key: "memory_format" value {{ string_value: "channels_last" }} }}
+        {optimization}
+        """,
+        {"model.pt": scripted(module, tmp_path / "c.pt")},
+    )
+    server = serve(repo)
+    x = np.random.default_rng(0).standard_normal((3, 3, 8, 8)).astype(np.float16)
+    expected = module(torch.from_numpy(x).float()).detach().numpy()
+    for infer in (http_infer, grpc_infer):
+        got = infer(server, "conv", {"INPUT__0": x}, "FP16").as_numpy("OUTPUT__0")
+        np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)
+
+
+@needs_gpu
+def test_gpu_out_of_memory_answers_and_the_next_request_is_served(tmp_path, serve):
+    class Greedy(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if bool(x[0, 0] > 0):
+                return torch.empty(1 << 50, device=x.device).sum().expand(x.shape)  # asks for 4 PiB
+            return x + 1
+
+    repo = tmp_path / "repo"
+    write_model(
+        repo,
+        "greedy",
+        """
+        platform: "pytorch_libtorch"
+        max_batch_size: 4
+        input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        instance_group [ { kind: KIND_GPU count: 1 } ]
+        """,
+        {"model.pt": scripted(Greedy(), tmp_path / "g.pt")},
+    )
+    server = serve(repo)
+    with pytest.raises(InferenceServerException, match=r"ran out of GPU memory on cuda:0") as info:
+        http_infer(server, "greedy", {"INPUT__0": np.ones((1, 4), np.float32)})
+    assert str(info.value.status()) == "503"
+    result = http_infer(server, "greedy", {"INPUT__0": -np.ones((1, 4), np.float32)})
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT__0"), np.zeros((1, 4), np.float32))
