@@ -94,14 +94,17 @@ def restart_delay(lifetime_s: float) -> float:
 
 
 class Link(asyncio.Protocol):
-    """One end of a worker's socketpair. Messages go out coalesced: one write per loop turn."""
+    """One end of a worker's socketpair. Frames go out coalesced: one write per loop turn. A frame
+    that cannot be decoded closes the link (the engine then restarts the worker)."""
 
-    def __init__(self, on_message: Callable[[Any], None], on_lost: Callable[[], None]) -> None:
+    def __init__(
+        self, on_message: Callable[[Any], None], on_lost: Callable[[], None], framer: worker_wire.Framer
+    ) -> None:
         self._on_message = on_message
         self._on_lost = on_lost
-        self._framer = worker_wire.Framer()
+        self._framer = framer
         self._transport: asyncio.Transport | None = None
-        self._out: list[bytes] = []
+        self._out: list[Any] = []
         self._loop = asyncio.get_running_loop()
         self.closed = False
 
@@ -109,28 +112,46 @@ class Link(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        try:
+            messages = self._framer.feed(data)
+        except worker_wire.WireError as exc:
+            self._corrupt(exc)
+            return
         on_message = self._on_message
-        for message in self._framer.feed(data):
+        for message in messages:
             try:
                 on_message(message)
+            except worker_wire.WireError as exc:
+                self._corrupt(exc)
+                return
             except Exception:
                 log.exception("protocol worker link: cannot handle message %r", message[:1])
+
+    def _corrupt(self, exc: worker_wire.WireError) -> None:
+        log.error("protocol worker link: %s; closing the link", exc)
+        self._out.clear()
+        if self._transport is not None:
+            self._transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._on_lost()
 
     def send(self, message: tuple) -> None:
+        self.send_frame(worker_wire.encode(message))
+
+    def send_frame(self, pieces: list[Any]) -> None:
+        """Send a frame made by worker_wire (its pieces), with the others of this loop turn."""
         if self.closed:
             return
         out = self._out
         if not out:
             self._loop.call_soon(self._flush)
-        out.append(worker_wire.frame(message))
+        out += pieces
 
     def _flush(self) -> None:
         out, self._out = self._out, []
-        if self._transport is not None and not self.closed:
+        if out and self._transport is not None and not self.closed:
             self._transport.write(b"".join(out))
 
     def close(self) -> None:
@@ -184,7 +205,7 @@ class EngineSide:
         self.link: Link | None = None
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.stopped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._peer = requests_arena  # the worker's arena: large inputs, copied out on receipt
+        self.peer = requests_arena  # the worker's arena: large inputs, copied out on receipt
         self._arena = worker_wire.Arena(responses_arena)  # ours: large outputs, until the worker took them
         self._cancels: dict[int, Callable[[], object]] = {}  # rid -> cancels that request
         self._tasks: dict[int, asyncio.Task] = {}
@@ -201,7 +222,10 @@ class EngineSide:
         }
 
     def on_message(self, message: tuple) -> None:
-        self._handlers[message[0]](*message[1:])
+        handler = self._handlers.get(message[0])
+        if handler is None:
+            raise worker_wire.WireError(f"a protocol worker sent an unknown message {message[0]!r}")
+        handler(*message[1:])
 
     def on_lost(self) -> None:
         """The worker is gone: its requests' clients are too."""
@@ -224,15 +248,18 @@ class EngineSide:
             self.ready.set_result(None)
 
     # -- inference: the hot path ----------------------------------------------------------------------
-    def _infer(self, rid: int, state: tuple) -> None:
-        request = worker_wire.request_from_state(state, self._peer)
+    def _infer(self, rid: int, request: InferRequest) -> None:
         cancels = self._cancels
         cancels[rid] = request.cancel.cancel
+        link = self.link
+        arena = self._arena
+        encode = worker_wire.encode_outcome
 
         def done(outcome: InferResponse | SluiceError) -> None:
             if cancels.pop(rid, None) is None:
                 return  # the worker is gone
-            self._send(("done", rid, worker_wire.outcome_state(outcome, self._arena)))
+            if link is not None:
+                link.send_frame(encode(rid, outcome, arena))
 
         try:
             self.dp.infer_nowait(request, done)
@@ -447,7 +474,7 @@ class WorkerPool:
         worker = _Worker(index, side, process, time.monotonic(), (requests_fd, responses_fd))
         self._workers[index] = worker
         _, link = await loop.create_unix_connection(
-            lambda: Link(side.on_message, lambda: self._lost(worker)), sock=ours
+            lambda: Link(side.on_message, lambda: self._lost(worker), worker_wire.Framer(side.peer)), sock=ours
         )
         side.link = link
         link.send(("start", self.settings, index))
@@ -526,7 +553,7 @@ class RemotePlane:
         self.tracing = tracing.disabled()  # requests are traced by the engine's front ends only
         self.shared_memory = None
         self._arena = worker_wire.Arena(requests_arena)
-        self._peer = responses_arena
+        self.peer = responses_arena  # the engine's arena: large outputs, copied out on receipt
         self._ids = itertools.count()
         self._pending: dict[int, tuple[Callable[[Any], None], list[int], CancelToken | None]] = {}
         self._handlers: dict[str, Callable[..., None]] = {
@@ -562,27 +589,28 @@ class RemotePlane:
         ``done`` (on this loop, never before this returns)."""
         rid = next(self._ids)
         refs: list[int] = []
-        state = worker_wire.request_state(request, self._arena, refs)
+        frame = worker_wire.encode_request(rid, request, self._arena, refs)
         token = request.cancel
         self._pending[rid] = (done, refs, token)
-        self._send(("infer", rid, state))
+        assert self.link is not None
+        self.link.send_frame(frame)
         token.on_cancel(lambda: self._cancel(rid))
 
     def _cancel(self, rid: int) -> None:
         if rid in self._pending and self.link is not None:
             self.link.send(("cancel", rid))
 
-    def _done(self, rid: int, state: tuple) -> None:
+    def _done(self, rid: int, outcome: InferResponse | SluiceError, taken: list[int] | None) -> None:
         entry = self._pending.pop(rid, None)
         if entry is None:
+            if taken:
+                self._send(("release", taken))
             return
         done, refs, token = entry
         for offset in refs:
             self._arena.release(offset)
         if token is not None:
             token.clear()
-        taken: list[int] = []
-        outcome = worker_wire.outcome_from_state(state, self._peer, taken)
         if taken:
             self._send(("release", taken))
         done(outcome)
@@ -799,7 +827,9 @@ async def _serve_worker(args: argparse.Namespace) -> int:
             stopping.set_result(-1.0)  # the engine is gone
 
     link_sock = socket.socket(fileno=args.link_fd)
-    _, link = await loop.create_unix_connection(lambda: Link(first, lost), sock=link_sock)
+    _, link = await loop.create_unix_connection(
+        lambda: Link(first, lost, worker_wire.Framer(plane.peer, trusted=True)), sock=link_sock
+    )
     plane.link = link
     plane.on_stop = lambda grace: None if stopping.done() else stopping.set_result(grace)
     _, settings, index = await started

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import mmap
 import os
 import re
 import signal
@@ -28,9 +27,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from sluice.runtime import errors, worker_wire
+from sluice.runtime import worker_wire
 from sluice.runtime.frontend_workers import protocol_workers_problem, restart_delay
-from sluice.runtime.types import InferRequest, InferResponse, RequestedOutput, Tensor
 
 from .conftest import (  # type: ignore[import-not-found]
     ADD_SUB_CONFIG,
@@ -67,16 +65,6 @@ def test_restart_delay_backs_off_only_for_young_deaths() -> None:
     assert restart_delay(3600.0) == 0.0
 
 
-def test_framer_splits_and_joins_messages() -> None:
-    stream = b"".join(worker_wire.frame(("m", i, b"x" * i)) for i in range(50))
-    framer = worker_wire.Framer()
-    got: list[Any] = []
-    for start in range(0, len(stream), 7):  # messages cut at every place
-        got.extend(framer.feed(stream[start : start + 7]))
-    assert got == [("m", i, b"x" * i) for i in range(50)]
-    assert list(framer.feed(worker_wire.frame(("whole",)))) == [("whole",)]
-
-
 def test_allocator_first_fit_and_coalescing() -> None:
     allocator = worker_wire.Allocator(1024)
     a, b, c = allocator.allocate(100), allocator.allocate(200), allocator.allocate(64)
@@ -89,60 +77,6 @@ def test_allocator_first_fit_and_coalescing() -> None:
     allocator.free(c)
     assert allocator.used_bytes == 0
     assert allocator.allocate(1024) == 0  # every range coalesced back into one
-
-
-def test_request_and_outcome_round_trip_inline_and_through_the_arena() -> None:
-    memory = memoryview(mmap.mmap(-1, 1 << 20))
-    arena = worker_wire.Arena(memory, min_bytes=1024)
-    large = np.arange(4096, dtype=np.float32).reshape(2, 2048)
-    words = np.array([b"a", b"bc"], dtype=np.object_)
-    request = InferRequest(
-        "m",
-        "2",
-        [Tensor("big", "FP32", large), Tensor("small", "INT64", np.arange(3)), Tensor("s", "BYTES", words, {"p": 1})],
-        [RequestedOutput("out", True, {"classification": 2})],
-        id="r1",
-        parameters={"priority": 1},
-        caller="svc",
-    )
-    refs: list[int] = []
-    state = worker_wire.request_state(request, arena, refs)
-    assert len(refs) == 1 and arena.used_bytes >= large.nbytes  # only the large tensor went to the arena
-    back = worker_wire.request_from_state(worker_wire.pickle.loads(worker_wire.pickle.dumps(state)), memory)
-    assert (back.model_name, back.model_version, back.id, back.parameters, back.caller) == (
-        "m",
-        "2",
-        "r1",
-        {"priority": 1},
-        "svc",
-    )
-    np.testing.assert_array_equal(back.inputs[0].data, large)
-    assert list(back.inputs[2].data) == [b"a", b"bc"] and back.inputs[2].parameters == {"p": 1}
-    assert back.outputs is not None and (back.outputs[0].name, back.outputs[0].binary) == ("out", True)
-    arena.release(refs[0])
-    assert arena.used_bytes == 0
-
-    response = InferResponse("m", "2", [Tensor("out", "FP32", large)], "r1", {"x": "y"})
-    refs = []
-    taken: list[int] = []
-    out = worker_wire.outcome_from_state(worker_wire.outcome_state(response, arena, refs), memory, taken)
-    assert isinstance(out, InferResponse) and taken == refs
-    np.testing.assert_array_equal(out.outputs[0].data, large)
-
-
-@pytest.mark.parametrize(
-    "error",
-    [
-        errors.NotFound("Request for unknown model: 'x' is not found"),
-        errors.QueueTimeout("timed out"),
-        errors.ConfigError("bad", file="config.pbtxt", field="max_batch_size"),
-        errors.Cancelled("cancelled"),
-    ],
-)
-def test_errors_keep_their_class_message_and_status(error: errors.SluiceError) -> None:
-    back = worker_wire.outcome_from_state(worker_wire.outcome_state(error))
-    assert type(back) is type(error)
-    assert (back.message, back.http_status) == (error.message, error.http_status)
 
 
 # -- the real server ---------------------------------------------------------------------------------
