@@ -208,6 +208,8 @@ class EngineSide:
         self.peer = requests_arena  # the worker's arena: large inputs, copied out on receipt
         self._arena = worker_wire.Arena(responses_arena)  # ours: large outputs, until the worker took them
         self._cancels: dict[int, Callable[[], object]] = {}  # rid -> cancels that request
+        self._outbox: list[tuple[int, InferResponse | SluiceError]] = []  # answered, to send this turn
+        self._loop = asyncio.get_running_loop()
         self._tasks: dict[int, asyncio.Task] = {}
         self._streams: dict[int, asyncio.Queue[bytes | None]] = {}
         self._handlers: dict[str, Callable[..., None]] = {
@@ -232,6 +234,7 @@ class EngineSide:
         for cancel in list(self._cancels.values()):
             cancel()
         self._cancels.clear()
+        self._outbox.clear()
         for task in list(self._tasks.values()):
             task.cancel()
         if not self.stopped.done():
@@ -251,15 +254,14 @@ class EngineSide:
     def _infer(self, rid: int, request: InferRequest) -> None:
         cancels = self._cancels
         cancels[rid] = request.cancel.cancel
-        link = self.link
-        arena = self._arena
-        encode = worker_wire.encode_outcome
+        outbox = self._outbox
 
         def done(outcome: InferResponse | SluiceError) -> None:
             if cancels.pop(rid, None) is None:
                 return  # the worker is gone
-            if link is not None:
-                link.send_frame(encode(rid, outcome, arena))
+            if not outbox:
+                self._loop.call_soon(self._send_outcomes)
+            outbox.append((rid, outcome))
 
         try:
             self.dp.infer_nowait(request, done)
@@ -268,6 +270,23 @@ class EngineSide:
         except Exception:
             log.exception("unhandled error in a protocol worker's inference request")
             done(Internal("internal server error (see server log)"))
+
+    def _send_outcomes(self) -> None:
+        """Every outcome of this loop turn (a batch's responses, typically) in one frame."""
+        items = self._outbox[:]
+        self._outbox.clear()
+        if self.link is None or not items:
+            return
+        try:
+            self.link.send_frame(worker_wire.encode_outcomes(items, self._arena))
+        except Exception:  # one response that cannot be sent must not take its batch's with it
+            for rid, outcome in items:
+                try:
+                    self.link.send_frame(worker_wire.encode_outcome(rid, outcome, self._arena))
+                except Exception:
+                    log.exception("cannot send the response to a protocol worker's request")
+                    failed = Internal("internal server error: the response cannot be sent (see server log)")
+                    self.link.send_frame(worker_wire.encode_outcome(rid, failed))
 
     def _cancel(self, rid: int) -> None:
         cancel = self._cancels.get(rid)
@@ -555,6 +574,8 @@ class RemotePlane:
         self._arena = worker_wire.Arena(requests_arena)
         self.peer = responses_arena  # the engine's arena: large outputs, copied out on receipt
         self._ids = itertools.count()
+        self._outbox: list[tuple[int, InferRequest, list[int]]] = []  # requests to send this loop turn
+        self._loop = asyncio.get_running_loop()
         self._pending: dict[int, tuple[Callable[[Any], None], list[int], CancelToken | None]] = {}
         self._handlers: dict[str, Callable[..., None]] = {
             "done": self._done,
@@ -588,16 +609,35 @@ class RemotePlane:
         """``DataPlane.infer_nowait`` through the engine: every outcome, refusals included, comes to
         ``done`` (on this loop, never before this returns)."""
         rid = next(self._ids)
-        refs: list[int] = []
-        frame = worker_wire.encode_request(rid, request, self._arena, refs)
+        refs: list[int] = []  # filled when the request is encoded
         token = request.cancel
         self._pending[rid] = (done, refs, token)
-        assert self.link is not None
-        self.link.send_frame(frame)
+        outbox = self._outbox
+        if not outbox:
+            self._loop.call_soon(self._send_requests)
+        outbox.append((rid, request, refs))
         token.on_cancel(lambda: self._cancel(rid))
+
+    def _send_requests(self) -> None:
+        """Every request of this loop turn in one frame (before any later message: a cancel)."""
+        items = self._outbox[:]
+        self._outbox.clear()
+        if not items:
+            return
+        assert self.link is not None
+        try:
+            self.link.send_frame(worker_wire.encode_requests(items, self._arena))
+        except Exception:  # one request that cannot be sent must not take the others with it
+            for item in items:
+                try:
+                    self.link.send_frame(worker_wire.encode_requests([item], self._arena))
+                except Exception:
+                    log.exception("cannot send an inference request to the engine")
+                    self._done(item[0], Internal("internal server error: the request cannot be sent"), None)
 
     def _cancel(self, rid: int) -> None:
         if rid in self._pending and self.link is not None:
+            self._send_requests()  # the engine hears of the request before its cancel
             self.link.send(("cancel", rid))
 
     def _done(self, rid: int, outcome: InferResponse | SluiceError, taken: list[int] | None) -> None:
@@ -634,6 +674,7 @@ class RemotePlane:
 
     def lost(self) -> None:
         """The engine is gone: answer what is pending (the process exits next)."""
+        self._outbox.clear()
         for done, _, token in list(self._pending.values()):
             if token is not None:  # an inference request (a forwarded call's caller goes with the process)
                 done(worker_wire.error_from_state(("error", "Unavailable", "server is shutting down", 503)))

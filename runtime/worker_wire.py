@@ -125,44 +125,64 @@ def _tensor(tensor: Tensor, raw: list[Any], arena: Arena | None, refs: list[int]
     return (tensor.name, tensor.datatype, dtype.str, data.shape, tensor.parameters, data)
 
 
+def encode_requests(items: list[tuple[int, InferRequest, list[int]]], arena: Arena | None = None) -> list[Any]:
+    """One ``infer`` frame for ``items``: (request id, request, the list to which the offsets of its
+    inputs put in ``arena`` are appended). The cancel token, responder and trace stay behind."""
+    raw: list[Any] = []
+    entries = []
+    for rid, request, refs in items:
+        outputs = request.outputs
+        entries.append(
+            (
+                rid,
+                request.model_name,
+                request.model_version,
+                [_tensor(t, raw, arena, refs, False) for t in request.inputs],
+                None if outputs is None else [(o.name, o.binary, o.parameters) for o in outputs],
+                request.id,
+                request.parameters,
+                request.caller,
+            )
+        )
+    return _frame(("infer", entries), raw)
+
+
 def encode_request(
     rid: int, request: InferRequest, arena: Arena | None = None, refs: list[int] | None = None
 ) -> list[Any]:
-    """An ``infer`` frame: ``request`` (its inputs' data in the frame or in ``arena``; the arena
-    offsets used are appended to ``refs``). The cancel token, responder and trace stay behind."""
+    """An ``infer`` frame holding ``request`` alone."""
+    return encode_requests([(rid, request, [] if refs is None else refs)], arena)
+
+
+def encode_outcomes(
+    items: list[tuple[int, InferResponse | SluiceError]], arena: Arena | None = None, refs: list[int] | None = None
+) -> list[Any]:
+    """One ``done`` frame for ``items``: (request id, response or client-facing error); the offsets
+    of outputs put in ``arena`` are appended to ``refs``."""
     raw: list[Any] = []
-    outputs = request.outputs
-    meta = (
-        "infer",
-        rid,
-        request.model_name,
-        request.model_version,
-        [_tensor(t, raw, arena, refs, False) for t in request.inputs],
-        None if outputs is None else [(o.name, o.binary, o.parameters) for o in outputs],
-        request.id,
-        request.parameters,
-        request.caller,
-    )
-    return _frame(meta, raw)
+    entries: list[tuple] = []
+    for rid, outcome in items:
+        if isinstance(outcome, SluiceError):
+            entries.append((rid, type(outcome).__name__, outcome.message, outcome.http_status))
+            continue
+        entries.append(
+            (
+                rid,
+                outcome.model_name,
+                outcome.model_version,
+                [_tensor(t, raw, arena, refs, True) for t in outcome.outputs],
+                outcome.id,
+                outcome.parameters,
+            )
+        )
+    return _frame(("done", entries), raw)
 
 
 def encode_outcome(
     rid: int, outcome: InferResponse | SluiceError, arena: Arena | None = None, refs: list[int] | None = None
 ) -> list[Any]:
-    """A ``done`` frame (a response) or a ``fail`` frame (a client-facing error)."""
-    if isinstance(outcome, SluiceError):
-        return _frame(("fail", rid, *error_state(outcome)[1:]), [])
-    raw: list[Any] = []
-    meta = (
-        "done",
-        rid,
-        outcome.model_name,
-        outcome.model_version,
-        [_tensor(t, raw, arena, refs, True) for t in outcome.outputs],
-        outcome.id,
-        outcome.parameters,
-    )
-    return _frame(meta, raw)
+    """A ``done`` frame holding one response or error."""
+    return encode_outcomes([(rid, outcome)], arena, refs)
 
 
 def frame(message: tuple) -> bytes:
@@ -231,15 +251,22 @@ class Framer:
                 raise WireError(f"a frame header says {size} bytes with {meta_size} of metadata: not a frame")
             if pos + size > end:
                 break
-            messages.append(self._message(chunk, stream, unpickler, pos, size, meta_size))
+            self._message(chunk, stream, unpickler, pos, size, meta_size, messages)
             pos += size
         if pos < end:
             pending += memoryview(chunk)[pos:]
         return messages
 
     def _message(
-        self, chunk: bytes, stream: io.BytesIO, unpickler: type[pickle.Unpickler], pos: int, size: int, meta_size: int
-    ) -> tuple:
+        self,
+        chunk: bytes,
+        stream: io.BytesIO,
+        unpickler: type[pickle.Unpickler],
+        pos: int,
+        size: int,
+        meta_size: int,
+        out: list[tuple],
+    ) -> None:
         try:
             stream.seek(pos + 8)
             meta = unpickler(stream).load()
@@ -248,44 +275,51 @@ class Framer:
             if type(meta) is not tuple or not meta or type(meta[0]) is not str:
                 raise WireError("the metadata is not a message")
             kind = meta[0]
-            data = pos + 8 + meta_size
-            data += -data & 7  # the first tensor's data
+            cursor = pos + 8 + meta_size
+            cursor += -cursor & 7  # the first tensor's data
             if kind == "infer":
-                return self._request(meta, chunk, data, pos + size)
-            if kind == "done":
-                return self._response(meta, chunk, data, pos + size)
-            if kind == "fail":
-                _, rid, name, message, status = meta
-                return ("done", rid, error_from_state(("error", name, message, status)), None)
-            return meta
+                self._requests(meta[1], chunk, cursor, pos + size, out)
+            elif kind == "done":
+                self._responses(meta[1], chunk, cursor, pos + size, out)
+            else:
+                out.append(meta)
         except WireError:
             raise
         except Exception as exc:
             raise WireError(f"a {size}-byte frame cannot be decoded: {type(exc).__name__}: {exc}") from None
 
-    def _request(self, meta: tuple, chunk: bytes, cursor: int, limit: int) -> tuple:
-        _, rid, name, version, inputs, outputs, id_, parameters, caller = meta
-        request = InferRequest(
-            name,
-            version,
-            self._tensors(inputs, chunk, cursor, limit, None),
-            None if outputs is None else [RequestedOutput(n, b, p) for n, b, p in outputs],
-            id=id_,
-            parameters=parameters,
-            caller=caller,
-        )
-        if not (type(name) is type(version) is type(id_) is type(caller) is str and type(parameters) is dict):
-            raise WireError("a request's model, version, id and caller are strings and its parameters a dict")
-        return ("infer", rid, request)
+    def _requests(self, entries: list, chunk: bytes, cursor: int, limit: int, out: list[tuple]) -> None:
+        for rid, name, version, inputs, outputs, id_, parameters, caller in entries:
+            if not (type(name) is type(version) is type(id_) is type(caller) is str and type(parameters) is dict):
+                raise WireError("a request's model, version, id and caller are strings and its parameters a dict")
+            tensors: list[Tensor] = []
+            cursor = self._tensors(inputs, chunk, cursor, limit, None, tensors)
+            request = InferRequest(
+                name,
+                version,
+                tensors,
+                None if outputs is None else [RequestedOutput(n, b, p) for n, b, p in outputs],
+                id=id_,
+                parameters=parameters,
+                caller=caller,
+            )
+            out.append(("infer", rid, request))
 
-    def _response(self, meta: tuple, chunk: bytes, cursor: int, limit: int) -> tuple:
-        _, rid, name, version, outputs, id_, parameters = meta
-        taken: list[int] = []
-        response = InferResponse(name, version, self._tensors(outputs, chunk, cursor, limit, taken), id_, parameters)
-        return ("done", rid, response, taken)
+    def _responses(self, entries: list, chunk: bytes, cursor: int, limit: int, out: list[tuple]) -> None:
+        for entry in entries:
+            if len(entry) == 4:  # an error: class name, message, HTTP status
+                out.append(("done", entry[0], error_from_state(("error", *entry[1:])), None))
+                continue
+            rid, name, version, outputs, id_, parameters = entry
+            taken: list[int] = []
+            tensors: list[Tensor] = []
+            cursor = self._tensors(outputs, chunk, cursor, limit, taken, tensors)
+            out.append(("done", rid, InferResponse(name, version, tensors, id_, parameters), taken))
 
-    def _tensors(self, entries: list, chunk: bytes, cursor: int, limit: int, taken: list[int] | None) -> list[Tensor]:
-        tensors = []
+    def _tensors(
+        self, entries: list, chunk: bytes, cursor: int, limit: int, taken: list[int] | None, tensors: list[Tensor]
+    ) -> int:
+        """Append the tensors ``entries`` describe to ``tensors``; returns where the next one's data is."""
         for name, datatype, dtype, shape, parameters, where in entries:
             kind = type(where)
             if kind is int:
@@ -311,7 +345,7 @@ class Framer:
             else:
                 raise WireError(f"tensor '{name}' has no data")
             tensors.append(Tensor(name, datatype, array, parameters))
-        return tensors
+        return cursor
 
 
 def _whole(buffer: bytearray) -> int:

@@ -100,7 +100,7 @@ def arena(size: int = 1 << 20) -> tuple[worker_wire.Arena, memoryview]:
 # -- round trips ------------------------------------------------------------------------------------
 
 
-@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sent=st.lists(requests(), min_size=1, max_size=4),
     cuts=st.lists(st.integers(0, 4000), max_size=6),
@@ -131,7 +131,7 @@ def test_requests_round_trip_whatever_the_reads(sent: list[InferRequest], cuts: 
         assert sender.used_bytes == 0
 
 
-@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(outputs=st.lists(tensors(), max_size=3), params=plain, shm=st.booleans())
 def test_responses_round_trip_and_name_the_arena_ranges_taken(outputs: list[Tensor], params: dict, shm: bool) -> None:
     sender, memory = arena() if shm else (None, None)
@@ -231,22 +231,22 @@ def frame_with(meta: tuple, raw: bytes = b"") -> bytes:
         (struct.pack("<II", 12, 0) + bytes(4), "a frame header says 12 bytes"),
         (struct.pack("<II", 16, 9) + bytes(8), "with 9 of metadata: not a frame"),
         (frame_with(["not", "a", "tuple"]), "the metadata is not a message"),
-        (frame_with(("infer", 1, "m", "", [("x", "FP32", "<f4", (2,), {}, 8)], None, "", {}, "")), "past the end"),
+        (frame_with(("infer", [(1, "m", "", [("x", "FP32", "<f4", (2,), {}, 8)], None, "", {}, "")])), "past the end"),
         (
-            frame_with(("infer", 1, "m", "", [("x", "FP32", "<f4", (3,), {}, 8)], None, "", {}, ""), bytes(8)),
+            frame_with(("infer", [(1, "m", "", [("x", "FP32", "<f4", (3,), {}, 8)], None, "", {}, "")]), bytes(8)),
             "is not 8 bytes",
         ),
         (
-            frame_with(("infer", 1, "m", "", [("x", "FP32", "|O8", (1,), {}, 8)], None, "", {}, ""), bytes(8)),
+            frame_with(("infer", [(1, "m", "", [("x", "FP32", "|O8", (1,), {}, 8)], None, "", {}, "")]), bytes(8)),
             "no raw form",
         ),
         (
-            frame_with(("infer", 1, "m", "", [("x", "BYTES", "|O", (3,), {}, 8)], None, "", {}, ""), bytes(8)),
+            frame_with(("infer", [(1, "m", "", [("x", "BYTES", "|O", (3,), {}, 8)], None, "", {}, "")]), bytes(8)),
             "too short for 3",
         ),
-        (frame_with(("infer", 1, "m", "", [("x", "FP32", "<f4", (1,), {}, (0,))], None, "", {}, "")), "an arena"),
-        (frame_with(("infer", 1, 7, "", [], None, "", {}, "")), "are strings"),
-        (frame_with(("infer", 1, "m", "")), "cannot be decoded: ValueError"),
+        (frame_with(("infer", [(1, "m", "", [("x", "FP32", "<f4", (1,), {}, (0,))], None, "", {}, "")])), "an arena"),
+        (frame_with(("infer", [(1, 7, "", [], None, "", {}, "")])), "are strings"),
+        (frame_with(("infer", [(1, "m", "")])), "cannot be decoded: ValueError"),
         (REQUEST[:8] + REQUEST[9:] + b"\0", "cannot be decoded"),
         (frame_with((np.float32(1.0),)), "only plain values may cross"),  # a class: refused by the engine
     ],
@@ -256,7 +256,7 @@ def test_corrupt_frames_raise_a_wire_error_naming_the_problem(stream: bytes, pro
         worker_wire.Framer().feed(stream)
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(position=st.integers(0, len(REQUEST) - 1), value=st.integers(0, 255), cut=st.integers(0, len(REQUEST)))
 def test_damaged_or_cut_frames_decode_or_raise_a_wire_error_never_anything_else(
     position: int, value: int, cut: int
