@@ -9,8 +9,9 @@ and the protocol the cost). For each worker count it starts ``sluice serve`` in 
 over gRPC from ``--connections`` connections with ``--concurrency`` requests in flight (tritonclient's
 asyncio client in this process; with SLUICE_PERF_ANALYZER=path, perf_analyzer instead), and reads
 the CPU time of the engine and of each worker from /proc before and after the measured window.
-Prints one row per worker count: inferences/s, engine CPU us per inference, total server CPU us per
-inference (engine + workers), mean batch size formed (from the model's statistics).
+Prints one row per worker count: inferences/s, engine CPU us per inference (and of it, the engine's
+event-loop thread: the rest is the model's execution thread), total server CPU us per inference
+(engine + workers), mean batch size formed (from the model's statistics).
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ def embed_model() -> bytes:
     return model.SerializeToString()
 
 
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds of process ``pid`` (of its thread ``tid`` when given)."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
 
 
@@ -146,13 +149,15 @@ def main() -> None:
     analyzer = os.environ.get("SLUICE_PERF_ANALYZER")
     print(f"cpus {os.cpu_count()}, load: {'perf_analyzer' if analyzer else 'tritonclient grpc.aio'}, "
           f"c{args.concurrency} over {args.connections} connection(s), {args.seconds:g} s per point")  # fmt: skip
-    print(f"{'workers':>7} {'infer/s':>9} {'engine us/inf':>14} {'total us/inf':>13} {'mean batch':>11}")
+    heads = ("workers", "infer/s", "engine us/inf", "(loop thread)", "total us/inf", "mean batch")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(heads, (7, 9, 14, 14, 13, 11), strict=True)))
     for workers in (int(w) for w in args.workers.split(",")):
         proc, port, pids = start(repo, workers)
         try:
             if args.warmup:
                 asyncio.run(load(port, args.warmup, args.concurrency, args.connections))
             before = [cpu_s(pid) for pid in (proc.pid, *pids)]
+            loop_before = cpu_s(proc.pid, proc.pid)  # the event loop runs on the main thread
             started = time.monotonic()
             if analyzer:
                 rate = perf_analyzer(analyzer, port, args.seconds, args.concurrency)
@@ -163,9 +168,13 @@ def main() -> None:
                 elapsed = time.monotonic() - started
                 rate = count / elapsed
             after = [cpu_s(pid) for pid in (proc.pid, *pids)]
+            loop = (cpu_s(proc.pid, proc.pid) - loop_before) / count * 1e6
             engine = (after[0] - before[0]) / count * 1e6
             total = (sum(after) - sum(before)) / count * 1e6
-            print(f"{workers:>7} {rate:>9.0f} {engine:>14.1f} {total:>13.1f} {batch_mean(port):>11.1f}", flush=True)
+            print(
+                f"{workers:>7} {rate:>9.0f} {engine:>14.1f} {loop:>14.1f} {total:>13.1f} {batch_mean(port):>11.1f}",
+                flush=True,
+            )
         finally:
             proc.terminate()
             proc.wait(60)
