@@ -6,11 +6,13 @@ then the tensors' data, raw, each at an 8-byte aligned offset::
 
     <u32 frame bytes> <u32 metadata bytes> <metadata> <pad> <tensor 0 data> <pad> <tensor 1 data> ...
 
-The metadata's first item names the message. An inference request (``infer``) or response
-(``done``) describes each tensor by name, datatype, numpy dtype, shape, parameters and where its data
-is: so many bytes in the frame (numbers as they lie in memory, BYTES in Triton's length-prefixed
-form), a range of the sender's shared-memory arena (:class:`Arena`, from ``ARENA_MIN_BYTES`` on), or,
-for an output no raw form fits (an object array of ``str``, say), the array pickled in the metadata.
+The metadata's first item names the message. An ``infer`` frame holds the inference requests a
+worker sent in one event-loop turn, a ``done`` frame the responses (or errors) the engine sent in
+one (typically a batch's). Each tensor is described by name, datatype, numpy dtype, shape,
+parameters and where its data is: so many bytes in the frame (numbers as they lie in memory, BYTES
+in Triton's length-prefixed form), a range of the sender's shared-memory arena (:class:`Arena`,
+from ``ARENA_MIN_BYTES`` on), or, for an output no raw form fits (an object array of ``str``,
+say), the array pickled in the metadata.
 The receiver's tensors are numpy views of the received bytes (no copy; arena data is copied out, as
 the sender reuses the range). Pickling numpy arrays (the previous form) cost ~5 us a tensor; a tuple
 of plain values ~0.5 us (docs/frontend-workers.md).
@@ -216,10 +218,10 @@ def _dtype(text: str) -> np.dtype:
 class Framer:
     """Splits received bytes into messages: ``feed`` returns every message completed by ``data``.
 
-    ``infer`` frames come out as ``("infer", rid, InferRequest)``, ``done`` and ``fail`` frames as
-    ``("done", rid, InferResponse | SluiceError, taken)`` (``taken``: the offsets of ``peer`` arena
-    data copied out, for the sender to release), everything else as the tuple sent. ``peer``: the
-    sender's arena; ``trusted``: allow pickled classes (the worker reading the engine). Raises
+    Each request of an ``infer`` frame comes out as ``("infer", rid, InferRequest)``, each outcome
+    of a ``done`` frame as ``("done", rid, InferResponse | SluiceError, taken)`` (``taken``: the
+    offsets of ``peer`` arena data copied out, for the sender to release), everything else as the
+    tuple sent. ``peer``: the sender's arena; ``trusted``: allow pickled classes (the worker reading the engine). Raises
     :class:`WireError` for a frame that is not one."""
 
     __slots__ = ("_peer", "_pending", "_trusted")
