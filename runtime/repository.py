@@ -615,6 +615,16 @@ class Repository:
     def all_versions(self) -> list[ModelVersion]:
         return [v for m in self._models.values() for v in m.versions.values()]
 
+    def gpu_instances(self) -> list[tuple[str, int, int]]:
+        """(model, version, CUDA device ordinal) of every loaded instance of kind GPU, from the loaded
+        configs' instance groups (the GPU telemetry's model instances per GPU)."""
+        return [
+            (mv.name, mv.version, device)
+            for mv in self.all_versions()
+            for kind, device in _instance_plan(mv.config)
+            if kind == mc.ModelInstanceGroup.KIND_GPU
+        ]
+
     def index(self, ready_only: bool = False) -> list[IndexEntry]:
         entries = []
         try:
