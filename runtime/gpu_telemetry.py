@@ -106,7 +106,7 @@ def mig_profile(name: str, attributes: Any = None, parent_memory_bytes: int | No
     name of a MIG handle ("NVIDIA H100 80GB HBM3 MIG 1g.10gb", as ``nvidia-smi -L`` shows it), else
     from its attributes the way the k8s device plugin names it (slices, and the memory rounded up
     to eighths of the whole GPU); "" when neither is known."""
-    head, marker, profile = name.rpartition(" MIG ")
+    _, marker, profile = name.rpartition(" MIG ")
     if marker and profile and " " not in profile:
         return profile
     if attributes is None or not parent_memory_bytes:
@@ -213,7 +213,11 @@ def families(
 
 
 _FAMILIES = (
-    ("sluice_gpu_info", "gauge", "1 for each GPU NVML sees: its index, name and MIG mode (enabled, disabled, '': none)"),
+    (
+        "sluice_gpu_info",
+        "gauge",
+        "1 for each GPU NVML sees: its index, name and MIG mode (enabled, disabled, '': no MIG)",
+    ),
     ("nv_gpu_utilization", "gauge", "GPU utilization rate [0.0 - 1.0) (NVML; none for a GPU in MIG mode)"),
     ("nv_gpu_memory_total_bytes", "gauge", "GPU total memory, in bytes"),
     ("nv_gpu_memory_used_bytes", "gauge", "GPU used memory, in bytes"),
