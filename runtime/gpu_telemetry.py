@@ -128,14 +128,8 @@ def cuda_devices(gpus: Sequence[GpuReading], visible: str | None) -> dict[int, t
     devices (PCI bus order: CUDA's default order agrees on a node of one GPU model).
     ``CUDA_VISIBLE_DEVICES`` picks and orders them by index, by ``GPU-`` UUID (a unique prefix will
     do, as CUDA allows) or by ``MIG-`` UUID; as in CUDA, an entry that names nothing ends the list."""
-    whole: list[tuple[str, str]] = []
-    for gpu in gpus:
-        if gpu.mig_enabled and gpu.migs:
-            whole.extend((gpu.uuid, mig.uuid) for mig in gpu.migs)
-        else:
-            whole.append((gpu.uuid, ""))
     if visible is None:
-        return dict(enumerate(whole))
+        return dict(enumerate(device for gpu in gpus for device in _devices_of(gpu)))
     chosen: list[tuple[str, str]] = []
     for entry in (part.strip() for part in visible.split(",")):
         found = _visible_entry(gpus, entry)
@@ -145,15 +139,17 @@ def cuda_devices(gpus: Sequence[GpuReading], visible: str | None) -> dict[int, t
     return dict(enumerate(chosen))
 
 
-def _visible_entry(gpus: Sequence[GpuReading], entry: str) -> list[tuple[str, str]] | None:
-    def devices_of(gpu: GpuReading) -> list[tuple[str, str]]:
-        if gpu.mig_enabled and gpu.migs:
-            return [(gpu.uuid, mig.uuid) for mig in gpu.migs]
-        return [(gpu.uuid, "")]
+def _devices_of(gpu: GpuReading) -> list[tuple[str, str]]:
+    """A GPU in MIG mode is its MIG devices to CUDA (none while no instance is made), else itself."""
+    if gpu.mig_enabled:
+        return [(gpu.uuid, mig.uuid) for mig in gpu.migs]
+    return [(gpu.uuid, "")]
 
+
+def _visible_entry(gpus: Sequence[GpuReading], entry: str) -> list[tuple[str, str]] | None:
     if entry.isdigit():
         index = int(entry)
-        return devices_of(gpus[index]) if index < len(gpus) else None
+        return _devices_of(gpus[index]) if index < len(gpus) else None
     if entry.startswith("MIG-"):
         for gpu in gpus:
             for mig in gpu.migs:
@@ -162,7 +158,7 @@ def _visible_entry(gpus: Sequence[GpuReading], entry: str) -> list[tuple[str, st
         return None
     if entry.startswith("GPU-"):
         matches = [gpu for gpu in gpus if gpu.uuid.startswith(entry)]
-        return devices_of(matches[0]) if len(matches) == 1 else None
+        return _devices_of(matches[0]) if len(matches) == 1 else None
     return None
 
 

@@ -230,7 +230,8 @@ def test_an_h100_in_mig_mode_reports_each_slice(tmp_path):
     # CUDA device 0 of this process is the slice CUDA_VISIBLE_DEVICES names
     (labels,) = samples(text, "sluice_gpu_model_instances")
     assert dict(labels)["mig_uuid"] == SLICE_1G.uuid and dict(labels)["gpu_uuid"] == mig
-    assert log == [line for line in log if "1 GPU(s) with 3 MIG device(s)" in line] and len(log) == 1
+    (line,) = log
+    assert "GPU metrics on: 1 GPU(s) with 3 MIG device(s)" in line
 
 
 @needs_gcc
@@ -240,10 +241,8 @@ def test_nvml_failing_to_start_means_no_gpu_families_and_one_log_line(tmp_path):
         text = server.scrape()
         assert gpu_families(text) == []
         assert "# TYPE sluice_model_load_state gauge" in text  # the rest of the metrics are there
-        assert server.log_lines("GPU metrics") == [
-            line for line in server.log_lines("GPU metrics off: NVML did not start: Driver Not Loaded")
-        ]
-        assert len(server.log_lines("GPU metrics")) == 1
+        (line,) = server.log_lines("GPU metrics")
+        assert "GPU metrics off: NVML did not start: Driver Not Loaded" in line
 
 
 @pytest.mark.skipif(ctypes.util.find_library("nvidia-ml") is not None, reason="a real NVML library is installed")
@@ -340,6 +339,11 @@ SLICED = gt.GpuReading(2, "GPU-cccc-3", mig_enabled=True, migs=(gt.MigReading("M
 )
 def test_cuda_devices(visible, expected):
     assert gt.cuda_devices([*PLAIN, SLICED], visible) == expected
+
+
+def test_a_gpu_in_mig_mode_without_instances_is_no_cuda_device():
+    empty = gt.GpuReading(0, "GPU-mig-no-slices", mig_enabled=True)
+    assert gt.cuda_devices([empty, PLAIN[0]], None) == {0: ("GPU-aaaa-1", "")}
 
 
 def test_families_convert_units_and_leave_out_what_nvml_did_not_answer():
