@@ -27,6 +27,7 @@ from sluice.runtime.pull import PullSettings
 from sluice.runtime.settings import (
     GRPC_SERVERS,
     MODEL_CONTROL_MODES,
+    GpuMetricsSettings,
     Limits,
     LogSettings,
     SchedulingDefaults,
@@ -131,6 +132,21 @@ def _parser() -> argparse.ArgumentParser:
         serve.add_argument(
             f"--{flag}-port", type=int, default=default, help=f"{what} port; 0 picks a free one, -1 disables"
         )
+    gpu = GpuMetricsSettings()
+    serve.add_argument(
+        "--allow-gpu-metrics",
+        type=_bool,
+        default=gpu.enabled,
+        metavar="{true,false}",
+        help="Triton's flag: export GPU and MIG telemetry read from NVML (the 'gpu' extra's nvidia-ml-py and the "
+        "driver's libnvidia-ml); without them or without a GPU there are no GPU families (one log line says why)",
+    )
+    serve.add_argument(
+        "--metrics-interval-ms",
+        type=_positive(int),
+        default=gpu.interval_ms,
+        help="Triton's flag: how often NVML is read (on a background thread); a scrape reports the last reading",
+    )
     for flag, what in (("http", "HTTP"), ("grpc", "gRPC")):
         serve.add_argument(
             f"--{flag}-uds",
@@ -532,6 +548,11 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         tracing=parse_trace_config(args.trace_config),
         log=log_settings_from_args(args),
         protocol_workers=args.protocol_workers,
+        gpu_metrics=GpuMetricsSettings(
+            enabled=args.allow_gpu_metrics,
+            interval_ms=args.metrics_interval_ms,
+            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        ),
     )
 
 

@@ -8,6 +8,10 @@ each model version under the labels callers.py's ``CallerLabels`` chooses, re-ra
 scrape. The registry is an object owned by the server, never the global one.
 Names and their Triton equivalents are listed in docs/metrics.md.
 
+GPU and MIG families (Triton's ``nv_gpu_*`` and ``nv_energy_consumption``, Sluice's
+``sluice_gpu_*`` / ``sluice_mig_*``) come from gpu_telemetry.py's last NVML reading, written with
+their names exactly as given, like the Python models' families below.
+
 Python models' own families (``pb_utils.MetricFamily``, docs/python-backend.md) follow Sluice's,
 written by :func:`custom_metrics_text` from the backends' ``MetricRegistry``: their names are
 exported exactly as the model gave them (a counter keeps its name, with no ``_total`` added), as
@@ -26,6 +30,7 @@ from prometheus_client.utils import floatToGoString
 
 from sluice.runtime.callers import REASONS, CallerLabels
 from sluice.runtime.forwarding import Forwarder
+from sluice.runtime.gpu_telemetry import GpuTelemetry
 from sluice.runtime.repository import ModelVersion, Repository
 from sluice.runtime.snapshot import PollCounts
 
@@ -241,8 +246,11 @@ class Metrics:
         *,
         repository: Repository | None = None,
         polls: PollCounts | None = None,
+        gpu: GpuTelemetry | None = None,
     ) -> None:
         self._model_metrics = model_metrics  # triton_python_backend_utils.MetricRegistry, or None
+        self._repository = repository
+        self._gpu = gpu
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ModelCollector(versions))
         if repository is not None:
@@ -254,6 +262,10 @@ class Metrics:
 
     def exposition(self) -> bytes:
         text = generate_latest(self.registry)
+        if self._gpu is not None:
+            instances = self._repository.gpu_instances() if self._repository is not None else ()
+            gpu_families = self._gpu.families(instances)
+            text += custom_metrics_text((f.name, f.description, f.kind, list(f.samples)) for f in gpu_families)
         if self._model_metrics is not None:
             text += custom_metrics_text(self._model_metrics.snapshot())
         return text

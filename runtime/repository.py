@@ -51,6 +51,8 @@ class ModelVersion:
     stats: ModelStats
     cache: ResponseCache | None = None
     labels: classification.Labels = dataclasses.field(default_factory=dict)  # output -> label_filename lines
+    gpus: tuple[int, ...] = ()
+    """CUDA device of each KIND_GPU instance, as placed at load (the GPU telemetry's instances per GPU)."""
 
     @property
     def platform(self) -> str:
@@ -201,6 +203,7 @@ class _Prepared:
     cache: Callable[[], ResponseCache | None]
     labels: classification.Labels = dataclasses.field(default_factory=dict)
     sequencing: sequence.SequenceConfig | None = None  # set for a model with sequence_batching
+    gpus: tuple[int, ...] = ()  # CUDA device of each KIND_GPU instance, in instance order
 
     def close(self, started: Collection[int] = ()) -> None:
         """Release what ``prepare`` opened (instances, then backends), except the instances of the
@@ -370,7 +373,8 @@ def prepare(
 
         graph_warning = torch_plan.cpu_graph_warning(config, [kind for kind, _ in plan])
         warnings += [graph_warning] if graph_warning else []
-    prepared = _Prepared(config, [], warnings, scheduling, cache, labels, sequencing)
+    gpus = tuple(device for kind, device in plan if kind == mc.ModelInstanceGroup.KIND_GPU)
+    prepared = _Prepared(config, [], warnings, scheduling, cache, labels, sequencing, gpus)
     try:
         for version in chosen:
             ctx = LoadContext(name, version, model_dir, model_dir / str(version), root, services)
@@ -588,6 +592,7 @@ class Repository:
                 stats,
                 prepared.cache(),
                 prepared.labels,
+                prepared.gpus,
             )
             scheduler.start()
 
@@ -693,6 +698,11 @@ class Repository:
 
     def all_versions(self) -> list[ModelVersion]:
         return [v for m in self._models.values() for v in m.versions.values()]
+
+    def gpu_instances(self) -> list[tuple[str, int, int]]:
+        """(model, version, CUDA device ordinal) of every loaded instance of kind GPU, as placed at
+        load (the GPU telemetry's model instances per GPU)."""
+        return [(mv.name, mv.version, device) for mv in self.all_versions() for device in mv.gpus]
 
     def index(self, ready_only: bool = False) -> list[IndexEntry]:
         entries = []

@@ -32,6 +32,7 @@ from sluice.runtime.callers import CallerLabels, DuplicateWindow
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import NotFound, SluiceError
 from sluice.runtime.forwarding import Forwarder, SplitFileWatcher
+from sluice.runtime.gpu_telemetry import GpuTelemetry
 from sluice.runtime.metrics import Metrics
 from sluice.runtime.mirror import RepositoryMirror
 from sluice.runtime.protocol.grpc import start_grpc
@@ -114,6 +115,8 @@ class Server:
             control=self.control,
             log_control=self.log_control,
         )
+        self.gpu_telemetry = GpuTelemetry(settings.gpu_metrics)
+        """NVML GPU and MIG telemetry for the metrics; started with the listeners, closed on stop."""
         self.metrics = Metrics(
             self.repository.all_versions,
             self.forwarder,
@@ -121,6 +124,7 @@ class Server:
             model_metrics=self.backend_services.model_metrics,
             repository=self.repository,
             polls=self.control.counts,
+            gpu=self.gpu_telemetry if settings.metrics_port >= 0 else None,
         )
         self.ports = Ports()
         self.failed_models: dict[str, str] = {}
@@ -177,6 +181,8 @@ class Server:
             raise
         if self._split_watcher is not None:
             self._split_watcher.start()  # before any request is read: the split holds from the first one
+        if settings.metrics_port >= 0:
+            await asyncio.to_thread(self.gpu_telemetry.start)  # NVML's first reading, before the first scrape
         try:
             await self.control.prepare()  # a cloud repository's mirror; poll mode's first snapshot
         except pull.PullError as exc:
@@ -335,6 +341,7 @@ class Server:
             await self._grpc.stop(0)
         self._remove_grpc_unix()
         self.shared_memory.close()
+        self.gpu_telemetry.close()
 
     def _remove_grpc_unix(self) -> None:
         if self._grpc_unix is not None:
@@ -397,6 +404,7 @@ class Server:
         if self._metrics_http is not None:
             await self._metrics_http.stop_listening()
             await self._metrics_http.drain(time.monotonic())
+        await asyncio.to_thread(self.gpu_telemetry.close)
         await self.tracing.aclose()
         self.shared_memory.close()  # regions still held by a request are unmapped when it is answered
         self.log_control.close()

@@ -147,6 +147,21 @@ class LogSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class GpuMetricsSettings:
+    """NVML GPU and MIG telemetry (gpu_telemetry.py; the ``gpu`` extra): Triton's
+    ``--allow-gpu-metrics`` and ``--metrics-interval-ms``."""
+
+    enabled: bool = True
+    """Poll NVML and export the ``nv_gpu_*`` and ``sluice_gpu_*`` / ``sluice_mig_*`` families; without
+    NVML or a GPU there are none either way (one log line at start says why)."""
+    interval_ms: int = 2000
+    """How often NVML is read on a background thread; a scrape reports the last reading."""
+    cuda_visible_devices: str | None = None
+    """``CUDA_VISIBLE_DEVICES`` as the server saw it: maps the CUDA ordinals of ``instance_group``
+    ``gpus`` to NVML's GPUs and MIG devices (indices or ``GPU-``/``MIG-`` UUIDs). None: unset."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ServerSettings:
     model_repository: Path
     host: str = "127.0.0.1"
@@ -223,3 +238,5 @@ class ServerSettings:
     data plane and N workers accept the HTTP and gRPC connections, decode requests and send them
     here (frontend_workers.py), so decoding uses N cores and batches still form across every
     connection. 0: this one process does everything (small pods)."""
+    gpu_metrics: GpuMetricsSettings = dataclasses.field(default_factory=GpuMetricsSettings)
+    """GPU and MIG telemetry from NVML (``--allow-gpu-metrics``, ``--metrics-interval-ms``)."""
