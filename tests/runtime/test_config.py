@@ -658,7 +658,10 @@ WARNINGS = [
         ["sequence_batching.direct.minimum_slot_utilization: Direct dispatches as soon as an instance is free"],
     ),
     ('model_warmup [ { name: "w" batch_size: 1 } ]', ["model_warmup: not implemented yet; the model is not warmed up"]),
-    ("optimization { priority: PRIORITY_MAX }", ["optimization: "]),
+    ("optimization { priority: PRIORITY_MAX }", ["optimization.priority: not implemented yet"]),
+    ("optimization { cuda { graphs: true busy_wait_events: true } }",
+     ["optimization.cuda.graphs: only the pytorch backend captures CUDA graphs; ignored for 'python'",
+      "optimization.cuda.busy_wait_events: ignored"]),
     ('input [ { name: "a" data_type: TYPE_FP32 dims: [ 1 ] format: FORMAT_NCHW } ]', ["input[0].format: ignored"]),
     (
         'input [ { name: "a" data_type: TYPE_INT32 dims: [ 1 ] },'
@@ -683,6 +686,14 @@ def test_unimplemented_fields_are_named_in_warnings(extra: str, expected: list[s
     assert len(warnings) == len(expected), warnings
     for warning, start in zip(warnings, expected, strict=True):
         assert warning.startswith(start), (warning, start)
+
+
+def test_cuda_graphs_of_a_pytorch_model_give_no_warning() -> None:
+    config = pbtxt(
+        'platform: "pytorch_libtorch" max_batch_size: 8 optimization { cuda { graphs: true '
+        'graph_spec [ { batch_size: 4 input { key: "x" value { dim: [ 3 ] } } } ] } }'
+    )
+    assert model_config.validate(config, source="c") == []
 
 
 def test_warnings_reach_the_loaded_config(tmp_path: Path) -> None:
@@ -722,7 +733,7 @@ def test_every_top_level_field_is_implemented_or_in_the_table() -> None:
     config = model_config.parse_config(FULL_PBTXT, path="c", fmt="pbtxt")
     # ensemble_scheduling and sequence_batching share a oneof with dynamic_batching: FULL_PBTXT cannot hold them.
     implemented = {fd.name for fd, _ in config.ListFields()}
-    implemented |= {"backend", "default_model_filename", "ensemble_scheduling", "model_transaction_policy",
+    implemented |= {"backend", "default_model_filename", "ensemble_scheduling", "model_transaction_policy", "optimization",
                     "sequence_batching"}
     for fd in mc.ModelConfig.DESCRIPTOR.fields:
         assert (
