@@ -27,7 +27,6 @@ docs/cuda-graphs.md describes the configuration, the captured sizes, padding and
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -349,7 +348,8 @@ class GraphedModel:
         reserved_before = torch.cuda.memory_reserved(self._device)
         # Capture needs a stream other than the legacy default one; the instance's own stream is
         # used when it is one, so that replays and captures see the same stream.
-        capture_stream = stream if stream != torch.cuda.default_stream(self._device) else torch.cuda.Stream(self._device)
+        default = torch.cuda.default_stream(self._device)
+        capture_stream = stream if stream != default else torch.cuda.Stream(self._device)
         pool = torch.cuda.graph_pool_handle()
         with torch.no_grad(), torch.cuda.device(self._device):
             for shape in sorted(plan.shapes, key=lambda s: s.batch_size, reverse=True):
@@ -388,9 +388,10 @@ class GraphedModel:
             if tuple(example.shape) == wanted:
                 buffers.append(example.to(self._device).clone())  # clone keeps the memory format
                 continue
-            fmt = torch.channels_last if example.dim() == 4 and len(wanted) == 4 and _is_channels_last(example) else None
             buffer = torch.zeros(wanted, dtype=example.dtype, device=self._device)
-            buffers.append(buffer.contiguous(memory_format=fmt) if fmt is not None else buffer)
+            if example.dim() == 4 and len(wanted) == 4 and _is_channels_last(example):
+                buffer = buffer.contiguous(memory_format=torch.channels_last)
+            buffers.append(buffer)
         return buffers
 
     def describe(self) -> str:

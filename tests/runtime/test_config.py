@@ -733,8 +733,8 @@ def test_every_top_level_field_is_implemented_or_in_the_table() -> None:
     config = model_config.parse_config(FULL_PBTXT, path="c", fmt="pbtxt")
     # ensemble_scheduling and sequence_batching share a oneof with dynamic_batching: FULL_PBTXT cannot hold them.
     implemented = {fd.name for fd, _ in config.ListFields()}
-    implemented |= {"backend", "default_model_filename", "ensemble_scheduling", "model_transaction_policy", "optimization",
-                    "sequence_batching"}
+    implemented |= {"backend", "default_model_filename", "ensemble_scheduling", "model_transaction_policy",
+                    "optimization", "sequence_batching"}
     for fd in mc.ModelConfig.DESCRIPTOR.fields:
         assert (
             fd.name in implemented

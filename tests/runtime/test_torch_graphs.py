@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from google.protobuf import text_format
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from tritonclient.grpc import model_config_pb2 as mc
@@ -58,7 +58,7 @@ def spec(*entries: str) -> str:
     [
         f"max_batch_size: 8 {X16}",
         f"max_batch_size: 8 {X16} optimization {{ cuda {{ graphs: false }} }}",
-        f'max_batch_size: 8 {X16} optimization {{ cuda {{ graph_spec [ {{ batch_size: 2 }} ] }} }}',
+        f"max_batch_size: 8 {X16} optimization {{ cuda {{ graph_spec [ {{ batch_size: 2 }} ] }} }}",
     ],
 )
 def test_no_graphs_unless_the_config_turns_them_on(text):
