@@ -264,26 +264,28 @@ def padding_waste(plan: GraphPlan, n: int) -> float:
 def pad_rows(array: ArrayT, rows: int) -> ArrayT:
     """``array`` (numpy array or torch tensor, batch dimension first) with zero rows appended up to
     ``rows`` rows; the array itself when it has that many already. A new array, never a view."""
-    n = int(array.shape[0])  # type: ignore[attr-defined]
+    data: Any = array
+    n = int(data.shape[0])
     if rows < n:
         raise ValueError(f"cannot pad {n} rows to {rows}; allowed: rows >= {n}")
     if rows == n:
         return array
-    if hasattr(array, "new_zeros"):  # torch.Tensor: same dtype, device and layout
-        padded = array.new_zeros((rows, *array.shape[1:]))
+    if hasattr(data, "new_zeros"):  # torch.Tensor: same dtype, device and layout
+        padded = data.new_zeros((rows, *data.shape[1:]))
     else:
         import numpy as np
 
-        padded = np.zeros((rows, *array.shape[1:]), dtype=array.dtype)  # type: ignore[attr-defined]
-    padded[:n] = array
-    return padded  # type: ignore[no-any-return]
+        padded = np.zeros((rows, *data.shape[1:]), dtype=data.dtype)
+    padded[:n] = data
+    return padded
 
 
 def slice_rows(array: ArrayT, n: int) -> ArrayT:
     """The first ``n`` rows of ``array`` (numpy array or torch tensor): a view, no copy."""
-    if not 0 <= n <= int(array.shape[0]):  # type: ignore[attr-defined]
-        raise ValueError(f"cannot take {n} rows of {int(array.shape[0])}")  # type: ignore[attr-defined]
-    return array[:n]  # type: ignore[index, no-any-return]
+    data: Any = array
+    if not 0 <= n <= int(data.shape[0]):
+        raise ValueError(f"cannot take {n} rows of {int(data.shape[0])}")
+    return data[:n]
 
 
 def rows_to_zero(filled: int, n: int) -> tuple[int, int] | None:
