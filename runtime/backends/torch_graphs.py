@@ -325,7 +325,8 @@ class GraphedModel:
     captures the graphs largest first into one shared memory pool (the graphs never run at once,
     so their intermediate tensors can share memory: the pool is about the largest graph's
     activations plus every graph's static inputs and outputs). ``memory_bytes`` is what that took:
-    the growth of ``torch.cuda.memory_reserved`` over the construction.
+    the growth of ``torch.cuda.memory_reserved`` over the construction (PyTorch's cache emptied
+    before and after; approximate when other instances of the process allocate meanwhile).
 
     One instance belongs to one model instance and is used by one thread at a time.
     """
@@ -347,6 +348,10 @@ class GraphedModel:
         self._graphs: dict[CapturedShape, _Graph] = {}
         started = time.monotonic()
         torch.cuda.synchronize(self._device)
+        # torch.cuda.graph empties PyTorch's cache before each capture anyway; emptying it here and
+        # at the end too makes the difference in reserved memory the graphs' alone (their buffers
+        # and pool), not cached blocks of whatever ran before.
+        torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self._device)
         # Capture needs a stream other than the legacy default one; the instance's own stream is
         # used when it is one, so that replays and captures see the same stream.
@@ -363,7 +368,9 @@ class GraphedModel:
                 capture_stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 try:
-                    with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
+                    # thread_local: other instances keep serving (and allocating) on their threads
+                    # while this one captures; the default (global) mode would fail their CUDA calls.
+                    with torch.cuda.graph(graph, pool=pool, stream=capture_stream, capture_error_mode="thread_local"):
                         static_outputs = list(forward(static_inputs))
                 except Exception as exc:
                     raise ModelError(
@@ -373,7 +380,8 @@ class GraphedModel:
                     ) from exc
                 self._graphs[shape] = _Graph(shape, graph, static_inputs, static_outputs, shape.batch_size)
         torch.cuda.synchronize(self._device)
-        self.memory_bytes: int = int(torch.cuda.memory_reserved(self._device) - reserved_before)
+        torch.cuda.empty_cache()
+        self.memory_bytes: int = max(0, int(torch.cuda.memory_reserved(self._device) - reserved_before))
         """GPU memory the capture added to PyTorch's caching allocator (static buffers, the pool)."""
         self.capture_s: float = time.monotonic() - started
         """Seconds the warm-up and capture took (part of the model's load time)."""
@@ -426,6 +434,8 @@ class GraphedModel:
             return None
         entry = self._graphs[shape]
         torch = _torch()
+        # The inputs may come from work queued on the caller's current stream.
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.no_grad(), torch.cuda.stream(self._stream):
             for static, given in zip(entry.inputs, inputs, strict=True):
                 if self.plan.batched:
