@@ -91,6 +91,8 @@ UNIMPLEMENTED_FIELDS: dict[str, str] = {
     "output[].is_non_linear_format_io": "non-linear I/O formats are not implemented yet; ignored",
     "batch_input": _NOT_YET,
     "batch_output": _NOT_YET,
+    "optimization.cuda.busy_wait_events": "ignored (Triton's TensorRT backend setting)",
+    "optimization.cuda.output_copy_stream": "ignored (Triton's TensorRT backend setting)",
     "sequence_batching.direct.max_queue_delay_microseconds": _DIRECT_AT_ONCE,
     "sequence_batching.direct.minimum_slot_utilization": _DIRECT_AT_ONCE,
     "sequence_batching.state[].use_same_buffer_for_input_output": "ignored (the state is handed over between requests)",
@@ -109,7 +111,7 @@ UNIMPLEMENTED_FIELDS: dict[str, str] = {
     "model_metrics": "custom model metrics are not implemented yet; ignored",
 }
 # Unimplemented message fields that change nothing while empty (``optimization {}``).
-_HARMLESS_WHEN_EMPTY: frozenset[str] = frozenset({"optimization", "model_transaction_policy"})
+_HARMLESS_WHEN_EMPTY: frozenset[str] = frozenset({"model_transaction_policy"})
 
 # Fields Sluice implements. A message field listed here is walked into when some pattern below it
 # is listed too; otherwise it is implemented as a whole. A set field in neither table is warned
@@ -134,6 +136,7 @@ _IMPLEMENTED_FIELDS: frozenset[str] = frozenset({
     "instance_group[].gpus", "instance_group[].profile",
     "optimization", "optimization.execution_accelerators",
     "model_transaction_policy",
+    "optimization.cuda", "optimization.cuda.graphs", "optimization.cuda.graph_spec",
     "sequence_batching", "sequence_batching.direct", "sequence_batching.oldest",
     "sequence_batching.max_sequence_idle_microseconds", "sequence_batching.control_input",
     "sequence_batching.state", "sequence_batching.state[].input_name", "sequence_batching.state[].output_name",
@@ -807,6 +810,10 @@ def validate(config: mc.ModelConfig, *, source: str) -> list[str]:
             f"ensemble_scheduling is set but the model's platform is '{config.platform or config.backend}'; "
             f'allowed: ensemble_scheduling only with platform: "{ENSEMBLE}"',
             "ensemble_scheduling",
+        )
+    if config.optimization.cuda.graphs and backend != "pytorch":
+        warnings.append(
+            f"optimization.cuda.graphs: only the pytorch backend captures CUDA graphs; ignored for '{backend}'"
         )
     _collect_unimplemented(config, "", "", warnings)
     return warnings

@@ -373,6 +373,13 @@ def prepare(
 
         graph_warning = torch_plan.cpu_graph_warning(config, [kind for kind, _ in plan])
         warnings += [graph_warning] if graph_warning else []
+        if torch_plan.graphs_requested(config):
+            from sluice.runtime.backends import torch_graphs  # pure here: torch is imported on capture
+
+            try:  # the shapes to capture are refused before any instance is made, on any machine
+                torch_graphs.graph_plan(config)
+            except ConfigError as exc:
+                raise ConfigError(exc.detail, file=loaded.source, field=exc.field) from None
     gpus = tuple(device for kind, device in plan if kind == mc.ModelInstanceGroup.KIND_GPU)
     prepared = _Prepared(config, [], warnings, scheduling, cache, labels, sequencing, gpus)
     try:

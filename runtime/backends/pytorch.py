@@ -19,7 +19,6 @@ scheduler's worker threads (``TorchInstance.execute``).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import threading
 import time
@@ -312,9 +311,8 @@ class TorchInstance(ModelInstance):
     def _capture_graphs(self, config: mc.ModelConfig) -> Any:
         if not torch_plan.graphs_requested(config):
             return None
-        # torch_graphs is written beside this backend (CUDA graphs); imported by name, only here,
-        # so CPU-only servers and tests never load it.
-        torch_graphs = importlib.import_module("sluice.runtime.backends.torch_graphs")
+        from sluice.runtime.backends import torch_graphs  # only here: CPU-only servers never load it
+
         plan = torch_graphs.graph_plan(config)
         if plan is None:
             return None
@@ -333,7 +331,9 @@ class TorchInstance(ModelInstance):
             ]
 
         with self._torch.cuda.stream(self._stream), self._modes():
-            return torch_graphs.GraphedModel(self._forward, plan, example_inputs, self._device, self._stream)
+            graphed = torch_graphs.GraphedModel(self._forward, plan, example_inputs, self._device, self._stream)
+        log.info("model '%s' on %s: %s", self._label, self._device, graphed.describe())
+        return graphed
 
     @contextlib.contextmanager
     def _modes(self) -> Iterator[None]:

@@ -661,6 +661,9 @@ WARNINGS = [
     ("optimization { priority: PRIORITY_MAX }", ["optimization.priority: not implemented yet"]),
     ("optimization { execution_accelerators { gpu_execution_accelerator [ { name: 'cuda' } ] } }", []),  # implemented
     ('instance_group [ { kind: KIND_GPU profile: [ "0", "1" ] } ]', []),  # implemented (tensorrt)
+    ("optimization { cuda { graphs: true busy_wait_events: true } }",
+     ["optimization.cuda.graphs: only the pytorch backend captures CUDA graphs; ignored for 'python'",
+      "optimization.cuda.busy_wait_events: ignored"]),
     ('input [ { name: "a" data_type: TYPE_FP32 dims: [ 1 ] format: FORMAT_NCHW } ]', ["input[0].format: ignored"]),
     (
         'input [ { name: "a" data_type: TYPE_INT32 dims: [ 1 ] },'
@@ -685,6 +688,14 @@ def test_unimplemented_fields_are_named_in_warnings(extra: str, expected: list[s
     assert len(warnings) == len(expected), warnings
     for warning, start in zip(warnings, expected, strict=True):
         assert warning.startswith(start), (warning, start)
+
+
+def test_cuda_graphs_of_a_pytorch_model_give_no_warning() -> None:
+    config = pbtxt(
+        'platform: "pytorch_libtorch" max_batch_size: 8 optimization { cuda { graphs: true '
+        'graph_spec [ { batch_size: 4 input { key: "x" value { dim: [ 3 ] } } } ] } }'
+    )
+    assert model_config.validate(config, source="c") == []
 
 
 def test_warnings_reach_the_loaded_config(tmp_path: Path) -> None:

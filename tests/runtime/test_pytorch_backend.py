@@ -8,6 +8,7 @@ GPU tests skip with the reason on machines without CUDA.
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 import zipfile
@@ -543,8 +544,15 @@ def test_dynamic_batching_forms_batches_of_torch_requests(tmp_path, serve):
             "addsub",
             r"'parameters\[memory_format\]': must be one of contiguous, channels_last, got 'nhwc'",
         ),
+        (  # checked on any machine, though only GPU instances capture graphs
+            ADD_SUB_CONFIG.replace("dims: [ 4 ] },\n  { name: \"INPUT__1\"", "dims: [ -1 ] },\n  { name: \"INPUT__1\"")
+            + "optimization { cuda { graphs: true } }",
+            "addsub",
+            r"config.pbtxt: field 'optimization.cuda.graph_spec': input 'INPUT__0' has dynamic dims \[-1\]; "
+            r"a CUDA graph needs fixed shapes",
+        ),
     ],
-    ids=["input-count", "bad-bool", "bad-type", "not-zip", "no-file", "gpu-not-visible", "memory-format"],
+    ids=["input-count", "bad-bool", "bad-type", "not-zip", "no-file", "gpu-not-visible", "memory-format", "graph-dims"],
 )
 def test_bad_configs_fail_the_load_with_file_and_field(tmp_path, serve, config, files, message):
     repo = tmp_path / "repo"
@@ -625,7 +633,7 @@ class Conv(torch.nn.Module):
 
 @needs_gpu
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
-def test_gpu_instances_serve_fp16_channels_last(tmp_path, serve, graphs):
+def test_gpu_instances_serve_fp16_channels_last(tmp_path, serve, graphs, caplog):
     torch.manual_seed(0)
     module = Conv().eval()
     repo = tmp_path / "repo"
@@ -647,7 +655,12 @@ def test_gpu_instances_serve_fp16_channels_last(tmp_path, serve, graphs):
         """,
         {"model.pt": scripted(module, tmp_path / "c.pt")},
     )
+    caplog.set_level(logging.INFO, logger="sluice")
     server = serve(repo)
+    captured = [r.getMessage() for r in caplog.records if "CUDA graph(s)" in r.getMessage()]
+    # each of the 2 instances captured its graphs at the preferred sizes and max_batch_size
+    assert len(captured) == (2 if graphs else 0), captured
+    assert all("at batch sizes 2,4 " in line for line in captured), captured
     x = np.random.default_rng(0).standard_normal((3, 3, 8, 8)).astype(np.float16)
     expected = module(torch.from_numpy(x).float()).detach().numpy()
     for infer in (http_infer, grpc_infer):
