@@ -1,23 +1,33 @@
 """Throughput and CPU per inference versus the number of protocol workers (``--protocol-workers``).
 
     python -P bench/frontend_workers.py [--workers 0,1,2,4] [--seconds 8] [--concurrency 64] [--connections 16]
+        [--model embed|encoder] [--device cpu|cuda:0] [--client-processes N]
 
-The model is one where the protocol binds: token ids in, embeddings out (``embed``: INT64 [16]
-token ids -> Gather from a 1000x64 embedding table -> a 64x64 dense layer with ReLU -> FP32 [16, 64];
-built with onnx.helper; no attention: a small encoder-style layer is enough to make the model cheap
-and the protocol the cost). For each worker count it starts ``sluice serve`` in a subprocess, loads it
-over gRPC from ``--connections`` connections with ``--concurrency`` requests in flight (tritonclient's
-asyncio client in this process; with SLUICE_PERF_ANALYZER=path, perf_analyzer instead), and reads
-the CPU time of the engine and of each worker from /proc before and after the measured window.
-Prints one row per worker count: inferences/s, engine CPU us per inference (and of it, the engine's
-event-loop thread: the rest is the model's execution thread), total server CPU us per inference
-(engine + workers), mean batch size formed (from the model's statistics).
+Models where the protocol binds: token ids in, embeddings out.
+
+* ``embed`` (default): INT64 [16] token ids -> Gather from a 1000x64 embedding table -> a 64x64
+  dense layer with ReLU -> FP32 [16, 64]; ONNX (onnx.helper) on the CPU. No attention: the model
+  is cheap and the protocol is the cost.
+* ``encoder``: the same ids -> a small transformer encoder (embedding 1000x64 with learned
+  positions, 2 layers, 4 heads, feed-forward 128) -> FP32 [16, 64]; TorchScript on the PyTorch
+  backend, on ``--device`` (``cuda:N``: a KIND_GPU instance with CUDA graphs at the preferred batch
+  sizes; needs torch).
+
+For each worker count it starts ``sluice serve`` in a subprocess, loads it over gRPC from
+``--connections`` connections with ``--concurrency`` requests in flight (tritonclient's asyncio
+client, in ``--client-processes`` processes so the load is not bound by one client core; with
+SLUICE_PERF_ANALYZER=path, perf_analyzer instead), and reads the CPU time of the engine and of each
+worker from /proc before and after the measured window. Prints one row per worker count:
+inferences/s, engine CPU us per inference (and of it, the engine's event-loop thread: the rest is
+the model's execution thread), total server CPU us per inference (engine + workers), mean batch
+size formed (from the model's statistics).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import re
 import subprocess
@@ -40,6 +50,52 @@ output [ {{ name: "EMBEDDINGS", data_type: TYPE_FP32, dims: [ {SEQ}, {DIM} ] }} 
 dynamic_batching {{ max_queue_delay_microseconds: 500 }}
 instance_group [ {{ count: 1, kind: KIND_CPU }} ]
 """
+GPU_PREFERRED = (8, 16, 32, 64, 128, 256)
+
+
+def encoder_config(device: str) -> str:
+    """The encoder's config: on ``cuda:N`` one KIND_GPU instance on GPU N with CUDA graphs captured at
+    the preferred batch sizes (and max_batch_size), else one CPU instance."""
+    if device == "cpu":
+        placement, graphs, max_batch = "instance_group [ { count: 1, kind: KIND_CPU } ]", "", 64
+        preferred = ""
+    else:
+        gpu = int(device.split(":", 1)[1]) if ":" in device else 0
+        placement = f"instance_group [ {{ count: 1, kind: KIND_GPU, gpus: [ {gpu} ] }} ]"
+        graphs, max_batch = "optimization { cuda { graphs: true } }", GPU_PREFERRED[-1]
+        preferred = f"preferred_batch_size: [ {', '.join(str(b) for b in GPU_PREFERRED)} ] "
+    return f"""
+name: "embed"
+platform: "pytorch_libtorch"
+max_batch_size: {max_batch}
+input [ {{ name: "TOKENS", data_type: TYPE_INT64, dims: [ {SEQ} ] }} ]
+output [ {{ name: "EMBEDDINGS", data_type: TYPE_FP32, dims: [ {SEQ}, {DIM} ] }} ]
+dynamic_batching {{ {preferred}max_queue_delay_microseconds: 500 }}
+{placement}
+{graphs}
+"""
+
+
+def encoder_model(path: Path) -> None:
+    """A small transformer encoder as TorchScript (random weights, seeded)."""
+    import torch
+
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens = torch.nn.Embedding(VOCAB, DIM)
+            self.positions = torch.nn.Parameter(torch.randn(SEQ, DIM) / 8)
+            layer = torch.nn.TransformerEncoderLayer(DIM, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
+            self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+        def forward(self, TOKENS: torch.Tensor) -> torch.Tensor:
+            return self.encoder(self.tokens(TOKENS) + self.positions)
+
+    torch.manual_seed(0)
+    module = Encoder().eval()
+    with torch.no_grad():
+        traced = torch.jit.trace(module, torch.zeros(2, SEQ, dtype=torch.int64))
+    traced.save(str(path))
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -88,6 +144,24 @@ def start(repo: Path, workers: int) -> tuple[subprocess.Popen, int, list[int]]:
             port = int(re.search(r"gRPC \S+:(\d+)", line).group(1))  # type: ignore[union-attr]
             return proc, port, pids
     raise RuntimeError("the server did not start")
+
+
+def load_in_processes(port: int, seconds: float, concurrency: int, connections: int, processes: int) -> int:
+    """``load`` split over ``processes`` client processes (concurrency and connections divided among
+    them); the inferences they completed."""
+    if processes <= 1:
+        return asyncio.run(load(port, seconds, concurrency, connections))
+    shares = [
+        (port, seconds, max(1, concurrency // processes + (i < concurrency % processes)),
+         max(1, connections // processes + (i < connections % processes)))
+        for i in range(processes)
+    ]  # fmt: skip
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        return sum(pool.starmap(_load_sync, shares))
+
+
+def _load_sync(port: int, seconds: float, concurrency: int, connections: int) -> int:
+    return asyncio.run(load(port, seconds, concurrency, connections))
 
 
 async def load(port: int, seconds: float, concurrency: int, connections: int) -> int:
@@ -140,14 +214,24 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--connections", type=int, default=16)
+    p.add_argument("--model", choices=["embed", "encoder"], default="embed")
+    p.add_argument("--device", default="cpu", help="the encoder's device: cpu or cuda:N")
+    p.add_argument("--client-processes", type=int, default=1, help="client processes sharing the load")
     args = p.parse_args()
+    if args.model == "embed" and args.device != "cpu":
+        p.error("--device applies to --model encoder (the embed model is ONNX on the CPU)")
     repo = Path(tempfile.mkdtemp()) / "repo"
     (repo / "embed" / "1").mkdir(parents=True)
-    (repo / "embed" / "config.pbtxt").write_text(CONFIG)
-    (repo / "embed" / "1" / "model.onnx").write_bytes(embed_model())
-    onnx.checker.check_model(onnx.load(str(repo / "embed" / "1" / "model.onnx")))
+    if args.model == "embed":
+        (repo / "embed" / "config.pbtxt").write_text(CONFIG)
+        (repo / "embed" / "1" / "model.onnx").write_bytes(embed_model())
+        onnx.checker.check_model(onnx.load(str(repo / "embed" / "1" / "model.onnx")))
+    else:
+        (repo / "embed" / "config.pbtxt").write_text(encoder_config(args.device))
+        encoder_model(repo / "embed" / "1" / "model.pt")
     analyzer = os.environ.get("SLUICE_PERF_ANALYZER")
-    print(f"cpus {os.cpu_count()}, load: {'perf_analyzer' if analyzer else 'tritonclient grpc.aio'}, "
+    client = "perf_analyzer" if analyzer else f"tritonclient grpc.aio x{args.client_processes} process(es)"
+    print(f"cpus {os.cpu_count()}, model {args.model} on {args.device}, load: {client}, "
           f"c{args.concurrency} over {args.connections} connection(s), {args.seconds:g} s per point")  # fmt: skip
     heads = ("workers", "infer/s", "engine us/inf", "(loop thread)", "total us/inf", "mean batch")
     print(" ".join(f"{h:>{w}}" for h, w in zip(heads, (7, 9, 14, 14, 13, 11), strict=True)))
@@ -155,7 +239,7 @@ def main() -> None:
         proc, port, pids = start(repo, workers)
         try:
             if args.warmup:
-                asyncio.run(load(port, args.warmup, args.concurrency, args.connections))
+                load_in_processes(port, args.warmup, args.concurrency, args.connections, args.client_processes)
             before = [cpu_s(pid) for pid in (proc.pid, *pids)]
             loop_before = cpu_s(proc.pid, proc.pid)  # the event loop runs on the main thread
             started = time.monotonic()
@@ -164,7 +248,7 @@ def main() -> None:
                 elapsed = time.monotonic() - started
                 count = rate * elapsed
             else:
-                count = asyncio.run(load(port, args.seconds, args.concurrency, args.connections))
+                count = load_in_processes(port, args.seconds, args.concurrency, args.connections, args.client_processes)
                 elapsed = time.monotonic() - started
                 rate = count / elapsed
             after = [cpu_s(pid) for pid in (proc.pid, *pids)]

@@ -29,8 +29,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 
 ROOT = Path(__file__).resolve().parents[3]
 AZURITE_PACKAGE = "azurite@3.35.0"  # as .ci/tools.sh installs it
@@ -187,6 +185,9 @@ def gcs_store(tmp: Path) -> Iterator[Store]:
     tokens = serve_http(TokenHandler)
     proxy = Proxy(port, lambda method, path: method == "GET" and "alt=media" in path)
     credentials = tmp / "service-account.json"
+    from cryptography.hazmat.primitives import serialization  # only GCS needs a key: not imported on GPU runs
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     credentials.write_text(json.dumps({  # a key file as the console gives it, its token endpoint the test's

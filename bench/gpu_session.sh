@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The GPU checks of Sluice in a few commands, for a machine with an NVIDIA GPU and a CUDA build of
+# torch but without network access (and so without `pip install -e .`): it puts the checkout's
+# packages on PYTHONPATH through a link tree outside the repository (never the repository root, where
+# ./operator would shadow the standard library) and installs wheels brought along in .whl/.
+#
+#   bash bench/gpu_session.sh STEP...      STEP: tests | resnet | resnet-small | memory | workers | shm | all
+#
+# Each step writes its output to $OUT/<step>.txt as well (OUT defaults to ./gpu-out, ignored by git).
+#   tests         the GPU tests (PyTorch on CUDA, CUDA graphs, NVML, CUDA shared memory), -rs for skips
+#   resnet        bench/gpu_resnet.py: ResNet-50 fp16 channels_last, raw with CUDA graphs vs served
+#   resnet-small  the same, short (a check that the bench runs before the long one)
+#   memory        bench/gpu_memory.py: GPU memory per instance with and without CUDA graphs, and served
+#   workers       bench/frontend_workers.py: inferences/s versus protocol workers (encoder on the GPU,
+#                 embed on the CPU), 1..16 workers
+#   shm           bench/cuda_shm.py: CUDA shared memory versus the wire
+# Wheels: .whl/ holds what the machine lacks (tritonclient and its HTTP client, httptools, h2/hpack,
+# pytest-asyncio); fetch them with `pip download --no-deps --only-binary=:all: --python-version 3.12
+# --platform manylinux_2_28_x86_64 ... -d .whl NAME==VERSION` on a machine with network access.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+SITE=${SLUICE_GPU_SITE:-/tmp/sluice-gpu-site}
+
+setup() {
+  if [ ! -e "$SITE/.ready" ]; then
+    mkdir -p "$SITE/pkgs/sluice"
+    if compgen -G ".whl/*.whl" >/dev/null; then
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE/wheels" \
+        .whl/*.whl || return 1
+    fi
+    # the package-dir mapping of pyproject.toml, as links: sluice.runtime -> runtime/, and so on
+    ln -sfn "$PWD/runtime" "$SITE/pkgs/sluice/runtime"
+    ln -sfn "$PWD/operator" "$SITE/pkgs/sluice/operator"
+    ln -sfn "$PWD/runtime/client" "$SITE/pkgs/sluice/client"
+    touch "$SITE/.ready"
+  fi
+  export PYTHONPATH="$SITE/pkgs:$SITE/wheels${PYTHONPATH:+:$PYTHONPATH}"
+  {
+    nvidia-smi --query-gpu=name,driver_version,memory.total,mig.mode.current --format=csv || true
+    "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
+    nproc
+  } 2>&1 | tee "$OUT/machine.txt"
+}
+
+run_step() {
+  local step=$1
+  case $step in
+    tests)
+      "$PY" -m pytest -q -p no:cacheprovider -rs -o addopts="--import-mode=importlib" \
+        tests/runtime/test_pytorch_backend.py tests/runtime/test_torch_graphs.py tests/runtime/test_gpu_telemetry.py \
+        tests/runtime/test_cuda_shared_memory.py tests/runtime/test_onnx_gpu.py tests/runtime/test_tensorrt_backend.py \
+        tests/test_bench_gpu.py ;;
+    resnet-small)
+      "$PY" -P bench/gpu_resnet.py --small --duration-s 2 --raw-s 1 --concurrency 1,16 ;;
+    resnet)
+      "$PY" -P bench/gpu_resnet.py --concurrency 1,8,32,64,128,256 --duration-s 8 --raw-s 3 \
+        --client-processes 8 ;;
+    memory)
+      "$PY" -P bench/gpu_memory.py && "$PY" -P bench/gpu_memory.py --served ;;
+    workers)
+      "$PY" -P bench/frontend_workers.py --model encoder --device cuda:0 --workers 0,1,2,4,8,16 \
+        --concurrency 256 --connections 64 --client-processes 8 --seconds 6 &&
+      "$PY" -P bench/frontend_workers.py --workers 0,1,2,4,8 --concurrency 128 --connections 32 \
+        --client-processes 6 --seconds 6 ;;
+    shm)
+      "$PY" -P bench/cuda_shm.py ;;
+    *)
+      echo "unknown step '$step'; allowed: tests, resnet, resnet-small, memory, workers, shm, all" >&2
+      return 2 ;;
+  esac
+}
+
+[ $# -gt 0 ] || { sed -n 2,20p "$0"; exit 2; }
+setup || { echo "setup failed" >&2; exit 1; }
+steps=()
+for step in "$@"; do
+  if [ "$step" = all ]; then steps+=(tests resnet memory workers shm); else steps+=("$step"); fi
+done
+status=0
+for one in "${steps[@]}"; do
+  echo "== $one" | tee "$OUT/$one.txt"
+  run_step "$one" 2>&1 | tee -a "$OUT/$one.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
+exit $status
