@@ -14,9 +14,10 @@
 #   workers       bench/frontend_workers.py: inferences/s versus protocol workers (encoder on the GPU,
 #                 embed on the CPU), 1..16 workers
 #   shm           bench/cuda_shm.py: CUDA shared memory versus the wire
-# Wheels: .whl/ holds what the machine lacks (tritonclient and its HTTP client, httptools, h2/hpack,
-# pytest-asyncio); fetch them with `pip download --no-deps --only-binary=:all: --python-version 3.12
-# --platform manylinux_2_28_x86_64 ... -d .whl NAME==VERSION` on a machine with network access.
+# Wheels: .whl/ (or $SLUICE_GPU_WHEELS) holds what the machine lacks (tritonclient and its HTTP
+# client, httptools, h2/hpack, pytest-asyncio); fetch them on a machine with network access with
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
+# ... -d .whl NAME==VERSION`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
@@ -24,13 +25,14 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 SITE=${SLUICE_GPU_SITE:-/tmp/sluice-gpu-site}
+WHEELS=${SLUICE_GPU_WHEELS:-.whl}
 
 setup() {
   if [ ! -e "$SITE/.ready" ]; then
     mkdir -p "$SITE/pkgs/sluice"
-    if compgen -G ".whl/*.whl" >/dev/null; then
+    if compgen -G "$WHEELS/*.whl" >/dev/null; then
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE/wheels" \
-        .whl/*.whl || return 1
+        "$WHEELS"/*.whl || return 1
     fi
     # the package-dir mapping of pyproject.toml, as links: sluice.runtime -> runtime/, and so on
     ln -sfn "$PWD/runtime" "$SITE/pkgs/sluice/runtime"
