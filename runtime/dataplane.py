@@ -54,6 +54,29 @@ def _int_param(parameters: dict[str, Any], key: str) -> int | None:
     return value
 
 
+async def awaited(
+    infer_nowait: Callable[[InferRequest, Callable[[InferResponse | SluiceError], None]], None],
+    request: InferRequest,
+) -> InferResponse:
+    """The awaitable form of a callback-form ``infer_nowait(request, done)``: the response, or its
+    SluiceError raised. Cancelling the awaiting task cancels the request (the client went away)."""
+    waiter: asyncio.Future[InferResponse | SluiceError] = asyncio.get_running_loop().create_future()
+
+    def done(outcome: InferResponse | SluiceError) -> None:
+        if not waiter.done():
+            waiter.set_result(outcome)
+
+    infer_nowait(request, done)
+    try:
+        outcome = await waiter
+    except asyncio.CancelledError:
+        request.cancel.cancel()
+        raise
+    if isinstance(outcome, SluiceError):
+        raise outcome
+    return outcome
+
+
 class DataPlane:
     def __init__(
         self,
@@ -235,21 +258,7 @@ class DataPlane:
     async def infer(self, request: InferRequest) -> InferResponse:
         """Run ``request`` and return its response; raises SluiceError. Cancelling the awaiting
         task cancels the request (the client went away)."""
-        waiter = asyncio.get_running_loop().create_future()
-
-        def done(outcome: InferResponse | SluiceError) -> None:
-            if not waiter.done():
-                waiter.set_result(outcome)
-
-        self.infer_nowait(request, done)
-        try:
-            outcome = await waiter
-        except asyncio.CancelledError:
-            request.cancel.cancel()
-            raise
-        if isinstance(outcome, SluiceError):
-            raise outcome
-        return outcome
+        return await awaited(self.infer_nowait, request)
 
     def infer_nowait(self, request: InferRequest, done: Callable[[InferResponse | SluiceError], None]) -> None:
         """Callback form of ``infer``: raises for immediate rejections, else calls ``done`` once

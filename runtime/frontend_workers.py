@@ -45,7 +45,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 from sluice.runtime import tracing, worker_wire
-from sluice.runtime.dataplane import DataPlane
+from sluice.runtime.dataplane import DataPlane, awaited
 from sluice.runtime.errors import Internal, SluiceError
 from sluice.runtime.protocol import grpc_service
 from sluice.runtime.protocol.grpc_h2 import GrpcServer
@@ -58,6 +58,7 @@ from sluice.runtime.protocol.http import (
     Response,
     V2Routes,
     _model_path,
+    answer_of,
     error_response,
     json_response,
 )
@@ -329,18 +330,12 @@ class EngineSide:
 
     async def _http_later(self, rid: int, request: Request, pending: Any) -> None:
         try:
-            response = await pending
-        except SluiceError as exc:
-            response = error_response(exc)
-        except asyncio.CancelledError:
-            return
-        except Exception:
-            log.exception("unhandled error on %s", request.path)
-            response = json_response({"error": "internal server error (see server log)"}, 500)
+            response = await answer_of(request, pending)
         finally:
             self._tasks.pop(rid, None)
             self._cancels.pop(rid, None)
-        self._http_answer(rid, response)
+        if response is not None:
+            self._http_answer(rid, response)
 
     def _http_answer(self, rid: int, response: Response) -> None:
         self._send(("http_done", rid, (response.status, response.body, response.content_type, response.extra)))
@@ -656,21 +651,7 @@ class RemotePlane:
         done(outcome)
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        waiter: asyncio.Future[InferResponse | SluiceError] = asyncio.get_running_loop().create_future()
-
-        def done(outcome: InferResponse | SluiceError) -> None:
-            if not waiter.done():
-                waiter.set_result(outcome)
-
-        self.infer_nowait(request, done)
-        try:
-            outcome = await waiter
-        except asyncio.CancelledError:
-            request.cancel.cancel()
-            raise
-        if isinstance(outcome, SluiceError):
-            raise outcome
-        return outcome
+        return await awaited(self.infer_nowait, request)
 
     def lost(self) -> None:
         """The engine is gone: answer what is pending (the process exits next)."""

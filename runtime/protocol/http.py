@@ -77,6 +77,20 @@ def json_response(value: Any, status: int = 200) -> Response:
     return Response(status, json.dumps(value, separators=(",", ":")).encode())
 
 
+
+async def answer_of(request: Request, pending: Awaitable[Response]) -> Response | None:
+    """The response ``pending`` resolves to: a SluiceError as its status, any other exception as a
+    500 (logged with the path); None when it was cancelled (the client went away: nothing to send)."""
+    try:
+        return await pending
+    except SluiceError as exc:
+        return error_response(exc)
+    except asyncio.CancelledError:
+        return None
+    except Exception:
+        log.exception("unhandled error on %s", request.path)
+        return json_response({"error": "internal server error (see server log)"}, 500)
+
 def error_response(exc: SluiceError) -> Response:
     return json_response({"error": exc.message}, exc.http_status)
 
@@ -290,15 +304,9 @@ class Connection(asyncio.Protocol):
         self._respond(request, response)
 
     async def _await(self, request: Request, pending: Awaitable[Response]) -> None:
-        try:
-            response = await pending
-        except SluiceError as exc:
-            response = error_response(exc)
-        except asyncio.CancelledError:
+        response = await answer_of(request, pending)
+        if response is None:
             return
-        except Exception:
-            log.exception("unhandled error on %s", request.path)
-            response = json_response({"error": "internal server error (see server log)"}, 500)
         self._current = None
         self._respond(request, response)
 
