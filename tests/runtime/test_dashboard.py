@@ -21,8 +21,13 @@ import tritonclient.http as httpclient
 from sluice_testing import fake_nvml
 
 from .conftest import BUILDERS, IDENTITY_PY, MLP_CONFIG, write_model  # type: ignore[import-not-found]
-from .test_gpu_telemetry import GPU_MODEL_PY, MIG_GPU, TWO_GPUS  # type: ignore[import-not-found]
-from .test_gpu_telemetry import gpu_model_config, sluice  # type: ignore[import-not-found]
+from .test_gpu_telemetry import (  # type: ignore[import-not-found]
+    GPU_MODEL_PY,
+    MIG_GPU,
+    TWO_GPUS,
+    gpu_model_config,
+    sluice,
+)
 from .test_response_cache import COUNTING_PY  # type: ignore[import-not-found]
 from .test_response_cache import config as cached_config  # type: ignore[import-not-found]
 
@@ -190,8 +195,10 @@ def test_the_gpu_row_reads_families_a_server_reading_nvml_exports(runtime_famili
     unknown = {name: sorted(where) for name, where in used.items() if name not in exported_with_gpus}
     assert unknown == {}, f"the GPU row reads families a server reading NVML does not export: {unknown}"
     # every family of the row is one only NVML telemetry exports, and has samples (not a TYPE line only)
-    assert set(used) >= {"nv_gpu_utilization", "nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes",
-                         "nv_gpu_power_usage", "sluice_mig_memory_used_bytes", "sluice_gpu_model_instances"}  # fmt: skip
+    assert set(used) >= {
+        *("nv_gpu_utilization", "nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes", "nv_gpu_power_usage"),
+        *("sluice_mig_memory_used_bytes", "sluice_gpu_model_instances"),
+    }
     assert not set(used) & runtime_families, "the GPU row reads a family a server without GPUs exports"
     labels = label_names(gpu_metrics)
     assert set(used) <= set(labels), f"no samples for {sorted(set(used) - set(labels))}"
