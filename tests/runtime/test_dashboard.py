@@ -1,11 +1,14 @@
 """The Grafana dashboard the chart ships (helm/sluice/dashboards/sluice.json): every PromQL expression
 names only metric families the runtime exports, read from a real server's /metrics, so renaming a
-family without the dashboard fails here."""
+family without the dashboard fails here. The GPU row is read against ``sluice serve`` started over
+the fake NVML library (sluice_testing/fake_nvml.py, compiled with gcc): a whole GPU and an H100 in
+MIG mode, with a KIND_GPU model on each."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,13 +18,22 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from sluice_testing import fake_nvml
+
 from .conftest import BUILDERS, IDENTITY_PY, MLP_CONFIG, write_model  # type: ignore[import-not-found]
+from .test_gpu_telemetry import (  # type: ignore[import-not-found]
+    GPU_MODEL_PY,
+    MIG_GPU,
+    TWO_GPUS,
+    gpu_model_config,
+    sluice,
+)
 from .test_response_cache import COUNTING_PY  # type: ignore[import-not-found]
 from .test_response_cache import config as cached_config  # type: ignore[import-not-found]
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "sluice" / "dashboards" / "sluice.json"
-NOT_SLUICE = {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED"}
-"""Families of NVIDIA dcgm-exporter (the dashboard's GPU row, marked as needing it): Sluice exports none."""
+GPU_ROW = "GPU (sluice serve --allow-gpu-metrics)"
+"""The row whose panels read the NVML families, exported only where the server reads NVML."""
 
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset"}
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'')
@@ -70,21 +82,35 @@ def test_metric_names_reads_what_promql_reads(expr, names):
     assert metric_names(expr) == names
 
 
-def expressions(dashboard: dict[str, Any]) -> Iterator[tuple[str, str]]:
-    """(where, PromQL) of every panel target and templating query, rows' panels included."""
+def expressions(dashboard: dict[str, Any]) -> Iterator[tuple[str, str, str]]:
+    """(row, where, PromQL) of every panel target and templating query, rows' panels included. A
+    panel belongs to the row it is nested in (collapsed) or else to the last row above it in the
+    list, as Grafana places them; variables belong to no row (``""``)."""
 
-    def panels(items: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    def panels(items: list[dict[str, Any]], row: str) -> Iterator[tuple[str, dict[str, Any]]]:
         for item in items:
-            yield item
-            yield from panels(item.get("panels", []))
+            if item["type"] == "row":
+                row = item["title"]
+            yield row, item
+            yield from panels(item.get("panels", []), row)
 
-    for panel in panels(dashboard["panels"]):
+    for row, panel in panels(dashboard["panels"], ""):
         for target in panel.get("targets", []):
-            yield panel["title"], target["expr"]
+            yield row, panel["title"], target["expr"]
     for variable in dashboard["templating"]["list"]:
         if variable["type"] == "query":
             query = variable["query"]
-            yield f"variable {variable['name']}", query["query"] if isinstance(query, dict) else query
+            yield "", f"variable {variable['name']}", query["query"] if isinstance(query, dict) else query
+
+
+def families_read(rows: set[str] | None = None, *, outside: bool = False) -> dict[str, set[str]]:
+    """Family -> where the dashboard reads it, in the rows named (``outside``: in every other row)."""
+    used: dict[str, set[str]] = {}
+    for row, where, expr in expressions(json.loads(DASHBOARD.read_text())):
+        if rows is None or (row in rows) != outside:
+            for name in metric_names(expr):
+                used.setdefault(name, set()).add(where)
+    return used
 
 
 def exported(text: str) -> set[str]:
@@ -96,6 +122,16 @@ def exported(text: str) -> set[str]:
         elif line and not line.startswith("#"):
             names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
     return names
+
+
+def label_names(text: str) -> dict[str, set[str]]:
+    """Sample name -> the label names its samples carry, as the text writes them."""
+    found: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        match = re.match(r"([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})? ", line)
+        if match and not line.startswith("#"):
+            found.setdefault(match.group(1), set()).update(re.findall(r'(\w+)="', match.group(2) or ""))
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -133,17 +169,50 @@ def runtime_families(tmp_path_factory: pytest.TempPathFactory, request: pytest.F
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def gpu_metrics(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """/metrics of ``sluice serve`` over the fake NVML library: one whole GPU and an H100 in MIG mode
+    (CUDA device 0 the whole GPU, 1 the first MIG slice), a KIND_GPU model with an instance on each."""
+    if shutil.which("gcc") is None:
+        pytest.skip("the fake NVML library is compiled with gcc")
+    tmp = tmp_path_factory.mktemp("dashboard_gpu")
+    library = fake_nvml.build(tmp / "nvml", [TWO_GPUS[0], MIG_GPU])
+    write_model(tmp / "repo", "on_gpus", gpu_model_config("on_gpus", 1, [0, 1]), {"model.py": GPU_MODEL_PY})
+    with sluice(tmp, library, "--allow-gpu-metrics", "true", "--metrics-interval-ms", "3600000") as server:
+        return server.scrape()
+
+
 def test_every_expression_names_a_family_the_runtime_exports(runtime_families):
-    dashboard = json.loads(DASHBOARD.read_text())
-    used: dict[str, set[str]] = {}
-    for where, expr in expressions(dashboard):
-        for name in metric_names(expr):
-            used.setdefault(name, set()).add(where)
+    used = families_read({GPU_ROW}, outside=True)
     assert used, "no PromQL found in the dashboard"
-    unknown = {name: sorted(where) for name, where in used.items() if name not in runtime_families | NOT_SLUICE}
+    unknown = {name: sorted(where) for name, where in used.items() if name not in runtime_families}
     assert unknown == {}, f"the dashboard reads families the runtime does not export: {unknown}"
-    assert set(used) >= NOT_SLUICE, "the GPU row reads dcgm-exporter's families"
-    assert not NOT_SLUICE & runtime_families, "the runtime exports a GPU family now: use it, drop the allowlist"
+
+
+def test_the_gpu_row_reads_families_a_server_reading_nvml_exports(runtime_families, gpu_metrics):
+    used = families_read({GPU_ROW})
+    exported_with_gpus = exported(gpu_metrics)
+    unknown = {name: sorted(where) for name, where in used.items() if name not in exported_with_gpus}
+    assert unknown == {}, f"the GPU row reads families a server reading NVML does not export: {unknown}"
+    # every family of the row is one only NVML telemetry exports, and has samples (not a TYPE line only)
+    assert set(used) >= {
+        *("nv_gpu_utilization", "nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes", "nv_gpu_power_usage"),
+        *("sluice_mig_memory_used_bytes", "sluice_gpu_model_instances"),
+    }
+    assert not set(used) & runtime_families, "the GPU row reads a family a server without GPUs exports"
+    labels = label_names(gpu_metrics)
+    assert set(used) <= set(labels), f"no samples for {sorted(set(used) - set(labels))}"
+    # a panel filters by model and version exactly where its families carry those labels, and
+    # groups only by labels its families carry (namespace and pod: Prometheus's, from the PodMonitor)
+    for row, where, expr in expressions(json.loads(DASHBOARD.read_text())):
+        if row != GPU_ROW:
+            continue
+        carried = set.intersection(*(labels[name] for name in metric_names(expr)))
+        per_model = {"model", "version"} <= carried
+        assert ('model=~"$model"' in expr) == per_model and ('version=~"$version"' in expr) == per_model, where
+        for grouping in re.findall(r"\bby \(([^)]*)\)", expr):
+            grouped = {label.strip() for label in grouping.split(",")}
+            assert grouped - {"namespace", "pod"} <= carried, (where, grouped - {"namespace", "pod"} - carried)
 
 
 def test_the_dashboard_is_importable_grafana_json():
@@ -153,17 +222,27 @@ def test_the_dashboard_is_importable_grafana_json():
     assert variables["DS_PROMETHEUS"]["type"] == "datasource" and variables["DS_PROMETHEUS"]["query"] == "prometheus"
     assert {"namespace", "model", "version"} <= set(variables)
     ids = []
+    row = ""
     for panel in dashboard["panels"]:
         ids.append(panel["id"])
         if panel["type"] == "row":
+            row = panel["title"]
             continue
         assert panel["datasource"] == {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}, panel["title"]
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == "${DS_PROMETHEUS}"
-            if "DCGM" not in target["expr"]:
-                for label in ("namespace", "model", "version"):
-                    assert f'{label}=~"${label}"' in target["expr"], (panel["title"], label)
+            # the GPU row's per-device panels have no model labels to filter by (checked above)
+            for label in ("namespace",) if row == GPU_ROW else ("namespace", "model", "version"):
+                assert f'{label}=~"${label}"' in target["expr"], (panel["title"], label)
     assert len(ids) == len(set(ids))
+    cells = [
+        (x, y, panel["title"])
+        for panel in dashboard["panels"]
+        for x in range(panel["gridPos"]["x"], panel["gridPos"]["x"] + panel["gridPos"]["w"])
+        for y in range(panel["gridPos"]["y"], panel["gridPos"]["y"] + panel["gridPos"]["h"])
+    ]
+    assert all(x < 24 for x, _, _ in cells), "Grafana's grid is 24 columns wide"
+    assert len({(x, y) for x, y, _ in cells}) == len(cells), "panels overlap"
     titles = [p["title"] for p in dashboard["panels"]]
     # the seed lesson: queue depth and the cache hit rate side by side on one row
     depth, hits = (
@@ -173,4 +252,4 @@ def test_the_dashboard_is_importable_grafana_json():
         depth["gridPos"]["y"] == hits["gridPos"]["y"]
         and depth["gridPos"]["x"] + depth["gridPos"]["w"] == hits["gridPos"]["x"]
     )
-    assert any("GPU" in t and "dcgm-exporter" in t for t in titles)
+    assert GPU_ROW in titles
