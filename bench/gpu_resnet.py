@@ -2,14 +2,16 @@
 
     python -P bench/gpu_resnet.py [--mode raw|served|both] [--max-batch 256] [--preferred 16,32,64,128,256]
                                   [--concurrency 1,2,4,...,256] [--protocols grpc,http] [--duration-s 10]
-                                  [--client-processes 8] [--queue-delay-us 500] [--serve-arg=--flag ...]
+                                  [--client-processes 8] [--queue-delay-us 500] [--instances 2]
+                                  [--serve-arg=--flag ...]
     python -P bench/gpu_resnet.py --device cpu --small      # smoke run on a machine without a GPU
 
 * raw: the model (defined below in plain torch, no torchvision) captured with
   ``sluice.runtime.backends.torch_graphs.GraphedModel`` at the batch sizes 1, 2, 4, ..., max and the
   preferred sizes, each replayed with device-resident inputs: ms per call and img/s.
 * served: writes a model repository into a temporary directory (TorchScript ``model.pt``, Triton's
-  ``pytorch_libtorch`` conventions ``INPUT__0``/``OUTPUT__0``, ``KIND_GPU``, dynamic batching with the
+  ``pytorch_libtorch`` conventions ``INPUT__0``/``OUTPUT__0``, ``--instances`` ``KIND_GPU`` instances on
+  the device (default 2: one copies its batch in and out while the other runs), dynamic batching with the
   preferred sizes, ``optimization.cuda.graphs``), starts ``sluice serve`` as a subprocess on free
   ports, and drives it with one-image requests at each concurrency over gRPC and HTTP (binary tensor
   data), from ``--client-processes`` processes of asyncio tritonclient clients, or with Triton's
@@ -246,13 +248,17 @@ class Setup:
     max_batch: int
     preferred: tuple[int, ...]
     queue_delay_us: int
+    instances: int = 1
+    """KIND_GPU instances on the device: with two, one copies its batch in and out while the other runs."""
 
 
 def config_text(setup: Setup) -> str:
     gpu = setup.device != "cpu"
     preferred = ", ".join(str(s) for s in setup.preferred)
     kind = (
-        "instance_group [ { kind: KIND_GPU count: 1 gpus: [ 0 ] } ]" if gpu else "instance_group [ { kind: KIND_CPU } ]"
+        f"instance_group [ {{ kind: KIND_GPU count: {setup.instances} gpus: [ 0 ] }} ]"
+        if gpu
+        else "instance_group [ { kind: KIND_CPU } ]"
     )
     return textwrap.dedent(f"""\
         name: "{MODEL}"
@@ -294,7 +300,7 @@ def measure_raw(setup: Setup, sizes: Sequence[int], min_s: float) -> dict[int, f
         return [model(inputs[0])]
 
     if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
+        # cuDNN at its defaults (no cudnn.benchmark), as the server runs the model
         config = text_format.Parse(config_text(setup), mc.ModelConfig())
         del config.dynamic_batching.preferred_batch_size[:]
         config.optimization.cuda.graph_spec.extend(
@@ -522,6 +528,9 @@ def main() -> int:
     parser.add_argument("--duration-s", type=float, default=None, help="measured seconds per served point")
     parser.add_argument("--raw-s", type=float, default=None, help="seconds per raw batch size")
     parser.add_argument("--queue-delay-us", type=int, default=500)
+    parser.add_argument(
+        "--instances", type=int, default=2, help="KIND_GPU instances of the served model on the device (count)"
+    )
     parser.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `sluice serve` flag (repeatable)")
     args = parser.parse_args()
@@ -533,7 +542,8 @@ def main() -> int:
     raw_s = args.raw_s or (0.3 if small else 2.0)
     cpu = args.device == "cpu"
     setup = Setup(
-        args.device, 32 if small else 224, "FP32" if cpu else "FP16", max_batch, preferred, args.queue_delay_us
+        args.device, 32 if small else 224, "FP32" if cpu else "FP16", max_batch, preferred, args.queue_delay_us,
+        args.instances,
     )
     sizes = capture_sizes(max_batch, preferred)
     import torch

@@ -104,6 +104,9 @@ def test_the_served_config_is_a_valid_graphed_pytorch_config():
     assert model_config.validate(config, source="bench") == []
     plan = graph_plan(config)
     assert plan is not None and plan.batch_sizes == (16, 32, 64, 128, 256)
+    assert config.instance_group[0].count == 1
+    two = resnet.Setup("cuda:0", 224, "FP16", 256, (16, 32), 500, instances=2)
+    assert text_format.Parse(resnet.config_text(two), mc.ModelConfig()).instance_group[0].count == 2
     cpu = text_format.Parse(resnet.config_text(resnet.Setup("cpu", 32, "FP32", 16, (4, 8), 500)), mc.ModelConfig())
     assert graph_plan(cpu) is None and cpu.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
 

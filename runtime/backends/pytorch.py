@@ -32,7 +32,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime.backends import torch_plan
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result, TensorSpec
-from sluice.runtime.backends.tensor import merge_inputs, split_outputs
+from sluice.runtime.backends.tensor import input_parts, merge_inputs, merge_into, merged_shape, split_outputs
 from sluice.runtime.errors import ConfigError, ModelError, SluiceError, Unavailable, Unsupported
 from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, InferRequest
 
@@ -231,8 +231,10 @@ def _load_aoti(torch: Any, path: Path, device: Any, device_id: int) -> _Loaded:
 
 class _CudaStaging:
     """Pinned host buffers of one instance, one per tensor name and direction, grown as needed
-    (:func:`torch_plan.pinned_capacity`). Copies are asynchronous on the instance's stream; the
-    instance synchronizes the stream before it answers, so a buffer is free again on the next call."""
+    (:func:`torch_plan.pinned_capacity`). A batch's inputs are merged straight into them
+    (:meth:`stage`: one host copy per byte); copies to and from the device are asynchronous on the
+    instance's stream, which the instance synchronizes before it answers, so a buffer is free again
+    on the next call."""
 
     def __init__(self, torch: Any, device: Any, stream: Any) -> None:
         self._torch = torch
@@ -244,10 +246,21 @@ class _CudaStaging:
         current = self._buffers.get(key)
         size = 0 if current is None else int(current.numel())
         capacity = torch_plan.pinned_capacity(nbytes, size)
-        if capacity != size:
+        if current is None or capacity != size:
             current = self._torch.empty(capacity, dtype=self._torch.uint8, pin_memory=True)
             self._buffers[key] = current
         return current
+
+    def stage(self, name: str, parts: Sequence[np.ndarray], dtype: Any) -> Any:
+        """``parts`` (one array per request) merged along the batch dimension into this input's pinned
+        buffer; returned as a host tensor of ``dtype`` (same item size as the arrays: bfloat16 for
+        BF16's uint16) over that buffer, ready for a non-blocking copy to the device."""
+        shape = merged_shape(parts)
+        itemsize = parts[0].dtype.itemsize
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        buffer = self._buffer(("in", name), nbytes)[:nbytes]
+        merge_into(parts, buffer.numpy().view(parts[0].dtype).reshape(shape))
+        return buffer.view(dtype).view(shape)
 
     def to_device(self, name: str, host: Any) -> Any:
         nbytes = host.numel() * host.element_size()
@@ -318,8 +331,12 @@ class TorchInstance(ModelInstance):
             return None
 
         def example_inputs(batch: int) -> list[Any]:
-            return [
-                self._torch.zeros(
+            # the static input buffers take these tensors' dtype and memory format: the model's
+            # run dtype, and channels_last where the config asks for it (the graph's kernels are
+            # then the channels_last ones, and the copy into the buffer converts the layout)
+            examples = []
+            for i in self._inputs:
+                tensor = self._torch.zeros(
                     torch_plan.example_shape(
                         list(i.reshape.shape) if i.HasField("reshape") else list(i.dims),
                         batch if self._batched else None,
@@ -327,8 +344,10 @@ class TorchInstance(ModelInstance):
                     dtype=getattr(self._torch, self._run_dtypes[i.name] or "float32"),
                     device=self._device,
                 )
-                for i in self._inputs
-            ]
+                if i.name in self._channels_last:
+                    tensor = tensor.contiguous(memory_format=self._torch.channels_last)
+                examples.append(tensor)
+            return examples
 
         with self._torch.cuda.stream(self._stream), self._modes():
             graphed = torch_graphs.GraphedModel(self._forward, plan, example_inputs, self._device, self._stream)
@@ -375,11 +394,16 @@ class TorchInstance(ModelInstance):
             )
         return torch_plan.pick_outputs(result, self._out_binding, self._label)
 
+    def _reshaped(self, spec: mc.ModelInput, value: Any) -> Any:
+        """``value`` (numpy array or host tensor) in the model's shape (the config's ``reshape``)."""
+        if not spec.HasField("reshape"):
+            return value
+        shape = tuple(spec.reshape.shape)
+        return value.reshape((value.shape[0], *shape) if self._batched else shape)
+
     def _to_model(self, spec: mc.ModelInput, array: np.ndarray) -> Any:
         torch = self._torch
-        if spec.HasField("reshape"):
-            shape = tuple(spec.reshape.shape)
-            array = array.reshape((array.shape[0], *shape) if self._batched else shape)
+        array = self._reshaped(spec, array)
         if spec.data_type == mc.TYPE_STRING:
             return [b.decode("utf-8", "replace") if isinstance(b, bytes) else str(b) for b in array.ravel()]
         if not array.flags.writeable or not array.flags.c_contiguous:
@@ -388,8 +412,28 @@ class TorchInstance(ModelInstance):
             tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
         else:
             tensor = torch.from_numpy(array)
-        if self._staging is not None:
-            tensor = self._staging.to_device(spec.name, tensor)
+        return self._on_device(spec, tensor)
+
+    def _staged(self, spec: mc.ModelInput, parts: list[np.ndarray]) -> Any:
+        """A CUDA instance's input: the requests' arrays merged into its pinned buffer (a host tensor
+        in the model's shape; strings as a list)."""
+        if spec.data_type == mc.TYPE_STRING:
+            return self._to_model(spec, parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
+        assert self._staging is not None
+        dtype = getattr(self._torch, torch_plan.TORCH_DTYPE_BY_CONFIG[spec.data_type])
+        return self._reshaped(spec, self._staging.stage(spec.name, parts, dtype))
+
+    def _on_device(self, spec: mc.ModelInput, tensor: Any) -> Any:
+        """A host tensor on the instance's device (through the pinned buffer unless it is in one),
+        in the run dtype and memory format the config asks for. Strings pass through."""
+        torch = self._torch
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        if self._staging is not None and not tensor.is_cuda:
+            if tensor.is_pinned():
+                tensor = tensor.to(self._device, non_blocking=True)
+            else:
+                tensor = self._staging.to_device(spec.name, tensor)
         run_dtype = self._run_dtypes[spec.name]
         if run_dtype is not None and str(tensor.dtype) != f"torch.{run_dtype}":
             tensor = tensor.to(getattr(torch, run_dtype))
@@ -432,21 +476,19 @@ class TorchInstance(ModelInstance):
         rows = sum(r.batch_size for r in requests) if self._batched else 1
         inputs_done = outputs_start = start
         try:
-            feeds = merge_inputs(requests)
-            stream = self._torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
-            with stream, self._modes():
-                tensors = [self._to_model(spec, feeds[spec.name]) for spec in self._inputs]
-                inputs_done = time.monotonic_ns()
-                results = self._graphed.run(tensors) if self._graphed is not None else None
-                if results is None:
+            if self._cuda:
+                with self._torch.cuda.stream(self._stream), self._modes():
+                    arrays, inputs_done, outputs_start = self._execute_cuda(requests, rows)
+                if self._settings.enable_cache_cleaning:
+                    self._empty_cache()
+            else:
+                feeds = merge_inputs(requests)
+                with self._modes():
+                    tensors = [self._to_model(spec, feeds[spec.name]) for spec in self._inputs]
+                    inputs_done = time.monotonic_ns()
                     results = self._forward(tensors)
-                outputs_start = time.monotonic_ns()
-                arrays = {
-                    spec.name: (self._datatypes[spec.name], self._to_numpy(spec, value, rows))
-                    for spec, value in zip(self._outputs, results, strict=True)
-                }
-            if self._cuda and self._settings.enable_cache_cleaning:
-                self._empty_cache()
+                    outputs_start = time.monotonic_ns()
+                    arrays = self._outputs_of(results, rows)
         except Exception as exc:
             error = torch_plan.failure(exc, self._label, str(self._device), rows)
             if self._cuda:  # copies still queued read the pinned buffers the next batch rewrites
@@ -465,6 +507,30 @@ class TorchInstance(ModelInstance):
             if request.trace is not None:  # sampled (tracing.py)
                 request.trace.compute_split(inputs_done - start, outputs_start - inputs_done, done - outputs_start)
         return responses
+
+    def _outputs_of(self, results: Sequence[Any], rows: int) -> dict[str, tuple[str, np.ndarray]]:
+        return {
+            spec.name: (self._datatypes[spec.name], self._to_numpy(spec, value, rows))
+            for spec, value in zip(self._outputs, results, strict=True)
+        }
+
+    def _execute_cuda(self, requests: Sequence[InferRequest], rows: int) -> tuple[dict[str, Any], int, int]:
+        """One batch on the GPU, on the instance's stream: the requests' inputs merged into pinned host
+        buffers, copied (with the dtype and layout conversions) straight into the CUDA graph's static
+        buffers, or to the device for an eager call when no graph fits; the outputs copied back through
+        pinned buffers. Returns the outputs and the two phase boundaries (monotonic ns)."""
+        parts = input_parts(requests)
+        host = [self._staged(spec, parts[spec.name]) for spec in self._inputs]
+        results = self._graphed.run(host) if self._graphed is not None else None
+        inputs_done = time.monotonic_ns()
+        if results is None:
+            tensors = [self._on_device(spec, value) for spec, value in zip(self._inputs, host, strict=True)]
+            inputs_done = time.monotonic_ns()
+            results = self._forward(tensors)
+        outputs_start = time.monotonic_ns()
+        arrays = self._outputs_of(results, rows)
+        self._stream.synchronize()  # the pinned input buffers are rewritten by the next batch
+        return arrays, inputs_done, outputs_start
 
     def close(self) -> None:
         self._graphed = None

@@ -13,15 +13,39 @@ import numpy as np
 from sluice.runtime.types import InferRequest, InferResponse, Tensor
 
 
+def input_parts(requests: Sequence[InferRequest]) -> dict[str, list[np.ndarray]]:
+    """Each input name's arrays, one per request that sent it, in request order."""
+    parts: dict[str, list[np.ndarray]] = {}
+    for request in requests:
+        for tensor in request.inputs:
+            parts.setdefault(tensor.name, []).append(tensor.data)
+    return parts
+
+
 def merge_inputs(requests: Sequence[InferRequest]) -> dict[str, np.ndarray]:
     """One array per input name; a single request is passed through without a copy."""
     if len(requests) == 1:
         return {t.name: t.data for t in requests[0].inputs}
-    merged: dict[str, list[np.ndarray]] = {}
-    for request in requests:
-        for tensor in request.inputs:
-            merged.setdefault(tensor.name, []).append(tensor.data)
-    return {name: np.concatenate(parts, axis=0) for name, parts in merged.items()}
+    return {name: np.concatenate(parts, axis=0) for name, parts in input_parts(requests).items()}
+
+
+def merged_shape(parts: Sequence[np.ndarray]) -> tuple[int, ...]:
+    """The shape of ``parts`` concatenated along the batch dimension (the first)."""
+    first = parts[0].shape
+    return (sum(int(p.shape[0]) for p in parts), *first[1:]) if first else first
+
+
+def merge_into(parts: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
+    """Concatenate ``parts`` along the batch dimension straight into ``out`` (shape
+    :func:`merged_shape`), e.g. a pinned host buffer: one copy of each byte, not a concatenation
+    and then a second copy. Returns ``out``; ValueError when the shapes do not fit."""
+    if out.shape != merged_shape(parts):
+        raise ValueError(f"cannot merge parts of shapes {[p.shape for p in parts]} into {out.shape}")
+    if len(parts) == 1:
+        np.copyto(out, parts[0], casting="no")
+    else:
+        np.concatenate(parts, axis=0, out=out, casting="no")
+    return out
 
 
 def split_outputs(

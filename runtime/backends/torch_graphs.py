@@ -438,6 +438,9 @@ class GraphedModel:
         self._stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.no_grad(), torch.cuda.stream(self._stream):
             for static, given in zip(entry.inputs, inputs, strict=True):
+                if given.device.type == "cpu" and given.dtype != static.dtype:
+                    # convert on the GPU, not on the host (copy_ across devices would cast first)
+                    given = given.to(self._device, non_blocking=True)
                 if self.plan.batched:
                     static[:n].copy_(given, non_blocking=True)
                 else:

@@ -695,3 +695,65 @@ def test_gpu_out_of_memory_answers_and_the_next_request_is_served(tmp_path, serv
     assert str(info.value.status()) == "503"
     result = http_infer(server, "greedy", {"INPUT__0": -np.ones((1, 4), np.float32)})
     np.testing.assert_array_equal(result.as_numpy("OUTPUT__0"), np.zeros((1, 4), np.float32))
+
+
+@pytest.mark.parametrize(
+    ("kind", "graphs"),
+    [
+        ("KIND_CPU", False),
+        pytest.param("KIND_GPU", False, marks=needs_gpu),
+        pytest.param("KIND_GPU", True, marks=needs_gpu),
+    ],
+    ids=["cpu", "gpu-eager", "gpu-cuda-graphs"],
+)
+def test_requests_merged_into_one_batch_come_back_each_with_its_own_rows(tmp_path, serve, kind, graphs):
+    """Batches of several requests (2+2, 3+1, then one of 4 rows), formed by Triton's fixed_wait
+    policy at preferred size 4 on a clock that never moves: on a GPU their rows are merged straight
+    into the instance's pinned buffer and (with graphs) copied into the graph's static buffer, cast to
+    fp16 and laid out channels_last on the device; every request gets its own rows back."""
+    torch.manual_seed(1)
+    module = Conv().eval()
+    repo = tmp_path / "repo"
+    gpu_only = (
+        'parameters { key: "precision" value { string_value: "fp16" } }\n'
+        'parameters { key: "memory_format" value { string_value: "channels_last" } }'
+        if kind == "KIND_GPU"
+        else ""
+    )
+    write_model(
+        repo,
+        "conv",
+        f"""
+        platform: "pytorch_libtorch"
+        max_batch_size: 4
+        input [ {{ name: "INPUT__0", data_type: TYPE_FP32, dims: [ 3, 8, 8 ] }} ]
+        output [ {{ name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 8 ] }} ]
+        instance_group [ {{ kind: {kind} count: 1 }} ]
+        dynamic_batching {{ preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 10000000 }}
+        parameters {{ key: "batch_policy" value {{ string_value: "fixed_wait" }} }}
+        {gpu_only}
+        {"optimization { cuda { graphs: true } }" if graphs else ""}
+        """,
+        {"model.pt": scripted(module, tmp_path / "c.pt")},
+    )
+    server = serve(repo, clock=ManualClock())  # the 10 s delay never passes: only size 4 dispatches
+    rng = np.random.default_rng(7)
+    tolerance = 2e-2 if kind == "KIND_GPU" else 1e-5
+    with ThreadPoolExecutor(4) as pool:
+        for sizes in ((2, 2), (3, 1), (4,)):
+            xs = [rng.standard_normal((n, 3, 8, 8)).astype(np.float32) for n in sizes]
+            calls = [
+                pool.submit(grpc_infer if i % 2 else http_infer, server, "conv", {"INPUT__0": x})
+                for i, x in enumerate(xs)
+            ]
+            for x, call in zip(xs, calls, strict=True):
+                got = call.result(timeout=60).as_numpy("OUTPUT__0")
+                expected = module(torch.from_numpy(x)).detach().numpy()
+                np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance)
+    client = httpclient.InferenceServerClient(server.http)
+    try:
+        stats = client.get_inference_statistics("conv")["model_stats"][0]
+    finally:
+        client.close()
+    assert [(b["batch_size"], b["compute_infer"]["count"]) for b in stats["batch_stats"]] == [(4, 3)]
+    assert stats["inference_count"] == 12

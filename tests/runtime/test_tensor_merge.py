@@ -1,0 +1,81 @@
+"""Merging a batch's inputs straight into a staging buffer (runtime/backends/tensor.py): what the
+PyTorch backend's CUDA instances do with their pinned host buffers, checked here on plain memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sluice.runtime.backends.tensor import input_parts, merge_inputs, merge_into, merged_shape
+from sluice.runtime.types import InferRequest, Tensor
+
+DTYPES = [np.float32, np.float16, np.uint16, np.int64, np.int8, np.bool_]
+
+
+def staging_view(parts: list[np.ndarray], capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """A byte buffer larger than needed and the typed view of its head, as _CudaStaging.stage builds it."""
+    shape = merged_shape(parts)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * parts[0].dtype.itemsize
+    buffer = np.full(max(capacity, nbytes), 0xAB, dtype=np.uint8)
+    return buffer, buffer[:nbytes].view(parts[0].dtype).reshape(shape)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    rows=st.lists(st.integers(1, 5), min_size=1, max_size=6),
+    row_shape=st.lists(st.integers(1, 4), min_size=0, max_size=3),
+    spare=st.integers(0, 64),
+    seed=st.integers(0, 2**16),
+)
+def test_merge_into_a_staging_view_equals_concatenation_and_leaves_the_rest(dtype, rows, row_shape, spare, seed):
+    rng = np.random.default_rng(seed)
+    parts = [(rng.random((n, *row_shape)) * 100).astype(dtype) for n in rows]
+    needed = sum(rows) * int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    buffer, out = staging_view(parts, needed + spare)
+    merged = merge_into(parts, out)
+    assert merged is out
+    np.testing.assert_array_equal(out, np.concatenate(parts, axis=0))
+    assert (buffer[needed:] == 0xAB).all()  # nothing written past the batch
+
+
+def test_a_single_part_is_copied_not_aliased():
+    part = np.arange(6, dtype=np.float32).reshape(2, 3)
+    out = np.zeros((2, 3), dtype=np.float32)
+    merge_into([part], out)
+    part[0, 0] = 99.0
+    assert out[0, 0] == 0.0
+
+
+def test_shapes_and_dtypes_that_do_not_fit_are_refused():
+    parts = [np.zeros((2, 3), np.float32), np.zeros((1, 3), np.float32)]
+    assert merged_shape(parts) == (3, 3)
+    with pytest.raises(ValueError, match=r"cannot merge parts of shapes \[\(2, 3\), \(1, 3\)\] into \(2, 3\)"):
+        merge_into(parts, np.zeros((2, 3), np.float32))
+    with pytest.raises(TypeError):  # no silent casting into a buffer of another type
+        merge_into(parts, np.zeros((3, 3), np.float16))
+    with pytest.raises(ValueError):  # rows of different shapes
+        merge_into([np.zeros((1, 3), np.float32), np.zeros((1, 4), np.float32)], np.zeros((2, 3), np.float32))
+
+
+def test_input_parts_group_by_name_in_request_order_and_merge_inputs_agrees():
+    def request(i: int) -> InferRequest:
+        return InferRequest(
+            "m",
+            "",
+            [
+                Tensor("A", "FP32", np.full((1, 2), i, np.float32)),
+                Tensor("B", "INT64", np.full((2, 1), i, np.int64)),
+            ],
+        )
+
+    requests = [request(i) for i in range(3)]
+    parts = input_parts(requests)
+    assert list(parts) == ["A", "B"]
+    assert [int(p[0, 0]) for p in parts["B"]] == [0, 1, 2]
+    merged = merge_inputs(requests)
+    for name, arrays in parts.items():
+        out = np.empty(merged_shape(arrays), arrays[0].dtype)
+        np.testing.assert_array_equal(merge_into(arrays, out), merged[name])
