@@ -1,7 +1,7 @@
 """Throughput and CPU per inference versus the number of protocol workers (``--protocol-workers``).
 
     python -P bench/frontend_workers.py [--workers 0,1,2,4] [--seconds 8] [--concurrency 64] [--connections 16]
-        [--model embed|encoder] [--device cpu|cuda:0] [--client-processes N]
+        [--model embed|encoder|image] [--device cpu|cuda:0] [--client-processes N] [--malloc-tuning on,off]
 
 Models where the protocol binds: token ids in, embeddings out.
 
@@ -12,6 +12,11 @@ Models where the protocol binds: token ids in, embeddings out.
   positions, 2 layers, 4 heads, feed-forward 128) -> FP32 [16, 64]; TorchScript on the PyTorch
   backend, on ``--device`` (``cuda:N``: a KIND_GPU instance with CUDA graphs at the preferred batch
   sizes; needs torch).
+* ``image``: where large tensors bind: FP16 [3, 224, 224] (a 294 KiB image, ResNet-50's input) ->
+  ReduceMean over H and W -> FP16 [3]; ONNX on the CPU, so the server's cost per image (decode, the
+  copy out of a worker's arena, the batch merge, the allocator's pages) is what is measured.
+  ``--malloc-tuning on,off`` measures each worker count with and without ``sluice serve``'s allocator
+  settings (runtime/host_memory.py).
 
 For each worker count it starts ``sluice serve`` in a subprocess, loads it over gRPC from
 ``--connections`` connections with ``--concurrency`` requests in flight (tritonclient's asyncio
@@ -99,6 +104,50 @@ def encoder_model(path: Path) -> None:
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
+IMAGE_CONFIG = """
+name: "image"
+platform: "onnxruntime_onnx"
+max_batch_size: 64
+input [ { name: "IMAGE", data_type: TYPE_FP16, dims: [ 3, 224, 224 ] } ]
+output [ { name: "MEANS", data_type: TYPE_FP16, dims: [ 3 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 500 }
+instance_group [ { count: 1, kind: KIND_CPU } ]
+"""
+
+
+def image_model() -> bytes:
+    node = helper.make_node("ReduceMean", ["IMAGE"], ["MEANS"], axes=[2, 3], keepdims=0)
+    graph = helper.make_graph(
+        [node],
+        "image",
+        [helper.make_tensor_value_info("IMAGE", TensorProto.FLOAT16, ["batch", 3, 224, 224])],
+        [helper.make_tensor_value_info("MEANS", TensorProto.FLOAT16, ["batch", 3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+INPUTS = {
+    "embed": ("TOKENS", "INT64", (1, SEQ)),
+    "encoder": ("TOKENS", "INT64", (1, SEQ)),
+    "image": ("IMAGE", "FP16", (1, 3, 224, 224)),
+}
+"""Per --model: the input's name, datatype and the shape of one request."""
+
+
+def request_data(model: str) -> np.ndarray:
+    _, datatype, shape = INPUTS[model]
+    rng = np.random.default_rng(1)
+    if datatype == "INT64":
+        return rng.integers(0, VOCAB, shape, dtype=np.int64)
+    return rng.standard_normal(shape).astype(np.float16)
+
+
+def served_name(model: str) -> str:
+    return "image" if model == "image" else "embed"
+
+
 def embed_model() -> bytes:
     rng = np.random.default_rng(0)
     table = numpy_helper.from_array(rng.standard_normal((VOCAB, DIM)).astype(np.float32), "table")
@@ -129,10 +178,11 @@ def cpu_s(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
 
 
-def start(repo: Path, workers: int) -> tuple[subprocess.Popen, int, list[int]]:
+def start(repo: Path, workers: int, malloc_tuning: str = "on") -> tuple[subprocess.Popen, int, list[int]]:
     cmd = [
         sys.executable, "-P", "-m", "sluice.runtime", "serve", "--model-repository", str(repo), "--http-port", "0",
         "--grpc-port", "0", "--metrics-port", "-1", "--protocol-workers", str(workers), "--log-level", "INFO",
+        "--malloc-tuning", malloc_tuning,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=repo.parent)
     assert proc.stdout is not None
@@ -146,13 +196,15 @@ def start(repo: Path, workers: int) -> tuple[subprocess.Popen, int, list[int]]:
     raise RuntimeError("the server did not start")
 
 
-def load_in_processes(port: int, seconds: float, concurrency: int, connections: int, processes: int) -> int:
+def load_in_processes(
+    model: str, port: int, seconds: float, concurrency: int, connections: int, processes: int
+) -> int:
     """``load`` split over ``processes`` client processes (concurrency and connections divided among
     them); the inferences they completed."""
     if processes <= 1:
-        return asyncio.run(load(port, seconds, concurrency, connections))
+        return asyncio.run(load(model, port, seconds, concurrency, connections))
     shares = [
-        (port, seconds, max(1, concurrency // processes + (i < concurrency % processes)),
+        (model, port, seconds, max(1, concurrency // processes + (i < concurrency % processes)),
          max(1, connections // processes + (i < connections % processes)))
         for i in range(processes)
     ]  # fmt: skip
@@ -160,27 +212,28 @@ def load_in_processes(port: int, seconds: float, concurrency: int, connections: 
         return sum(pool.starmap(_load_sync, shares))
 
 
-def _load_sync(port: int, seconds: float, concurrency: int, connections: int) -> int:
-    return asyncio.run(load(port, seconds, concurrency, connections))
+def _load_sync(model: str, port: int, seconds: float, concurrency: int, connections: int) -> int:
+    return asyncio.run(load(model, port, seconds, concurrency, connections))
 
 
-async def load(port: int, seconds: float, concurrency: int, connections: int) -> int:
+async def load(model: str, port: int, seconds: float, concurrency: int, connections: int) -> int:
     import tritonclient.grpc.aio as grpcclient
 
     clients = [
         grpcclient.InferenceServerClient(f"127.0.0.1:{port}", channel_args=[("grpc.use_local_subchannel_pool", 1)])
         for _ in range(connections)
     ]
-    tokens = np.random.default_rng(1).integers(0, VOCAB, (1, SEQ), dtype=np.int64)
-    tensor = grpcclient.InferInput("TOKENS", [1, SEQ], "INT64")
-    tensor.set_data_from_numpy(tokens)
+    name, datatype, shape = INPUTS[model]
+    tensor = grpcclient.InferInput(name, list(shape), datatype)
+    tensor.set_data_from_numpy(request_data(model))
+    served = served_name(model)
     done = 0
     stop_at = 0.0
 
     async def one(client: grpcclient.InferenceServerClient) -> None:
         nonlocal done
         while time.monotonic() < stop_at:
-            await client.infer("embed", [tensor])
+            await client.infer(served, [tensor])
             done += 1
 
     stop_at = time.monotonic() + seconds
@@ -190,19 +243,20 @@ async def load(port: int, seconds: float, concurrency: int, connections: int) ->
     return done
 
 
-def perf_analyzer(binary: str, port: int, seconds: float, concurrency: int) -> float:
+def perf_analyzer(binary: str, model: str, port: int, seconds: float, concurrency: int) -> float:
     out = subprocess.run(
-        [binary, "-m", "embed", "-u", f"127.0.0.1:{port}", "-i", "grpc", "-b", "1",
+        [binary, "-m", served_name(model), "-u", f"127.0.0.1:{port}", "-i", "grpc", "-b", "1",
          "--concurrency-range", str(concurrency), "--measurement-interval", str(int(seconds * 1000))],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     return float(re.findall(r"Throughput: ([\d.]+) infer/sec", out)[-1])
 
 
-def batch_mean(port: int) -> float:
+def batch_mean(model: str, port: int) -> float:
     import tritonclient.grpc as grpcclient
 
-    stats = grpcclient.InferenceServerClient(f"127.0.0.1:{port}").get_inference_statistics("embed", as_json=True)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    stats = client.get_inference_statistics(served_name(model), as_json=True)
     model = stats["model_stats"][0]
     return int(model["inference_count"]) / max(int(model["execution_count"]), 1)
 
@@ -214,15 +268,22 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--connections", type=int, default=16)
-    p.add_argument("--model", choices=["embed", "encoder"], default="embed")
+    p.add_argument("--model", choices=["embed", "encoder", "image"], default="embed")
     p.add_argument("--device", default="cpu", help="the encoder's device: cpu or cuda:N")
     p.add_argument("--client-processes", type=int, default=1, help="client processes sharing the load")
+    p.add_argument("--malloc-tuning", default="on", help="sluice serve's --malloc-tuning: on, off, or on,off (both)")
     args = p.parse_args()
-    if args.model == "embed" and args.device != "cpu":
-        p.error("--device applies to --model encoder (the embed model is ONNX on the CPU)")
+    if args.model != "encoder" and args.device != "cpu":
+        p.error("--device applies to --model encoder (the embed and image models are ONNX on the CPU)")
+    tunings = args.malloc_tuning.split(",")
+    if not tunings or any(t not in ("on", "off") for t in tunings):
+        p.error(f"--malloc-tuning {args.malloc_tuning!r}; allowed: on, off, or both separated by a comma")
     repo = Path(tempfile.mkdtemp()) / "repo"
-    (repo / "embed" / "1").mkdir(parents=True)
-    if args.model == "embed":
+    (repo / served_name(args.model) / "1").mkdir(parents=True)
+    if args.model == "image":
+        (repo / "image" / "config.pbtxt").write_text(IMAGE_CONFIG)
+        (repo / "image" / "1" / "model.onnx").write_bytes(image_model())
+    elif args.model == "embed":
         (repo / "embed" / "config.pbtxt").write_text(CONFIG)
         (repo / "embed" / "1" / "model.onnx").write_bytes(embed_model())
         onnx.checker.check_model(onnx.load(str(repo / "embed" / "1" / "model.onnx")))
@@ -233,22 +294,26 @@ def main() -> None:
     client = "perf_analyzer" if analyzer else f"tritonclient grpc.aio x{args.client_processes} process(es)"
     print(f"cpus {os.cpu_count()}, model {args.model} on {args.device}, load: {client}, "
           f"c{args.concurrency} over {args.connections} connection(s), {args.seconds:g} s per point")  # fmt: skip
-    heads = ("workers", "infer/s", "engine us/inf", "(loop thread)", "total us/inf", "mean batch")
-    print(" ".join(f"{h:>{w}}" for h, w in zip(heads, (7, 9, 14, 14, 13, 11), strict=True)))
-    for workers in (int(w) for w in args.workers.split(",")):
-        proc, port, pids = start(repo, workers)
+    heads = ("workers", "malloc", "infer/s", "engine us/inf", "(loop thread)", "total us/inf", "mean batch")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(heads, (7, 6, 9, 14, 14, 13, 11), strict=True)))
+    points = [(int(w), t) for w in args.workers.split(",") for t in tunings]
+    for workers, tuning in points:
+        proc, port, pids = start(repo, workers, tuning)
         try:
+            target = (args.model, port)
             if args.warmup:
-                load_in_processes(port, args.warmup, args.concurrency, args.connections, args.client_processes)
+                load_in_processes(*target, args.warmup, args.concurrency, args.connections, args.client_processes)
             before = [cpu_s(pid) for pid in (proc.pid, *pids)]
             loop_before = cpu_s(proc.pid, proc.pid)  # the event loop runs on the main thread
             started = time.monotonic()
             if analyzer:
-                rate = perf_analyzer(analyzer, port, args.seconds, args.concurrency)
+                rate = perf_analyzer(analyzer, args.model, port, args.seconds, args.concurrency)
                 elapsed = time.monotonic() - started
                 count = rate * elapsed
             else:
-                count = load_in_processes(port, args.seconds, args.concurrency, args.connections, args.client_processes)
+                count = load_in_processes(
+                    *target, args.seconds, args.concurrency, args.connections, args.client_processes
+                )
                 elapsed = time.monotonic() - started
                 rate = count / elapsed
             after = [cpu_s(pid) for pid in (proc.pid, *pids)]
@@ -256,7 +321,8 @@ def main() -> None:
             engine = (after[0] - before[0]) / count * 1e6
             total = (sum(after) - sum(before)) / count * 1e6
             print(
-                f"{workers:>7} {rate:>9.0f} {engine:>14.1f} {loop:>14.1f} {total:>13.1f} {batch_mean(port):>11.1f}",
+                f"{workers:>7} {tuning:>6} {rate:>9.0f} {engine:>14.1f} {loop:>14.1f} {total:>13.1f} "
+                f"{batch_mean(args.model, port):>11.1f}",
                 flush=True,
             )
         finally:

@@ -4,15 +4,16 @@
 # packages on PYTHONPATH through a link tree outside the repository (never the repository root, where
 # ./operator would shadow the standard library) and installs wheels brought along in .whl/.
 #
-#   bash bench/gpu_session.sh STEP...      STEP: tests | resnet | resnet-small | memory | workers | shm | all
+#   bash bench/gpu_session.sh STEP...      STEP: tests | resnet | resnet-small | resnet-workers | memory | workers | shm | all
 #
 # Each step writes its output to $OUT/<step>.txt as well (OUT defaults to ./gpu-out, ignored by git).
 #   tests         the GPU tests (PyTorch on CUDA, CUDA graphs, NVML, CUDA shared memory), -rs for skips
 #   resnet        bench/gpu_resnet.py: ResNet-50 fp16 channels_last, raw with CUDA graphs vs served
 #   resnet-small  the same, short (a check that the bench runs before the long one)
+#   resnet-workers  the served ResNet run over gRPC with 8 protocol workers (c32..c256)
 #   memory        bench/gpu_memory.py: GPU memory per instance with and without CUDA graphs, and served
 #   workers       bench/frontend_workers.py: inferences/s versus protocol workers (encoder on the GPU,
-#                 embed on the CPU), 1..16 workers
+#                 embed and 294 KiB images on the CPU), 1..16 workers
 #   shm           bench/cuda_shm.py: CUDA shared memory versus the wire
 # Wheels: .whl/ (or $SLUICE_GPU_WHEELS) holds what the machine lacks (tritonclient and its HTTP
 # client, httptools, h2/hpack, pytest-asyncio); fetch them on a machine with network access with
@@ -61,17 +62,24 @@ run_step() {
     resnet)
       "$PY" -P bench/gpu_resnet.py --concurrency 1,8,32,64,128,256 --duration-s 8 --raw-s 3 \
         --client-processes 8 ;;
+    resnet-workers)
+      # the single process decodes ~3k images/s per core (docs/performance.md, "Large tensors"):
+      # the same served run with 8 protocol workers, gRPC, from the concurrency where batches form
+      "$PY" -P bench/gpu_resnet.py --mode served --protocols grpc --concurrency 32,64,128,256 --duration-s 8 \
+        --raw-s 3 --client-processes 8 --serve-arg=--protocol-workers=8 ;;
     memory)
       "$PY" -P bench/gpu_memory.py && "$PY" -P bench/gpu_memory.py --served ;;
     workers)
       "$PY" -P bench/frontend_workers.py --model encoder --device cuda:0 --workers 0,1,2,4,8,16 \
         --concurrency 256 --connections 64 --client-processes 8 --seconds 6 &&
       "$PY" -P bench/frontend_workers.py --workers 0,1,2,4,8 --concurrency 128 --connections 32 \
-        --client-processes 6 --seconds 6 ;;
+        --client-processes 6 --seconds 6 &&
+      "$PY" -P bench/frontend_workers.py --model image --workers 0,1,2,4,8 --malloc-tuning off,on \
+        --concurrency 64 --connections 16 --client-processes 4 --seconds 6 ;;
     shm)
       "$PY" -P bench/cuda_shm.py ;;
     *)
-      echo "unknown step '$step'; allowed: tests, resnet, resnet-small, memory, workers, shm, all" >&2
+      echo "unknown step '$step'; allowed: tests, resnet, resnet-small, resnet-workers, memory, workers, shm, all" >&2
       return 2 ;;
   esac
 }
@@ -80,7 +88,7 @@ run_step() {
 setup || { echo "setup failed" >&2; exit 1; }
 steps=()
 for step in "$@"; do
-  if [ "$step" = all ]; then steps+=(tests resnet memory workers shm); else steps+=("$step"); fi
+  if [ "$step" = all ]; then steps+=(tests resnet resnet-workers memory workers shm); else steps+=("$step"); fi
 done
 status=0
 for one in "${steps[@]}"; do

@@ -30,6 +30,7 @@ from sluice.runtime.settings import (
     GpuMetricsSettings,
     Limits,
     LogSettings,
+    MallocTuning,
     SchedulingDefaults,
     ServerSettings,
 )
@@ -209,6 +210,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="protocol worker processes that accept connections and decode requests, sending them to this "
         "process's batchers (0 to 64; 0: one process does everything, for small pods; see docs/frontend-workers.md)",
+    )
+    serve.add_argument(
+        "--malloc-tuning",
+        choices=("on", "off"),
+        default="on",
+        help="on (default): glibc's allocator keeps freed blocks under 32 MiB in its heap and up to 256 MiB of "
+        "free heap, so large tensors reuse memory instead of faulting in new pages; off: glibc's defaults",
     )
     serve.add_argument(
         "--split-file",
@@ -548,6 +556,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         tracing=parse_trace_config(args.trace_config),
         log=log_settings_from_args(args),
         protocol_workers=args.protocol_workers,
+        malloc_tuning=MallocTuning() if args.malloc_tuning == "on" else None,
         gpu_metrics=GpuMetricsSettings(
             enabled=args.allow_gpu_metrics,
             interval_ms=args.metrics_interval_ms,
@@ -570,8 +579,10 @@ def log_settings_from_args(args: argparse.Namespace) -> LogSettings:
 
 
 async def serve(settings: ServerSettings) -> int:
+    from sluice.runtime import host_memory
     from sluice.runtime.server import Server, StartupError
 
+    applied = host_memory.apply(settings.malloc_tuning)  # before models and buffers are allocated
     server = Server(settings)
     for handler in logging.getLogger().handlers:  # the stderr handler main() made
         server.log_control.govern(handler)
@@ -580,6 +591,8 @@ async def serve(settings: ServerSettings) -> int:
     except StartupError as exc:
         print(f"sluice: error: {exc}", file=sys.stderr, flush=True)
         return 1
+    if applied is not None:
+        logging.getLogger("sluice.runtime").info("%s", applied)
     # The request path allocates many short-lived objects that reference counting frees; the
     # cyclic collector scanning every loaded module, model and session each 700 allocations was
     # ~10% of server CPU (perf). Freeze what startup made and collect young objects less often.

@@ -44,7 +44,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
-from sluice.runtime import tracing, worker_wire
+from sluice.runtime import host_memory, tracing, worker_wire
 from sluice.runtime.dataplane import DataPlane, awaited
 from sluice.runtime.errors import Internal, SluiceError
 from sluice.runtime.protocol import grpc_service
@@ -856,6 +856,9 @@ async def _serve_worker(args: argparse.Namespace) -> int:
     plane.on_stop = lambda grace: None if stopping.done() else stopping.set_result(grace)
     _, settings, index = await started
     logging.getLogger().setLevel(logging.DEBUG if settings.log.verbose_level else logging.INFO)
+    applied = host_memory.apply(settings.malloc_tuning)  # as in the engine (logged there)
+    if applied is not None:
+        log.debug("protocol worker %d: %s", index, applied)
     listeners: list[HttpServer | GrpcServer] = []
     if args.http_fd >= 0:
         http = _WorkerHttpServer(WorkerRoutes(plane, settings), settings, loop, index)

@@ -147,6 +147,20 @@ class LogSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class MallocTuning:
+    """What the C heap keeps of freed memory (``--malloc-tuning``); None in the settings: glibc's defaults."""
+
+    mmap_threshold_bytes: int = 32 << 20
+    """Blocks below this come from the heap, where a freed one is reused, rather than from a mapping of
+    their own that is unmapped on free (glibc's default starts at 128 KiB)."""
+    trim_threshold_bytes: int = 256 << 20
+    """Free memory at the heap's top beyond this goes back to the kernel (a pod's resident memory can stay
+    this much above its working set)."""
+    top_pad_bytes: int = 64 << 20
+    """Extra heap the allocator asks the kernel for each time it grows (fewer, larger extensions)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class GpuMetricsSettings:
     """NVML GPU and MIG telemetry (gpu_telemetry.py; the ``gpu`` extra): Triton's
     ``--allow-gpu-metrics`` and ``--metrics-interval-ms``."""
@@ -240,3 +254,6 @@ class ServerSettings:
     connection. 0: this one process does everything (small pods)."""
     gpu_metrics: GpuMetricsSettings = dataclasses.field(default_factory=GpuMetricsSettings)
     """GPU and MIG telemetry from NVML (``--allow-gpu-metrics``, ``--metrics-interval-ms``)."""
+    malloc_tuning: MallocTuning | None = dataclasses.field(default_factory=MallocTuning)
+    """What the C heap keeps of freed memory, set at start in the engine and each protocol worker
+    (host_memory.py; ``--malloc-tuning off``: None, glibc's defaults)."""
