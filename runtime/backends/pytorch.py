@@ -399,12 +399,18 @@ class TorchInstance(ModelInstance):
 
     def _to_numpy(self, spec: mc.ModelOutput, value: Any, rows: int) -> np.ndarray:
         torch = self._torch
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        is_strings = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        if is_strings or isinstance(value, torch.Tensor):
+            produced = torch_plan.STRING_LIST if is_strings else str(value.dtype).removeprefix("torch.")
+            problem = torch_plan.output_dtype_problem(spec.name, produced, spec.data_type, self._settings.precision)
+            if problem is not None:
+                raise ModelError(f"model '{self._label}': {problem}")
+        if is_strings:
             array = np.array([v.encode() for v in value], dtype=object)
         elif isinstance(value, torch.Tensor):
-            wanted = getattr(torch, torch_plan.TORCH_DTYPE_BY_CONFIG.get(spec.data_type, "float32"))
-            if value.dtype != wanted and spec.data_type != mc.TYPE_STRING:
-                value = value.to(wanted)  # the model ran in another precision
+            wanted = getattr(torch, torch_plan.TORCH_DTYPE_BY_CONFIG[spec.data_type])
+            if value.dtype != wanted:
+                value = value.to(wanted)  # the model ran in the ``precision`` parameter's type
             value = value.detach()
             if self._staging is not None and value.is_cuda:
                 value = self._staging.to_host(spec.name, value)

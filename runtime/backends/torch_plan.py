@@ -18,7 +18,6 @@ Called by ``pytorch.py`` (load and execute) and by the repository (load warnings
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,7 +51,6 @@ PRECISIONS: dict[str, str | None] = {"": None, "fp32": None, "fp16": "float16", 
 """Sluice's ``precision`` parameter -> the dtype the model's floating tensors run in (None: as stored)."""
 MEMORY_FORMATS = ("contiguous", "channels_last")
 
-_NAMED_INDEX = re.compile(r"^.*__(\d+)$")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -229,11 +227,18 @@ class Binding:
         return max(self.index.values(), default=-1) + 1
 
 
+def named_index(name: str) -> int | None:
+    """The index of a ``<name>__<index>`` name, as Triton reads it: the text after the first ``__``,
+    all digits (``INPUT__0`` -> 0; ``a__b__1`` follows no convention); None otherwise."""
+    _, delimiter, suffix = name.partition("__")
+    return int(suffix) if delimiter and suffix.isascii() and suffix.isdigit() else None
+
+
 def _named_indices(names: Sequence[str]) -> dict[str, int] | None:
-    found = {name: _NAMED_INDEX.match(name) for name in names}
-    if not names or any(m is None for m in found.values()):
+    found = {name: named_index(name) for name in names}
+    if not names or any(index is None for index in found.values()):
         return None
-    return {name: int(m.group(1)) for name, m in found.items() if m is not None}
+    return {name: index for name, index in found.items() if index is not None}
 
 
 def input_binding(names: Sequence[str], forward_args: Sequence[str] | None, *, dict_input: bool = False) -> Binding:
@@ -327,6 +332,33 @@ def output_shape_problem(
     return (
         f"output '{name}' has shape {list(shape)} but the config expects {expected}"
         f"{' (the batch rows first)' if batched else ''}"
+    )
+
+
+STRING_LIST = "List[str]"
+"""What :func:`output_dtype_problem` is told a model returned as a ``List[str]`` (not a tensor)."""
+_CONFIG_TYPE_BY_TORCH = {name: config_type for config_type, name in TORCH_DTYPE_BY_CONFIG.items()}
+
+
+def output_dtype_problem(name: str, produced: str, config_type: int, precision: str | None) -> str | None:
+    """Why a result of torch dtype ``produced`` (``float32``..., or :data:`STRING_LIST`) cannot be
+    served as output ``name`` of ``config_type``, or None. Triton refuses any mismatch rather than
+    convert; the one conversion Sluice makes is back from its own ``precision`` (a floating result
+    in the run precision, cast to the config's floating type)."""
+    if produced == STRING_LIST:
+        provided = "TYPE_STRING (a List[str])"
+        if config_type == mc.TYPE_STRING:
+            return None
+    else:
+        if TORCH_DTYPE_BY_CONFIG.get(config_type) == produced:
+            return None
+        if precision is not None and produced == precision and config_type in _FLOATING:
+            return None
+        known = _CONFIG_TYPE_BY_TORCH.get(produced)
+        provided = mc.DataType.Name(known) if known is not None else f"torch.{produced}"
+    return (
+        f"configuration expects datatype {mc.DataType.Name(config_type)} for output '{name}', model provides "
+        f"{provided}"
     )
 
 
