@@ -289,15 +289,21 @@ class TorchInstance(ModelInstance):
         self._device = self._torch.device(device)
         self._empty_cache = empty_cache
         self._batched = config.max_batch_size > 0
-        self._inputs = list(config.input)
-        self._outputs = list(config.output)
-        self._in_binding = torch_plan.input_binding([i.name for i in config.input], forward_args, dict_input=dict_input)
+        sequence_inputs, state_outputs = torch_plan.sequence_io(config)  # passed by index, as in Triton
+        self._inputs = [*config.input, *(tensor for _, tensor in sequence_inputs)]
+        self._outputs = [*config.output, *state_outputs]
+        self._in_binding = torch_plan.input_binding(
+            [i.name for i in config.input],
+            forward_args,
+            dict_input=dict_input,
+            sequence_names=[tensor.name for _, tensor in sequence_inputs],
+        )
         if self._in_binding.warning:
             log.warning("model '%s': %s", label, self._in_binding.warning)
-        self._out_binding = torch_plan.output_binding([o.name for o in config.output])
-        self._datatypes = {o.name: DATATYPE_BY_CONFIG_TYPE[mc.DataType.Name(o.data_type)] for o in config.output}
+        self._out_binding = torch_plan.output_binding([o.name for o in self._outputs])
+        self._datatypes = {o.name: DATATYPE_BY_CONFIG_TYPE[mc.DataType.Name(o.data_type)] for o in self._outputs}
         self._channels_last = set(torch_plan.channels_last_inputs(config)) if self._settings.channels_last else set()
-        self._run_dtypes = {i.name: torch_plan.run_dtype(i.data_type, self._settings.precision) for i in config.input}
+        self._run_dtypes = {i.name: torch_plan.run_dtype(i.data_type, self._settings.precision) for i in self._inputs}
         self._cuda = self._device.type == "cuda"
         self._stream: Any = None
         self._staging: _CudaStaging | None = None

@@ -102,7 +102,9 @@ def config(inputs: list[str], outputs: list[str], max_batch_size: int = 0, extra
 # --- clients --------------------------------------------------------------------------------------
 
 
-def infer(protocol: str, server: Any, model: str, arrays: dict[str, Any], datatypes: dict[str, str] | None = None) -> Any:
+def infer(
+    protocol: str, server: Any, model: str, arrays: dict[str, Any], datatypes: dict[str, str] | None = None
+) -> Any:
     module: Any = httpclient if protocol == "http" else grpcclient
     client = module.InferenceServerClient(server.http if protocol == "http" else server.grpc)
     inputs = []
@@ -310,7 +312,7 @@ def test_bad_requests_are_refused_and_the_model_keeps_serving(server, protocol):
     good = rows(2)
     cases = [
         ({"INPUT__0": rows(2, width=5)}, None, r"unexpected shape for input 'INPUT__0'"),
-        ({"INPUT__0": good.astype(np.float64)}, {"INPUT__0": "FP64"}, r"data-type is 'FP64', but model 'raises' expects 'FP32'"),
+        ({"INPUT__0": good.astype(np.float64)}, {"INPUT__0": "FP64"}, r"is 'FP64', but model 'raises' expects 'FP32'"),
         ({"INPUT__0": rows(5)}, None, r"(?i)batch.size|max"),
         ({"WRONG": good}, None, r"WRONG"),
     ]
@@ -488,9 +490,108 @@ def test_output_dtype_problem_is_decided_without_torch():
     )
     assert torch_plan.output_dtype_problem("o", "int64", 11, "float16") is not None  # precision casts floats only
     assert "model provides torch.complex64" in (torch_plan.output_dtype_problem("o", "complex64", 11, None) or "")
+    assert torch_plan.output_dtype_problem("o", torch_plan.STRING_LIST, 13, None) is None  # TYPE_STRING
+    assert torch_plan.output_dtype_problem("o", torch_plan.STRING_LIST, 11, None) == (
+        "configuration expects datatype TYPE_FP32 for output 'o', model provides TYPE_STRING (a List[str])"
+    )
+    assert "expects datatype TYPE_STRING for output 'o', model provides TYPE_INT64" in (
+        torch_plan.output_dtype_problem("o", "int64", 13, None) or ""
+    )
 
 
 def test_index_names_follow_triton_the_first_double_underscore_and_digits_only():
     assert torch_plan.input_binding(["a__b__1", "c__0"], None).convention == torch_plan.CONFIG_ORDER
     with pytest.raises(ConfigError):
         torch_plan.input_binding(["x__0", "y__0"], ["p", "q"])
+
+
+# --- sequence batching: controls and implicit state passed by index, as Triton does -----------------
+
+
+class Accumulate(torch.nn.Module):
+    """A running sum over the sequence: START resets, the implicit state carries the sum."""
+
+    def forward(self, x: torch.Tensor, start: torch.Tensor, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total = x + acc * (1 - start.float())
+        return total, total
+
+
+SEQUENCE = """
+platform: "pytorch_libtorch"
+max_batch_size: 0
+input [ { name: "x", data_type: TYPE_FP32, dims: [ 1 ] } ]
+output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+sequence_batching {
+  control_input [ { name: "START__1" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]
+  state [ { input_name: "ACC__2" output_name: "ACC__1" data_type: TYPE_FP32 dims: [ 1 ] } ]
+}
+"""
+
+
+def test_sequence_controls_and_state_are_passed_by_index(tmp_path, serve):
+    repo = tmp_path / "repo"
+    write_model(repo, "acc", SEQUENCE, {"model.pt": scripted(Accumulate(), tmp_path / "acc.pt")})
+    running = serve(repo)
+    http = httpclient.InferenceServerClient(running.http)
+    grpc = grpcclient.InferenceServerClient(running.grpc)
+    try:
+        totals = []
+        for step, value in enumerate([1.0, 2.0, 4.0]):
+            client, module = (http, httpclient) if step % 2 == 0 else (grpc, grpcclient)
+            tensor = module.InferInput("x", [1], "FP32")
+            tensor.set_data_from_numpy(np.array([value], np.float32))
+            result = client.infer(
+                "acc", [tensor], sequence_id=7, sequence_start=step == 0, sequence_end=step == 2,
+                outputs=[module.InferRequestedOutput("OUTPUT__0")],
+            )  # fmt: skip
+            totals.append(float(result.as_numpy("OUTPUT__0")[0]))
+        assert totals == [1.0, 3.0, 7.0]
+    finally:
+        http.close()
+        grpc.close()
+
+
+@pytest.mark.parametrize(
+    ("replace", "message"),
+    [
+        (('name: "START__1"', 'name: "START"'),
+         r"field 'sequence_batching.control_input\[0\].name': sequence input 'START' does not follow the "
+         r"<name>__<index> convention"),
+        (("ACC__2", "ACC__1"), r"'sequence_batching': sequence input 'ACC__1' names index 1 but 'START__1' has it"),
+        (("dims: [ 1 ] } ]\noutput", 'dims: [ 1 ] }, { name: "EXTRA__3", data_type: TYPE_FP32, dims: [ 1 ] } ]\nout'
+          "put"),
+         r"field 'input': the config lists 2 inputs and 2 sequence control/state inputs but the model's forward\(\) "
+         r"takes 3 \(x, start, acc\)"),
+    ],
+    ids=["control-without-index", "index-taken", "too-many-inputs"],
+)  # fmt: skip
+def test_sequence_inputs_that_cannot_be_bound_fail_the_load(tmp_path, serve, replace, message):
+    repo = tmp_path / "repo"
+    assert replace[0] in SEQUENCE
+    write_model(repo, "acc", SEQUENCE.replace(*replace), {"model.pt": scripted(Accumulate(), tmp_path / "acc.pt")})
+    error = load_error(serve(repo, **EXPLICIT), "acc")
+    assert re.search(message, error), error
+
+
+def test_sequence_io_is_decided_without_torch():
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    parsed = text_format.Parse(
+        SEQUENCE.replace(
+            "control_input [",
+            'control_input [ { name: "CORRID__3" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] '
+            "},",
+        ),
+        mc.ModelConfig(),
+    )
+    inputs, outputs = torch_plan.sequence_io(parsed)
+    assert [(where, t.name, t.data_type, list(t.dims)) for where, t in inputs] == [
+        ("sequence_batching.control_input[0]", "CORRID__3", mc.TYPE_UINT64, [1]),
+        ("sequence_batching.control_input[1]", "START__1", mc.TYPE_INT32, [1]),
+        ("sequence_batching.state[0]", "ACC__2", mc.TYPE_FP32, [1]),
+    ]
+    assert [o.name for o in outputs] == ["ACC__1"]
+    with pytest.raises(ConfigError, match=r"sequence input 'CORRID__3' has data_type TYPE_UINT64") as info:
+        torch_plan.check_io(parsed, torch_plan.TORCHSCRIPT)
+    assert info.value.field == "sequence_batching.control_input[0].data_type"
