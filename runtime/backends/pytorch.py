@@ -174,7 +174,9 @@ def _load_torchscript(torch: Any, path: Path, device: Any, settings: torch_plan.
     try:
         module = torch.jit.load(str(path), map_location=device)
     except Exception as exc:
-        raise ConfigError(f"torch.jit.load cannot load the model: {exc}", file=str(path)) from exc
+        raise ConfigError(
+            f"torch.jit.load cannot load the model: {torch_plan.first_line(exc)}", file=str(path)
+        ) from exc
     module.eval()
     if settings.precision is not None:
         module.to(getattr(torch, settings.precision))
@@ -200,7 +202,9 @@ def _load_export(torch: Any, path: Path, device: Any, settings: torch_plan.Torch
     try:
         program = torch.export.load(str(path))
     except Exception as exc:
-        raise ConfigError(f"torch.export.load cannot load the program: {exc}", file=str(path)) from exc
+        raise ConfigError(
+            f"torch.export.load cannot load the program: {torch_plan.first_line(exc)}", file=str(path)
+        ) from exc
     module = program.module().to(device)
     if settings.precision is not None:
         module.to(getattr(torch, settings.precision))
@@ -214,7 +218,9 @@ def _load_aoti(torch: Any, path: Path, device: Any, device_id: int) -> _Loaded:
     try:
         compiled = aoti_load_package(str(path), device_index=device_id if device.type == "cuda" else -1)
     except Exception as exc:
-        raise ConfigError(f"aoti_load_package cannot load the package: {exc}", file=str(path)) from exc
+        raise ConfigError(
+            f"aoti_load_package cannot load the package: {torch_plan.first_line(exc)}", file=str(path)
+        ) from exc
     built_for = str(compiled.get_metadata().get("AOTI_DEVICE_KEY", "cpu"))
     if built_for != device.type:
         raise ConfigError(

@@ -485,6 +485,13 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(exc)
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of torch's text for a file it cannot read: with TORCH_SHOW_CPP_STACKTRACES the
+    rest is a C++ backtrace naming the server's library paths, which clients must not see."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 def failure(exc: BaseException, label: str, device: str, rows: int) -> SluiceError:
     """The error a batch is answered with when the model raised ``exc``."""
     if isinstance(exc, SluiceError):

@@ -499,6 +499,13 @@ def test_output_dtype_problem_is_decided_without_torch():
     )
 
 
+def test_a_load_error_shows_the_first_line_of_torchs_text():
+    backtrace = RuntimeError("PytorchStreamReader failed locating file constants.pkl: file not found\n"
+                             "Exception raised from getRecordID at /srv/venv/lib/libtorch_cpu.so")  # fmt: skip
+    assert torch_plan.first_line(backtrace) == "PytorchStreamReader failed locating file constants.pkl: file not found"
+    assert torch_plan.first_line(RuntimeError("")) == "RuntimeError"
+
+
 def test_index_names_follow_triton_the_first_double_underscore_and_digits_only():
     assert torch_plan.input_binding(["a__b__1", "c__0"], None).convention == torch_plan.CONFIG_ORDER
     with pytest.raises(ConfigError):
