@@ -404,6 +404,18 @@ def test_tritons_parameters_are_accepted_and_the_model_serves(tmp_path, serve, p
         np.testing.assert_allclose(infer(protocol, running, "m", {"INPUT__0": x}).as_numpy("OUTPUT__0"), x * 5)
 
 
+def with_bad_pickle(archive: bytes) -> bytes:
+    """The TorchScript archive with its data.pkl replaced: a zip torch recognizes but cannot read."""
+    import io as bytes_io
+    import zipfile
+
+    source, out = zipfile.ZipFile(bytes_io.BytesIO(archive)), bytes_io.BytesIO()
+    with zipfile.ZipFile(out, "w") as target:
+        for name in source.namelist():
+            target.writestr(name, b"junk" if name.endswith("/data.pkl") else source.read(name))
+    return out.getvalue()
+
+
 @pytest.mark.parametrize(
     ("extra", "files", "message"),
     [
@@ -413,16 +425,18 @@ def test_tritons_parameters_are_accepted_and_the_model_serves(tmp_path, serve, p
          r"config.pbtxt: field 'parameters\[INTER_OP_THREAD_COUNT\]': must be a positive integer string, got '-2'"),
         ("", "garbage", r"bad/1/model.pt: field 'default_model_filename': 'model.pt' is not a model torch can load"),
         ("", "truncated", r"bad/1/model.pt"),
+        ("", "bad-pickle", r"bad/1/model.pt: torch.jit.load cannot load the model: Expected PROTO opcode"),
         ("", "none", r"model file not found: bad/1/model.pt \(allowed: model.pt or model.pt2"),
         ('default_model_filename: "net.pt"', "ok", r"model file not found: bad/1/net.pt"),
     ],
-    ids=["bad-bool", "bad-threads", "garbage-file", "truncated-file", "no-file", "named-file-missing"],
+    ids=["bad-bool", "bad-threads", "garbage-file", "truncated-file", "bad-pickle", "no-file", "named-file-missing"],
 )  # fmt: skip
 def test_broken_models_fail_the_load_with_the_file_relative_to_the_repository(tmp_path, serve, extra, files, message):
     repo = tmp_path / "repo"
     good = scripted(Single(), tmp_path / "s.pt")
     content = {"ok": {"model.pt": good}, "garbage": {"model.pt": b"\x00garbage"},
-               "truncated": {"model.pt": good[: len(good) // 2]}, "none": {}}[files]  # fmt: skip
+               "truncated": {"model.pt": good[: len(good) // 2]}, "none": {},
+               "bad-pickle": {"model.pt": with_bad_pickle(good)}}[files]  # fmt: skip
     write_model(repo, "bad", SIMPLE + extra, content)
     write_model(repo, "good", SIMPLE, {"model.pt": good})
     running = serve(repo, model_control_mode="explicit", load_models=("good",))
