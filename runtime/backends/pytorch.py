@@ -174,7 +174,9 @@ def _load_torchscript(torch: Any, path: Path, device: Any, settings: torch_plan.
     try:
         module = torch.jit.load(str(path), map_location=device)
     except Exception as exc:
-        raise ConfigError(f"torch.jit.load cannot load the model: {exc}", file=str(path)) from exc
+        raise ConfigError(
+            f"torch.jit.load cannot load the model: {torch_plan.first_line(exc)}", file=str(path)
+        ) from exc
     module.eval()
     if settings.precision is not None:
         module.to(getattr(torch, settings.precision))
@@ -200,7 +202,9 @@ def _load_export(torch: Any, path: Path, device: Any, settings: torch_plan.Torch
     try:
         program = torch.export.load(str(path))
     except Exception as exc:
-        raise ConfigError(f"torch.export.load cannot load the program: {exc}", file=str(path)) from exc
+        raise ConfigError(
+            f"torch.export.load cannot load the program: {torch_plan.first_line(exc)}", file=str(path)
+        ) from exc
     module = program.module().to(device)
     if settings.precision is not None:
         module.to(getattr(torch, settings.precision))
@@ -214,7 +218,9 @@ def _load_aoti(torch: Any, path: Path, device: Any, device_id: int) -> _Loaded:
     try:
         compiled = aoti_load_package(str(path), device_index=device_id if device.type == "cuda" else -1)
     except Exception as exc:
-        raise ConfigError(f"aoti_load_package cannot load the package: {exc}", file=str(path)) from exc
+        raise ConfigError(
+            f"aoti_load_package cannot load the package: {torch_plan.first_line(exc)}", file=str(path)
+        ) from exc
     built_for = str(compiled.get_metadata().get("AOTI_DEVICE_KEY", "cpu"))
     if built_for != device.type:
         raise ConfigError(
@@ -302,15 +308,21 @@ class TorchInstance(ModelInstance):
         self._device = self._torch.device(device)
         self._empty_cache = empty_cache
         self._batched = config.max_batch_size > 0
-        self._inputs = list(config.input)
-        self._outputs = list(config.output)
-        self._in_binding = torch_plan.input_binding([i.name for i in config.input], forward_args, dict_input=dict_input)
+        sequence_inputs, state_outputs = torch_plan.sequence_io(config)  # passed by index, as in Triton
+        self._inputs = [*config.input, *(tensor for _, tensor in sequence_inputs)]
+        self._outputs = [*config.output, *state_outputs]
+        self._in_binding = torch_plan.input_binding(
+            [i.name for i in config.input],
+            forward_args,
+            dict_input=dict_input,
+            sequence_names=[tensor.name for _, tensor in sequence_inputs],
+        )
         if self._in_binding.warning:
             log.warning("model '%s': %s", label, self._in_binding.warning)
-        self._out_binding = torch_plan.output_binding([o.name for o in config.output])
-        self._datatypes = {o.name: DATATYPE_BY_CONFIG_TYPE[mc.DataType.Name(o.data_type)] for o in config.output}
+        self._out_binding = torch_plan.output_binding([o.name for o in self._outputs])
+        self._datatypes = {o.name: DATATYPE_BY_CONFIG_TYPE[mc.DataType.Name(o.data_type)] for o in self._outputs}
         self._channels_last = set(torch_plan.channels_last_inputs(config)) if self._settings.channels_last else set()
-        self._run_dtypes = {i.name: torch_plan.run_dtype(i.data_type, self._settings.precision) for i in config.input}
+        self._run_dtypes = {i.name: torch_plan.run_dtype(i.data_type, self._settings.precision) for i in self._inputs}
         self._cuda = self._device.type == "cuda"
         self._stream: Any = None
         self._staging: _CudaStaging | None = None
@@ -443,12 +455,18 @@ class TorchInstance(ModelInstance):
 
     def _to_numpy(self, spec: mc.ModelOutput, value: Any, rows: int) -> np.ndarray:
         torch = self._torch
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        is_strings = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        if is_strings or isinstance(value, torch.Tensor):
+            produced = torch_plan.STRING_LIST if is_strings else str(value.dtype).removeprefix("torch.")
+            problem = torch_plan.output_dtype_problem(spec.name, produced, spec.data_type, self._settings.precision)
+            if problem is not None:
+                raise ModelError(f"model '{self._label}': {problem}")
+        if is_strings:
             array = np.array([v.encode() for v in value], dtype=object)
         elif isinstance(value, torch.Tensor):
-            wanted = getattr(torch, torch_plan.TORCH_DTYPE_BY_CONFIG.get(spec.data_type, "float32"))
-            if value.dtype != wanted and spec.data_type != mc.TYPE_STRING:
-                value = value.to(wanted)  # the model ran in another precision
+            wanted = getattr(torch, torch_plan.TORCH_DTYPE_BY_CONFIG[spec.data_type])
+            if value.dtype != wanted:
+                value = value.to(wanted)  # the model ran in the ``precision`` parameter's type
             value = value.detach()
             if self._staging is not None and value.is_cuda:
                 value = self._staging.to_host(spec.name, value)

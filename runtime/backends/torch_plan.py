@@ -18,7 +18,6 @@ Called by ``pytorch.py`` (load and execute) and by the repository (load warnings
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,7 +51,6 @@ PRECISIONS: dict[str, str | None] = {"": None, "fp32": None, "fp16": "float16", 
 """Sluice's ``precision`` parameter -> the dtype the model's floating tensors run in (None: as stored)."""
 MEMORY_FORMATS = ("contiguous", "channels_last")
 
-_NAMED_INDEX = re.compile(r"^.*__(\d+)$")
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -161,6 +159,32 @@ def torch_settings(parameters: Mapping[str, str]) -> tuple[TorchSettings, list[s
     return TorchSettings(**values), warnings
 
 
+_CONTROL_FIELDS = {"int32_false_true": mc.TYPE_INT32, "fp32_false_true": mc.TYPE_FP32, "bool_false_true": mc.TYPE_BOOL}
+
+
+def sequence_io(config: mc.ModelConfig) -> tuple[list[tuple[str, mc.ModelInput]], list[mc.ModelOutput]]:
+    """What sequence batching adds to the model's call, as Triton's PyTorch backend passes it: each
+    control input (dims [1]) and each implicit state's ``input_name`` as inputs, with the config
+    field they come from; each state's ``output_name`` not listed in ``output`` as an output."""
+    batching = config.sequence_batching
+    inputs: list[tuple[str, mc.ModelInput]] = []
+    for index, control_input in enumerate(batching.control_input):
+        control = control_input.control[0]
+        data_type = control.data_type
+        if control.kind != mc.ModelSequenceBatching.Control.CONTROL_SEQUENCE_CORRID:
+            data_type = next((t for f, t in _CONTROL_FIELDS.items() if len(getattr(control, f))), mc.TYPE_INT32)
+        tensor = mc.ModelInput(name=control_input.name, data_type=data_type, dims=[1])
+        inputs.append((f"sequence_batching.control_input[{index}]", tensor))
+    listed = {o.name for o in config.output}
+    outputs = []
+    for index, state in enumerate(batching.state):
+        tensor = mc.ModelInput(name=state.input_name, data_type=state.data_type, dims=list(state.dims))
+        inputs.append((f"sequence_batching.state[{index}]", tensor))
+        if state.output_name not in listed:
+            outputs.append(mc.ModelOutput(name=state.output_name, data_type=state.data_type, dims=list(state.dims)))
+    return inputs, outputs
+
+
 def check_io(config: mc.ModelConfig, kind: str) -> None:
     """Refuse data types and string shapes the backend cannot serve (Triton's rules)."""
     if not config.input:
@@ -206,6 +230,20 @@ def check_io(config: mc.ModelConfig, kind: str) -> None:
                     f"PyTorch backend cannot serve; allowed: {allowed}",
                     field=f"{where}.data_type",
                 )
+    for where, tensor in sequence_io(config)[0]:
+        if tensor.data_type not in TORCH_DTYPE_BY_CONFIG and tensor.data_type != mc.TYPE_STRING:
+            raise ConfigError(
+                f"sequence input '{tensor.name}' has data_type {mc.DataType.Name(tensor.data_type)}, which the "
+                f"PyTorch backend cannot pass to a model; allowed: {allowed}",
+                field=f"{where}.data_type",
+            )
+        if named_index(tensor.name) is None:
+            raise ConfigError(
+                f"sequence input '{tensor.name}' does not follow the <name>__<index> convention; the PyTorch backend "
+                "passes control and state inputs by index, as Triton does; allowed: a name like "
+                f"'{tensor.name}__<index of its forward() argument>'",
+                field=f"{where}.{'input_name' if '.state[' in where else 'name'}",
+            )
 
 
 # --- naming conventions --------------------------------------------------------------------------
@@ -229,39 +267,67 @@ class Binding:
         return max(self.index.values(), default=-1) + 1
 
 
+def named_index(name: str) -> int | None:
+    """The index of a ``<name>__<index>`` name, as Triton reads it: the text after the first ``__``,
+    all digits (``INPUT__0`` -> 0; ``a__b__1`` follows no convention); None otherwise."""
+    _, delimiter, suffix = name.partition("__")
+    return int(suffix) if delimiter and suffix.isascii() and suffix.isdigit() else None
+
+
 def _named_indices(names: Sequence[str]) -> dict[str, int] | None:
-    found = {name: _NAMED_INDEX.match(name) for name in names}
-    if not names or any(m is None for m in found.values()):
+    found = {name: named_index(name) for name in names}
+    if not names or any(index is None for index in found.values()):
         return None
-    return {name: int(m.group(1)) for name, m in found.items() if m is not None}
+    return {name: index for name, index in found.items() if index is not None}
 
 
-def input_binding(names: Sequence[str], forward_args: Sequence[str] | None, *, dict_input: bool = False) -> Binding:
+def input_binding(
+    names: Sequence[str],
+    forward_args: Sequence[str] | None,
+    *,
+    dict_input: bool = False,
+    sequence_names: Sequence[str] = (),
+) -> Binding:
     """Triton's rules for input names: all of them forward() argument names; else all ``<name>__<index>``;
     else the config's order (with a warning). ``forward_args`` excludes ``self``; None where the model
     does not declare its arguments (AOTInductor: index or order only). ``dict_input``: forward() takes
-    one ``Dict[str, Tensor]``, keyed by the config's names."""
+    one ``Dict[str, Tensor]``, keyed by the config's names. ``sequence_names``: the control and state
+    inputs sequence batching adds (:func:`sequence_io`), always bound by their ``__<index>``."""
     if dict_input:
-        return Binding(DICT_INPUT, {name: i for i, name in enumerate(names)})
-    if forward_args is not None and len(forward_args) != len(names):
+        return Binding(DICT_INPUT, {name: i for i, name in enumerate([*names, *sequence_names])})
+    total = len(names) + len(sequence_names)
+    if forward_args is not None and len(forward_args) != total:
+        added = f" and {len(sequence_names)} sequence control/state inputs" if sequence_names else ""
         raise ConfigError(
-            f"the config lists {len(names)} inputs but the model's forward() takes {len(forward_args)} "
+            f"the config lists {len(names)} inputs{added} but the model's forward() takes {len(forward_args)} "
             f"({', '.join(forward_args) or 'none'}); allowed: one config input per forward() argument",
             field="input",
         )
-    if forward_args is not None and set(names) == set(forward_args):
-        return Binding(FORWARD_ARGUMENT, {name: list(forward_args).index(name) for name in names})
-    indexed = _named_indices(names)
-    if indexed is not None:
-        _check_indices(indexed, "input", len(forward_args) if forward_args is not None else len(names))
-        return Binding(NAMED_INDEX, indexed)
-    shown = f" nor forward() arguments ({', '.join(forward_args)})" if forward_args is not None else ""
-    return Binding(
-        CONFIG_ORDER,
-        {name: i for i, name in enumerate(names)},
-        f"input names ({', '.join(names)}) follow neither the <name>__<index> convention{shown}; "
-        "they are passed in the config's order",
-    )
+    limit = len(forward_args) if forward_args is not None else total
+    extra = {name: index for name in sequence_names if (index := named_index(name)) is not None}
+    if forward_args is not None and set(names) <= set(forward_args):
+        binding = Binding(FORWARD_ARGUMENT, {name: list(forward_args).index(name) for name in names})
+    elif (indexed := _named_indices(names)) is not None:
+        _check_indices(indexed, "input", limit)
+        binding = Binding(NAMED_INDEX, indexed)
+    else:
+        shown = f" nor forward() arguments ({', '.join(forward_args)})" if forward_args is not None else ""
+        binding = Binding(
+            CONFIG_ORDER,
+            {name: i for i, name in enumerate(names)},
+            f"input names ({', '.join(names)}) follow neither the <name>__<index> convention{shown}; "
+            "they are passed in the config's order",
+        )
+    taken = {index: name for name, index in binding.index.items()}
+    for name, index in extra.items():
+        if index >= limit or index in taken:
+            why = f"the model takes {limit} inputs" if index >= limit else f"'{taken[index]}' has it"
+            raise ConfigError(
+                f"sequence input '{name}' names index {index} but {why}; allowed: a free index from 0 to {limit - 1}",
+                field="sequence_batching",
+            )
+        taken[index] = name
+    return dataclasses.replace(binding, index={**binding.index, **extra})
 
 
 def output_binding(names: Sequence[str]) -> Binding:
@@ -330,6 +396,32 @@ def output_shape_problem(
     )
 
 
+STRING_LIST = "List[str]"
+"""What :func:`output_dtype_problem` is told a model returned as a ``List[str]`` (not a tensor)."""
+_CONFIG_TYPE_BY_TORCH = {name: config_type for config_type, name in TORCH_DTYPE_BY_CONFIG.items()}
+
+
+def output_dtype_problem(name: str, produced: str, config_type: int, precision: str | None) -> str | None:
+    """Why a result of torch dtype ``produced`` (``float32``..., or :data:`STRING_LIST`) cannot be
+    served as output ``name`` of ``config_type``, or None. Triton refuses any mismatch rather than
+    convert; the one conversion Sluice makes is back from its own ``precision`` (a floating result
+    in the run precision, cast to the config's floating type)."""
+    if produced == STRING_LIST:
+        provided = "TYPE_STRING (a List[str])"
+        if config_type == mc.TYPE_STRING:
+            return None
+    else:
+        if TORCH_DTYPE_BY_CONFIG.get(config_type) == produced:
+            return None
+        if precision is not None and produced == precision and config_type in _FLOATING:
+            return None
+        known = _CONFIG_TYPE_BY_TORCH.get(produced)
+        provided = mc.DataType.Name(known) if known is not None else f"torch.{produced}"
+    return (
+        f"configuration expects datatype {mc.DataType.Name(config_type)} for output '{name}', model provides {provided}"
+    )
+
+
 # --- CUDA path decisions -------------------------------------------------------------------------
 
 
@@ -391,6 +483,13 @@ def cpu_graph_warning(config: mc.ModelConfig, kinds: Sequence[int]) -> str | Non
 def is_out_of_memory(exc: BaseException) -> bool:
     """torch.cuda.OutOfMemoryError (or a RuntimeError with CUDA's out-of-memory text from older code)."""
     return type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(exc)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of torch's text for a file it cannot read: with TORCH_SHOW_CPP_STACKTRACES the
+    rest is a C++ backtrace naming the server's library paths, which clients must not see."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def failure(exc: BaseException, label: str, device: str, rows: int) -> SluiceError:
