@@ -114,6 +114,14 @@ def graph_plan(config: mc.ModelConfig) -> GraphPlan | None:
     cuda = config.optimization.cuda
     if not cuda.graphs:
         return None
+    sequence = config.sequence_batching
+    if sequence.control_input or sequence.state:
+        what = "control_input" if sequence.control_input else "state"
+        raise ConfigError(
+            f"sequence_batching.{what} adds inputs per request that the captured graphs do not take; allowed: "
+            "optimization.cuda.graphs only for models without sequence control inputs or implicit state",
+            field="optimization.cuda.graphs",
+        )
     names = tuple(i.name for i in config.input)
     for index, tensor in enumerate(config.input):
         if tensor.data_type == mc.TYPE_STRING:

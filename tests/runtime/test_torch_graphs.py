@@ -140,6 +140,12 @@ ERRORS = [
      f"{GRAPH_SPEC}[2]", ["listed twice", f"{GRAPH_SPEC}[0]"]),
     ('max_batch_size: 8 input [ { name: "s" data_type: TYPE_STRING dims: [ 1 ] } ] '
      "optimization { cuda { graphs: true } }", "input[0].data_type", ["TYPE_STRING"]),
+    (f"max_batch_size: 8 {X16} optimization {{ cuda {{ graphs: true }} }} sequence_batching {{ control_input [ "
+     '{ name: "START__1" control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] } ] }',
+     "optimization.cuda.graphs", ["sequence_batching.control_input", "without sequence control inputs"]),
+    (f"max_batch_size: 8 {X16} optimization {{ cuda {{ graphs: true }} }} sequence_batching {{ state [ "
+     '{ input_name: "s_in__1" output_name: "s_out__1" data_type: TYPE_FP32 dims: [ 1 ] } ] }',
+     "optimization.cuda.graphs", ["sequence_batching.state", "implicit state"]),
     (f"max_batch_size: 8 {X16} dynamic_batching {{ preferred_batch_size: [ 12 ] }} "
      "optimization { cuda { graphs: true } }", "dynamic_batching.preferred_batch_size",
      ["12", "allowed: 1 to max_batch_size (8)"]),
