@@ -54,7 +54,8 @@ run_step() {
   case $step in
     tests)
       "$PY" -m pytest -q -p no:cacheprovider -rs -o addopts="--import-mode=importlib" \
-        tests/runtime/test_pytorch_backend.py tests/runtime/test_torch_graphs.py tests/runtime/test_gpu_telemetry.py \
+        tests/runtime/test_pytorch_backend.py tests/runtime/test_pytorch_conformance.py tests/runtime/test_torch_graphs.py \
+        tests/runtime/test_tensor_merge.py tests/runtime/test_gpu_telemetry.py \
         tests/runtime/test_cuda_shared_memory.py tests/runtime/test_onnx_gpu.py tests/runtime/test_tensorrt_backend.py \
         tests/test_bench_gpu.py ;;
     resnet-small)
