@@ -44,6 +44,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 
+from sluice.client import cuda_ipc_handle
+
 ELEMENTS = 1 << 20  # 4 MiB of FP32
 NBYTES = ELEMENTS * 4
 
@@ -116,8 +118,8 @@ class CudaRegion:
 
             self._torch: Any = torch
             self.tensor = torch.zeros(byte_size, dtype=torch.uint8, device="cuda:0")
-            shared = self.tensor.untyped_storage()._share_cuda_()
-            self.raw_handle, self.base = base64.b64encode(shared[1]), int(shared[3])
+            handle, self.base = cuda_ipc_handle(self.tensor)  # the 64-byte handle inside torch's
+            self.raw_handle = base64.b64encode(handle)
             self._cudashm: Any = None
         else:
             self._cudashm = cudashm

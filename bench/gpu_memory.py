@@ -67,7 +67,7 @@ def per_instance(used_by_count: Mapping[int, int]) -> float | None:
 
 def memory_table(rows: Sequence[tuple[str, int | None, int | None]]) -> str:
     """Markdown rows of (step, bytes reserved by PyTorch, bytes NVML reports for the process)."""
-    lines = ["| step | torch reserved MiB | NVML process MiB |", "|---|---|---|"]
+    lines = ["| step | torch reserved MiB | NVML process MiB (*) |", "|---|---|---|"]
     lines += [f"| {step} | {mib(reserved)} | {mib(nvml)} |" for step, reserved, nvml in rows]
     return "\n".join(lines)
 
@@ -75,8 +75,10 @@ def memory_table(rows: Sequence[tuple[str, int | None, int | None]]) -> str:
 # -- NVML ----------------------------------------------------------------------------------------------
 
 
-def nvml_process_bytes(pid: int, index: int = 0) -> int | None:
-    """GPU memory NVML reports for process ``pid`` on GPU ``index``; None without nvidia-ml-py."""
+def nvml_memory(pid: int, index: int = 0) -> tuple[int | None, int] | None:
+    """(GPU memory NVML lists for process ``pid`` on GPU ``index``, or None when it does not list that
+    pid; memory used on the whole GPU). None without nvidia-ml-py. In a container NVML lists host
+    PIDs, so the container's own pid is usually not found: callers fall back on the device's use."""
     try:
         import pynvml
     except ImportError:
@@ -84,12 +86,30 @@ def nvml_process_bytes(pid: int, index: int = 0) -> int | None:
     pynvml.nvmlInit()
     try:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        used = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
         for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
             if proc.pid == pid:
-                return int(proc.usedGpuMemory or 0)
-        return 0
+                return int(proc.usedGpuMemory or 0), used
+        return None, used
     finally:
         pynvml.nvmlShutdown()
+
+
+def process_bytes(reading: tuple[int | None, int] | None, baseline_used: int | None) -> int | None:
+    """The process's GPU memory from an :func:`nvml_memory` reading: NVML's figure for its pid, else
+    the device's use above ``baseline_used`` (what the GPU used before the process started), else None."""
+    if reading is None:
+        return None
+    listed, used = reading
+    if listed is not None:
+        return listed
+    return None if baseline_used is None else max(0, used - baseline_used)
+
+
+METHOD_NOTE = (
+    "(*) NVML's figure for the process's pid; where NVML does not list that pid (a container's PID "
+    "namespace), the GPU's used memory above what it used before the process started"
+)
 
 
 # -- in-process ----------------------------------------------------------------------------------------
@@ -107,10 +127,15 @@ def in_process(args: argparse.Namespace) -> list[tuple[str, int | None, int | No
     torch.backends.cudnn.benchmark = True
     setup = bench.Setup(args.device, args.image, "FP16", args.max_batch, args.preferred, 500)
     rows: list[tuple[str, int | None, int | None]] = []
+    start = nvml_memory(os.getpid(), device.index or 0)  # before this process's CUDA context
+    baseline = None if start is None else start[1]
+
+    def nvml_now() -> int | None:
+        return process_bytes(nvml_memory(os.getpid(), device.index or 0), baseline)
 
     def row(step: str) -> None:
         torch.cuda.synchronize(device)
-        rows.append((step, torch.cuda.memory_reserved(device), nvml_process_bytes(os.getpid(), device.index or 0)))
+        rows.append((step, torch.cuda.memory_reserved(device), nvml_now()))
 
     torch.zeros(1, device=device)  # the CUDA context
     row("CUDA context only")
@@ -141,7 +166,7 @@ def in_process(args: argparse.Namespace) -> list[tuple[str, int | None, int | No
             (
                 f"graphs ({name}: {sizes}): GraphedModel.memory_bytes",
                 graphed.memory_bytes,
-                nvml_process_bytes(os.getpid(), device.index or 0),
+                nvml_now(),
             )
         )
         graphed.close()
@@ -168,15 +193,17 @@ def served(args: argparse.Namespace) -> list[str]:
                 if not graphs:
                     text = text.replace("optimization { cuda { graphs: true } }\n", "")
                 config.write_text(text)
+                before = nvml_memory(0)
+                if before is None:
+                    raise SystemExit("--served needs nvidia-ml-py (NVML)")
                 server, http_port, _ = bench.start_server(repo, [])
                 try:
                     why = bench.model_unavailable(f"127.0.0.1:{http_port}")
                     if why is not None:
                         raise SystemExit(f"the server did not load the model: {why}")
                     time.sleep(1.0)
-                    value = nvml_process_bytes(server.pid)
-                    if value is None:
-                        raise SystemExit("--served needs nvidia-ml-py (NVML)")
+                    value = process_bytes(nvml_memory(server.pid), before[1])
+                    assert value is not None
                     used[count] = value
                 finally:
                     server.send_signal(signal.SIGINT)
@@ -185,6 +212,7 @@ def served(args: argparse.Namespace) -> list[str]:
         per["on" if graphs else "off"] = per_instance(used)
     lines.append("")
     lines += [f"per instance, graphs {k}: {mib(v)} MiB" for k, v in per.items()]
+    lines += ["", METHOD_NOTE.replace("(*) ", "NVML server process MiB: ")]
     return lines
 
 
@@ -210,6 +238,7 @@ def main() -> int:
         print("\n".join(served(args)))
     else:
         print(memory_table(in_process(args)))
+        print("\n" + METHOD_NOTE)
     return 0
 
 

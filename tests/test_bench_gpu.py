@@ -119,6 +119,14 @@ def test_per_instance_memory_is_the_slope_over_instance_counts():
     assert table[2] == "| weights | 100 | n/a |"
 
 
+def test_process_memory_falls_back_on_the_devices_use_when_nvml_does_not_list_the_pid():
+    assert memory.process_bytes((300, 5000), 1000) == 300  # NVML lists the pid: its figure
+    assert memory.process_bytes((None, 5000), 1000) == 4000  # a container's pid: the device's growth
+    assert memory.process_bytes((None, 900), 1000) == 0
+    assert memory.process_bytes((None, 5000), None) is None
+    assert memory.process_bytes(None, 1000) is None  # no NVML
+
+
 def test_resnet50_is_resnet50():
     model = resnet.resnet50()
     assert sum(p.numel() for p in model.parameters()) == 25_557_032  # torchvision's resnet50 count

@@ -40,6 +40,20 @@ log = logging.getLogger("sluice.runtime.backends.pytorch")
 
 _KIND_GPU = mc.ModelInstanceGroup.KIND_GPU
 
+_CUDA_ALLOCATOR = threading.Lock()
+"""Held while an instance captures CUDA graphs and around ``torch.cuda.empty_cache``: a capture
+empties the cache itself and routes allocations into its pool, so two captures at once (two graphed
+models loading together) or an emptying during one (another instance's out-of-memory answer) would
+meet inside PyTorch's allocator. Serving (replays, eager calls) never takes it."""
+
+
+def _emptying(torch: Any) -> Callable[[], None]:
+    def empty_cache() -> None:
+        with _CUDA_ALLOCATOR:
+            torch.cuda.empty_cache()
+
+    return empty_cache
+
 
 def _torch() -> Any:
     try:
@@ -361,7 +375,7 @@ class TorchInstance(ModelInstance):
                 examples.append(tensor)
             return examples
 
-        with self._torch.cuda.stream(self._stream), self._modes():
+        with _CUDA_ALLOCATOR, self._torch.cuda.stream(self._stream), self._modes():
             graphed = torch_graphs.GraphedModel(self._forward, plan, example_inputs, self._device, self._stream)
         log.info("model '%s' on %s: %s", self._label, self._device, graphed.describe())
         return graphed
@@ -605,7 +619,7 @@ class TorchBackend(ModelBackend):
                 dict_input=loaded.dict_input,
                 settings=self._settings,
                 device=str(device),
-                empty_cache=torch.cuda.empty_cache if device.type == "cuda" else (lambda: None),
+                empty_cache=_emptying(torch) if device.type == "cuda" else (lambda: None),
             )
         except ConfigError as exc:
             raise ConfigError(exc.detail, file=exc.file or str(self._path), field=exc.field) from None

@@ -27,6 +27,7 @@ docs/cuda-graphs.md describes the configuration, the captured sizes, padding and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -165,17 +166,24 @@ def graph_plan(config: mc.ModelConfig) -> GraphPlan | None:
     return GraphPlan(names, tuple(sorted(shapes, key=lambda s: (s.batch_size, s.row_shapes))), batched, source)
 
 
+def model_dims(tensor: mc.ModelInput) -> list[int]:
+    """The shape the model sees for an input, without the batch dimension: ``reshape.shape`` when the
+    config reshapes it, else ``dims``. Graphs are captured, and batches matched, on these."""
+    return list(tensor.reshape.shape) if tensor.HasField("reshape") else list(tensor.dims)
+
+
 def _config_row_shapes(config: mc.ModelConfig) -> RowShapes:
     rows = []
     for index, tensor in enumerate(config.input):
-        if any(d < 0 for d in tensor.dims):
+        dims = model_dims(tensor)
+        if any(d < 0 for d in dims):
             raise ConfigError(
-                f"input '{tensor.name}' has dynamic dims {list(tensor.dims)}; a CUDA graph needs fixed shapes; "
+                f"input '{tensor.name}' has dynamic dims {dims}; a CUDA graph needs fixed shapes; "
                 f"allowed: fixed dims in input[{index}].dims, or {GRAPH_SPEC} entries that give the shape, e.g. "
                 f'graph_spec [ {{ batch_size: N input {{ key: "{tensor.name}" value {{ dim: [ ... ] }} }} }} ]',
                 field=GRAPH_SPEC,
             )
-        rows.append(tuple(tensor.dims))
+        rows.append(tuple(dims))
     return tuple(rows)
 
 
@@ -206,7 +214,13 @@ def _spec_shape(config: mc.ModelConfig, index: int, spec: mc.ModelOptimizationPo
             )
     rows = []
     for tensor in config.input:
-        dims = list(tensor.dims)
+        dims = model_dims(tensor)
+        if tensor.name in spec.input and tensor.HasField("reshape"):
+            raise ConfigError(
+                f"input '{tensor.name}' is reshaped to {dims} by the config, and graphs run on that shape; allowed: "
+                "no graph_spec shape for a reshaped input (its reshape fixes the shape)",
+                field=f"{where}.input[{tensor.name}]",
+            )
         if tensor.name not in spec.input:
             if any(d < 0 for d in dims):
                 raise ConfigError(
@@ -381,10 +395,12 @@ class GraphedModel:
                     with torch.cuda.graph(graph, pool=pool, stream=capture_stream, capture_error_mode="thread_local"):
                         static_outputs = list(forward(static_inputs))
                 except Exception as exc:
+                    _end_pool_allocation(torch, self._device, pool)
+                    lines = str(exc).strip().splitlines()
                     raise ModelError(
-                        f"CUDA graph capture failed at batch size {shape.batch_size}: {type(exc).__name__}: {exc}; "
-                        "a model that synchronizes with the host (.item(), .cpu(), data-dependent shapes) cannot be "
-                        "captured: set optimization.cuda.graphs: false for it"
+                        f"CUDA graph capture failed at batch size {shape.batch_size}: {type(exc).__name__}: "
+                        f"{lines[0] if lines else ''}; a model that synchronizes with the host (.item(), .cpu(), "
+                        "data-dependent shapes) cannot be captured: set optimization.cuda.graphs: false for it"
                     ) from exc
                 self._graphs[shape] = _Graph(shape, graph, static_inputs, static_outputs, shape.batch_size)
         torch.cuda.synchronize(self._device)
@@ -445,6 +461,8 @@ class GraphedModel:
         # The inputs may come from work queued on the caller's current stream.
         self._stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.no_grad(), torch.cuda.stream(self._stream):
+            stale = rows_to_zero(entry.filled, n) if self.plan.batched else None
+            entry.filled = max(entry.filled, n)  # rows a copy that fails part-way may have written
             for static, given in zip(entry.inputs, inputs, strict=True):
                 if given.device.type == "cpu" and given.dtype != static.dtype:
                     # convert on the GPU, not on the host (copy_ across devices would cast first)
@@ -453,7 +471,6 @@ class GraphedModel:
                     static[:n].copy_(given, non_blocking=True)
                 else:
                     static.copy_(given, non_blocking=True)
-            stale = rows_to_zero(entry.filled, n) if self.plan.batched else None
             if stale is not None:
                 for static in entry.inputs:
                     static[stale[0] : stale[1]].zero_()
@@ -466,6 +483,17 @@ class GraphedModel:
     def close(self) -> None:
         """Drop the graphs and their buffers (their pool returns to PyTorch's caching allocator)."""
         self._graphs.clear()
+
+
+def _end_pool_allocation(torch: Any, device: Any, pool: Any) -> None:
+    """After a failed capture: stop routing this thread's allocations into the graphs' pool. torch ends
+    it in ``capture_end`` only after the CUDA call that failed, so without this the allocator keeps a
+    capture listed as under way and ``empty_cache`` frees nothing for the rest of the process."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        return
+    with contextlib.suppress(Exception):  # already ended (the failure came later): nothing to undo
+        end(device.index if device.index is not None else torch.cuda.current_device(), pool)
 
 
 def _is_channels_last(tensor: Any) -> bool:

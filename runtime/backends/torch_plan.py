@@ -480,9 +480,24 @@ def cpu_graph_warning(config: mc.ModelConfig, kinds: Sequence[int]) -> str | Non
     return None
 
 
+_OUT_OF_MEMORY_TEXTS = ("CUDA out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
-    """torch.cuda.OutOfMemoryError (or a RuntimeError with CUDA's out-of-memory text from older code)."""
-    return type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(exc)
+    """torch.cuda.OutOfMemoryError, or a RuntimeError with one of CUDA's out-of-memory texts: the caching
+    allocator's, the runtime's (``cudaErrorMemoryAllocation``) or cuBLAS's workspace allocation (also
+    what a TorchScript model's interpreter raises, wrapped in its own first line)."""
+    text = str(exc)
+    return type(exc).__name__ == "OutOfMemoryError" or any(t in text for t in _OUT_OF_MEMORY_TEXTS)
+
+
+def _out_of_memory_line(exc: BaseException) -> str:
+    """The line of ``exc``'s text that says what ran out (TorchScript puts its own line first)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    for line in lines:
+        if any(t in line for t in _OUT_OF_MEMORY_TEXTS):
+            return line.removeprefix("builtins.").removeprefix("torch.OutOfMemoryError: ")
+    return lines[0] if lines else type(exc).__name__
 
 
 def first_line(exc: BaseException) -> str:
@@ -497,7 +512,7 @@ def failure(exc: BaseException, label: str, device: str, rows: int) -> SluiceErr
     if isinstance(exc, SluiceError):
         return exc
     if is_out_of_memory(exc):
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = _out_of_memory_line(exc)
         return Unavailable(
             f"model '{label}' ran out of GPU memory on {device} for a batch of {rows} rows: {first}; "
             "the CUDA cache was emptied and the instance goes on serving (retry, or lower max_batch_size)"

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Client", "InputError"]
+__all__ = ["Client", "InputError", "cuda_ipc_handle", "torch_ipc_memhandle"]
 
 PROTOCOLS = ("grpc", "http")
 _CALLER = re.compile(r"[A-Za-z0-9._:/@-]{1,64}")
@@ -178,3 +178,40 @@ class Client:
                     f"(-1: any size), got {array.dtype} with shape {list(array.shape)}"
                 )
         return given
+
+
+# -- CUDA shared memory from torch tensors ------------------------------------------------------------
+
+CUDA_IPC_HANDLE_BYTES = 64
+"""``sizeof(cudaIpcMemHandle_t)``: what Triton's CUDA shared-memory registration takes (base64)."""
+
+
+def torch_ipc_memhandle(handle: bytes) -> bytes:
+    """The 64-byte ``cudaIpcMemHandle_t`` inside the handle torch's caching allocator shares
+    (``untyped_storage()._share_cuda_()[1]``): since torch 2.2 it is prefixed with a version byte
+    and a type byte, ``c`` for a block from ``cudaMalloc``. ValueError for anything else: an
+    expandable segment (``e``) has no ``cudaIpcMemHandle_t`` at all."""
+    if len(handle) == CUDA_IPC_HANDLE_BYTES:
+        return handle  # torch before 2.2: the bare handle
+    kind = handle[1:2]
+    if len(handle) == CUDA_IPC_HANDLE_BYTES + 2 and kind == b"c":
+        return handle[2:]
+    if kind == b"e":
+        raise ValueError(
+            "the tensor lives in an expandable segment, which has no cudaIpcMemHandle_t; allowed: memory from "
+            "cudaMalloc (unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF)"
+        )
+    raise ValueError(
+        f"not a CUDA IPC handle torch shares ({len(handle)} bytes, type byte {kind!r}); allowed: 64 bytes, or 66 "
+        "starting with a version byte and b'c'"
+    )
+
+
+def cuda_ipc_handle(tensor: Any) -> tuple[bytes, int]:
+    """For a torch CUDA tensor: the ``cudaIpcMemHandle_t`` of the allocation holding it and the byte
+    offset of its storage there. Register ``offset + nbytes`` bytes under the handle (base64) and
+    pass ``offset`` as the input's shared-memory offset: torch's allocator hands out parts of larger
+    blocks, and the handle names the block."""
+    shared = tensor.untyped_storage()._share_cuda_()
+    return torch_ipc_memhandle(bytes(shared[1])), int(shared[3])
+

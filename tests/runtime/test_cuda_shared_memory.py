@@ -34,6 +34,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from sluice.client import cuda_ipc_handle, torch_ipc_memhandle
+
 from .conftest import ADD_SUB_CONFIG, BUILDERS, write_model  # type: ignore[import-not-found]
 
 
@@ -105,9 +107,7 @@ class TorchRegion(Region):
 
         self._torch = torch
         self.tensor = torch.zeros(byte_size, dtype=torch.uint8, device=f"cuda:{device_id}")
-        shared = self.tensor.untyped_storage()._share_cuda_()
-        handle, storage_offset = shared[1], shared[3]
-        assert len(handle) == 64, f"torch gave a {len(handle)}-byte IPC handle"
+        handle, storage_offset = cuda_ipc_handle(self.tensor)
         self.raw_handle = base64.b64encode(handle)
         self.base, self.device_id = int(storage_offset), device_id
         self.byte_size = self.base + byte_size
@@ -348,3 +348,18 @@ def _open_within(path: Path, flags: int, timeout_s: float) -> int:
     opener.join(timeout_s)
     assert opened, f"the model did not reach {path.name} within {timeout_s}s"
     return opened[0]
+
+
+# -- torch's shared handle (pure; runs everywhere) ---------------------------------------------------
+
+
+def test_the_64_byte_handle_is_taken_out_of_torchs_versioned_one():
+    handle = bytes(range(64))
+    assert torch_ipc_memhandle(handle) == handle  # torch before 2.2
+    assert torch_ipc_memhandle(b"\x02c" + handle) == handle  # version 2, cudaMalloc block
+    assert torch_ipc_memhandle(b"\x03c" + handle) == handle
+    with pytest.raises(ValueError, match="expandable segment, which has no cudaIpcMemHandle_t; allowed: memory from"):
+        torch_ipc_memhandle(b"\x02e" + bytes(40))
+    with pytest.raises(ValueError, match=r"not a CUDA IPC handle torch shares \(65 bytes, type byte b'x'\)"):
+        torch_ipc_memhandle(b"\x02x" + bytes(63))
+

@@ -338,6 +338,30 @@ def test_out_of_memory_answers_the_batch_empties_the_cache_and_keeps_serving():
     assert np.allclose(answer.outputs[0].data, rows(2) * 3)
 
 
+@pytest.mark.parametrize(
+    ("raised", "line"),
+    [
+        (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+         "CUDA out of memory. Tried to allocate 2.00 GiB"),
+        # what a TorchScript model raises: the interpreter's line first, the allocator's further down
+        (RuntimeError("The following operation failed in the TorchScript interpreter.\nTraceback of TorchScript "
+                      "(most recent call last):\n  File \"m.py\", line 3\nRuntimeError: CUDA out of memory. "
+                      "Tried to allocate 8.00 GiB"), "RuntimeError: CUDA out of memory. Tried to allocate 8.00 GiB"),
+        (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+         "CUDA error: out of memory"),
+        (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+         "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    ],
+    ids=["allocator", "torchscript", "runtime", "cublas"],
+)
+def test_every_out_of_memory_form_is_answered_503_with_the_line_that_says_so(raised, line):
+    assert torch_plan.is_out_of_memory(raised)
+    error = torch_plan.failure(raised, "big:1", "cuda:0", 4)
+    assert isinstance(error, Unavailable)
+    assert f"ran out of GPU memory on cuda:0 for a batch of 4 rows: {line};" in error.message
+    assert not torch_plan.is_out_of_memory(RuntimeError("shape mismatch"))
+
+
 # --- served through tritonclient ------------------------------------------------------------------
 
 

@@ -187,6 +187,13 @@ def build(directory: Path, gpus: list[FakeGpu], init_rc: int = NVML_SUCCESS) -> 
          str(directory / "fake_cudart.c")],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
+    # under every name the runtime's loader tries before .12, so that a real libcudart in the dynamic
+    # loader's cache (a GPU machine's) never wins over the fake on LD_LIBRARY_PATH
+    for name in ("libcudart.so", "libcudart.so.13"):
+        link = directory / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to("libcudart.so.12")
     return directory
 
 
