@@ -12,6 +12,7 @@ model's canary instead (forwarding.py decides and calls it); ensemble steps run 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,7 @@ from sluice.runtime import __version__, callers, classification, logs, shm, trac
 from sluice.runtime import config as model_config
 from sluice.runtime.cache import cache_key
 from sluice.runtime.callers import CallerLabels, DuplicateWindow
-from sluice.runtime.errors import InvalidArgument, NotFound, SluiceError, Unavailable, Unsupported
+from sluice.runtime.errors import DeviceLost, InvalidArgument, NotFound, SluiceError, Unavailable, Unsupported
 from sluice.runtime.forwarding import Forwarder
 from sluice.runtime.repository import ModelVersion, Repository
 from sluice.runtime.settings import LogSettings
@@ -28,6 +29,8 @@ from sluice.runtime.signature import check_request
 from sluice.runtime.stats import RESPONSE_CANCEL, RESPONSE_EMPTY, RESPONSE_FAIL, RESPONSE_SUCCESS
 from sluice.runtime.types import InferRequest, InferResponse, Responder
 from sluice.runtime.watcher import ModelControl
+
+log = logging.getLogger("sluice.runtime.dataplane")
 
 EXTENSIONS = [
     "classification",
@@ -116,16 +119,28 @@ class DataPlane:
         self._started = False
         self._draining = False
         self._accepting = True
+        self.device_lost: DeviceLost | None = None
+        """The first sticky CUDA error a model answered a batch with; from then on not live, not ready."""
 
     # -- server ------------------------------------------------------------------------------
     def live(self) -> bool:
-        return True
+        """False once a model lost this process's GPU context (:class:`DeviceLost`): only a restart helps."""
+        return self.device_lost is None
 
     def ready(self) -> bool:
-        """Started, not draining, and (strict readiness) every expected model has a ready version."""
-        if not (self._started and self._accepting) or self._draining:
+        """Started, not draining, the GPU context not lost, and (strict readiness) every expected model
+        has a ready version."""
+        if not (self._started and self._accepting) or self._draining or self.device_lost is not None:
             return False
         return not self._strict or self.repository.expected_ready()
+
+    def _lose_device(self, error: DeviceLost) -> None:
+        self.device_lost = error
+        log.error(
+            "%s. Liveness and readiness now fail (/v2/health/live and /v2/health/ready answer 503) so that the "
+            "pod is restarted; models on the CPU keep serving until then",
+            error.message,
+        )
 
     def set_started(self) -> None:
         """Startup loads are done (whatever their outcome)."""
@@ -352,6 +367,8 @@ class DataPlane:
                 outcome = _classified(outcome, mv, request)
             if isinstance(outcome, SluiceError):
                 counts.failure += 1
+                if type(outcome) is DeviceLost and self.device_lost is None:
+                    self._lose_device(outcome)
                 reason = callers.rejection_reason(outcome, queued=True)
                 if reason is not None:
                     counts.reject(reason)

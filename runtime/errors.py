@@ -13,6 +13,7 @@ says, a subclass without a row of its own answers like its base).
     │   └── ConfigError      400 / INVALID_ARGUMENT   a model configuration is invalid (file, line, field)
     ├── NotFound             404 / NOT_FOUND          unknown model or version
     ├── Unavailable          503 / UNAVAILABLE        model not ready, server shutting down
+    │   ├── DeviceLost       503 / UNAVAILABLE        a sticky CUDA error: the process's GPU context is gone
     │   ├── QueueFull        503 / UNAVAILABLE        the model's queue is at max_queue_size
     │   └── QueueTimeout     503 / UNAVAILABLE        the request waited in the queue past its deadline
     │       └── Shed         503 / UNAVAILABLE        ... or was shed by overload control
@@ -56,6 +57,12 @@ class NotFound(SluiceError):
 
 class Unavailable(SluiceError):
     http_status = 503
+
+
+class DeviceLost(Unavailable):
+    """The model hit a CUDA error that poisons the process's CUDA context (an illegal memory access, a
+    device-side assert, ...): every later CUDA call in this process fails too. The data plane reports
+    the server not live and not ready when a batch is answered with it, so that the pod is restarted."""
 
 
 class QueueFull(Unavailable):

@@ -23,7 +23,7 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from sluice.runtime.errors import ConfigError, ModelError, SluiceError, Unavailable
+from sluice.runtime.errors import ConfigError, DeviceLost, ModelError, SluiceError, Unavailable
 
 TORCHSCRIPT, EXPORT, AOTI = "torchscript", "export", "aoti"
 """Model file kinds: ``torch.jit.save`` archive, ``torch.export.save`` program, AOTInductor package."""
@@ -491,11 +491,31 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or any(t in text for t in _OUT_OF_MEMORY_TEXTS)
 
 
-def _out_of_memory_line(exc: BaseException) -> str:
-    """The line of ``exc``'s text that says what ran out (TorchScript puts its own line first)."""
+_CONTEXT_LOST_TEXTS = (
+    "an illegal memory access was encountered",
+    "device-side assert triggered",
+    "unspecified launch failure",
+    "misaligned address",
+    "an illegal instruction was encountered",
+    "uncorrectable ECC error",
+    "the launch timed out and was terminated",
+)
+"""CUDA errors after which the CUDA context of the process is unusable (sticky errors): CUDA returns
+the same error to every later call, so no retry or reload inside the process can serve again."""
+
+
+def is_device_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` reports one of the sticky CUDA errors (:data:`_CONTEXT_LOST_TEXTS`)."""
+    text = str(exc)
+    return "CUDA" in text and any(t in text for t in _CONTEXT_LOST_TEXTS)
+
+
+def _line_with(exc: BaseException, texts: Sequence[str]) -> str:
+    """The line of ``exc``'s text that names the error: the last one with one of ``texts`` (TorchScript
+    puts its own line first, then the script's source, then the exception it raised)."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    for line in lines:
-        if any(t in line for t in _OUT_OF_MEMORY_TEXTS):
+    for line in reversed(lines):
+        if any(t in line for t in texts):
             return line.removeprefix("builtins.").removeprefix("torch.OutOfMemoryError: ")
     return lines[0] if lines else type(exc).__name__
 
@@ -512,10 +532,16 @@ def failure(exc: BaseException, label: str, device: str, rows: int) -> SluiceErr
     if isinstance(exc, SluiceError):
         return exc
     if is_out_of_memory(exc):
-        first = _out_of_memory_line(exc)
+        first = _line_with(exc, _OUT_OF_MEMORY_TEXTS)
         return Unavailable(
             f"model '{label}' ran out of GPU memory on {device} for a batch of {rows} rows: {first}; "
             "the CUDA cache was emptied and the instance goes on serving (retry, or lower max_batch_size)"
+        )
+    if is_device_lost(exc):
+        return DeviceLost(
+            f"model '{label}' hit an unrecoverable CUDA error on {device} for a batch of {rows} rows: "
+            f"{_line_with(exc, _CONTEXT_LOST_TEXTS)}; this process's CUDA context is lost, so the server now "
+            "reports not live and not ready to be restarted"
         )
     text = str(exc).strip()
     what = f"{type(exc).__name__}: {text}"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import re
+import urllib.error
+import urllib.request
 import warnings
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +27,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from sluice.runtime.backends import torch_plan
-from sluice.runtime.errors import ConfigError, ModelError, Unavailable
+from sluice.runtime.errors import ConfigError, DeviceLost, ModelError, Unavailable
 from sluice.runtime.repository import instance_plan
 from sluice.runtime.types import InferRequest, Tensor
 
@@ -360,6 +362,87 @@ def test_every_out_of_memory_form_is_answered_503_with_the_line_that_says_so(rai
     assert isinstance(error, Unavailable)
     assert f"ran out of GPU memory on cuda:0 for a batch of 4 rows: {line};" in error.message
     assert not torch_plan.is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+STICKY = (
+    "CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be asynchronously reported "
+    "at some other API call, so the stacktrace below might be incorrect."
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "lost"),
+    [
+        (STICKY, True),
+        ("CUDA error: device-side assert triggered\nCompile with `TORCH_USE_CUDA_DSA`", True),
+        ("CUDA error: unspecified launch failure", True),
+        ("CUDA error: misaligned address", True),
+        ("CUDA error: out of memory", False),  # not sticky: the OOM path, the instance goes on
+        ("an illegal memory access was encountered", False),  # not CUDA's text: the model's own words
+        ("index 7 is out of bounds", False),
+    ],
+)
+def test_sticky_cuda_errors_are_told_apart(text, lost):
+    assert torch_plan.is_device_lost(RuntimeError(text)) == lost
+    error = torch_plan.failure(RuntimeError(text), "m:1", "cuda:0", 2)
+    assert isinstance(error, DeviceLost) == lost
+    if lost:
+        assert error.message.startswith(f"model 'm:1' hit an unrecoverable CUDA error on cuda:0 for a batch of 2 rows: "
+                                        f"{text.splitlines()[0]}; this process's CUDA context is lost")
+
+
+class Poisoned(torch.nn.Module):
+    """Raises the text torch raises after an illegal memory access when the input sums over 100."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool(x.sum() > 100):
+            raise RuntimeError(
+                "CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be asynchronously "
+                "reported at some other API call"
+            )
+        return x + 1
+
+
+def test_a_lost_cuda_context_fails_liveness_and_readiness_and_says_why(tmp_path, serve, caplog):
+    """A sticky CUDA error answers its batch 503 and turns /v2/health/live and ready to 503 (HTTP, gRPC and
+    the metrics listener), so Kubernetes restarts the pod; other requests are still answered until then."""
+    repo = tmp_path / "repo"
+    config = """
+        platform: "pytorch_libtorch"
+        max_batch_size: 4
+        input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        """
+    write_model(repo, "poisoned", config, {"model.pt": scripted(Poisoned(), tmp_path / "p.pt")})
+    server = serve(repo)
+    http = httpclient.InferenceServerClient(server.http)
+    grpc = grpcclient.InferenceServerClient(server.grpc)
+    try:
+        assert http.is_server_live() and http.is_server_ready()
+        ok = http_infer(server, "poisoned", {"INPUT__0": np.ones((1, 4), np.float32)})
+        np.testing.assert_array_equal(ok.as_numpy("OUTPUT__0"), np.full((1, 4), 2, np.float32))
+        with pytest.raises(InferenceServerException) as info:
+            http_infer(server, "poisoned", {"INPUT__0": np.full((1, 4), 50, np.float32)})
+        assert str(info.value.status()) == "503"
+        assert "hit an unrecoverable CUDA error on cpu for a batch of 1 rows: RuntimeError: CUDA error: an illegal " \
+            "memory access was encountered; this process's CUDA context is lost" in str(info.value)
+        assert not http.is_server_live() and not http.is_server_ready()
+        assert not grpc.is_server_live() and not grpc.is_server_ready()
+        with urllib.request.urlopen(f"http://{server.metrics}/metrics") as scrape:
+            assert scrape.status == 200  # metrics stay readable for the post-mortem
+        for path in ("live", "ready"):
+            with pytest.raises(urllib.error.HTTPError) as probe:
+                urllib.request.urlopen(f"http://{server.metrics}/v2/health/{path}")
+            assert probe.value.code == 503, path
+        again = grpc_infer(server, "poisoned", {"INPUT__0": np.ones((2, 4), np.float32)})
+        np.testing.assert_array_equal(again.as_numpy("OUTPUT__0"), np.full((2, 4), 2, np.float32))
+        assert not http.is_server_live()  # it stays lost
+    finally:
+        http.close()
+        grpc.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("CUDA context is lost" in m and "Liveness and readiness now fail" in m for m in errors), errors
+
 
 
 # --- served through tritonclient ------------------------------------------------------------------
@@ -781,3 +864,51 @@ def test_requests_merged_into_one_batch_come_back_each_with_its_own_rows(tmp_pat
         client.close()
     assert [(b["batch_size"], b["compute_infer"]["count"]) for b in stats["batch_stats"]] == [(4, 3)]
     assert stats["inference_count"] == 12
+
+
+class Lookup(torch.nn.Module):
+    """An embedding lookup: an id past the table is a device-side assert on the GPU (a sticky CUDA error)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(10, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table(ids)
+
+
+@needs_gpu
+def test_a_real_device_side_assert_makes_the_server_not_live(tmp_path):
+    """In a server process of its own (its CUDA context is lost for good): an out-of-range id asserts on
+    the device; the batch is answered 503 and the server reports not live and not ready."""
+    from .test_cli_shutdown import start_ports  # type: ignore[import-not-found]
+
+    repo = tmp_path / "repo"
+    config = """
+        platform: "pytorch_libtorch"
+        max_batch_size: 4
+        input [ { name: "INPUT__0", data_type: TYPE_INT64, dims: [ 2 ] } ]
+        output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 2, 4 ] } ]
+        instance_group [ { kind: KIND_GPU count: 1 } ]
+        """
+    write_model(repo, "lookup", config, {"model.pt": scripted(Lookup(), tmp_path / "l.pt")})
+    proc, ports = start_ports(repo, tmp_path)
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports['http']}")
+
+        def lookup(ids: list[int]) -> Any:
+            tensor = httpclient.InferInput("INPUT__0", [1, 2], "INT64")
+            tensor.set_data_from_numpy(np.array([ids], np.int64))
+            return client.infer("lookup", [tensor])
+
+        assert lookup([1, 2]).as_numpy("OUTPUT__0").shape == (1, 2, 4)
+        with pytest.raises(InferenceServerException) as info:
+            lookup([1, 1000])
+        assert str(info.value.status()) == "503", str(info.value)
+        assert "hit an unrecoverable CUDA error on cuda:0" in str(info.value)
+        assert not client.is_server_live() and not client.is_server_ready()
+        client.close()
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+
