@@ -105,30 +105,30 @@ def rows(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, 4)).astype(np.float32)
 
 
-def http_infer(server: Any, model: str, arrays: dict[str, np.ndarray], datatype: str = "FP32") -> Any:
-    client = httpclient.InferenceServerClient(server.http)
+def infer(
+    protocol: str, server: Any, model: str, arrays: dict[str, Any], datatypes: dict[str, str] | None = None
+) -> Any:
+    """One inference through tritonclient over ``protocol`` (http or grpc); inputs FP32 unless ``datatypes``
+    names another type."""
+    module: Any = httpclient if protocol == "http" else grpcclient
+    client = module.InferenceServerClient(server.http if protocol == "http" else server.grpc)
     inputs = []
     for name, array in arrays.items():
-        tensor = httpclient.InferInput(name, list(array.shape), datatype)
+        tensor = module.InferInput(name, list(np.shape(array)), (datatypes or {}).get(name, "FP32"))
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     try:
         return client.infer(model, inputs)
     finally:
         client.close()
+
+
+def http_infer(server: Any, model: str, arrays: dict[str, np.ndarray], datatype: str = "FP32") -> Any:
+    return infer("http", server, model, arrays, dict.fromkeys(arrays, datatype))
 
 
 def grpc_infer(server: Any, model: str, arrays: dict[str, np.ndarray], datatype: str = "FP32") -> Any:
-    client = grpcclient.InferenceServerClient(server.grpc)
-    inputs = []
-    for name, array in arrays.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    try:
-        return client.infer(model, inputs)
-    finally:
-        client.close()
+    return infer("grpc", server, model, arrays, dict.fromkeys(arrays, datatype))
 
 
 def load_error(server: Any, model: str) -> str:
@@ -729,6 +729,24 @@ def test_aot_inductor_package_is_served(tmp_path, serve):
 # --- GPU (skipped here: no CUDA) ------------------------------------------------------------------
 
 
+def conv_config(input_type: str, kind: str, count: int, extra: str) -> str:
+    """The Conv model's config: [3, 8, 8] images in (``input_type``), FP32 [8] out, up to 4 rows a batch."""
+    return f"""
+        platform: "pytorch_libtorch"
+        max_batch_size: 4
+        input [ {{ name: "INPUT__0", data_type: {input_type}, dims: [ 3, 8, 8 ] }} ]
+        output [ {{ name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 8 ] }} ]
+        instance_group [ {{ kind: {kind} count: {count} }} ]
+        {extra}
+        """
+
+
+FP16_CHANNELS_LAST = (
+    'parameters { key: "precision" value { string_value: "fp16" } }\n'
+    'parameters { key: "memory_format" value { string_value: "channels_last" } }\n'
+)
+
+
 class Conv(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -750,16 +768,7 @@ def test_gpu_instances_serve_fp16_channels_last(tmp_path, serve, graphs, caplog)
     write_model(
         repo,
         "conv",
-        f"""
-        platform: "pytorch_libtorch"
-        max_batch_size: 4
-        input [ {{ name: "INPUT__0", data_type: TYPE_FP16, dims: [ 3, 8, 8 ] }} ]
-        output [ {{ name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 8 ] }} ]
-        instance_group [ {{ kind: KIND_GPU count: 2 }} ]
-        parameters {{ key: "precision" value {{ string_value: "fp16" }} }}
-        parameters {{ key: "memory_format" value {{ string_value: "channels_last" }} }}
-        {optimization}
-        """,
+        conv_config("TYPE_FP16", "KIND_GPU", 2, FP16_CHANNELS_LAST + optimization),
         {"model.pt": scripted(module, tmp_path / "c.pt")},
     )
     caplog.set_level(logging.INFO, logger="sluice")
@@ -821,27 +830,14 @@ def test_requests_merged_into_one_batch_come_back_each_with_its_own_rows(tmp_pat
     torch.manual_seed(1)
     module = Conv().eval()
     repo = tmp_path / "repo"
-    gpu_only = (
-        'parameters { key: "precision" value { string_value: "fp16" } }\n'
-        'parameters { key: "memory_format" value { string_value: "channels_last" } }'
-        if kind == "KIND_GPU"
-        else ""
+    extra = (
+        "dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 10000000 }\n"
+        'parameters { key: "batch_policy" value { string_value: "fixed_wait" } }\n'
+        + (FP16_CHANNELS_LAST if kind == "KIND_GPU" else "")
+        + ("optimization { cuda { graphs: true } }" if graphs else "")
     )
     write_model(
-        repo,
-        "conv",
-        f"""
-        platform: "pytorch_libtorch"
-        max_batch_size: 4
-        input [ {{ name: "INPUT__0", data_type: TYPE_FP32, dims: [ 3, 8, 8 ] }} ]
-        output [ {{ name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 8 ] }} ]
-        instance_group [ {{ kind: {kind} count: 1 }} ]
-        dynamic_batching {{ preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 10000000 }}
-        parameters {{ key: "batch_policy" value {{ string_value: "fixed_wait" }} }}
-        {gpu_only}
-        {"optimization { cuda { graphs: true } }" if graphs else ""}
-        """,
-        {"model.pt": scripted(module, tmp_path / "c.pt")},
+        repo, "conv", conv_config("TYPE_FP32", kind, 1, extra), {"model.pt": scripted(module, tmp_path / "c.pt")}
     )
     server = serve(repo, clock=ManualClock())  # the 10 s delay never passes: only size 4 dispatches
     rng = np.random.default_rng(7)

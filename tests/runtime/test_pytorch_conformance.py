@@ -11,7 +11,6 @@ models that fail (the server keeps serving), and the load errors a broken reposi
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ from sluice.runtime.backends import torch_plan
 from sluice.runtime.errors import ConfigError
 
 from .conftest import EXPLICIT, start_server, write_model  # type: ignore[import-not-found]
+from .test_pytorch_backend import infer, load_error, scripted  # type: ignore[import-not-found]
 
 torch = pytest.importorskip("torch")
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -83,11 +83,6 @@ class RowSum(torch.nn.Module):
         return x.sum(dim=-1, keepdim=True)
 
 
-def scripted(module: torch.nn.Module, path: Path) -> bytes:
-    torch.jit.script(module).save(str(path))
-    return path.read_bytes()
-
-
 def io(name: str, data_type: str, dims: str) -> str:
     return f'{{ name: "{name}", data_type: {data_type}, dims: [ {dims} ] }}'
 
@@ -100,23 +95,6 @@ def config(inputs: list[str], outputs: list[str], max_batch_size: int = 0, extra
 
 
 # --- clients --------------------------------------------------------------------------------------
-
-
-def infer(
-    protocol: str, server: Any, model: str, arrays: dict[str, Any], datatypes: dict[str, str] | None = None
-) -> Any:
-    module: Any = httpclient if protocol == "http" else grpcclient
-    client = module.InferenceServerClient(server.http if protocol == "http" else server.grpc)
-    inputs = []
-    for name, array in arrays.items():
-        datatype = (datatypes or {}).get(name, "FP32")
-        tensor = module.InferInput(name, list(np.shape(array)), datatype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    try:
-        return client.infer(model, inputs)
-    finally:
-        client.close()
 
 
 def status_of(error: InferenceServerException) -> str:
@@ -366,16 +344,6 @@ def test_requests_of_different_widths_are_not_merged_into_one_batch(server):
 
 
 # --- 3. parameters and load errors (explicit model control) --------------------------------------------
-
-
-def load_error(server: Any, model: str) -> str:
-    client = httpclient.InferenceServerClient(server.http)
-    try:
-        with pytest.raises(InferenceServerException) as info:
-            client.load_model(model)
-        return str(info.value)
-    finally:
-        client.close()
 
 
 def parameter(key: str, value: str) -> str:
