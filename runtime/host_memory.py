@@ -6,8 +6,8 @@ glibc's defaults a buffer over the dynamic mmap threshold (128 KiB at start) is 
 the heap's free top is given back to the kernel past the trim threshold; the next buffer of that size
 then faults its pages in again, zeroed by the kernel, on whatever thread touches it first. On the
 2-core VM that was a third of the engine's CPU for 300 KiB images with one protocol worker (docs/
-performance.md, "Large tensors and the allocator"): 338-349 us an image with glibc's defaults,
-227-247 us with the settings below.
+performance.md, "Large tensors and the allocator"): 317-381 us an image with glibc's defaults,
+220-262 us with the settings below.
 
 :class:`~sluice.runtime.settings.MallocTuning` (``ServerSettings.malloc_tuning``) says what the process keeps;
 :func:`mallopt_calls` (pure) turns it into ``mallopt`` calls; :func:`apply` makes them, once at start, in
@@ -22,7 +22,6 @@ import ctypes.util
 from sluice.runtime.settings import MallocTuning
 
 M_TRIM_THRESHOLD = -1
-M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
 """glibc's ``mallopt`` parameters (malloc.h)."""
 
@@ -36,13 +35,11 @@ def mallopt_calls(tuning: MallocTuning) -> tuple[tuple[int, int], ...]:
         raise ValueError(
             f"mmap threshold {tuning.mmap_threshold_bytes} bytes; allowed: 1 to {GLIBC_MMAP_THRESHOLD_MAX} (32 MiB)"
         )
-    for name, value in (("trim threshold", tuning.trim_threshold_bytes), ("top pad", tuning.top_pad_bytes)):
-        if not 0 <= value < 2**31:
-            raise ValueError(f"{name} {value} bytes; allowed: 0 to {2**31 - 1}")
+    if not 0 <= tuning.trim_threshold_bytes < 2**31:
+        raise ValueError(f"trim threshold {tuning.trim_threshold_bytes} bytes; allowed: 0 to {2**31 - 1}")
     return (
         (M_MMAP_THRESHOLD, tuning.mmap_threshold_bytes),
         (M_TRIM_THRESHOLD, tuning.trim_threshold_bytes),
-        (M_TOP_PAD, tuning.top_pad_bytes),
     )
 
 

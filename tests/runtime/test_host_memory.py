@@ -34,7 +34,6 @@ def test_the_default_settings_turn_tuning_on_and_name_the_calls():
     assert host_memory.mallopt_calls(MallocTuning()) == (
         (host_memory.M_MMAP_THRESHOLD, 32 << 20),
         (host_memory.M_TRIM_THRESHOLD, 256 << 20),
-        (host_memory.M_TOP_PAD, 64 << 20),
     )
     assert host_memory.describe(MallocTuning()) == (
         "host memory: blocks under 32 MiB reuse the heap; up to 256 MiB of freed heap is kept "
@@ -49,7 +48,7 @@ def test_the_default_settings_turn_tuning_on_and_name_the_calls():
         (MallocTuning(mmap_threshold_bytes=0), "mmap threshold 0 bytes; allowed: 1 to 33554432 (32 MiB)"),
         (MallocTuning(mmap_threshold_bytes=64 << 20), "mmap threshold 67108864 bytes; allowed: 1 to 33554432"),
         (MallocTuning(trim_threshold_bytes=-1), "trim threshold -1 bytes; allowed: 0 to 2147483647"),
-        (MallocTuning(top_pad_bytes=2**31), "top pad 2147483648 bytes; allowed: 0 to 2147483647"),
+        (MallocTuning(trim_threshold_bytes=2**31), "trim threshold 2147483648 bytes; allowed: 0 to 2147483647"),
     ],
 )
 def test_values_glibc_would_refuse_are_refused_with_the_range(tuning, words):
