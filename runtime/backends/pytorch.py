@@ -282,12 +282,6 @@ class _CudaStaging:
         merge_into(parts, buffer.numpy().view(parts[0].dtype).reshape(shape))
         return buffer.view(dtype).view(shape)
 
-    def to_device(self, name: str, host: Any) -> Any:
-        nbytes = host.numel() * host.element_size()
-        staged = self._buffer(("in", name), nbytes)[:nbytes].view(host.dtype).view(host.shape)
-        staged.copy_(host)
-        return staged.to(self._device, non_blocking=True)
-
     def to_host(self, name: str, value: Any) -> Any:
         value = value.contiguous()
         nbytes = value.numel() * value.element_size()
@@ -364,7 +358,7 @@ class TorchInstance(ModelInstance):
             for i in self._inputs:
                 tensor = self._torch.zeros(
                     torch_plan.example_shape(
-                        list(i.reshape.shape) if i.HasField("reshape") else list(i.dims),
+                        torch_plan.model_dims(i),
                         batch if self._batched else None,
                     ),
                     dtype=getattr(self._torch, self._run_dtypes[i.name] or "float32"),
@@ -450,16 +444,14 @@ class TorchInstance(ModelInstance):
         return self._reshaped(spec, self._staging.stage(spec.name, parts, dtype))
 
     def _on_device(self, spec: mc.ModelInput, tensor: Any) -> Any:
-        """A host tensor on the instance's device (through the pinned buffer unless it is in one),
-        in the run dtype and memory format the config asks for. Strings pass through."""
+        """A host tensor on the instance's device (CUDA instances get theirs from :meth:`_staged`, in
+        the pinned buffer, so the copy is asynchronous on the instance's stream), in the run dtype and
+        memory format the config asks for. Strings pass through."""
         torch = self._torch
         if not isinstance(tensor, torch.Tensor):
             return tensor
         if self._staging is not None and not tensor.is_cuda:
-            if tensor.is_pinned():
-                tensor = tensor.to(self._device, non_blocking=True)
-            else:
-                tensor = self._staging.to_device(spec.name, tensor)
+            tensor = tensor.to(self._device, non_blocking=True)
         run_dtype = self._run_dtypes[spec.name]
         if run_dtype is not None and str(tensor.dtype) != f"torch.{run_dtype}":
             tensor = tensor.to(getattr(torch, run_dtype))
@@ -495,7 +487,7 @@ class TorchInstance(ModelInstance):
                 f"model '{self._label}': output '{spec.name}' is a {type(value).__name__}; "
                 "allowed: a Tensor or List[str]"
             )
-        dims = list(spec.reshape.shape) if spec.HasField("reshape") else list(spec.dims)
+        dims = torch_plan.model_dims(spec)
         problem = torch_plan.output_shape_problem(spec.name, array.shape, dims, batched=self._batched, rows=rows)
         if problem is not None:
             raise ModelError(f"model '{self._label}': {problem}")

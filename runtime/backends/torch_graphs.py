@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from sluice.runtime.backends import torch_plan
 from sluice.runtime.errors import ConfigError, ModelError
 
 if TYPE_CHECKING:
@@ -166,16 +167,10 @@ def graph_plan(config: mc.ModelConfig) -> GraphPlan | None:
     return GraphPlan(names, tuple(sorted(shapes, key=lambda s: (s.batch_size, s.row_shapes))), batched, source)
 
 
-def model_dims(tensor: mc.ModelInput) -> list[int]:
-    """The shape the model sees for an input, without the batch dimension: ``reshape.shape`` when the
-    config reshapes it, else ``dims``. Graphs are captured, and batches matched, on these."""
-    return list(tensor.reshape.shape) if tensor.HasField("reshape") else list(tensor.dims)
-
-
 def _config_row_shapes(config: mc.ModelConfig) -> RowShapes:
     rows = []
     for index, tensor in enumerate(config.input):
-        dims = model_dims(tensor)
+        dims = torch_plan.model_dims(tensor)
         if any(d < 0 for d in dims):
             raise ConfigError(
                 f"input '{tensor.name}' has dynamic dims {dims}; a CUDA graph needs fixed shapes; "
@@ -214,7 +209,7 @@ def _spec_shape(config: mc.ModelConfig, index: int, spec: mc.ModelOptimizationPo
             )
     rows = []
     for tensor in config.input:
-        dims = model_dims(tensor)
+        dims = torch_plan.model_dims(tensor)
         if tensor.name in spec.input and tensor.HasField("reshape"):
             raise ConfigError(
                 f"input '{tensor.name}' is reshaped to {dims} by the config, and graphs run on that shape; allowed: "
@@ -396,10 +391,9 @@ class GraphedModel:
                         static_outputs = list(forward(static_inputs))
                 except Exception as exc:
                     _end_pool_allocation(torch, self._device, pool)
-                    lines = str(exc).strip().splitlines()
                     raise ModelError(
                         f"CUDA graph capture failed at batch size {shape.batch_size}: {type(exc).__name__}: "
-                        f"{lines[0] if lines else ''}; a model that synchronizes with the host (.item(), .cpu(), "
+                        f"{torch_plan.first_line(exc)}; a model that synchronizes with the host (.item(), .cpu(), "
                         "data-dependent shapes) cannot be captured: set optimization.cuda.graphs: false for it"
                     ) from exc
                 self._graphs[shape] = _Graph(shape, graph, static_inputs, static_outputs, shape.batch_size)

@@ -162,6 +162,12 @@ def torch_settings(parameters: Mapping[str, str]) -> tuple[TorchSettings, list[s
 _CONTROL_FIELDS = {"int32_false_true": mc.TYPE_INT32, "fp32_false_true": mc.TYPE_FP32, "bool_false_true": mc.TYPE_BOOL}
 
 
+def model_dims(tensor: mc.ModelInput | mc.ModelOutput) -> list[int]:
+    """The shape the model sees for a tensor, without the batch dimension: ``reshape.shape`` when the
+    config reshapes it, else ``dims``. Graphs are captured, and batches matched, on these."""
+    return list(tensor.reshape.shape) if tensor.HasField("reshape") else list(tensor.dims)
+
+
 def sequence_io(config: mc.ModelConfig) -> tuple[list[tuple[str, mc.ModelInput]], list[mc.ModelOutput]]:
     """What sequence batching adds to the model's call, as Triton's PyTorch backend passes it: each
     control input (dims [1]) and each implicit state's ``input_name`` as inputs, with the config
@@ -216,7 +222,7 @@ def check_io(config: mc.ModelConfig, kind: str) -> None:
                         f"allowed for {kind} models: {allowed.replace(', TYPE_STRING', '')}",
                         field=f"{where}.data_type",
                     )
-                dims = list(tensor.reshape.shape) if tensor.HasField("reshape") else list(tensor.dims)
+                dims = model_dims(tensor)
                 if len(dims) + batching > 1:
                     raise ConfigError(
                         f"{section} '{tensor.name}' is TYPE_STRING with {len(dims) + batching} dimensions "
@@ -442,7 +448,7 @@ def channels_last_inputs(config: mc.ModelConfig) -> list[str]:
     batching = 1 if config.max_batch_size > 0 else 0
     chosen = []
     for tensor in config.input:
-        dims = list(tensor.reshape.shape) if tensor.HasField("reshape") else list(tensor.dims)
+        dims = model_dims(tensor)
         if tensor.data_type in _FLOATING and len(dims) + batching == 4:
             chosen.append(tensor.name)
     return chosen
