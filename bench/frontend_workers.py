@@ -213,7 +213,10 @@ def load_in_processes(
 
 
 def _load_sync(model: str, port: int, seconds: float, concurrency: int, connections: int) -> int:
-    return asyncio.run(load(model, port, seconds, concurrency, connections))
+    try:
+        return asyncio.run(load(model, port, seconds, concurrency, connections))
+    except Exception as exc:  # tritonclient's exceptions do not unpickle: the pool would hang on one
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
 
 
 async def load(model: str, port: int, seconds: float, concurrency: int, connections: int) -> int:

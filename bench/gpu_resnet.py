@@ -429,7 +429,10 @@ async def _drive(protocol: str, url: str, concurrency: int, duration_s: float, s
 
 
 def _client_process(protocol: str, url: str, concurrency: int, duration_s: float, shape: list[int], dtype: str) -> Any:
-    return asyncio.run(_drive(protocol, url, concurrency, duration_s, shape, dtype))
+    try:
+        return asyncio.run(_drive(protocol, url, concurrency, duration_s, shape, dtype))
+    except Exception as exc:  # tritonclient's exceptions do not unpickle across the process pool
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
 
 
 def drive(

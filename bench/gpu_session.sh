@@ -4,9 +4,16 @@
 # packages on PYTHONPATH through a link tree outside the repository (never the repository root, where
 # ./operator would shadow the standard library) and installs wheels brought along in .whl/.
 #
-#   bash bench/gpu_session.sh STEP...      STEP: tests | resnet | resnet-small | resnet-workers | memory | workers | shm | all
+#   bash bench/gpu_session.sh STEP...      STEP: quick | tests | resnet | resnet-small | resnet-workers | memory | workers | shm | all
+#
+# A lease of 15 minutes of device time (machine start included) holds one `quick` call and a rerun,
+# not the full steps (each up to 10 minutes): `quick` runs the essentials, each capped by `timeout`
+# and each into its own file, so a cap or a failure costs that part only; $OUT/quick-times.txt says
+# how long each took, to size the next call.
 #
 # Each step writes its output to $OUT/<step>.txt as well (OUT defaults to ./gpu-out, ignored by git).
+#   quick         tests (cap 120 s), a short ResNet run at c1/c32/c128 over both protocols (150 s),
+#                 memory with and without graphs (45 s), encoder with 0/4/16 protocol workers (75 s)
 #   tests         the GPU tests (PyTorch on CUDA, CUDA graphs, NVML, CUDA shared memory), -rs for skips
 #   resnet        bench/gpu_resnet.py: ResNet-50 fp16 channels_last, raw with CUDA graphs vs served
 #   resnet-small  the same, short (a check that the bench runs before the long one)
@@ -49,9 +56,29 @@ setup() {
   } 2>&1 | tee "$OUT/machine.txt"
 }
 
+capped() {  # SECONDS NAME COMMAND...: one part of `quick`, into $OUT/quick-NAME.txt, timed
+  local cap=$1 name=$2 start rc
+  shift 2
+  start=$(date +%s)
+  echo "== quick $name (cap ${cap}s)" | tee "$OUT/quick-$name.txt"
+  timeout -k 5 "$cap" "$@" 2>&1 | tee -a "$OUT/quick-$name.txt"
+  rc=${PIPESTATUS[0]}
+  echo "$name rc=$rc $(( $(date +%s) - start ))s (cap ${cap}s)" | tee -a "$OUT/quick-times.txt"
+  return "$rc"
+}
+
 run_step() {
   local step=$1
   case $step in
+    quick)
+      local failed=0
+      capped 120 tests bash "$0" tests || failed=1
+      capped 150 resnet "$PY" -P bench/gpu_resnet.py --concurrency 1,32,128 --duration-s 4 --raw-s 1 \
+        --client-processes 8 || failed=1
+      capped 45 memory "$PY" -P bench/gpu_memory.py || failed=1
+      capped 75 workers "$PY" -P bench/frontend_workers.py --model encoder --device cuda:0 --workers 0,4,16 \
+        --concurrency 256 --connections 64 --client-processes 8 --seconds 4 --warmup 1 || failed=1
+      return $failed ;;
     tests)
       "$PY" -m pytest -q -p no:cacheprovider -rs -o addopts="--import-mode=importlib" \
         tests/runtime/test_pytorch_backend.py tests/runtime/test_pytorch_conformance.py tests/runtime/test_torch_graphs.py \
@@ -80,7 +107,7 @@ run_step() {
     shm)
       "$PY" -P bench/cuda_shm.py ;;
     *)
-      echo "unknown step '$step'; allowed: tests, resnet, resnet-small, resnet-workers, memory, workers, shm, all" >&2
+      echo "unknown step '$step'; allowed: quick, tests, resnet, resnet-small, resnet-workers, memory, workers, shm, all" >&2
       return 2 ;;
   esac
 }
