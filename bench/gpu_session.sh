@@ -23,9 +23,8 @@
 #                 embed and 294 KiB images on the CPU), 1..16 workers
 #   shm           bench/cuda_shm.py: CUDA shared memory versus the wire
 # Wheels: .whl/ (or $SLUICE_GPU_WHEELS) holds what the machine lacks (tritonclient and its HTTP
-# client, httptools, h2/hpack, pytest-asyncio); fetch them on a machine with network access with
-# `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
-# ... -d .whl NAME==VERSION`.
+# client, httptools, h2/hpack, pytest and its plugins, hypothesis, onnx, ml_dtypes, pyyaml):
+# `bash bench/gpu_wheels.sh` fills it on a machine with network access (about 28 MB, cp312).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
