@@ -35,9 +35,11 @@ import asyncio
 import multiprocessing
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -192,6 +194,8 @@ def start(repo: Path, workers: int, malloc_tuning: str = "on") -> tuple[subproce
             pids = [int(p) for p in re.findall(r"\d+", line.split("pids")[1])]
         if "sluice ready" in line:
             port = int(re.search(r"gRPC \S+:(\d+)", line).group(1))  # type: ignore[union-attr]
+            # read the rest of its output: an unread pipe would stop the server once it is full
+            threading.Thread(target=lambda: [None for _ in proc.stdout or ()], daemon=True).start()
             return proc, port, pids
     raise RuntimeError("the server did not start")
 
@@ -329,7 +333,7 @@ def main() -> None:
                 flush=True,
             )
         finally:
-            proc.terminate()
+            proc.send_signal(signal.SIGINT)  # stop now; SIGTERM would drain for --drain-period-s
             proc.wait(60)
 
 

@@ -88,8 +88,8 @@ def nvml_memory(pid: int, index: int = 0) -> tuple[int | None, int] | None:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         used = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
         for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if proc.pid == pid:
-                return int(proc.usedGpuMemory or 0), used
+            if proc.pid == pid:  # usedGpuMemory is None where NVML cannot say (some vGPU and MIG setups)
+                return (int(proc.usedGpuMemory) if proc.usedGpuMemory else None), used
         return None, used
     finally:
         pynvml.nvmlShutdown()
@@ -124,7 +124,7 @@ def in_process(args: argparse.Namespace) -> list[tuple[str, int | None, int | No
 
     bench = _resnet_bench()
     device = torch.device(args.device)
-    torch.backends.cudnn.benchmark = True
+    # cuDNN at its defaults (no cudnn.benchmark), as the server runs the model: its workspaces differ
     setup = bench.Setup(args.device, args.image, "FP16", args.max_batch, args.preferred, 500)
     rows: list[tuple[str, int | None, int | None]] = []
     start = nvml_memory(os.getpid(), device.index or 0)  # before this process's CUDA context

@@ -6,14 +6,15 @@
 #
 #   bash bench/gpu_session.sh STEP...      STEP: quick | tests | resnet | resnet-small | resnet-workers | memory | workers | shm | all
 #
-# A lease of 15 minutes of device time (machine start included) holds one `quick` call and a rerun,
-# not the full steps (each up to 10 minutes): `quick` runs the essentials, each capped by `timeout`
+# A lease of 15 minutes of device time (machine start included) holds one `quick` call, not the
+# full steps (each up to 10 minutes): `quick` runs the essentials, each capped by `timeout`
 # and each into its own file, so a cap or a failure costs that part only; $OUT/quick-times.txt says
 # how long each took, to size the next call.
 #
 # Each step writes its output to $OUT/<step>.txt as well (OUT defaults to ./gpu-out, ignored by git).
-#   quick         tests (cap 120 s), a short ResNet run at c1/c32/c128 over both protocols (150 s),
-#                 memory with and without graphs (45 s), encoder with 0/4/16 protocol workers (75 s)
+#   quick         tests (cap 150 s), a short ResNet run at c1/c32/c128 over both protocols (165 s),
+#                 memory with and without graphs (45 s), encoder with 0/4/16 protocol workers (90 s):
+#                 at most ~8 minutes; give the device call timeout_s 540
 #   tests         the GPU tests (PyTorch on CUDA, CUDA graphs, NVML, CUDA shared memory), -rs for skips
 #   resnet        bench/gpu_resnet.py: ResNet-50 fp16 channels_last, raw with CUDA graphs vs served
 #   resnet-small  the same, short (a check that the bench runs before the long one)
@@ -71,11 +72,11 @@ run_step() {
   case $step in
     quick)
       local failed=0
-      capped 120 tests bash "$0" tests || failed=1
-      capped 150 resnet "$PY" -P bench/gpu_resnet.py --concurrency 1,32,128 --duration-s 4 --raw-s 1 \
+      capped 150 tests bash "$0" tests || failed=1
+      capped 165 resnet "$PY" -P bench/gpu_resnet.py --concurrency 1,32,128 --duration-s 4 --raw-s 1 \
         --client-processes 8 || failed=1
       capped 45 memory "$PY" -P bench/gpu_memory.py || failed=1
-      capped 75 workers "$PY" -P bench/frontend_workers.py --model encoder --device cuda:0 --workers 0,4,16 \
+      capped 90 workers "$PY" -P bench/frontend_workers.py --model encoder --device cuda:0 --workers 0,4,16 \
         --concurrency 256 --connections 64 --client-processes 8 --seconds 4 --warmup 1 || failed=1
       return $failed ;;
     tests)

@@ -119,11 +119,25 @@ def no_gpu_reason(code: int, name: str, text: str, count: int, visible: str | No
     return f"no GPU visible ({why})"
 
 
-def search_directories() -> list[Path]:
-    """Where libcudart may lie besides the dynamic loader's path: the nvidia-cuda-runtime wheel in
-    each site-packages directory, then a system CUDA toolkit."""
-    roots = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
-    directories = [Path(root) / "nvidia" / "cuda_runtime" / "lib" for root in dict.fromkeys(roots) if root]
+def search_directories(roots: Sequence[str] | None = None) -> list[Path]:
+    """Where libcudart may lie besides the dynamic loader's path: NVIDIA's runtime wheels in each
+    site-packages directory (``roots``; None: this interpreter's), then a system CUDA toolkit.
+
+    The CUDA 12 wheel (nvidia-cuda-runtime-cu12) puts it in ``nvidia/cuda_runtime/lib``; the CUDA 13
+    ones, which torch's cu130 builds install, in ``nvidia/cu13/lib`` (newest major first)."""
+    if roots is None:
+        roots = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
+    directories: list[Path] = []
+    for root in dict.fromkeys(roots):
+        if not root:
+            continue
+        nvidia = Path(root) / "nvidia"
+        directories.append(nvidia / "cuda_runtime" / "lib")
+        try:
+            majors = [path for path in nvidia.glob("cu[0-9]*") if path.name[2:].isdigit()]
+        except OSError:
+            majors = []
+        directories.extend(path / "lib" for path in sorted(majors, key=lambda path: -int(path.name[2:])))
     return [*directories, Path("/usr/local/cuda/lib64"), Path("/usr/local/cuda/lib")]
 
 

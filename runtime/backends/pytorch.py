@@ -219,6 +219,16 @@ def _load_export(torch: Any, path: Path, device: Any, settings: torch_plan.Torch
         raise ConfigError(
             f"torch.export.load cannot load the program: {torch_plan.first_line(exc)}", file=str(path)
         ) from exc
+    from torch.export.passes import move_to_device_pass
+
+    try:
+        # constants the trace recorded with a device (torch.arange, torch.zeros, ... made on the
+        # machine that exported) move with the weights; Module.to moves only the weights
+        program = move_to_device_pass(program, device)
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot move the exported program to {device}: {torch_plan.first_line(exc)}", file=str(path)
+        ) from exc
     module = program.module().to(device)
     if settings.precision is not None:
         module.to(getattr(torch, settings.precision))
@@ -385,12 +395,15 @@ class TorchInstance(ModelInstance):
         ):
             if setting is not None:  # process-wide switches, set before each call as Triton does
                 setter(setting)
+        if self._cuda:
+            # process-wide too, and set (not saved and restored) before each call as Triton does:
+            # a save/restore context around calls that overlap on other threads can leave cuDNN off
+            # for every model once the calls finish in another order than they began
+            torch.backends.cudnn.enabled = not settings.disable_cudnn
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.inference_mode() if settings.inference_mode else torch.no_grad())
             if settings.disable_optimized_execution:
                 stack.enter_context(torch.jit.optimized_execution(False))
-            if settings.disable_cudnn:
-                stack.enter_context(torch.backends.cudnn.flags(enabled=False))
             yield
 
     def _forward(self, tensors: list[Any]) -> list[Any]:
@@ -518,19 +531,24 @@ class TorchInstance(ModelInstance):
             if self._cuda:  # copies still queued read the pinned buffers the next batch rewrites
                 with contextlib.suppress(Exception):
                     self._stream.synchronize()
-            if torch_plan.is_out_of_memory(exc):
+            out_of_memory = torch_plan.is_out_of_memory(exc)
+            if out_of_memory:
                 log.warning("%s", error.message)
-                self._empty_cache()
             elif not isinstance(exc, SluiceError):
                 log.info("model '%s' failed: %s", self._label, error.message)
-            return [error] * len(requests)
-        responses: list[Result] = list(split_outputs(requests, arrays, batched=self._batched))
-        done = time.monotonic_ns()
-        self.last_phases_ns = (inputs_done - start, done - outputs_start)
-        for request in requests:
-            if request.trace is not None:  # sampled (tracing.py)
-                request.trace.compute_split(inputs_done - start, outputs_start - inputs_done, done - outputs_start)
-        return responses
+        else:
+            responses: list[Result] = list(split_outputs(requests, arrays, batched=self._batched))
+            done = time.monotonic_ns()
+            self.last_phases_ns = (inputs_done - start, done - outputs_start)
+            for request in requests:
+                if request.trace is not None:  # sampled (tracing.py)
+                    request.trace.compute_split(inputs_done - start, outputs_start - inputs_done, done - outputs_start)
+            return responses
+        if out_of_memory:
+            # here, past the except clause: the exception's traceback held the failed call's frames
+            # and with them its device tensors, which the cache could not have given back
+            self._empty_cache()
+        return [error] * len(requests)
 
     def _outputs_of(self, results: Sequence[Any], rows: int) -> dict[str, tuple[str, np.ndarray]]:
         return {
@@ -600,6 +618,10 @@ class TorchBackend(ModelBackend):
                 loaded = self._shared[key]
             else:
                 loaded = self._load(device, device_id)
+                if device.type == "cuda":
+                    # the weights' moves and casts ran on the default stream; the instance runs on
+                    # its own non-blocking one, which does not wait for the default stream
+                    torch.cuda.synchronize(device)
                 if self._settings.enable_weight_sharing:
                     self._shared[key] = loaded
         try:

@@ -92,7 +92,8 @@ class TorchSettings:
     """INFERENCE_MODE: run under ``torch.inference_mode()`` (else ``torch.no_grad()``). Triton's
     current default is on."""
     disable_cudnn: bool = False
-    """DISABLE_CUDNN: ``torch.backends.cudnn.enabled = False`` while this model runs."""
+    """DISABLE_CUDNN: ``torch.backends.cudnn.enabled = False`` before each call of a GPU instance
+    (``True`` otherwise), process-wide as in Triton."""
     enable_weight_sharing: bool = False
     """ENABLE_WEIGHT_SHARING: instances on the same device share one loaded module."""
     enable_cache_cleaning: bool = False

@@ -115,6 +115,25 @@ def test_library_order_prefers_the_newest() -> None:
     ]  # fmt: skip
 
 
+def test_search_directories_include_the_cuda_12_and_13_wheels(tmp_path: Path) -> None:
+    """torch's cu130 wheels bring libcudart.so.13 in nvidia/cu13/lib, the CUDA 12 wheel in
+    nvidia/cuda_runtime/lib: a server that has not imported torch finds either."""
+    for major in ("cu12", "cu13", "cudnn"):
+        (tmp_path / "site" / "nvidia" / major / "lib").mkdir(parents=True)
+    (tmp_path / "site" / "nvidia" / "cu13" / "lib" / "libcudart.so.13").touch()
+    found = cudart.search_directories([str(tmp_path / "site"), "", str(tmp_path / "missing")])
+    site_dirs = [path.relative_to(tmp_path) for path in found if path.is_relative_to(tmp_path)]
+    assert [str(path) for path in site_dirs] == [
+        "site/nvidia/cuda_runtime/lib", "site/nvidia/cu13/lib", "site/nvidia/cu12/lib",
+        "missing/nvidia/cuda_runtime/lib",
+    ]  # fmt: skip
+    assert found[-2:] == [Path("/usr/local/cuda/lib64"), Path("/usr/local/cuda/lib")]
+    loader = cudart.Loader(names=(), directories=found)
+    with pytest.raises(cudart.NoCuda):  # the empty file is tried (and is no library), not missed
+        loader.get()
+    assert str(tmp_path / "site" / "nvidia" / "cu13" / "lib" / "libcudart.so.13") in loader._files()
+
+
 def test_no_gpu_wording() -> None:
     assert cudart.no_gpu_reason(0, "cudaSuccess", "no error", 0, "") == (
         "no GPU visible (cudaGetDeviceCount found 0 devices; CUDA_VISIBLE_DEVICES is '')"

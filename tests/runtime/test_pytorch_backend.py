@@ -784,6 +784,35 @@ def test_gpu_instances_serve_fp16_channels_last(tmp_path, serve, graphs, caplog)
         np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)
 
 
+class WithArange(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.arange(4, dtype=x.dtype)  # the trace records device=cpu for the arange
+
+
+@needs_gpu
+def test_gpu_instances_serve_a_program_exported_with_cpu_constants(tmp_path, serve):
+    """A torch.export program traced on a CPU machine carries device=cpu in its arange node; served
+    on a GPU the node must follow the weights (Module.to alone leaves it on the CPU)."""
+    batch = torch.export.Dim("batch", min=1, max=8)
+    program = torch.export.export(WithArange(), (torch.zeros(2, 4),), dynamic_shapes=({0: batch},))
+    repo = tmp_path / "repo"
+    (repo / "m" / "1").mkdir(parents=True)
+    torch.export.save(program, str(repo / "m" / "1" / "model.pt2"))
+    (repo / "m" / "config.pbtxt").write_text(
+        """
+        platform: "pytorch_libtorch"
+        max_batch_size: 8
+        input [ { name: "x", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        instance_group [ { kind: KIND_GPU count: 1 } ]
+        """
+    )
+    server = serve(repo)
+    x = np.ones((3, 4), np.float32)
+    for infer in (http_infer, grpc_infer):
+        np.testing.assert_array_equal(infer(server, "m", {"x": x}).as_numpy("OUTPUT__0"), x + np.arange(4))
+
+
 @needs_gpu
 def test_gpu_out_of_memory_answers_and_the_next_request_is_served(tmp_path, serve):
     class Greedy(torch.nn.Module):

@@ -370,6 +370,8 @@ def test_tritons_parameters_are_accepted_and_the_model_serves(tmp_path, serve, p
     x = rows(2)
     for protocol in ("http", "grpc"):
         np.testing.assert_allclose(infer(protocol, running, "m", {"INPUT__0": x}).as_numpy("OUTPUT__0"), x * 5)
+    # the server runs in this process: a CPU instance leaves the process-wide cuDNN switch alone
+    assert torch.backends.cudnn.enabled
 
 
 def with_bad_pickle(archive: bytes) -> bytes:
