@@ -75,6 +75,9 @@ class OperatorHarness:
         kopf_settings = kopf.OperatorSettings()
         kopf_settings.scanning.disabled = True  # the RBAC-limited operator does not scan for CRDs
         kopf_settings.watching.reconnect_backoff = 0.1
+        # on stop kopf gives each object's idle worker this long to take one more event before it
+        # cancels it (2 s by default, several in a row): the tests stop a settled operator
+        kopf_settings.batching.exit_timeout = 0.1
         self._task = asyncio.create_task(self._run(kopf_settings))
         ready = asyncio.create_task(self._ready.wait())
         done, _ = await asyncio.wait({ready, self._task}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
