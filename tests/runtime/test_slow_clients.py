@@ -209,7 +209,8 @@ def test_client_that_never_reads_its_responses_is_dropped(serve, example_repo):
     burst = b"GET /v2/models/add_sub/config HTTP/1.1\r\nHost: t\r\nX-Pad: %s\r\n\r\n" % (b"p" * 900) * 50
     started = last_taken = time.monotonic()
     sent = 0
-    # far more responses than socket buffers hold, until the server stops taking requests (bounded in time)
+    # far more responses than socket buffers hold: 4 MB of requests, or fewer if the server stops
+    # taking them first (bounded in time)
     while sent < 4_000_000 and time.monotonic() - last_taken < 0.3 and time.monotonic() - started < 3:
         try:
             sent += hog.send(burst)
@@ -227,7 +228,9 @@ def test_client_that_never_reads_its_responses_is_dropped(serve, example_repo):
             if answer and status_of(answer) == 200:
                 break
             time.sleep(0.1)
+        # the loop's ~60 tries of ~0.3 s bound how long the slot may stay taken; no wall-clock bound
+        # beyond that (the server first works through ~4,000 queued requests, which takes a slow
+        # machine several seconds)
         assert status_of(answer) == 200, answer
-        assert time.monotonic() - started < 6
     finally:
         hog.close()
