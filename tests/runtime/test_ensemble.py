@@ -9,7 +9,6 @@ over gRPC on a second server, and the config the operator renders for a colocate
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -61,13 +60,25 @@ instance_group [ { count: 2, kind: KIND_CPU } ]
 """
 
 SLOW_PY = """
+import os
 import time
+import uuid
+
 import triton_python_backend_utils as pb_utils
+
+HERE = os.path.dirname(__file__)
 
 
 class TritonPythonModel:
     def execute(self, requests):
-        time.sleep(0.5)
+        # a rendezvous: go on only once the other step has started too (both instances run at once),
+        # else fail after 10 s; whatever the machine's speed
+        open(os.path.join(HERE, "started-" + uuid.uuid4().hex), "w").close()
+        deadline = time.monotonic() + 10
+        while sum(name.startswith("started-") for name in os.listdir(HERE)) % 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the other step never started alongside this one")
+            time.sleep(0.005)
         out = []
         for r in requests:
             data = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
@@ -399,13 +410,10 @@ def test_parallel_steps_of_a_diamond_run_concurrently(tmp_path: Path, serve) -> 
     client = grpcclient.InferenceServerClient(server.grpc)
     entry = grpcclient.InferInput("X", [16], "FP32")
     entry.set_data_from_numpy(A)
-    client.infer("diamond", [entry])  # warm up
-    start = time.monotonic()
-    result = client.infer("diamond", [entry])
-    elapsed = time.monotonic() - start
-    np.testing.assert_array_equal(result.as_numpy("OUT0"), 2 * A)
-    np.testing.assert_array_equal(result.as_numpy("OUT1"), np.zeros(16, np.float32))
-    assert elapsed < 0.9, f"two 0.5 s steps in parallel took {elapsed:.2f} s"
+    for _ in range(2):  # each step waits until the other has started: run one after the other, they fail
+        result = client.infer("diamond", [entry])
+        np.testing.assert_array_equal(result.as_numpy("OUT0"), 2 * A)
+        np.testing.assert_array_equal(result.as_numpy("OUT1"), np.zeros(16, np.float32))
 
 
 CONFIG_ERRORS = [
