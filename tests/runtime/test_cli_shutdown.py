@@ -25,6 +25,7 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
+        open(__file__ + ".entered", "w").close()  # the test signals the server once this exists
         time.sleep(1.0)
         return [
             pb_utils.InferenceResponse(
@@ -104,7 +105,11 @@ def test_graceful_stop_finishes_in_flight_requests(tmp_path, sig):
 
     thread = threading.Thread(target=call)
     thread.start()
-    time.sleep(0.4)  # the request is executing (the model sleeps 1 s)
+    entered = model_dir / "1" / "model.py.entered"
+    deadline = time.monotonic() + 20
+    while not entered.exists():  # the request is executing (the model then sleeps 1 s)
+        assert time.monotonic() < deadline, "the request never reached the model"
+        time.sleep(0.01)
     os.kill(proc.pid, sig)
     thread.join(20)
     assert proc.wait(20) == 0

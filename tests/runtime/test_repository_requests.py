@@ -23,6 +23,7 @@ class TritonPythonModel:
         time.sleep(0.5)
 
     def execute(self, requests):
+        open(os.path.join(os.path.dirname(__file__), "entered"), "w").close()
         time.sleep(0.5)
         return [
             pb_utils.InferenceResponse(
@@ -89,7 +90,7 @@ def test_an_unload_goes_on_when_its_client_hangs_up(tmp_path, serve):
 
     caller = threading.Thread(target=call)
     caller.start()
-    time.sleep(0.1)  # executing: the unload waits for it
+    assert wait_until(lambda: (version_dir / "entered").exists())  # executing: the unload waits for it
     send_and_hang_up(server.http, b"/v2/repository/models/slow/unload")
     caller.join(10)
     assert answered["out"].tolist() == [2.0]
