@@ -25,7 +25,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result, TensorSpec
-from sluice.runtime.backends.tensor import merge_inputs, split_outputs
+from sluice.runtime.backends.tensor import merge_inputs, split_timed
 from sluice.runtime.errors import ConfigError, InvalidArgument, ModelError, Unavailable, Unsupported
 from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, InferRequest
 
@@ -421,13 +421,11 @@ class OnnxInstance(ModelInstance):
                 items = [s.encode() if isinstance(s, str) else s for s in array.ravel()]
                 array = np.array(items, dtype=object).reshape(array.shape)
             outputs[name] = (self._datatypes[name], array)
-        results: list[Result] = list(split_outputs(requests, outputs, batched=self._batched))
-        done = time.monotonic_ns()
-        self.last_phases_ns = (inputs_done - start, done - outputs_start)
-        for request in requests:
-            if request.trace is not None:  # sampled (tracing.py)
-                request.trace.compute_split(inputs_done - start, outputs_start - inputs_done, done - outputs_start)
-        return results
+        results, self.last_phases_ns = split_timed(
+            requests, outputs, batched=self._batched, start_ns=start, inputs_done_ns=inputs_done,
+            outputs_start_ns=outputs_start,
+        )  # fmt: skip
+        return list[Result](results)
 
 
 class OnnxBackend(ModelBackend):

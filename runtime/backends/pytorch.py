@@ -32,7 +32,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime.backends import torch_plan
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result, TensorSpec
-from sluice.runtime.backends.tensor import input_parts, merge_inputs, merge_into, merged_shape, split_outputs
+from sluice.runtime.backends.tensor import input_parts, merge_inputs, merge_into, merged_shape, split_timed
 from sluice.runtime.errors import ConfigError, ModelError, SluiceError, Unavailable, Unsupported
 from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, InferRequest
 
@@ -537,13 +537,11 @@ class TorchInstance(ModelInstance):
             elif not isinstance(exc, SluiceError):
                 log.info("model '%s' failed: %s", self._label, error.message)
         else:
-            responses: list[Result] = list(split_outputs(requests, arrays, batched=self._batched))
-            done = time.monotonic_ns()
-            self.last_phases_ns = (inputs_done - start, done - outputs_start)
-            for request in requests:
-                if request.trace is not None:  # sampled (tracing.py)
-                    request.trace.compute_split(inputs_done - start, outputs_start - inputs_done, done - outputs_start)
-            return responses
+            responses, self.last_phases_ns = split_timed(
+                requests, arrays, batched=self._batched, start_ns=start, inputs_done_ns=inputs_done,
+                outputs_start_ns=outputs_start,
+            )  # fmt: skip
+            return list[Result](responses)
         if out_of_memory:
             # here, past the except clause: the exception's traceback held the failed call's frames
             # and with them its device tensors, which the cache could not have given back

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -70,3 +71,24 @@ def split_outputs(
         offset += size
         responses.append(InferResponse(request.model_name, request.model_version, tensors, request.id))
     return responses
+
+
+def split_timed(
+    requests: Sequence[InferRequest],
+    outputs: dict[str, tuple[str, np.ndarray]],
+    *,
+    batched: bool,
+    start_ns: int,
+    inputs_done_ns: int,
+    outputs_start_ns: int,
+) -> tuple[list[InferResponse], tuple[int, int]]:
+    """:func:`split_outputs`, then the batch's phases (monotonic ns): each sampled request's trace
+    gets its compute split, and the (input, output) phase durations are returned (an instance's
+    ``last_phases_ns``)."""
+    responses = split_outputs(requests, outputs, batched=batched)
+    done = time.monotonic_ns()
+    phases = (inputs_done_ns - start_ns, outputs_start_ns - inputs_done_ns, done - outputs_start_ns)
+    for request in requests:
+        if request.trace is not None:  # sampled (tracing.py)
+            request.trace.compute_split(*phases)
+    return responses, (phases[0], phases[2])

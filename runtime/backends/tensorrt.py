@@ -36,7 +36,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result
-from sluice.runtime.backends.tensor import merge_inputs, split_outputs
+from sluice.runtime.backends.tensor import merge_inputs, split_timed
 from sluice.runtime.errors import ConfigError, InvalidArgument, ModelError, SluiceError, Unavailable, Unsupported
 from sluice.runtime.types import CONFIG_TYPE_BY_DATATYPE, DATATYPE_BY_CONFIG_TYPE, InferRequest, numpy_dtype
 
@@ -596,13 +596,11 @@ class TrtInstance(ModelInstance):
             if name in self._reshape:
                 array = array.reshape(self._reshape[name])
             outputs[name] = (self._datatypes[name], array)
-        results: list[Result] = list(split_outputs(requests, outputs, batched=self._batched))
-        done = time.monotonic_ns()
-        self.last_phases_ns = (inputs_done - start, done - outputs_start)
-        for request in requests:
-            if request.trace is not None:
-                request.trace.compute_split(inputs_done - start, outputs_start - inputs_done, done - outputs_start)
-        return results
+        results, self.last_phases_ns = split_timed(
+            requests, outputs, batched=self._batched, start_ns=start, inputs_done_ns=inputs_done,
+            outputs_start_ns=outputs_start,
+        )  # fmt: skip
+        return list[Result](results)
 
     def close(self) -> None:
         try:
