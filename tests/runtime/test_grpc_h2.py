@@ -333,6 +333,14 @@ class Client:
                 f"connection closed before stream {sid} ended"
             )
 
+    def read_until(self, predicate: Any, limit_s: float = 10.0) -> None:
+        """Read frames until ``predicate()`` holds; the limit only keeps a broken server from hanging
+        the test (a wait for something to arrive, whatever the machine's speed)."""
+        deadline = time.monotonic() + limit_s
+        while not predicate():
+            assert time.monotonic() < deadline, f"not reached in {limit_s} s"
+            self.read_frame(timeout=0.1)
+
     def drain(self, seconds: float) -> list[Frame]:
         """Every frame that arrives within ``seconds``."""
         frames = []
@@ -428,12 +436,14 @@ def test_large_request_over_many_data_frames_and_continuation_headers(serve, rep
 def test_tiny_client_window_holds_the_response_until_window_update(serve, repo, connect):
     client = connect(serve(repo).grpc, settings={INITIAL_WINDOW_SIZE: 10}, auto_window=False)
     client.request(1, SERVICE + "ModelInfer", add_sub_request())
-    client.drain(0.5)
+    client.read_until(lambda: 1 in client.responses and len(client.responses[1].data) >= 10)
+    client.drain(0.2)  # and nothing beyond the window follows
     response = client.responses[1]
     assert response.headers is not None and (":status", "200") in response.headers
     assert len(response.data) == 10 and not response.ended  # the rest waits for window
     client.send(WindowUpdateFrame(1, 100), WindowUpdateFrame(0, 100))
-    client.drain(0.3)
+    client.read_until(lambda: len(response.data) >= 110)
+    client.drain(0.2)
     assert len(response.data) == 110 and not response.ended  # 100 more bytes of window, 100 more bytes
     client.send(WindowUpdateFrame(1, 1 << 20), WindowUpdateFrame(0, 1 << 20))
     assert_add_sub_ok(client.response(1))
@@ -461,7 +471,8 @@ def test_rst_stream_cancels_a_queued_request(serve, repo, connect):
     client.request(3, SERVICE + "ModelInfer", one_value_request("slow", "cancelled"))
     wait_until(lambda: queue_depth(server, "slow") == 1, what="second request queued")
     client.send(RstStreamFrame(3, CANCEL))
-    wait_until(lambda: queue_depth(server, "slow") == 0, timeout=0.3, what="queue emptied by RST_STREAM")
+    # (had the blocker finished first and the request run, `executed` below would name it)
+    wait_until(lambda: queue_depth(server, "slow") == 0, what="queue emptied by RST_STREAM")
     assert client.response(1).status == OK
     time.sleep(0.1)
     assert executed(repo) == ["blocker"]
