@@ -1,9 +1,11 @@
 """Batching and scheduling end to end: a real server on loopback, tritonclient over HTTP and gRPC.
 
-The models are Python-backend ``model.py`` files that sleep and append what they executed to a
-JSON-lines log, so a test can tell which requests ran, in which batches, in which order and
-whether a running request saw its client leave (``is_cancelled()``). The test waits for queue
-states through the public ``sluice_queue_depth`` metric instead of sleeping.
+The models are Python-backend ``model.py`` files that append what they executed to a JSON-lines
+log, so a test can tell which requests ran, in which batches, in which order and whether a running
+request saw its client leave (``is_cancelled()``). A gated model holds each batch until the test
+creates its release file, so a blocker runs exactly as long as the test needs, whatever the
+machine's speed. The test waits for queue states through the public ``sluice_queue_depth`` metric
+instead of sleeping.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .conftest import ManualClock  # type: ignore[import-not-found]
 
 RECORDING_PY = """
 import json
+import os
 import threading
 import time
 
@@ -43,6 +46,7 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         self.log = params["log"]
         self.sleep = float(params.get("sleep_s", "0"))
+        self.gate = params.get("gate", "")
         self.watch = params.get("watch_cancel") == "1"
         self.instance = args["model_instance_name"]
 
@@ -56,7 +60,8 @@ class TritonPythonModel:
             event="start", ids=ids, t=time.monotonic(), instance=self.instance, thread=threading.current_thread().name
         )
         end = time.monotonic() + self.sleep
-        while time.monotonic() < end:
+        give_up = time.monotonic() + 60  # a gate the test never opens fails the test, not the run
+        while time.monotonic() < end or (self.gate and not os.path.exists(self.gate) and time.monotonic() < give_up):
             if self.watch and all(r.is_cancelled() for r in requests):
                 break
             time.sleep(0.005)
@@ -82,10 +87,12 @@ class Model:
         extra: str = "",
         dynamic: str = "dynamic_batching { }",
         watch_cancel: bool = False,
+        gated: bool = False,
     ) -> None:
         self.name = name
         self.log = repo.parent / f"{name}.jsonl"
         self.log.touch()
+        self.gate = repo.parent / f"{name}.release"
         model_dir = repo / name / "1"
         model_dir.mkdir(parents=True)
         (model_dir / "model.py").write_text(RECORDING_PY)
@@ -100,9 +107,14 @@ class Model:
             parameters {{ key: "log" value {{ string_value: "{self.log}" }} }}
             parameters {{ key: "sleep_s" value {{ string_value: "{sleep_s}" }} }}
             parameters {{ key: "watch_cancel" value {{ string_value: "{int(watch_cancel)}" }} }}
+            parameters {{ key: "gate" value {{ string_value: "{self.gate if gated else ''}" }} }}
             {extra}
             """
         )
+
+    def release(self) -> None:
+        """Let the batch holding at the gate (and every later one) finish."""
+        self.gate.touch()
 
     def events(self, kind: str = "start") -> list[dict[str, Any]]:
         lines = self.log.read_text().splitlines()
@@ -187,7 +199,7 @@ def stats_of(server: Any, model: str) -> dict[str, Any]:
 
 
 def test_http_and_grpc_requests_merge_into_one_batch_and_split_back(serve, repo, pool):
-    merge = Model(repo, "merge", sleep_s=0.4, dynamic="dynamic_batching { max_queue_delay_microseconds: 2000000 }")
+    merge = Model(repo, "merge", gated=True, dynamic="dynamic_batching { max_queue_delay_microseconds: 2000000 }")
     server = serve(repo)
     blocker = pool.submit(infer, server, "http", "merge", 0.5, "blocker")
     wait_started(merge, "blocker")
@@ -197,6 +209,7 @@ def test_http_and_grpc_requests_merge_into_one_batch_and_split_back(serve, repo,
         for i in range(3)
     }
     wait_queued(server, "merge", 6)
+    merge.release()
     assert blocker.result(5) == 1.0
     for rid, call in calls.items():
         i = int(rid[-1])
@@ -251,7 +264,7 @@ def test_fixed_wait_from_the_model_config_waits_for_the_delay(serve, repo, pool)
 
 def test_server_flags_set_fixed_wait_and_the_default_queue_timeout(serve, repo, pool):
     Model(repo, "waits", dynamic="dynamic_batching { max_queue_delay_microseconds: 150000 }")
-    slow = Model(repo, "slow", sleep_s=1.0)
+    slow = Model(repo, "slow", gated=True)
     clock = ManualClock()
     server = serve(
         repo, clock=clock, scheduling=SchedulingDefaults(batch_policy="fixed_wait", queue_timeout_us=250_000)
@@ -267,6 +280,8 @@ def test_server_flags_set_fixed_wait_and_the_default_queue_timeout(serve, repo, 
     with pytest.raises(InferenceServerException, match=r"Request timeout expired: .*timed out in the queue") as info:
         late.result(10)
     assert status_of(info.value) == "UNAVAILABLE"
+    assert not blocker.done()
+    slow.release()
     blocker.result(5)
     assert slow.executed() == ["blocker"]
 
@@ -278,7 +293,7 @@ def test_queue_timeout_rejects_waiting_requests_without_running_them(serve, repo
     slow = Model(
         repo,
         "slow",
-        sleep_s=1.0,
+        gated=True,
         dynamic="dynamic_batching { default_queue_policy { default_timeout_microseconds: 100000 } }",
     )
     clock = ManualClock()
@@ -293,6 +308,7 @@ def test_queue_timeout_rejects_waiting_requests_without_running_them(serve, repo
             call.result(5)
         assert status_of(info.value) == "UNAVAILABLE", protocol
     assert not blocker.done()  # answered while the blocker still runs
+    slow.release()
     assert blocker.result(5) == 2.0
     time.sleep(0.05)
     assert slow.executed() == ["blocker"]
@@ -308,7 +324,7 @@ def test_per_request_timeout_parameter_shortens_the_queue_timeout(serve, repo, p
     slow = Model(
         repo,
         "slow",
-        sleep_s=0.4,
+        gated=True,
         dynamic="""dynamic_batching {
           default_queue_policy { default_timeout_microseconds: 10000000 allow_timeout_override: true }
         }""",
@@ -319,12 +335,14 @@ def test_per_request_timeout_parameter_shortens_the_queue_timeout(serve, repo, p
     with pytest.raises(InferenceServerException, match="queue timeout 100000 us") as info:
         infer(server, protocol, "slow", 2.0, "short", timeout=100_000)
     assert status_of(info.value) == "UNAVAILABLE"
+    assert not blocker.done()
+    slow.release()
     blocker.result(5)
     assert slow.executed() == ["blocker"]
 
 
 def test_full_queue_answers_at_once_naming_max_queue_size(serve, repo, pool):
-    full = Model(repo, "full", sleep_s=0.4, dynamic="dynamic_batching { default_queue_policy { max_queue_size: 1 } }")
+    full = Model(repo, "full", gated=True, dynamic="dynamic_batching { default_queue_policy { max_queue_size: 1 } }")
     server = serve(repo)
     blocker = pool.submit(infer, server, "http", "full", 1.0, "blocker")
     wait_started(full, "blocker")
@@ -335,6 +353,7 @@ def test_full_queue_answers_at_once_naming_max_queue_size(serve, repo, pool):
             infer(server, protocol, "full", 3.0, f"over-{protocol}")
         assert status_of(info.value) == "UNAVAILABLE"
         assert not blocker.done()  # answered at once, not after the queue moved
+    full.release()
     assert blocker.result(5) == 2.0
     assert queued.result(5) == 4.0
     assert sorted(full.executed()) == ["blocker", "queued"]
@@ -346,7 +365,7 @@ def test_priority_1_queued_after_priority_2_runs_first(serve, repo, pool):
     prio = Model(
         repo,
         "prio",
-        sleep_s=0.15,
+        gated=True,
         max_batch_size=1,
         dynamic="dynamic_batching { priority_levels: 2 default_priority_level: 2 }",
     )
@@ -360,6 +379,8 @@ def test_priority_1_queued_after_priority_2_runs_first(serve, repo, pool):
     calls.append(pool.submit(infer, server, "grpc", "prio", 4.0, "high-grpc", priority=1))
     wait_queued(server, "prio", 3)
     calls.append(pool.submit(infer, server, "http", "prio", 5.0, "high-http", priority=1))
+    wait_queued(server, "prio", 4)
+    prio.release()
     assert [c.result(5) for c in calls] == [2.0, 4.0, 6.0, 8.0, 10.0]
     assert prio.executed() == ["blocker", "high-grpc", "high-http", "low-http", "default-grpc"]
 
@@ -391,7 +412,7 @@ def raw_http_infer(server: Any, model: str, rid: str) -> socket.socket:
 
 
 def test_http_client_disconnect_drops_the_queued_request(serve, repo, pool):
-    slow = Model(repo, "slow", sleep_s=0.4)
+    slow = Model(repo, "slow", gated=True)
     server = serve(repo)
     blocker = pool.submit(infer, server, "http", "slow", 1.0, "blocker")
     wait_started(slow, "blocker")
@@ -399,6 +420,8 @@ def test_http_client_disconnect_drops_the_queued_request(serve, repo, pool):
     wait_queued(server, "slow", 1)
     sock.close()
     wait_queued(server, "slow", 0)  # dropped at once, not when the instance frees up
+    assert not blocker.done()
+    slow.release()
     assert blocker.result(5) == 2.0
     time.sleep(0.05)
     assert slow.executed() == ["blocker"]
@@ -406,7 +429,7 @@ def test_http_client_disconnect_drops_the_queued_request(serve, repo, pool):
 
 
 def test_grpc_cancel_drops_the_queued_request(serve, repo, pool):
-    slow = Model(repo, "slow", sleep_s=0.4)
+    slow = Model(repo, "slow", gated=True)
     server = serve(repo)
     blocker = pool.submit(infer, server, "http", "slow", 1.0, "blocker")
     wait_started(slow, "blocker")
@@ -426,6 +449,8 @@ def test_grpc_cancel_drops_the_queued_request(serve, repo, pool):
     assert done.wait(5)
     assert "CANCELLED" in str(outcome[0].status())
     wait_queued(server, "slow", 0)
+    assert not blocker.done()
+    slow.release()
     assert blocker.result(5) == 2.0
     time.sleep(0.05)
     assert slow.executed() == ["blocker"]
@@ -433,7 +458,7 @@ def test_grpc_cancel_drops_the_queued_request(serve, repo, pool):
 
 
 def test_grpc_client_deadline_drops_the_queued_request(serve, repo, pool):
-    slow = Model(repo, "slow", sleep_s=0.4)
+    slow = Model(repo, "slow", gated=True)
     server = serve(repo)
     blocker = pool.submit(infer, server, "http", "slow", 1.0, "blocker")
     wait_started(slow, "blocker")
@@ -441,6 +466,8 @@ def test_grpc_client_deadline_drops_the_queued_request(serve, repo, pool):
         infer(server, "grpc", "slow", 2.0, "deadline", client_timeout=0.1)
     assert "DEADLINE_EXCEEDED" in str(info.value.status())
     wait_queued(server, "slow", 0)
+    assert not blocker.done()
+    slow.release()
     assert blocker.result(5) == 2.0
     time.sleep(0.05)
     assert slow.executed() == ["blocker"]
@@ -466,10 +493,13 @@ def test_running_python_model_sees_is_cancelled(serve, repo, protocol):
 
 def test_two_instances_run_two_batches_concurrently(serve, repo, pool):
     pair = Model(
-        repo, "pair", sleep_s=0.3, max_batch_size=1, dynamic="", extra="instance_group [ { count: 2, kind: KIND_CPU } ]"
+        repo, "pair", gated=True, max_batch_size=1, dynamic="", extra="instance_group [ { count: 2, kind: KIND_CPU } ]"
     )
     server = serve(repo)
     calls = [pool.submit(infer, server, p, "pair", 1.0, f"r-{p}") for p in ("http", "grpc")]
+    # with one instance the second request would wait behind the first, held at the gate
+    wait_until(lambda: len(pair.events("start")) == 2, timeout=10, what="both requests running at once")
+    pair.release()
     assert [c.result(5) for c in calls] == [2.0, 2.0]
     starts, ends = pair.events("start"), pair.events("end")
     assert len({e["instance"] for e in starts}) == 2
