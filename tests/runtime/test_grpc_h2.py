@@ -46,6 +46,7 @@ NO_ERROR, PROTOCOL_ERROR, FRAME_SIZE_ERROR, CANCEL = 0x0, 0x1, 0x6, 0x8
 INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, MAX_HEADER_LIST_SIZE = 0x4, 0x3, 0x6
 
 SLOW_PY = """
+import os
 import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -54,12 +55,15 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     def initialize(self, args):
         self.log = __file__ + ".log"
+        self.gate = __file__ + ".release"  # each call waits for the test to create it
 
     def execute(self, requests):
         with open(self.log, "a") as f:
             for r in requests:
                 f.write(r.request_id() + "\\n")
-        time.sleep(0.6)
+        give_up = time.monotonic() + 60
+        while not os.path.exists(self.gate) and time.monotonic() < give_up:
+            time.sleep(0.005)
         return [
             pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())])
             for r in requests
@@ -105,6 +109,11 @@ def repo(tmp_path: Path) -> Path:
     write_model(path, "slow", SLOW_CONFIG, {"model.py": SLOW_PY})
     write_model(path, "identity", IDENTITY_CONFIG, {"model.py": IDENTITY_PY})
     return path
+
+
+def release(repo: Path) -> None:
+    """Let the slow model's calls (this one and every later one) finish."""
+    (repo / "slow" / "1" / "model.py.release").touch()
 
 
 def executed(repo: Path) -> list[str]:
@@ -382,12 +391,15 @@ def assert_add_sub_ok(response: Response) -> None:
 def test_preface_and_settings_exchange(serve, repo, connect):
     server = serve(repo)
     client = connect(server.grpc, settings={INITIAL_WINDOW_SIZE: 1 << 20})
-    frames = client.drain(0.3)
+    client.read_until(
+        lambda: any(isinstance(f, SettingsFrame) and "ACK" in f.flags for f in client.received)
+        and any(isinstance(f, WindowUpdateFrame) and f.stream_id == 0 for f in client.received)
+    )
     settings = client.server_settings
     assert settings[INITIAL_WINDOW_SIZE] > 65_535
     assert settings[MAX_CONCURRENT_STREAMS] >= 100
     assert settings[MAX_HEADER_LIST_SIZE] == Limits().max_header_bytes
-    received = client.received + frames
+    received = client.received
     assert isinstance(received[0], SettingsFrame) and "ACK" not in received[0].flags  # the server's preface
     assert any(isinstance(f, SettingsFrame) and "ACK" in f.flags for f in received)  # ours acknowledged
     updates = [f for f in received if isinstance(f, WindowUpdateFrame) and f.stream_id == 0]
@@ -399,7 +411,9 @@ def test_preface_and_settings_exchange(serve, repo, connect):
 def test_ping_is_acknowledged_with_its_payload(serve, repo, connect):
     client = connect(serve(repo).grpc)
     client.send(PingFrame(0, b"sluice!!"))
-    acks = [f for f in client.drain(0.5) if isinstance(f, PingFrame)]
+    client.read_until(lambda: any(isinstance(f, PingFrame) for f in client.received))
+    client.drain(0.2)  # and no second one
+    acks = [f for f in client.received if isinstance(f, PingFrame)]
     assert len(acks) == 1 and "ACK" in acks[0].flags and acks[0].opaque_data == b"sluice!!"
 
 
@@ -452,9 +466,9 @@ def test_tiny_client_window_holds_the_response_until_window_update(serve, repo, 
 def test_client_setting_a_smaller_window_later_is_respected(serve, repo, connect):
     client = connect(serve(repo).grpc, settings={INITIAL_WINDOW_SIZE: 1 << 20}, auto_window=False)
     client.send(SettingsFrame(0, {INITIAL_WINDOW_SIZE: 0}))
-    client.drain(0.2)
     client.request(1, SERVICE + "ModelInfer", add_sub_request())
-    client.drain(0.4)
+    client.read_until(lambda: 1 in client.responses and client.responses[1].headers is not None)
+    client.drain(0.2)  # and no DATA follows while the window is 0
     assert client.responses[1].data == b"" and not client.responses[1].ended
     client.send(SettingsFrame(0, {INITIAL_WINDOW_SIZE: 1 << 20}))
     assert_add_sub_ok(client.response(1))
@@ -473,6 +487,8 @@ def test_rst_stream_cancels_a_queued_request(serve, repo, connect):
     client.send(RstStreamFrame(3, CANCEL))
     # (had the blocker finished first and the request run, `executed` below would name it)
     wait_until(lambda: queue_depth(server, "slow") == 0, what="queue emptied by RST_STREAM")
+    assert 1 not in client.responses
+    release(repo)
     assert client.response(1).status == OK
     time.sleep(0.1)
     assert executed(repo) == ["blocker"]
@@ -488,6 +504,7 @@ def test_grpc_timeout_cancels_and_answers_deadline_exceeded(serve, repo, connect
     late = client.response(3)
     assert late.status == DEADLINE_EXCEEDED
     assert 1 not in client.responses  # answered at its deadline, while the blocker still ran
+    release(repo)
     assert client.response(1).status == OK
     time.sleep(0.1)
     assert executed(repo) == ["blocker"]
@@ -505,7 +522,7 @@ def test_oversize_message_is_resource_exhausted_before_it_is_read(serve, repo, c
     response = client.response(1)
     assert response.status == RESOURCE_EXHAUSTED
     assert "larger than max" in response.message and str(64 * 1024) in response.message
-    client.drain(0.2)
+    client.read_until(lambda: client.responses[1].reset is not None)
     assert client.responses[1].reset == NO_ERROR  # asks the client to stop sending the rest
     client.send_data(1, bytes(1000))  # late DATA on the finished stream is ignored
     client.request(3, SERVICE + "ModelInfer", add_sub_request())
@@ -535,7 +552,8 @@ def test_input_after_an_answer_waiting_for_window_is_ignored(serve, repo, connec
     client = connect(serve(repo).grpc, settings={INITIAL_WINDOW_SIZE: 0}, auto_window=False)
     client.send(HeadersFrame(1, client.block(SERVICE + "ModelInfer", content_type="text/plain"), flags=["END_HEADERS"]))
     client.send(DataFrame(1, grpc_frame(add_sub_request())), DataFrame(1, b"", flags=["END_STREAM"]))
-    client.drain(0.3)
+    client.read_until(lambda: 1 in client.responses and client.responses[1].headers is not None)
+    client.drain(0.2)  # and nothing more while the window is 0
     assert (":status", "415") in client.responses[1].headers and not client.responses[1].ended
     client.send(SettingsFrame(0, {INITIAL_WINDOW_SIZE: 1 << 16}))
     assert b"application/grpc" in client.response(1).data
@@ -587,7 +605,7 @@ def test_garbage_gets_goaway_and_close_and_the_server_serves_others(serve, repo,
     bad = Client(server.grpc)
     try:
         bad.sock.sendall(garbage)
-        frames = bad.drain(2.0)
+        frames = bad.drain(10.0)  # ends when the server closes
         assert bad.closed
         goaways = [f for f in frames if isinstance(f, GoAwayFrame)]
         assert len(goaways) == 1
@@ -618,13 +636,15 @@ def test_stop_sends_goaway_and_finishes_the_call_in_flight(serve, repo, connect)
     stopper = threading.Thread(target=server.stop, kwargs={"grace_s": 10.0})
     stopper.start()
     try:
+        client.read_until(lambda: client.goaway is not None)  # sent while the call still runs
+        release(repo)
         response = client.response(1)
         assert response.status == OK
         reply = pb.ModelInferResponse.FromString(response.messages()[0])
         assert np.frombuffer(reply.raw_output_contents[0], np.float32).tolist() == [3.0]
         assert client.goaway is not None and client.goaway.error_code == NO_ERROR
         assert client.goaway.last_stream_id == 1
-        client.drain(2.0)
+        client.drain(10.0)  # ends when the server closes
         assert client.closed
     finally:
         stopper.join(30)
@@ -657,7 +677,7 @@ def test_stream_infer_answers_each_message_then_ok_trailers_after_half_close(ser
     client = connect(server.grpc)
     client.send(HeadersFrame(1, client.block(SERVICE + "ModelStreamInfer"), flags=["END_HEADERS"]))
     client.send_data(1, grpc_frame(add_sub_request("a")) + grpc_frame(b"\xff\xff"), end_stream=False)
-    frames = client.drain(0.5)
+    client.read_until(lambda: 1 in client.responses and len(client.responses[1].messages()) >= 2)
     response = client.responses[1]
     assert not response.ended and len(response.messages()) == 2  # answered before the client half-closes
     client.send_data(1, grpc_frame(add_sub_request("b")))
@@ -666,7 +686,7 @@ def test_stream_infer_answers_each_message_then_ok_trailers_after_half_close(ser
     replies = [pb.ModelStreamInferResponse.FromString(m) for m in response.messages()]
     assert sorted(r.infer_response.id for r in replies if not r.error_message) == ["a", "b"]
     assert ["not a valid protobuf" in r.error_message for r in replies].count(True) == 1
-    assert not any(isinstance(f, RstStreamFrame) for f in frames)
+    assert not any(isinstance(f, RstStreamFrame) for f in client.received)
     # A message over the limit ends the stream with RESOURCE_EXHAUSTED; the connection goes on.
     client.send(HeadersFrame(3, client.block(SERVICE + "ModelStreamInfer"), flags=["END_HEADERS"]))
     client.send_data(3, (1 << 20).to_bytes(5, "big"), end_stream=False)
@@ -681,6 +701,6 @@ def test_idle_connection_gets_goaway_and_is_closed(serve, repo, connect):
     busy = connect(server.grpc)
     busy.request(1, SERVICE + "ModelInfer", add_sub_request())
     assert_add_sub_ok(busy.response(1))
-    frames = idle.drain(2.5)  # the sweeper runs every 0.5 s
+    frames = idle.drain(15.0)  # the sweeper runs every 0.5 s; ends when the server closes
     assert any(isinstance(f, GoAwayFrame) for f in frames)
     assert idle.closed
