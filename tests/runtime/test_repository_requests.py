@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import tritonclient.http as httpclient
@@ -20,6 +21,7 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def initialize(self, args):
+        open(os.path.join(os.path.dirname(__file__), "initializing"), "w").close()
         time.sleep(0.5)
 
     def execute(self, requests):
@@ -45,11 +47,12 @@ output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 1 ] } ]
 """
 
 
-def send_and_hang_up(address: str, path: bytes) -> None:
+def send_and_hang_up(address: str, path: bytes, started: Callable[[], bool]) -> None:
+    """Send the request, wait until ``started()`` shows the server working on it, then hang up."""
     host, port = address.split(":")
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n" % path)
-        time.sleep(0.1)  # the server has started on it
+        assert wait_until(started)
 
 
 def wait_until(predicate, timeout: float = 10.0) -> bool:
@@ -67,7 +70,8 @@ def test_a_load_goes_on_when_its_client_hangs_up(tmp_path, serve):
     server = serve(repo, model_control_mode="explicit")  # start without it
     client = httpclient.InferenceServerClient(server.http)
     assert not client.is_model_ready("slow")
-    send_and_hang_up(server.http, b"/v2/repository/models/slow/load")
+    version_dir = repo / "slow" / "1"
+    send_and_hang_up(server.http, b"/v2/repository/models/slow/load", lambda: (version_dir / "initializing").exists())
     # it stayed LOADING, never served, before: the load was cancelled with the connection
     assert wait_until(lambda: client.is_model_ready("slow"))
     inp = httpclient.InferInput("IN", [1], "FP32")
@@ -91,7 +95,7 @@ def test_an_unload_goes_on_when_its_client_hangs_up(tmp_path, serve):
     caller = threading.Thread(target=call)
     caller.start()
     assert wait_until(lambda: (version_dir / "entered").exists())  # executing: the unload waits for it
-    send_and_hang_up(server.http, b"/v2/repository/models/slow/unload")
+    send_and_hang_up(server.http, b"/v2/repository/models/slow/unload", lambda: not client.is_model_ready("slow"))
     caller.join(10)
     assert answered["out"].tolist() == [2.0]
     # cut short with its connection, the unload never stopped the worker nor called finalize()

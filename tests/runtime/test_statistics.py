@@ -61,7 +61,7 @@ def by_size(stat: dict[str, Any]) -> dict[int, dict[str, Any]]:
 def test_batch_stats_are_keyed_by_the_batch_sizes_formed_and_both_protocols_agree(tmp_path, serve):
     repo = tmp_path / "repo"
     repo.mkdir()
-    batched = Model(repo, "batched", sleep_s=0.3, dynamic="dynamic_batching { max_queue_delay_microseconds: 0 }")
+    batched = Model(repo, "batched", gated=True, dynamic="dynamic_batching { max_queue_delay_microseconds: 0 }")
     server = serve(repo)
     before_ms = int(time.time() * 1000)
     with ThreadPoolExecutor(4) as pool:
@@ -71,6 +71,8 @@ def test_batch_stats_are_keyed_by_the_batch_sizes_formed_and_both_protocols_agre
             pool.submit(infer, server, p, "batched", 2.0, f"{p}{i}") for i, p in enumerate(("http", "grpc", "http"))
         ]
         wait_queued(server, "batched", 3)
+        queued_by = time.monotonic()  # the three were queued by now (the model's log uses the same clock)
+        batched.release()
         results = [blocker.result(10), *(call.result(10) for call in queued)]
     assert results == [2.0, 4.0, 4.0, 4.0]
     assert [len(batch) for batch in batched.batches()] == [1, 3]
@@ -87,15 +89,19 @@ def test_batch_stats_are_keyed_by_the_batch_sizes_formed_and_both_protocols_agre
         assert inference[field]["ns"] > 0, field
     assert inference["fail"] == {"count": 0, "ns": 0}
     assert inference["cache_hit"]["count"] == inference["cache_miss"]["count"] == 0
-    # the three queued requests waited for the 0.3 s blocker
-    assert inference["queue"]["ns"] >= 3 * 0.2e9
+    # the three queued requests entered the queue after the blocker started (and before queued_by),
+    # and left it once the blocker had ended, before their batch started (the model logs its times)
+    starts, ends = batched.events("start"), batched.events("end")
+    low, high = 3 * (ends[0]["t"] - queued_by), 3 * (starts[1]["t"] - starts[0]["t"])
+    assert low * 1e9 <= inference["queue"]["ns"] <= high * 1e9
     batches = by_size(stat)
     assert sorted(batches) == [1, 3]
     for size, batch in batches.items():
         for field in ("compute_input", "compute_infer", "compute_output"):
             assert batch[field]["count"] == 1, (size, field)
             assert batch[field]["ns"] > 0, (size, field)
-        assert batch["compute_infer"]["ns"] >= 0.3e9  # the model sleeps 0.3 s per execution
+    for size, start, end in zip((1, 3), starts, ends, strict=True):  # the model's own time is inside compute_infer
+        assert batches[size]["compute_infer"]["ns"] >= (end["t"] - start["t"]) * 1e9, size
     # each request adds its whole execution's time: compute_infer.ns / count is the mean a request saw
     for field in ("compute_input", "compute_infer", "compute_output"):
         assert inference[field]["ns"] == batches[1][field]["ns"] + 3 * batches[3][field]["ns"], field
