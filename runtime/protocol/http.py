@@ -199,7 +199,10 @@ class Connection(asyncio.Protocol):
         self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers[name.lower()] = value
+        key = name.lower()
+        if key == b"transfer-encoding" and key in self._headers:  # codings listed over several lines
+            value = self._headers[key] + b", " + value
+        self._headers[key] = value
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > self._max_head:
             self._count_head(0)
@@ -212,6 +215,9 @@ class Connection(asyncio.Protocol):
             self._refuse(error_response(error))
 
     def on_headers_complete(self) -> None:
+        coding = self._headers.get(b"transfer-encoding")
+        if coding is not None and coding.lower() != b"chunked":
+            self._check_transfer_coding(coding)
         length = self._headers.get(b"content-length")
         if length is not None:
             try:
@@ -233,6 +239,18 @@ class Connection(asyncio.Protocol):
         expect = self._headers.get(b"expect")
         if expect is not None and self._parser.get_http_version() != "1.0":  # 1.0 clients: ignore it (RFC 9110)
             self._expect(expect, length)
+
+    def _check_transfer_coding(self, coding: bytes) -> None:
+        """The parser undoes ``chunked`` only: a body under any other transfer coding (``gzip,
+        chunked``) would be read as if it had none, so it is refused (501, as RFC 9112 asks)."""
+        codings = [c.strip() for c in coding.lower().split(b",") if c.strip()]
+        if codings != [b"chunked"]:
+            shown = coding[:64].decode(errors="replace")
+            message = (
+                f"unsupported Transfer-Encoding {shown!r}; allowed: chunked "
+                "(a compressed body goes with Content-Encoding: gzip or deflate)"
+            )
+            self._refuse(json_response({"error": message}, 501))
 
     def _expect(self, expect: bytes, length: bytes | None) -> None:
         """Answer ``Expect``: a request its head already fails gets its final answer now (and the

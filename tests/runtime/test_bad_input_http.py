@@ -125,6 +125,7 @@ def fp32(name: str, shape: list, data: object = None, **params) -> dict:
 ONES = [1.0] * 16
 GOOD = {"inputs": [fp32("INPUT0", [16], ONES), fp32("INPUT1", [16], ONES)]}
 RAW16 = np.ones(16, np.float32).tobytes()
+GOOD_GZIP = gzip.compress(json.dumps(GOOD).encode())
 
 
 def bytes_blob(*items: bytes) -> bytes:
@@ -659,6 +660,32 @@ CASES = [
         "malformed HTTP",
         closes=True,
     ),
+    # a transfer coding other than chunked would leave the body encoded: refused, never read as JSON
+    case(
+        "transfer-encoding-gzip-chunked",
+        b"POST /v2/models/add_sub/infer HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n0\r\n\r\n" % (len(GOOD_GZIP), GOOD_GZIP),
+        501,
+        "unsupported Transfer-Encoding 'gzip, chunked'",
+        "allowed: chunked",
+        "Content-Encoding",
+        closes=True,
+    ),
+    case(
+        "transfer-encoding-over-two-lines",
+        b"POST /v2/models/add_sub/infer HTTP/1.1\r\nTransfer-Encoding: deflate\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"0\r\n\r\n",
+        501,
+        "unsupported Transfer-Encoding 'deflate, chunked'",
+        closes=True,
+    ),
+    case(
+        "transfer-encoding-gzip-alone",
+        b"POST /v2/models/add_sub/infer HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",
+        501,
+        "unsupported Transfer-Encoding 'gzip'",
+        closes=True,
+    ),
 ]
 
 
@@ -717,6 +744,25 @@ def test_chunked_body_over_limit(serve, example_repo):
         reply = conn.reply()
         assert reply.status == 413
         assert "1024" in reply.error and "--max-body-bytes" in reply.error
+
+
+def test_chunked_bodies_are_read_plain_and_gzip_encoded(shared_server):
+    """Chunked is the one transfer coding the server undoes (any case, any chunk sizes); a body
+    compressed end to end rides inside it with Content-Encoding."""
+    body = json.dumps(GOOD).encode()
+
+    def chunked(data: bytes, size: int) -> bytes:
+        pieces = [data[i : i + size] for i in range(0, len(data), size)]
+        return b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+
+    head = b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: Chunked\r\n"
+    with Conn(shared_server.http) as conn:
+        conn.send(head + b"\r\n" + chunked(body, 7))
+        conn.send(head + b"Content-Encoding: gzip\r\n\r\n" + chunked(gzip.compress(body), 50))
+        for _ in range(2):
+            reply = conn.reply()
+            assert reply.status == 200, reply.body[:300]
+            assert json.loads(reply.body)["outputs"][0]["data"] == [2.0] * 16
 
 
 def test_pipelined_errors_answered_in_order(shared_server):
