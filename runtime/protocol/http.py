@@ -43,6 +43,19 @@ _IDLE, _HEAD, _BODY, _BUSY = 0, 1, 2, 3
 _BURST = 64  # pipelined requests answered per read or turn before other connections get the loop
 
 
+def origin_form(target: bytes) -> bytes:
+    """The path and query of an absolute-form request target (``http://host:8000/v2?x``, which
+    RFC 9112 section 3.2.2 asks a server to accept); any other target as it came."""
+    scheme, sep, rest = target.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        return target
+    ends = [i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0]
+    if not ends:
+        return b"/"
+    path = rest[min(ends) :]
+    return path if path.startswith(b"/") else b"/" + path
+
+
 class Request:
     __slots__ = ("body", "conn", "headers", "keep_alive", "method", "path", "query")
 
@@ -215,6 +228,8 @@ class Connection(asyncio.Protocol):
             self._refuse(error_response(error))
 
     def on_headers_complete(self) -> None:
+        if self._url[:1] != b"/":
+            self._url = origin_form(self._url)
         coding = self._headers.get(b"transfer-encoding")
         if coding is not None and coding.lower() != b"chunked":
             self._check_transfer_coding(coding)

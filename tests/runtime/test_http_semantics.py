@@ -1,4 +1,4 @@
-"""HTTP/1.1 message semantics on a raw socket: HEAD and ``Expect: 100-continue``.
+"""HTTP/1.1 message semantics on a raw socket: HEAD, ``Expect: 100-continue`` and request targets.
 
 A keep-alive client reads responses by their framing, so a HEAD answer that carried a body, or a
 body sent before the server agreed to read it, desynchronises everything after it on the connection.
@@ -13,6 +13,8 @@ import subprocess
 
 import numpy as np
 import pytest
+
+from sluice.runtime.protocol.http import origin_form
 
 ONES = [1.0] * 16
 GOOD = json.dumps(
@@ -108,6 +110,38 @@ def test_head_then_infer_on_one_keep_alive_connection(shared_server):
         assert status == 200
         outputs = {o["name"]: o["data"] for o in json.loads(body)["outputs"]}
         np.testing.assert_allclose(outputs["OUTPUT0"], [2.0] * 16)
+
+
+@pytest.mark.parametrize(
+    ("target", "path"),
+    [
+        (b"/v2/models/add_sub?x=1", b"/v2/models/add_sub?x=1"),
+        (b"http://svc:8000/v2/models/add_sub", b"/v2/models/add_sub"),
+        (b"HTTPS://svc/v2?x=/y", b"/v2?x=/y"),
+        (b"http://svc?x=1", b"/?x=1"),
+        (b"http://svc", b"/"),
+        (b"*", b"*"),
+        (b"ftp://svc/v2", b"ftp://svc/v2"),
+    ],
+)
+def test_origin_form_of_a_request_target(target, path):
+    assert origin_form(target) == path
+
+
+def test_absolute_form_targets_are_served_as_their_path(shared_server):
+    """RFC 9112 3.2.2: a server accepts ``POST http://host/path``, as a forward proxy sends it."""
+    with Wire(shared_server.http) as wire:
+        target = f"http://{shared_server.http}/v2/models/add_sub/infer"
+        wire.send(b"POST %s HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (target.encode(), len(GOOD), GOOD))
+        status, _, body = wire.response()
+        assert status == 200, body
+        outputs = {o["name"]: o["data"] for o in json.loads(body)["outputs"]}
+        np.testing.assert_allclose(outputs["OUTPUT0"], [2.0] * 16)
+        wire.send(get("GET", f"http://{shared_server.http}/v2/health/ready"))
+        assert wire.response()[0] == 200
+        wire.send(get("GET", "http://t/v3"))
+        status, _, body = wire.response()
+        assert status == 404 and "no route for /v3" in json.loads(body)["error"]
 
 
 def expect_head(
