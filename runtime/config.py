@@ -164,6 +164,17 @@ class LoadedConfig:
     """Where it came from: the config file's path, or a description of the override."""
     warnings: list[str]
     """Fields that parsed but that Sluice does not implement yet, one sentence each."""
+    text: str = ""
+    """The source text (empty for an auto-completed model), to place later errors in it."""
+    fmt: str = "pbtxt"
+
+    def placed(self, exc: ConfigError) -> ConfigError:
+        """``exc`` (a later step's complaint about a field of this config) with this config's file,
+        and the line and column of its field when the text has it."""
+        if exc.line is not None or exc.file not in (None, self.source):
+            return exc
+        line, column = _locate(self.text, self.fmt, exc.field)
+        return ConfigError(exc.detail, file=self.source, line=line, column=column, field=exc.field)
 
 
 # --- parsing -------------------------------------------------------------------------------------
@@ -570,6 +581,9 @@ def _document_fields(text: str) -> dict[str, tuple[int, int]]:
     return positions
 
 
+_MAP_KEY = re.compile(r"""key\s*:?\s*(?:"([^"\\]*)"|'([^'\\]*)')""")
+
+
 def _locate(text: str, fmt: str, field: str | None) -> tuple[int | None, int | None]:
     """Line and column of ``field`` (or of its nearest enclosing field) in the source text."""
     if not field:
@@ -577,8 +591,15 @@ def _locate(text: str, fmt: str, field: str | None) -> tuple[int | None, int | N
     if fmt == "pbtxt":
         try:
             positions: dict[str, tuple[int, int]] = {}
+            lines = text.splitlines()
             for ev_line, ev_col, ev_field, _ in _pbtxt_fields(text):
                 positions.setdefault(ev_field, (ev_line, ev_col))
+                if ev_field.endswith("].key"):  # a map entry: also findable by its key, as JSON/YAML are
+                    found = _MAP_KEY.match(lines[ev_line - 1], ev_col - 1)
+                    entry = ev_field[: -len(".key")]
+                    if found is not None:
+                        keyed = entry[: entry.rfind("[")] + f"[{found.group(1) or found.group(2)}]"
+                        positions.setdefault(keyed, positions[entry])
         except Exception:
             return None, None
     else:
@@ -656,7 +677,7 @@ def load_model_config(model_dir: Path, *, override: str | None = None) -> Loaded
             raise
         line, column = _locate(text, fmt, exc.field)
         raise ConfigError(exc.detail, file=exc.file or source, line=line, column=column, field=exc.field) from exc
-    return LoadedConfig(config=config, source=source, warnings=warnings)
+    return LoadedConfig(config=config, source=source, warnings=warnings, text=text, fmt=fmt)
 
 
 def _normalize(config: mc.ModelConfig, model_dir: Path) -> None:

@@ -302,6 +302,24 @@ def prepare(
     if not model_dir.is_dir():
         raise NotFound(f"failed to poll from model repository: no directory '{name}' in the model repository")
     loaded = model_config.load_model_config(model_dir, override=override)
+    try:
+        return _prepare_loaded(root, name, loaded, model_dir, defaults, services, tried)
+    except ConfigError as exc:  # a backend's or a later check's complaint: placed in the config's text
+        placed = loaded.placed(exc)
+        if placed is exc:
+            raise
+        raise placed from None
+
+
+def _prepare_loaded(
+    root: Path,
+    name: str,
+    loaded: model_config.LoadedConfig,
+    model_dir: Path,
+    defaults: SchedulingDefaults,
+    services: BackendServices | None,
+    tried: list[int] | None,
+) -> _Prepared:
     config = loaded.config
     warnings = list(loaded.warnings)
     available = _available_versions(model_dir)

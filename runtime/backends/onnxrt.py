@@ -101,12 +101,13 @@ def _int_param(config: mc.ModelConfig, key: str, default: int) -> int:
     raw = _param(config, key)
     if raw is None or raw == "":
         return default
+    allowed = f'allowed: a whole number as its string_value, such as "4" ("0": onnxruntime picks; unset: {default})'
     try:
         value = int(raw)
     except ValueError:
-        raise ConfigError(f"must be an integer string, got {raw!r}", field=f"parameters[{key}]") from None
+        raise ConfigError(f"{raw!r} is not an integer; {allowed}", field=f"parameters[{key}]") from None
     if value < 0:
-        raise ConfigError(f"must be >= 0, got {value}", field=f"parameters[{key}]")
+        raise ConfigError(f"{value} is negative; {allowed}", field=f"parameters[{key}]")
     return value
 
 

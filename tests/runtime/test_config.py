@@ -638,6 +638,28 @@ def test_validation_errors_locate_the_key_in_yaml_and_json(tmp_path: Path, fmt: 
     assert_mentions(caught.value.message, f"config.{fmt}{location}", "input[0].dims")
 
 
+@pytest.mark.parametrize(
+    ("fmt", "text", "location"),
+    [
+        ("pbtxt", 'backend: "python"\nparameters { key: "a" value { string_value: "1" } }\n'
+                  "parameters {\n  key: 'b'\n  value { string_value: \"x\" } }\n", ":3:1"),
+        ("yaml", "backend: python\nparameters:\n  a: {string_value: '1'}\n  b: {string_value: x}\n", ":4:3"),
+        ("json", '{"backend": "python", "parameters": {\n "a": {"string_value": "1"},\n "b": {"string_value": "x"}}}',
+         ":3:2"),
+    ],
+)  # fmt: skip
+def test_a_later_complaint_about_a_parameter_is_placed_at_its_entry(
+    tmp_path: Path, fmt: str, text: str, location: str
+) -> None:
+    """A backend reads its parameters after validation; ``placed`` finds the entry by its key."""
+    model_dir = make_model(tmp_path, {f"config.{fmt}": text})
+    loaded = model_config.load_model_config(model_dir)
+    placed = loaded.placed(ConfigError("'x' is not an integer", field="parameters[b]"))
+    assert placed.message.startswith(f"{model_dir / f'config.{fmt}'}{location}: field 'parameters[b]': 'x' is not")
+    elsewhere = ConfigError("cannot load", file=str(model_dir / "1" / "model.onnx"))
+    assert loaded.placed(elsewhere) is elsewhere  # about another file: left as it is
+
+
 def test_validate_directly_names_the_source_and_field() -> None:
     config = pbtxt('backend: "python" max_batch_size: 2 input [ { name: "a" data_type: TYPE_FP32 dims: [ 0 ] } ]')
     with pytest.raises(ConfigError) as caught:

@@ -91,17 +91,24 @@ def test_gpu_model_without_cuda_fails_its_load_only(tmp_path, serve):
     assert "CUDA execution provider" in row["reason"]
 
 
-def test_bad_thread_parameter_names_the_field(tmp_path, serve):
+def test_bad_thread_parameter_names_file_line_field_and_what_is_allowed(tmp_path, serve):
+    """The parameter is read when the session opens, after the config was validated; the error
+    still points at the entry's line in config.pbtxt (found by its key, not the first entry's)."""
     repo = tmp_path / "repo"
     write_model(
         repo, "mlp", 'name: "mlp"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
-        'parameters { key: "intra_op_thread_count" value { string_value: "many" } }\n',
+        'parameters { key: "inter_op_thread_count" value { string_value: "1" } }\n'
+        "parameters { key: 'intra_op_thread_count' value { string_value: \"many\" } }\n",
         {"model.onnx": BUILDERS.mlp_model()},
     )  # fmt: skip
     server = serve(repo, **EXPLICIT)
     client = httpclient.InferenceServerClient(server.http)
-    with pytest.raises(InferenceServerException, match=r"intra_op_thread_count.*integer"):
+    with pytest.raises(InferenceServerException) as info:
         client.load_model("mlp")
+    message = str(info.value)
+    assert "mlp/config.pbtxt:5:1: field 'parameters[intra_op_thread_count]': 'many' is not an integer" in message
+    assert 'allowed: a whole number as its string_value, such as "4"' in message
+    assert str(tmp_path) not in message  # the server's paths stay with the server
 
 
 def test_output_reshape_serves_the_config_dims(tmp_path, serve, mlp_session):

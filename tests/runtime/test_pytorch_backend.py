@@ -633,7 +633,7 @@ def test_dynamic_batching_forms_batches_of_torch_requests(tmp_path, serve):
         (
             ADD_SUB_CONFIG + 'parameters { key: "INFERENCE_MODE" value { string_value: "sometimes" } }',
             "addsub",
-            r"config.pbtxt: field 'parameters\[INFERENCE_MODE\]': must be 'true' or 'false', got 'sometimes'",
+            r"config.pbtxt:12:1: field 'parameters\[INFERENCE_MODE\]': must be 'true' or 'false', got 'sometimes'",
         ),
         (
             ADD_SUB_CONFIG.replace('"INPUT__0", data_type: TYPE_FP32', '"INPUT__0", data_type: TYPE_UINT64'),
@@ -645,7 +645,8 @@ def test_dynamic_batching_forms_batches_of_torch_requests(tmp_path, serve):
         (
             ADD_SUB_CONFIG + "instance_group [ { kind: KIND_GPU gpus: [ 3 ] } ]",
             "addsub",
-            r"field 'instance_group\[0\].gpus': GPU 3 is listed but this machine has \d+ GPUs? visible",
+            r"config.pbtxt:12:\d+: field 'instance_group\[0\].gpus': "
+            r"GPU 3 is listed but this machine has \d+ GPUs? visible",
         ),
         (
             ADD_SUB_CONFIG + 'parameters { key: "memory_format" value { string_value: "nhwc" } }',
@@ -656,7 +657,7 @@ def test_dynamic_batching_forms_batches_of_torch_requests(tmp_path, serve):
             ADD_SUB_CONFIG.replace("dims: [ 4 ] },\n  { name: \"INPUT__1\"", "dims: [ -1 ] },\n  { name: \"INPUT__1\"")
             + "optimization { cuda { graphs: true } }",
             "addsub",
-            r"config.pbtxt: field 'optimization.cuda.graph_spec': input 'INPUT__0' has dynamic dims \[-1\]; "
+            r"config.pbtxt:12:16: field 'optimization.cuda.graph_spec': input 'INPUT__0' has dynamic dims \[-1\]; "
             r"a CUDA graph needs fixed shapes",
         ),
     ],

@@ -390,9 +390,9 @@ def with_bad_pickle(archive: bytes) -> bytes:
     ("extra", "files", "message"),
     [
         (parameter("ENABLE_WEIGHT_SHARING", "maybe"), "ok",
-         r"config.pbtxt: field 'parameters\[ENABLE_WEIGHT_SHARING\]': must be 'true' or 'false', got 'maybe'"),
+         r"config.pbtxt:6:1: field 'parameters\[ENABLE_WEIGHT_SHARING\]': must be 'true' or 'false', got 'maybe'"),
         (parameter("INTER_OP_THREAD_COUNT", "-2"), "ok",
-         r"config.pbtxt: field 'parameters\[INTER_OP_THREAD_COUNT\]': must be a positive integer string, got '-2'"),
+         r"config.pbtxt:6:1: field 'parameters\[INTER_OP_THREAD_COUNT\]': must be a positive integer string, got '-2'"),
         ("", "garbage", r"bad/1/model.pt: field 'default_model_filename': 'model.pt' is not a model torch can load"),
         ("", "truncated", r"bad/1/model.pt"),
         ("", "bad-pickle", r"bad/1/model.pt: torch.jit.load cannot load the model: Expected PROTO opcode"),
@@ -430,7 +430,7 @@ class Lengths(torch.nn.Module):
     ("text", "message"),
     [
         (config([io("INPUT__0", "TYPE_STRING", "2, 3")], [io("OUTPUT__0", "TYPE_INT64", "-1")]),
-         r"config.pbtxt: field 'input\[0\].dims': input 'INPUT__0' is TYPE_STRING with 2 dimensions"),
+         r"config.pbtxt:\d+:\d+: field 'input\[0\].dims': input 'INPUT__0' is TYPE_STRING with 2 dimensions"),
         (config([io("INPUT__0", "TYPE_STRING", "-1")], [io("OUTPUT__0", "TYPE_INT64", "-1")], 4),
          r"field 'input\[0\].dims': .*allowed: one dimension in all \(with max_batch_size > 0: dims \[1\] and "
          r"reshape \{ shape: \[\] \}\)"),
