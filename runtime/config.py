@@ -218,6 +218,8 @@ def _strip_pbtxt_prefix(message: str, text: str, line: int | None) -> str:
     message = re.sub(r"^\d+:\d+ : ", "", message)
     if line is not None and message.startswith("'"):
         lines = text.splitlines()
+        if message.startswith("'': ") and line > len(lines):  # protobuf echoes the (empty) line past the end
+            return "the file ends early: " + message[4:]
         if 0 < line <= len(lines):
             for echoed in (lines[line - 1], lines[line - 1].strip()):
                 if message.startswith(f"'{echoed}': "):

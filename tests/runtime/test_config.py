@@ -256,6 +256,12 @@ PARSE_ERRORS = [
         [":3:", "parameters[threads].string_value", "expected a string", "quote it"],
         id="yaml-number-for-string",
     ),
+    pytest.param(
+        "pbtxt",
+        'name: "m"\ninput [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] }\n',
+        [":3:1", "syntax error: the file ends early: Expected"],
+        id="pbtxt-unclosed-list",
+    ),
     pytest.param("yaml", "- a\n", ["expected a mapping for ModelConfig, got a list"], id="yaml-not-a-mapping"),
     pytest.param(
         "json",
