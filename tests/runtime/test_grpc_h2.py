@@ -210,6 +210,7 @@ class Client:
     def __init__(self, address: str, settings: dict[int, int] | None = None, auto_window: bool = True) -> None:
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=5)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.encoder = hpack.Encoder()
         self.decoder = hpack.Decoder()
         self.buf = bytearray()
