@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from google.protobuf import json_format, text_format
+from google.protobuf import json_format, text_encoding, text_format
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
 from google.protobuf.message import Message
 from tritonclient.grpc import model_config_pb2 as mc
@@ -171,8 +171,8 @@ class LoadedConfig:
     def placed(self, exc: ConfigError) -> ConfigError:
         """``exc`` (a later step's complaint about a field of this config) with this config's file,
         and the line and column of its field when the text has it."""
-        if exc.line is not None or exc.file not in (None, self.source):
-            return exc
+        if exc.line is not None or exc.field is None or exc.file not in (None, self.source):
+            return exc  # placed already, about no field of the config, or about another file
         line, column = _locate(self.text, self.fmt, exc.field)
         return ConfigError(exc.detail, file=self.source, line=line, column=column, field=exc.field)
 
@@ -202,7 +202,7 @@ def _parse_pbtxt(text: str, path: str) -> mc.ModelConfig:
         text_format.Parse(text, config)
     except text_format.ParseError as exc:
         line, column = exc.GetLine(), exc.GetColumn()
-        raw = _strip_pbtxt_prefix(str(exc), text, line)
+        raw = _strip_pbtxt_prefix(str(exc), text, line, column)
         field, fd = _pbtxt_field_at(text, line, column)
         message = _friendly_pbtxt_error(raw, fd)
         if message is None:
@@ -213,13 +213,14 @@ def _parse_pbtxt(text: str, path: str) -> mc.ModelConfig:
     return config
 
 
-def _strip_pbtxt_prefix(message: str, text: str, line: int | None) -> str:
+def _strip_pbtxt_prefix(message: str, text: str, line: int | None, column: int | None = None) -> str:
     """Drop ``"3:9 : "`` and the echoed source line protobuf puts in front of its message."""
     message = re.sub(r"^\d+:\d+ : ", "", message)
     if line is not None and message.startswith("'"):
-        lines = text.splitlines()
-        if message.startswith("'': ") and line > len(lines):  # protobuf echoes the (empty) line past the end
-            return "the file ends early: " + message[4:]
+        lines = text.split("\n")  # as protobuf's tokenizer counts lines
+        if message.startswith("'': ") and text[_offset(lines, line, column or 1) :].strip() == "":
+            # protobuf echoes the empty token past the last one: the text ended before the message did
+            return "the file ends early: " + message[4:].removesuffix(" but found: ''")
         if 0 < line <= len(lines):
             for echoed in (lines[line - 1], lines[line - 1].strip()):
                 if message.startswith(f"'{echoed}': "):
@@ -583,7 +584,12 @@ def _document_fields(text: str) -> dict[str, tuple[int, int]]:
     return positions
 
 
-_MAP_KEY = re.compile(r"""key\s*:?\s*(?:"([^"\\]*)"|'([^'\\]*)')""")
+_MAP_KEY = re.compile(r"""key\s*:?\s*(?:"((?:[^"\\\n]|\\.)*)"|'((?:[^'\\\n]|\\.)*)'|(-?\d+)\b)""")
+
+
+def _offset(lines: list[str], line: int, column: int) -> int:
+    """Index into the text (split on newlines, as ``lines``) of a 1-based line and column."""
+    return sum(len(text) + 1 for text in lines[: line - 1]) + column - 1
 
 
 def _locate(text: str, fmt: str, field: str | None) -> tuple[int | None, int | None]:
@@ -593,15 +599,20 @@ def _locate(text: str, fmt: str, field: str | None) -> tuple[int | None, int | N
     if fmt == "pbtxt":
         try:
             positions: dict[str, tuple[int, int]] = {}
-            lines = text.splitlines()
+            lines = text.split("\n")  # as protobuf's tokenizer counts lines
             for ev_line, ev_col, ev_field, _ in _pbtxt_fields(text):
                 positions.setdefault(ev_field, (ev_line, ev_col))
                 if ev_field.endswith("].key"):  # a map entry: also findable by its key, as JSON/YAML are
-                    found = _MAP_KEY.match(lines[ev_line - 1], ev_col - 1)
+                    found = _MAP_KEY.match(text, _offset(lines, ev_line, ev_col))
                     entry = ev_field[: -len(".key")]
                     if found is not None:
-                        keyed = entry[: entry.rfind("[")] + f"[{found.group(1) or found.group(2)}]"
-                        positions.setdefault(keyed, positions[entry])
+                        quoted = found.group(1) if found.group(1) is not None else found.group(2)
+                        key = found.group(3)
+                        if quoted is not None:
+                            key = text_encoding.CUnescape(quoted).decode(errors="replace")
+                        # errors name map entries by key (an integer key replaces the entry's index);
+                        # the last entry of a key is the one protobuf keeps
+                        positions[entry[: entry.rfind("[")] + f"[{key}]"] = positions[entry]
         except Exception:
             return None, None
     else:

@@ -308,7 +308,7 @@ def prepare(
         placed = loaded.placed(exc)
         if placed is exc:
             raise
-        raise placed from None
+        raise placed from exc
 
 
 def _prepare_loaded(

@@ -213,10 +213,10 @@ class Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         key = name.lower()
-        if key == b"transfer-encoding" and key in self._headers:  # codings listed over several lines
-            value = self._headers[key] + b", " + value
-        self._headers[key] = value
         self._head_bytes += len(name) + len(value) + 4
+        if key == b"transfer-encoding" and key in self._headers:  # codings listed over several lines
+            value = self._headers[key] + b", " + value  # bounded: the head limit counts each line once
+        self._headers[key] = value
         if self._head_bytes > self._max_head:
             self._count_head(0)
 
@@ -307,6 +307,8 @@ class Connection(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(self, self._parser.get_method(), self._url, self._headers, body)
         request.keep_alive = self._parser.should_keep_alive()
+        if b"transfer-encoding" in self._headers and self._parser.get_http_version() == "1.0":
+            request.keep_alive = False  # RFC 9112 6.1: HTTP/1.0 framing with a transfer coding is suspect
         self._burst += 1
         if self._current_request is None and self._burst <= _BURST:
             self._dispatch(request)

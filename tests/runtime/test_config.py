@@ -262,6 +262,13 @@ PARSE_ERRORS = [
         [":3:1", "syntax error: the file ends early: Expected"],
         id="pbtxt-unclosed-list",
     ),
+    pytest.param(
+        "pbtxt",
+        'name: "m"\ninput [ { name: "x" }',
+        [":2:22", "syntax error: the file ends early: Expected"],
+        id="pbtxt-unclosed-list-no-newline",
+    ),
+    pytest.param("pbtxt", "name:", [":1:6", "the file ends early: Expected string"], id="pbtxt-ends-after-colon"),
     pytest.param("yaml", "- a\n", ["expected a mapping for ModelConfig, got a list"], id="yaml-not-a-mapping"),
     pytest.param(
         "json",
@@ -664,6 +671,34 @@ def test_a_later_complaint_about_a_parameter_is_placed_at_its_entry(
     assert placed.message.startswith(f"{model_dir / f'config.{fmt}'}{location}: field 'parameters[b]': 'x' is not")
     elsewhere = ConfigError("cannot load", file=str(model_dir / "1" / "model.onnx"))
     assert loaded.placed(elsewhere) is elsewhere  # about another file: left as it is
+
+
+_TWO = 'parameters { key: "a" value { string_value: "1" } }\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "location"),
+    [
+        ('backend: "python"\n' + _TWO + 'parameters {\n key:\n  "b"\n value { } }\n', "parameters[b]", (3, 1)),
+        ('backend: "python"\n' + _TWO + 'parameters { key: "b\\"c" value { } }\n', 'parameters[b"c]', (3, 1)),
+        ('backend: "python"\n' + _TWO + 'parameters { key: "a" value { } }\n', "parameters[a]", (3, 1)),  # last wins
+        ('# a \u2028 in a comment\nbackend: "python"\n' + _TWO + 'parameters { key: "b" }\n', "parameters[b]", (4, 1)),
+        (
+            'backend: "python"\nmax_batch_size: 4\ndynamic_batching { priority_levels: 2 default_priority_level: 1\n'
+            " priority_queue_policy { key: 2 value { } }\n priority_queue_policy { key: 1 value { } } }\n",
+            "dynamic_batching.priority_queue_policy[1]",
+            (5, 2),
+        ),
+    ],
+    ids=["key-on-a-later-line", "escaped-quote", "repeated-key", "unicode-line-separator", "integer-keys"],
+)
+def test_map_entries_are_located_by_key_in_pbtxt(tmp_path: Path, text: str, field: str, location: tuple) -> None:
+    model_dir = make_model(tmp_path, {"config.pbtxt": text})
+    loaded = model_config.load_model_config(model_dir)
+    placed = loaded.placed(ConfigError("bad", field=field))
+    assert (placed.line, placed.column) == location
+    unplaced = ConfigError("tensor 'y' has ONNX type seq(tensor(float))")  # about no field of the config
+    assert loaded.placed(unplaced) is unplaced
 
 
 def test_validate_directly_names_the_source_and_field() -> None:

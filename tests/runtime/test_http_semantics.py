@@ -144,6 +144,31 @@ def test_absolute_form_targets_are_served_as_their_path(shared_server):
         assert status == 404 and "no route for /v3" in json.loads(body)["error"]
 
 
+def test_http_1_0_with_a_transfer_coding_is_answered_then_closed(shared_server):
+    """RFC 9112 6.1: HTTP/1.0 framing with Transfer-Encoding is suspect; the server answers and closes,
+    so nothing after the body is read as another request (even when the client asked to keep alive)."""
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(GOOD), GOOD)
+    with Wire(shared_server.http) as wire:
+        wire.send(
+            b"POST /v2/models/add_sub/infer HTTP/1.0\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + chunked
+            + get("GET", "/v2/health/ready")
+        )
+        status, headers, body = wire.response()
+        assert status == 200, body
+        assert headers.get("connection") == "close"
+        assert wire.closed()
+
+
+def test_transfer_coding_lines_count_once_against_the_head_limit(shared_server):
+    """300 short Transfer-Encoding lines (7 KB of head) are refused for their coding, not their size."""
+    head = b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\n" + b"Transfer-Encoding: gzip\r\n" * 300
+    with Wire(shared_server.http) as wire:
+        wire.send(head + b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+        status, _, body = wire.response()
+        assert status == 501 and "unsupported Transfer-Encoding 'gzip, gzip," in json.loads(body)["error"]
+
+
 def expect_head(
     path: str, length: int, expect: str = "100-continue", version: str = "1.1", method: str = "POST"
 ) -> bytes:
