@@ -281,6 +281,8 @@ def http_server() -> Iterator[tuple[str, Script]]:
     script = Script(b"", [200])
 
     class Handler(http.server.BaseHTTPRequestHandler):
+        disable_nagle_algorithm = True  # headers and body are two writes: no wait for a delayed ACK
+
         def do_GET(self):
             answer = script.next()
             if answer == "truncate":
@@ -301,7 +303,7 @@ def http_server() -> Iterator[tuple[str, Script]]:
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", script
     server.shutdown()
