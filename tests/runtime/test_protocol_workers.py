@@ -8,6 +8,7 @@ serve`` in a subprocess where it needs signals), called with tritonclient and pl
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import os
 import re
@@ -254,7 +255,11 @@ def _worker_connections(address: str, count: int) -> dict[str, http.client.HTTPC
     # The workers race to accept on one listening socket; under CPU load a warm worker can win
     # hundreds of races in a row, so this bounds the search by time (a failure bound, not a window).
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    for attempt in itertools.count():
+        if time.monotonic() > deadline:
+            break
+        if attempt >= 200:
+            time.sleep(0.01)  # past the usual case: at most ~6,000 connections, well within the local ports
         conn = http.client.HTTPConnection(address, timeout=30)
         conn.request("GET", "/v2/health/ready")
         response = conn.getresponse()
