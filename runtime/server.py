@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import gzip
 import logging
 import os
 import socket
@@ -33,7 +34,7 @@ from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import NotFound, SluiceError
 from sluice.runtime.forwarding import Forwarder, SplitFileWatcher
 from sluice.runtime.gpu_telemetry import GpuTelemetry
-from sluice.runtime.metrics import Metrics
+from sluice.runtime.metrics import Metrics, wants_gzip
 from sluice.runtime.mirror import RepositoryMirror
 from sluice.runtime.protocol.grpc import start_grpc
 from sluice.runtime.protocol.grpc_h2 import GrpcServer
@@ -351,7 +352,11 @@ class Server:
     def _metrics_route(self, request: Request) -> Response:
         path = request.path
         if path == b"/metrics":
-            return Response(200, self.metrics.exposition(), b"text/plain; version=0.0.4; charset=utf-8")
+            body, extra = self.metrics.exposition(), [(b"vary", b"accept-encoding")]
+            if wants_gzip(request.headers.get(b"accept-encoding")):  # Prometheus asks for it on every scrape
+                body = gzip.compress(body, compresslevel=1)  # ~10x smaller; level 1: least event-loop time
+                extra.append((b"content-encoding", b"gzip"))
+            return Response(200, body, b"text/plain; version=0.0.4; charset=utf-8", extra)
         # Health here too: probes reach it where the inference listeners are loopback-only (a sidecar).
         if path == b"/v2/health/live":
             return Response(200 if self.dataplane.live() else 503)

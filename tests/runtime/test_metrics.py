@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import re
 import urllib.error
@@ -10,7 +11,10 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
+
+from sluice.runtime.metrics import wants_gzip
 
 from .conftest import write_model  # type: ignore[import-not-found]
 
@@ -94,6 +98,45 @@ def test_two_servers_in_one_process_keep_their_own_registries(example_repo, serv
     client.close()
     assert value(scrape(first), "sluice_inference_count_total", model="mlp", version="1") == 2
     assert value(scrape(second), "sluice_inference_count_total", model="mlp", version="1") == 0
+
+
+@pytest.mark.parametrize(
+    ("header", "gzipped"),
+    [
+        (None, False),
+        (b"", False),
+        (b"gzip", True),
+        (b"identity", False),
+        (b"deflate, GZIP", True),
+        (b"x-gzip", True),
+        (b"gzip;q=0", False),
+        (b"gzip; q=0.0, identity", False),
+        (b"*", True),
+        (b"*;q=1, gzip;q=0", False),
+        (b"br;q=1.0, *;q=0.1", True),
+        (b"gzip;q=abc", False),
+    ],
+)
+def test_wants_gzip_reads_accept_encoding_as_rfc_9110_does(header, gzipped):
+    assert wants_gzip(header) is gzipped
+
+
+def test_a_scrape_that_accepts_gzip_gets_the_same_families_gzipped(example_repo, serve):
+    """Prometheus sends ``Accept-Encoding: gzip`` on every scrape; the exposition is ~10x smaller."""
+    server = serve(example_repo)
+    client = httpclient.InferenceServerClient(server.http)
+    client.get_model_metadata("add_sub")
+    plain = scrape(server)
+    request = urllib.request.Request(f"http://{server.metrics}/metrics", headers={"Accept-Encoding": "gzip"})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        assert response.headers["Content-Encoding"] == "gzip"
+        assert response.headers["Vary"] == "accept-encoding"
+        raw = response.read()
+    text = gzip.decompress(raw).decode()
+    assert len(raw) * 4 < len(text)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert set(families) == {f.name for f in text_string_to_metric_families(plain)}
+    assert "sluice_queue_depth" in families
 
 
 def test_metrics_port_answers_only_metrics(example_repo, serve):
