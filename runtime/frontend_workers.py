@@ -738,10 +738,10 @@ def _positive(header: bytes) -> bool:
 class _WorkerConnection(Connection):
     """Names the worker in each response (``sluice-worker``), so tests and operators can see the spread."""
 
-    def _write(self, response: Response, close: bool, head_only: bool = False) -> None:
+    def _write(self, response: Response, close: bool, head_only: bool = False, announce: bool = False) -> None:
         tag = (WORKER_HEADER, self._server.worker_tag)  # type: ignore[attr-defined]
         response.extra = [*response.extra, tag] if response.extra else [tag]
-        super()._write(response, close, head_only)
+        super()._write(response, close, head_only, announce)
 
 
 class _WorkerHttpServer(HttpServer):

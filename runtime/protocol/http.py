@@ -56,6 +56,11 @@ def origin_form(target: bytes) -> bytes:
     return path if path.startswith(b"/") else b"/" + path
 
 
+KEEP_ALIVE_ANNOUNCED = 2
+"""``Request.keep_alive`` of an HTTP/1.0 request that asked to keep the connection: the answer says
+``connection: keep-alive``, without which an HTTP/1.0 client (ApacheBench ``-k``) closes it."""
+
+
 class Request:
     __slots__ = ("body", "conn", "headers", "keep_alive", "method", "path", "query")
 
@@ -67,7 +72,7 @@ class Request:
         self.query = query
         self.headers = headers
         self.body = body
-        self.keep_alive = True
+        self.keep_alive: bool | int = True  # or KEEP_ALIVE_ANNOUNCED
 
 
 class Response:
@@ -307,6 +312,8 @@ class Connection(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(self, self._parser.get_method(), self._url, self._headers, body)
         request.keep_alive = self._parser.should_keep_alive()
+        if request.keep_alive and b"connection" in self._headers and self._parser.get_http_version() == "1.0":
+            request.keep_alive = KEEP_ALIVE_ANNOUNCED
         if b"transfer-encoding" in self._headers and self._parser.get_http_version() == "1.0":
             request.keep_alive = False  # RFC 9112 6.1: HTTP/1.0 framing with a transfer coding is suspect
         self._burst += 1
@@ -349,7 +356,8 @@ class Connection(asyncio.Protocol):
         if self._closed or self._transport is None:
             return
         close = not request.keep_alive or self._server.draining
-        self._write(response, close, head_only=request.method == b"HEAD")
+        announce = not close and request.keep_alive == KEEP_ALIVE_ANNOUNCED
+        self._write(response, close, head_only=request.method == b"HEAD", announce=announce)
         self._current_request = None
         if close:
             return
@@ -386,7 +394,7 @@ class Connection(asyncio.Protocol):
         if self._transport is not None and len(self._pending) <= 32 and not self._write_paused and not self._closed:
             self._transport.resume_reading()
 
-    def _write(self, response: Response, close: bool, head_only: bool = False) -> None:
+    def _write(self, response: Response, close: bool, head_only: bool = False, announce: bool = False) -> None:
         """Send ``response``; ``head_only`` (a HEAD request) sends its headers, Content-Length
         included, but not its body: a body would be read as the start of the next response."""
         assert self._transport is not None
@@ -399,6 +407,8 @@ class Connection(asyncio.Protocol):
             head.extend(b"%s: %s\r\n" % pair for pair in response.extra)
         if close:
             head.append(b"connection: close\r\n")
+        elif announce:
+            head.append(b"connection: keep-alive\r\n")
         head.append(b"\r\n")
         if not head_only:
             head.append(response.body)

@@ -144,6 +144,28 @@ def test_absolute_form_targets_are_served_as_their_path(shared_server):
         assert status == 404 and "no route for /v3" in json.loads(body)["error"]
 
 
+def test_http_1_0_keep_alive_is_announced_and_kept(shared_server):
+    """An HTTP/1.0 client keeps its connection only when the answer says ``connection: keep-alive``
+    (ApacheBench ``-k``); without the request header HTTP/1.0 closes after each answer."""
+    with Wire(shared_server.http) as wire:
+        for _ in range(2):
+            wire.send(b"GET /v2/health/ready HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n")
+            status, headers, _ = wire.response()
+            assert (status, headers.get("connection")) == (200, "keep-alive")
+        wire.send(b"POST /v2/models/add_sub/infer HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: %d\r\n\r\n%s"
+                  % (len(GOOD), GOOD))  # fmt: skip
+        status, headers, body = wire.response()
+        assert (status, headers.get("connection")) == (200, "keep-alive"), body
+        wire.send(b"GET /v2/health/ready HTTP/1.0\r\n\r\n")
+        status, headers, _ = wire.response()
+        assert (status, headers.get("connection")) == (200, "close")
+        assert wire.closed()
+    with Wire(shared_server.http) as wire:  # HTTP/1.1 keeps alive without saying so
+        wire.send(get("GET", "/v2/health/ready"))
+        status, headers, _ = wire.response()
+        assert status == 200 and "connection" not in headers
+
+
 def test_http_1_0_with_a_transfer_coding_is_answered_then_closed(shared_server):
     """RFC 9112 6.1: HTTP/1.0 framing with Transfer-Encoding is suspect; the server answers and closes,
     so nothing after the body is read as another request (even when the client asked to keep alive)."""
