@@ -768,11 +768,13 @@ class _Raw:
 def worker_service(plane: RemotePlane, settings: ServerSettings) -> Service:
     """gRPC's method table for a worker: ``ModelInfer`` decoded here, the rest forwarded."""
     service = Service(cast(DataPlane, plane), settings.limits)
-    for name, method in list(service.methods.items()):
+    for key, method in list(service.methods.items()):  # forwarded by key: the engine's table has the same
         if method.kind == grpc_service.UNARY:
-            service.methods[name] = Method(name, grpc_service.UNARY, _forward_unary(plane, name), None)
+            forward = _forward_unary(plane, key)
+            service.methods[key] = Method(method.name, grpc_service.UNARY, forward, None, service=method.service)
         elif method.kind == grpc_service.STREAM:
-            service.methods[name] = Method(name, grpc_service.STREAM, _forward_stream(plane), bytes)
+            streamed = _forward_stream(plane)
+            service.methods[key] = Method(method.name, grpc_service.STREAM, streamed, bytes, service=method.service)
     return service
 
 

@@ -12,7 +12,7 @@ import grpc
 from sluice.runtime import callers
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import SluiceError
-from sluice.runtime.protocol.grpc_service import INFER, SERVICE, STREAM, Call, Method, Service
+from sluice.runtime.protocol.grpc_service import INFER, STREAM, Call, Method, Service
 from sluice.runtime.protocol.grpc_status import grpc_code
 from sluice.runtime.settings import Limits
 
@@ -59,15 +59,17 @@ def _stream(method: Method) -> Callable[..., Any]:
     return handle
 
 
-def method_handlers(service: Service) -> dict[str, grpc.RpcMethodHandler]:
-    """Every method of the table, with lenient request parsing (handlers answer unparsable bytes)."""
-    handlers = {}
-    for name, method in service.methods.items():
+def method_handlers(service: Service) -> dict[str, dict[str, grpc.RpcMethodHandler]]:
+    """Every method of the table by gRPC service and method name, with lenient request parsing
+    (handlers answer unparsable bytes)."""
+    handlers: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+    for method in service.methods.values():
         if method.kind == STREAM:
-            handlers[name] = grpc.stream_stream_rpc_method_handler(_stream(method), method.parse, _serialize)
+            handler = grpc.stream_stream_rpc_method_handler(_stream(method), method.parse, _serialize)
         else:
             parse = None if method.kind == INFER else method.parse  # ModelInfer takes the bytes (plan cache)
-            handlers[name] = grpc.unary_unary_rpc_method_handler(_unary(method), parse, _serialize)
+            handler = grpc.unary_unary_rpc_method_handler(_unary(method), parse, _serialize)
+        handlers.setdefault(method.service, {})[method.name] = handler
     return handlers
 
 
@@ -83,9 +85,9 @@ async def start_grpc(
         ("grpc.http2.max_pings_without_data", 0),
     ]
     server = grpc.aio.server(options=options)
-    handlers = method_handlers(Service(dataplane, limits))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
-    server.add_registered_method_handlers(SERVICE.full_name, handlers)
+    for service_name, handlers in method_handlers(Service(dataplane, limits)).items():
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
+        server.add_registered_method_handlers(service_name, handlers)
     bound = -1
     if port >= 0:
         bound = server.add_insecure_port(f"{host}:{port}")

@@ -1281,10 +1281,7 @@ class GrpcServer(Listener):
         self.dataplane = dataplane
         self.limits = limits
         self.service = service if service is not None else Service(dataplane, limits)
-        self.routes = {
-            f"/{grpc_service.SERVICE.full_name}/{name}".encode(): _Route(method)
-            for name, method in self.service.methods.items()
-        }
+        self.routes = {method.path.encode(): _Route(method) for method in self.service.methods.values()}
 
     def make_connection(self) -> GrpcConnection:
         return GrpcConnection(self)

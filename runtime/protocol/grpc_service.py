@@ -1,4 +1,5 @@
-"""Triton's ``inference.GRPCInferenceService``, once, for both gRPC front ends.
+"""Triton's ``inference.GRPCInferenceService``, once, for both gRPC front ends (with gRPC's standard
+health check, ``grpc.health.v1.Health/Check``: grpc_health.py).
 
 A method table maps each method name to a handler that takes the parsed request message (or an
 async iterator of them, for ``ModelStreamInfer``) and a small :class:`Call`, and returns the response
@@ -26,7 +27,7 @@ from tritonclient.grpc import service_pb2 as pb
 from sluice.runtime import shm, tracing
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import InvalidArgument, NotFound, PayloadTooLarge, SluiceError, Unsupported
-from sluice.runtime.protocol import grpc_codec
+from sluice.runtime.protocol import grpc_codec, grpc_health
 from sluice.runtime.protocol.grpc_plan import InferDecoder
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import InferRequest, InferResponse
@@ -39,6 +40,8 @@ message is read only when one finishes, so a stream the model cannot keep up wit
 its client (HTTP/2 flow control) instead of queueing without bound."""
 
 UNARY, STREAM, INFER, UNIMPLEMENTED = "unary", "stream", "infer", "unimplemented"
+HEALTH_CHECK = f"{grpc_health.HEALTH_SERVICE}/Check"
+"""The method table's key for the health check (inference methods are keyed by their bare names)."""
 
 
 class Call:
@@ -79,15 +82,28 @@ def lenient_parser(message_type: Any) -> Callable[[bytes], Any]:
 
 class Method:
     """One row of the table. ``parse`` turns request bytes into what ``handler`` takes (None: the
-    handler takes bytes); responses are serialized with ``SerializeToString`` unless they are bytes."""
+    handler takes bytes); responses are serialized with ``SerializeToString`` unless they are bytes.
+    ``service``: the gRPC service it belongs to (its path is ``/<service>/<name>``)."""
 
-    __slots__ = ("handler", "kind", "name", "parse")
+    __slots__ = ("handler", "kind", "name", "parse", "service")
 
-    def __init__(self, name: str, kind: str, handler: Callable[..., Any], parse: Callable[[bytes], Any] | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        kind: str,
+        handler: Callable[..., Any],
+        parse: Callable[[bytes], Any] | None,
+        service: str = SERVICE.full_name,
+    ) -> None:
         self.name = name
         self.kind = kind
         self.handler = handler
         self.parse = parse
+        self.service = service
+
+    @property
+    def path(self) -> str:
+        return f"/{self.service}/{self.name}"
 
 
 def _checked(handler: Callable[[Any, Call], Awaitable[Any]]) -> Callable[[Any, Call], Awaitable[Any]]:
@@ -122,6 +138,11 @@ class Service:
             else:
                 row = Method(method.name, UNARY, _checked(handler), parse)
             self.methods[method.name] = row
+        # gRPC's standard health check, keyed by its path's tail (the inference methods' names have no "/")
+        self.methods[HEALTH_CHECK] = Method(
+            "Check", UNARY, _checked(self.health_check), lenient_parser(grpc_health.HealthCheckRequest),
+            service=grpc_health.HEALTH_SERVICE,
+        )  # fmt: skip
 
     @staticmethod
     def _unimplemented(name: str) -> Callable[[Any, Call], Awaitable[Any]]:
@@ -316,6 +337,19 @@ class Service:
     # -- the other methods -------------------------------------------------------------------------
     async def server_live(self, request: pb.ServerLiveRequest, call: Call) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=self.dp.live())
+
+    async def health_check(self, request: Any, call: Call) -> Any:
+        """``grpc.health.v1.Health/Check`` (grpc_health.py says what each service name means)."""
+        status = grpc_health.serving_status(
+            request.service, SERVICE.full_name, self.dp.ready, self.dp.model_ready,
+            lambda name: any(row["name"] == name for row in self.dp.repository_index()),
+        )  # fmt: skip
+        if status is None:
+            raise NotFound(
+                f"unknown service {request.service!r} for health checking; allowed: '' or "
+                f"'{SERVICE.full_name}' (the server), or the name of a model in the repository"
+            )
+        return grpc_health.HealthCheckResponse(status=status)
 
     async def server_ready(self, request: pb.ServerReadyRequest, call: Call) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.dp.ready())
