@@ -287,9 +287,10 @@ def wants_gzip(accept_encoding: bytes | None) -> bool:
                     weight = float(raw)
                 except ValueError:
                     weight = 0.0
-        weights[b"gzip" if coding == b"x-gzip" else coding] = weight
-    weight = weights.get(b"gzip", weights.get(b"*", 0.0))
-    return weight > 0
+        weights[coding] = weight
+    if b"gzip" in weights or b"x-gzip" in weights:  # the same coding under two names: either will do
+        return max(weights.get(b"gzip", 0.0), weights.get(b"x-gzip", 0.0)) > 0
+    return weights.get(b"*", 0.0) > 0
 
 
 def _escape(value: str) -> str:

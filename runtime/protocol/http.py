@@ -144,6 +144,8 @@ class Connection(asyncio.Protocol):
         self._in_drain = False
         self._refusal: Response | None = None  # the answer when the parser is stopped on purpose
         self._owe_continue = False  # a 100 Continue waits for the responses before it to be written
+        self._upgrade_owed = 0  # body bytes of an upgrade request, which the parser leaves to us (-1: none)
+        self._upgrade_request: Request | None = None  # that request, until its body is read
         self.phase = _IDLE
         self.since = self._loop.time()
         self.inflight: InferRequest | None = None  # cancelled if the client goes away
@@ -186,13 +188,26 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closed:
             return
+        if self._upgrade_request is not None:
+            self._take_upgrade_body(data)
+            return
         self._burst = 0
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # The upgrade request itself was already answered by its route (CONNECT: 405, others as
-            # plain HTTP/1.1); what follows it on the wire is another protocol: close.
-            self.close()
+        except httptools.HttpParserUpgrade as exc:
+            # The upgrade request is answered by its route as plain HTTP/1.1 (CONNECT: 405); what follows
+            # it on the wire is another protocol: close once it is answered (now, unless it waits for a
+            # model or a protocol worker's engine, or behind earlier pipelined requests).
+            if self._upgrade_request is not None:  # its body follows the head: read it first
+                self._take_upgrade_body(data[exc.args[0] if exc.args else len(data) :])
+                return
+            latest = self._pending[-1] if self._pending else self._current_request
+            if latest is None:
+                self.close()
+            else:
+                latest.keep_alive = False
+                if self._transport is not None:
+                    self._transport.pause_reading()
         except httptools.HttpParserError as exc:
             if self._refusal is not None:
                 self._write(self._refusal, close=True)
@@ -253,12 +268,41 @@ class Connection(asyncio.Protocol):
                         )
                     )
                 )
+        if b"upgrade" in self._headers:
+            self._upgrade_with_body(coding, length)
         if self.phase == _HEAD:
             self.phase = _BODY
             self.since = self._loop.time()
         expect = self._headers.get(b"expect")
         if expect is not None and self._parser.get_http_version() != "1.0":  # 1.0 clients: ignore it (RFC 9110)
             self._expect(expect, length)
+
+    def _upgrade_with_body(self, coding: bytes | None, length: bytes | None) -> None:
+        """A request asking to upgrade (``curl --http2`` sends ``Upgrade: h2c``) is served as HTTP/1.1;
+        the parser stops at its head, so a body it declares is read by :meth:`_take_upgrade_body`."""
+        tokens = (token.strip() for token in self._headers.get(b"connection", b"").lower().split(b","))
+        if b"upgrade" not in tokens:
+            return  # no upgrade asked: the parser reads the body as usual
+        if coding is not None:
+            message = "a request that asks to upgrade (Upgrade) cannot have a chunked body; allowed: Content-Length"
+            self._refuse(json_response({"error": message}, 400))
+        size = int(length) if length is not None and length.strip().isdigit() else 0
+        self._upgrade_owed = size if size > 0 else -1  # -1: no body, answered and closed all the same
+
+    def _take_upgrade_body(self, data: bytes) -> None:
+        request = self._upgrade_request
+        assert request is not None
+        self._body.append(data)
+        self._body_bytes += len(data)
+        if self._body_bytes < self._upgrade_owed:
+            return
+        request.body = b"".join(self._body)[: self._upgrade_owed]  # what follows is another protocol
+        request.keep_alive = False
+        self._upgrade_request = None
+        self._upgrade_owed = 0
+        if self._transport is not None:
+            self._transport.pause_reading()
+        self._accept(request)
 
     def _check_transfer_coding(self, coding: bytes) -> None:
         """The parser undoes ``chunked`` only: a body under any other transfer coding (``gzip,
@@ -312,10 +356,21 @@ class Connection(asyncio.Protocol):
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(self, self._parser.get_method(), self._url, self._headers, body)
         request.keep_alive = self._parser.should_keep_alive()
-        if request.keep_alive and b"connection" in self._headers and self._parser.get_http_version() == "1.0":
-            request.keep_alive = KEEP_ALIVE_ANNOUNCED
+        if request.keep_alive and (b"connection" in self._headers or b"proxy-connection" in self._headers):
+            self._keep_alive_1_0(request)
         if b"transfer-encoding" in self._headers and self._parser.get_http_version() == "1.0":
             request.keep_alive = False  # RFC 9112 6.1: HTTP/1.0 framing with a transfer coding is suspect
+        if self._upgrade_owed:
+            request.keep_alive = False  # what follows it on the wire is another protocol
+            if self._upgrade_owed > 0:
+                self._upgrade_request = request  # answered once data_received has its body
+                self._body = []
+                self._body_bytes = 0
+                return
+            self._upgrade_owed = 0
+        self._accept(request)
+
+    def _accept(self, request: Request) -> None:
         self._burst += 1
         if self._current_request is None and self._burst <= _BURST:
             self._dispatch(request)
@@ -323,6 +378,17 @@ class Connection(asyncio.Protocol):
             self._pending.append(request)
             if len(self._pending) > 32 and self._transport is not None:
                 self._transport.pause_reading()
+
+    def _keep_alive_1_0(self, request: Request) -> None:
+        """An HTTP/1.0 request kept alive (``Connection`` or ``Proxy-Connection: keep-alive``, which
+        httptools honours even beside ``close``) is announced, unless it also says ``close``."""
+        if self._parser.get_http_version() != "1.0":
+            return
+        tokens = b",".join(self._headers.get(name, b"") for name in (b"connection", b"proxy-connection"))
+        if b"close" in (token.strip() for token in tokens.lower().split(b",")):
+            request.keep_alive = False
+        else:
+            request.keep_alive = KEEP_ALIVE_ANNOUNCED
 
     # -- dispatch --------------------------------------------------------------------------------
     def _dispatch(self, request: Request) -> None:

@@ -166,6 +166,60 @@ def test_http_1_0_keep_alive_is_announced_and_kept(shared_server):
         assert status == 200 and "connection" not in headers
 
 
+@pytest.mark.parametrize(
+    ("headers", "kept"),
+    [
+        (b"Proxy-Connection: keep-alive\r\n", True),  # httptools honours it as Connection
+        (b"Connection: keep-alive, close\r\n", False),
+        (b"Connection: keep-alive\r\nConnection: close\r\n", False),
+        (b"Connection: close\r\n", False),
+    ],
+)
+def test_http_1_0_keep_alive_is_announced_exactly_when_the_connection_stays(shared_server, headers, kept):
+    with Wire(shared_server.http) as wire:
+        wire.send(b"GET /v2/health/ready HTTP/1.0\r\n" + headers + b"\r\n")
+        status, response_headers, _ = wire.response()
+        assert (status, response_headers.get("connection")) == (200, "keep-alive" if kept else "close")
+        if kept:
+            wire.send(get("GET", "/v2/health/ready"))
+            assert wire.response()[0] == 200
+        else:
+            assert wire.closed()
+
+
+UPGRADE = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+
+
+def test_an_upgrade_request_s_body_is_read_after_its_100_continue(shared_server):
+    """``curl --http2 -d ...`` on http:// asks to upgrade and sends a body; the parser stops at the head,
+    so the server reads the body itself (here after 100 Continue, in a later read) and answers over
+    HTTP/1.1, then closes: what would follow is HTTP/2."""
+    with Wire(shared_server.http) as wire:
+        wire.send(
+            b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\n" + UPGRADE
+            + b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(GOOD)
+        )  # fmt: skip
+        assert wire.head()[0] == 100
+        wire.send(GOOD[:10])
+        wire.send(GOOD[10:])
+        status, headers, body = wire.response()
+        assert (status, headers.get("connection")) == (200, "close"), body
+        outputs = {o["name"]: o["data"] for o in json.loads(body)["outputs"]}
+        np.testing.assert_allclose(outputs["OUTPUT0"], [2.0] * 16)
+        assert wire.closed()
+
+
+def test_an_upgrade_request_with_a_chunked_body_is_refused(shared_server):
+    with Wire(shared_server.http) as wire:
+        wire.send(
+            b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\n" + UPGRADE
+            + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(GOOD), GOOD)
+        )  # fmt: skip
+        status, _, body = wire.response()
+        assert status == 400 and "allowed: Content-Length" in json.loads(body)["error"]
+        assert wire.closed()
+
+
 def test_http_1_0_with_a_transfer_coding_is_answered_then_closed(shared_server):
     """RFC 9112 6.1: HTTP/1.0 framing with Transfer-Encoding is suspect; the server answers and closes,
     so nothing after the body is read as another request (even when the client asked to keep alive)."""

@@ -115,6 +115,8 @@ def test_two_servers_in_one_process_keep_their_own_registries(example_repo, serv
         (b"*;q=1, gzip;q=0", False),
         (b"br;q=1.0, *;q=0.1", True),
         (b"gzip;q=abc", False),
+        (b"x-gzip;q=0, gzip", True),  # one coding, two names: either will do
+        (b"gzip, x-gzip;q=0", True),
     ],
 )
 def test_wants_gzip_reads_accept_encoding_as_rfc_9110_does(header, gzipped):

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -273,6 +274,35 @@ def _worker_connections(address: str, count: int) -> dict[str, http.client.HTTPC
         if len(found) == count:
             return found
     raise AssertionError(f"connections reached only workers {sorted(found)}")
+
+
+@pytest.mark.parametrize("which", ["workers", "single"])
+def test_an_upgrade_request_is_answered_as_http_1_1_then_closed(servers: tuple[Running, Running, Any], which: str):
+    """``curl --http2`` on http:// asks to upgrade to h2c; the answer is plain HTTP/1.1, and then the
+    connection closes (what would follow is another protocol), also when the answer comes later
+    (an inference, or any request a worker forwards to the engine)."""
+    server = servers[0] if which == "workers" else servers[1]
+    upgrade = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+    body = json.dumps(
+        {"inputs": [{"name": f"INPUT{i}", "datatype": "FP32", "shape": [16], "data": [1.0] * 16} for i in range(2)]}
+    ).encode()
+    requests = [
+        b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\n" + upgrade + b"\r\n",
+        b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\n" + upgrade
+        + b"Content-Length: %d\r\n\r\n%s" % (len(body), body),
+    ]  # fmt: skip
+    for raw in requests:
+        host, port = server.http.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(raw)
+            received = b""
+            while chunk := sock.recv(65536):  # until the server closes
+                received += chunk
+        head, _, answer = received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 "), received[:300]
+        assert b"connection: close" in head.lower()
+        if raw.startswith(b"POST"):
+            assert json.loads(answer)["outputs"][0]["data"] == [2.0] * 16
 
 
 def _gated_body(value: float) -> bytes:
