@@ -271,28 +271,6 @@ class Metrics:
         return text
 
 
-def wants_gzip(accept_encoding: bytes | None) -> bool:
-    """Whether a request's ``Accept-Encoding`` takes gzip (as Prometheus asks for every scrape):
-    ``gzip`` or ``x-gzip`` listed, or else ``*``, with a q-value above 0 (RFC 9110 12.5.3)."""
-    if not accept_encoding:
-        return False
-    weights: dict[bytes, float] = {}
-    for item in accept_encoding.lower().split(b","):
-        coding, *params = (part.strip() for part in item.split(b";"))
-        weight = 1.0
-        for param in params:
-            key, _, raw = param.partition(b"=")
-            if key.strip() == b"q":
-                try:
-                    weight = float(raw)
-                except ValueError:
-                    weight = 0.0
-        weights[coding] = weight
-    if b"gzip" in weights or b"x-gzip" in weights:  # the same coding under two names: either will do
-        return max(weights.get(b"gzip", 0.0), weights.get(b"x-gzip", 0.0)) > 0
-    return weights.get(b"*", 0.0) > 0
-
-
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
-import gzip
 import logging
 import os
 import socket
@@ -34,11 +33,12 @@ from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import NotFound, SluiceError
 from sluice.runtime.forwarding import Forwarder, SplitFileWatcher
 from sluice.runtime.gpu_telemetry import GpuTelemetry
-from sluice.runtime.metrics import Metrics, wants_gzip
+from sluice.runtime.metrics import Metrics
 from sluice.runtime.mirror import RepositoryMirror
 from sluice.runtime.protocol.grpc import start_grpc
 from sluice.runtime.protocol.grpc_h2 import GrpcServer
 from sluice.runtime.protocol.http import HttpServer, Request, Response, V2Routes
+from sluice.runtime.protocol.http_codec import accepted_coding, compress
 from sluice.runtime.protocol.listener import UNIX_SOCKET_MODE, Listener, remove_unix_socket, unix_path_problem
 from sluice.runtime.repository import Repository
 from sluice.runtime.settings import MODEL_CONTROL_MODES, ServerSettings
@@ -353,8 +353,8 @@ class Server:
         path = request.path
         if path == b"/metrics":
             body, extra = self.metrics.exposition(), [(b"vary", b"accept-encoding")]
-            if wants_gzip(request.headers.get(b"accept-encoding")):  # Prometheus asks for it on every scrape
-                body = gzip.compress(body, compresslevel=1)  # ~10x smaller; level 1: least event-loop time
+            if accepted_coding(request.headers.get(b"accept-encoding"), (b"gzip",)):  # Prometheus asks, each scrape
+                body = compress(body, b"gzip")  # level 1: the least event-loop time
                 extra.append((b"content-encoding", b"gzip"))
             return Response(200, body, b"text/plain; version=0.0.4; charset=utf-8", extra)
         # Health here too: probes reach it where the inference listeners are loopback-only (a sidecar).

@@ -581,6 +581,32 @@ def _encode_off_loop(
     future.add_done_callback(encoded)
 
 
+def _compressing(respond: Callable[[Response], None], coding: bytes, offload: int) -> Callable[[Response], None]:
+    """``respond`` for a client that accepts ``coding``: a successful answer goes compressed (on a worker
+    thread from ``offload`` bytes on, so one large answer does not stall the loop); errors go as they are."""
+
+    def compressed(response: Response) -> None:
+        if response.status != 200:
+            respond(response)
+            return
+        extra = [*(response.extra or ()), (b"content-encoding", coding), (b"vary", b"accept-encoding")]
+        if len(response.body) < offload:
+            respond(Response(200, http_codec.compress(response.body, coding), response.content_type, extra))
+            return
+
+        def done(future: asyncio.Future[bytes]) -> None:
+            exc = future.exception()
+            if exc is not None:
+                respond(_encode_failure(exc, "(compression)"))
+            else:
+                respond(Response(200, future.result(), response.content_type, extra))
+
+        future = asyncio.get_running_loop().run_in_executor(None, http_codec.compress, response.body, coding)
+        future.add_done_callback(done)
+
+    return compressed
+
+
 def _large_json(request: Request, header_length: int | None, threshold: int) -> bool:
     """Whether decoding this infer body is worth a worker thread: its JSON part is over ``threshold``
     bytes, or it is compressed (its size unknown until inflated) and not tiny."""
@@ -763,6 +789,11 @@ class V2Routes:
         possibly before this returns: a response-cache hit)."""
         codec = self.codec
         offload = self.limits.json_offload_bytes
+        accept = request.headers.get(b"accept-encoding")
+        if accept is not None:  # tritonclient's response_compression_algorithm
+            coding = http_codec.accepted_coding(accept)
+            if coding is not None:
+                respond = _compressing(respond, coding, offload)
 
         def done(outcome: InferResponse | SluiceError) -> None:
             if isinstance(outcome, SluiceError):

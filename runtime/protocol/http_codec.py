@@ -7,7 +7,9 @@ allocated; ``encode_infer`` builds the response body. Pure functions, fuzzed in 
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,38 @@ _ACCEPTED_KINDS = {
     "FP64": frozenset("iuf"),
     "BF16": frozenset("iuf"),
 }
+
+
+def accepted_coding(accept_encoding: bytes | None, offered: tuple[bytes, ...] = (b"gzip", b"deflate")) -> bytes | None:
+    """The first of ``offered`` that an ``Accept-Encoding`` header takes, with the highest q-value
+    (RFC 9110 12.5.3: q=0 refuses a coding; ``x-gzip`` is ``gzip``; ``*`` stands for any coding not
+    named); None for none (the body goes as it is)."""
+    if not accept_encoding:
+        return None
+    weights: dict[bytes, float] = {}
+    for item in accept_encoding.lower().split(b","):
+        coding, *params = (part.strip() for part in item.split(b";"))
+        weight = 1.0
+        for param in params:
+            key, _, raw = param.partition(b"=")
+            if key.strip() == b"q":
+                try:
+                    weight = float(raw)
+                except ValueError:
+                    weight = 0.0
+        coding = b"gzip" if coding == b"x-gzip" else coding
+        weights[coding] = max(weights.get(coding, 0.0), weight)
+    best, best_weight = None, 0.0
+    for coding in offered:
+        weight = weights.get(coding, weights.get(b"*", 0.0))
+        if weight > best_weight:
+            best, best_weight = coding, weight
+    return best
+
+
+def compress(body: bytes, coding: bytes) -> bytes:
+    """``body`` in ``coding`` (``gzip``, or ``deflate``: a zlib stream, as RFC 9110 and Triton's clients mean)."""
+    return gzip.compress(body, compresslevel=1) if coding == b"gzip" else zlib.compress(body, 1)
 
 
 def _bad(message: str) -> InvalidArgument:

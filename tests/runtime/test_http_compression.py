@@ -1,0 +1,90 @@
+"""HTTP compression both ways, as tritonclient asks for it: ``request_compression_algorithm`` sends a
+gzip/deflate body, ``response_compression_algorithm`` sends ``Accept-Encoding`` and Sluice answers the
+inference compressed (Triton's behaviour), through one process and through protocol workers."""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import zlib
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from sluice.runtime.protocol.http_codec import accepted_coding
+from sluice.runtime.settings import Limits
+
+
+@pytest.mark.parametrize(
+    ("header", "coding"),
+    [
+        (None, None),
+        (b"", None),
+        (b"identity", None),
+        (b"gzip", b"gzip"),
+        (b"deflate", b"deflate"),
+        (b"deflate, GZIP", b"gzip"),  # equal weights: the server's order
+        (b"gzip;q=0.5, deflate", b"deflate"),
+        (b"x-gzip", b"gzip"),
+        (b"gzip;q=0", None),
+        (b"gzip;q=0, deflate;q=0", None),
+        (b"*", b"gzip"),
+        (b"*;q=1, gzip;q=0", b"deflate"),
+        (b"br;q=1.0, *;q=0.1", b"gzip"),
+        (b"gzip;q=abc", None),
+        (b"x-gzip;q=0, gzip", b"gzip"),  # one coding under two names: either will do
+    ],
+)
+def test_accepted_coding_reads_accept_encoding_as_rfc_9110_does(header, coding):
+    assert accepted_coding(header) == coding
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["one-process", "protocol-workers"])
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_tritonclient_compression_both_ways(serve, example_repo, workers, algorithm, binary):
+    server = serve(example_repo, protocol_workers=workers)
+    client = httpclient.InferenceServerClient(server.http)
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    inp = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    outputs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary)]
+    plain = client.infer("mlp", [inp], outputs=outputs).as_numpy("OUTPUT0")
+    result = client.infer(
+        "mlp", [inp], outputs=outputs,
+        request_compression_algorithm=algorithm, response_compression_algorithm=algorithm,
+    )  # fmt: skip
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), plain)
+    client.close()
+
+
+def raw_infer(address: str, accept: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    host, port = address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v2/models/mlp/infer", body, {"Accept-Encoding": accept})
+    response = conn.getresponse()
+    answer = response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    conn.close()
+    return answer
+
+
+def mlp_body(rows: int) -> bytes:
+    data = np.ones((rows, 16), np.float32).tolist()
+    return json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [rows, 16], "data": data}]}).encode()
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["one-process", "protocol-workers"])
+@pytest.mark.parametrize("offload", [256 * 1024, 64], ids=["on-the-loop", "on-a-worker-thread"])
+def test_the_answer_is_compressed_only_when_accepted_and_errors_stay_plain(serve, example_repo, offload, workers):
+    server = serve(example_repo, limits=Limits(json_offload_bytes=offload), protocol_workers=workers)
+    status, headers, plain = raw_infer(server.http, "identity", mlp_body(4))
+    assert status == 200 and "content-encoding" not in headers
+    status, headers, body = raw_infer(server.http, "br, gzip;q=0.8", mlp_body(4))
+    assert (status, headers["content-encoding"], headers["vary"]) == (200, "gzip", "accept-encoding")
+    assert json.loads(gzip.decompress(body)) == json.loads(plain)
+    status, headers, body = raw_infer(server.http, "deflate", mlp_body(4))
+    assert headers["content-encoding"] == "deflate" and json.loads(zlib.decompress(body)) == json.loads(plain)
+    status, headers, body = raw_infer(server.http, "gzip", b'{"inputs": 5}')  # a client error: plain JSON
+    assert status == 400 and "content-encoding" not in headers and json.loads(body)["error"]
