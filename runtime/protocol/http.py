@@ -146,6 +146,7 @@ class Connection(asyncio.Protocol):
         self._owe_continue = False  # a 100 Continue waits for the responses before it to be written
         self._upgrade_owed = 0  # body bytes of an upgrade request, which the parser leaves to us (-1: none)
         self._upgrade_request: Request | None = None  # that request, until its body is read
+        self._upgraded = False  # an upgrade request was read: what follows on the wire is not HTTP/1.1
         self.phase = _IDLE
         self.since = self._loop.time()
         self.inflight: InferRequest | None = None  # cancelled if the client goes away
@@ -170,6 +171,7 @@ class Connection(asyncio.Protocol):
         # Break the cycles (parser <-> connection, request <-> connection) so the last request and
         # its body go with the connection, not at the next full collection, which `serve` makes rare.
         self._current_request = None
+        self._upgrade_request = None
         self._body = []
         self._headers = {}
         self._parser = None  # type: ignore[assignment]
@@ -188,9 +190,10 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closed:
             return
-        if self._upgrade_request is not None:
-            self._take_upgrade_body(data)
-            return
+        if self._upgraded:
+            if self._upgrade_request is not None:
+                self._take_upgrade_body(data)
+            return  # the rest is the other protocol: never parsed as requests
         self._burst = 0
         try:
             self._parser.feed_data(data)
@@ -198,6 +201,7 @@ class Connection(asyncio.Protocol):
             # The upgrade request is answered by its route as plain HTTP/1.1 (CONNECT: 405); what follows
             # it on the wire is another protocol: close once it is answered (now, unless it waits for a
             # model or a protocol worker's engine, or behind earlier pipelined requests).
+            self._upgraded = True
             if self._upgrade_request is not None:  # its body follows the head: read it first
                 self._take_upgrade_body(data[exc.args[0] if exc.args else len(data) :])
                 return
@@ -280,9 +284,8 @@ class Connection(asyncio.Protocol):
     def _upgrade_with_body(self, coding: bytes | None, length: bytes | None) -> None:
         """A request asking to upgrade (``curl --http2`` sends ``Upgrade: h2c``) is served as HTTP/1.1;
         the parser stops at its head, so a body it declares is read by :meth:`_take_upgrade_body`."""
-        tokens = (token.strip() for token in self._headers.get(b"connection", b"").lower().split(b","))
-        if b"upgrade" not in tokens:
-            return  # no upgrade asked: the parser reads the body as usual
+        if not self._parser.should_upgrade():
+            return  # no upgrade asked (Connection: upgrade, on any of its lines): the parser reads the body
         if coding is not None:
             message = "a request that asks to upgrade (Upgrade) cannot have a chunked body; allowed: Content-Length"
             self._refuse(json_response({"error": message}, 400))
@@ -300,9 +303,14 @@ class Connection(asyncio.Protocol):
         request.keep_alive = False
         self._upgrade_request = None
         self._upgrade_owed = 0
+        self._owe_continue = False  # the body came
+        self._body = []
         if self._transport is not None:
             self._transport.pause_reading()
+        self._burst = 0
         self._accept(request)
+        if self._pending and self._current_request is None and not self._closed:
+            self._loop.call_soon(self._drain_pending)
 
     def _check_transfer_coding(self, coding: bytes) -> None:
         """The parser undoes ``chunked`` only: a body under any other transfer coding (``gzip,
@@ -352,7 +360,6 @@ class Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        self._owe_continue = False  # the body came without it
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(self, self._parser.get_method(), self._url, self._headers, body)
         request.keep_alive = self._parser.should_keep_alive()
@@ -363,11 +370,12 @@ class Connection(asyncio.Protocol):
         if self._upgrade_owed:
             request.keep_alive = False  # what follows it on the wire is another protocol
             if self._upgrade_owed > 0:
-                self._upgrade_request = request  # answered once data_received has its body
-                self._body = []
+                self._upgrade_request = request  # answered once data_received has its body (a 100 it is
+                self._body = []  # owed still goes out after the answers before it)
                 self._body_bytes = 0
                 return
             self._upgrade_owed = 0
+        self._owe_continue = False  # the body came without it
         self._accept(request)
 
     def _accept(self, request: Request) -> None:
@@ -431,7 +439,7 @@ class Connection(asyncio.Protocol):
             if not self._in_drain:
                 self._drain_pending()
         else:
-            self.phase = _IDLE
+            self.phase = _BODY if self._upgrade_request is not None else _IDLE
             self.since = self._loop.time()
             if self._owe_continue:
                 self._write_continue()
@@ -453,7 +461,7 @@ class Connection(asyncio.Protocol):
         finally:
             self._in_drain = False
         if not self._pending and self._current_request is None:
-            self.phase = _IDLE
+            self.phase = _BODY if self._upgrade_request is not None else _IDLE
             self.since = self._loop.time()
             if self._owe_continue:
                 self._write_continue()

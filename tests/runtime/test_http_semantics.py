@@ -209,6 +209,56 @@ def test_an_upgrade_request_s_body_is_read_after_its_100_continue(shared_server)
         assert wire.closed()
 
 
+MLP = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [2, 16], "data": [1.0] * 32}]}).encode()
+
+
+def post(path: str, body: bytes, extra: bytes = b"", length: bool = True) -> bytes:
+    size = b"Content-Length: %d\r\n" % len(body) if length else b""
+    return b"POST %s HTTP/1.1\r\nHost: t\r\n%s%s\r\n" % (path.encode(), extra, size)
+
+
+def test_an_upgrade_asked_over_two_connection_lines_still_has_its_body_read(shared_server):
+    with Wire(shared_server.http) as wire:
+        extra = b"Connection: Upgrade\r\nConnection: HTTP2-Settings\r\nUpgrade: h2c\r\n"
+        wire.send(post("/v2/models/add_sub/infer", GOOD, extra) + GOOD)
+        status, headers, body = wire.response()
+        assert (status, headers.get("connection")) == (200, "close"), body
+        assert wire.closed()
+
+
+def test_an_upgrade_request_behind_a_full_burst_is_answered(shared_server):
+    """64 pipelined requests fill a read's burst; the upgrade request behind them, whose body comes
+    later, is still answered."""
+    with Wire(shared_server.http) as wire:
+        wire.send(get("GET", "/v2/health/ready") * 64 + post("/v2/models/add_sub/infer", GOOD, UPGRADE))
+        assert [wire.response()[0] for _ in range(64)] == [200] * 64
+        wire.send(GOOD)
+        status, headers, body = wire.response()
+        assert (status, headers.get("connection")) == (200, "close"), body
+
+
+def test_what_follows_an_upgrade_request_answered_later_is_never_parsed(shared_server):
+    """An inference and an upgrade inference behind it (both answered later), then the HTTP/2 preface
+    curl would send: both requests are answered, the preface is never read as a request (no 400)."""
+    with Wire(shared_server.http) as wire:
+        wire.send(post("/v2/models/mlp/infer", MLP) + MLP + post("/v2/models/mlp/infer", MLP, UPGRADE) + MLP)
+        wire.send(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        first, second = wire.response(), wire.response()
+        assert (first[0], second[0], second[1].get("connection")) == (200, 200, "close"), (first, second)
+        assert wire.closed()
+
+
+def test_an_upgrade_request_behind_another_gets_its_100_continue_after_that_answer(shared_server):
+    with Wire(shared_server.http) as wire:
+        expect = UPGRADE + b"Expect: 100-continue\r\n"
+        wire.send(post("/v2/models/mlp/infer", MLP) + MLP + post("/v2/models/add_sub/infer", GOOD, expect))
+        assert wire.response()[0] == 200
+        assert wire.head()[0] == 100
+        wire.send(GOOD)
+        status, headers, body = wire.response()
+        assert (status, headers.get("connection")) == (200, "close"), body
+
+
 def test_an_upgrade_request_with_a_chunked_body_is_refused(shared_server):
     with Wire(shared_server.http) as wire:
         wire.send(
