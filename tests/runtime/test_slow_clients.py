@@ -102,6 +102,20 @@ def test_trickled_body_gets_408(server):
     assert 0.9 <= elapsed <= 2.5, elapsed
 
 
+def test_an_upgrade_request_whose_body_never_comes_gets_408_behind_another(server):
+    """An upgrade request (``Upgrade: h2c``) declares a body the server reads itself; pipelined behind
+    an answered request, a body that never comes still gets the body timeout's 408, not a silent close."""
+    upgrade = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+    with connect(server.http) as sock:
+        head = b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\n" + upgrade + b"Content-Length: 10\r\n\r\n"
+        sock.sendall(READY + head)
+        received, elapsed = read_until_closed(sock)
+    answers = [status_of(b"HTTP/1.1" + part) for part in received.split(b"HTTP/1.1")[1:]]
+    assert answers == [200, 408], received
+    assert b"--body-timeout-s" in received
+    assert 0.9 <= elapsed <= 2.5, elapsed
+
+
 def test_idle_keep_alive_connection_is_closed(server):
     with connect(server.http) as sock:
         sock.sendall(READY)
