@@ -107,8 +107,12 @@ def test_an_upgrade_request_whose_body_never_comes_gets_408_behind_another(serve
     an answered request, a body that never comes still gets the body timeout's 408, not a silent close."""
     upgrade = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
     with connect(server.http) as sock:
+        infer = b'{"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": [%s]}]}' % b",".join(
+            [b"1"] * 16
+        )
+        first = b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (len(infer), infer)
         head = b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\n" + upgrade + b"Content-Length: 10\r\n\r\n"
-        sock.sendall(READY + head)
+        sock.sendall(first + head)  # the inference is answered later, after the upgrade head was read
         received, elapsed = read_until_closed(sock)
     answers = [status_of(b"HTTP/1.1" + part) for part in received.split(b"HTTP/1.1")[1:]]
     assert answers == [200, 408], received
