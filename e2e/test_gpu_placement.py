@@ -160,6 +160,31 @@ async def test_full_then_freed_and_never_satisfiable_are_told_apart() -> None:
         await env.condition("wide", "Ready", status="True")
 
 
+async def test_a_pending_model_waits_for_any_fitting_slice_not_the_first_it_was_shown() -> None:
+    """Every slice is held by another team: the model (8 GiB: a 1g.10gb would do) is Pending. The device a
+    Pending plan names is not the model's own: when a bigger slice frees up first, it is placed there,
+    and a later reconcile never reports it "kept" on the slice it never held."""
+    async with environment() as env:
+        held = {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}
+        await env.add(gpu_nodes.a100_mixed("a100-a"), *[
+            gpu_nodes.pod_holding(f"{profile[:1]}g-{i}", "a100-a", {f"nvidia.com/mig-{profile}": 1}, namespace="team-b")
+            for profile, count in held.items() for i in range(count)])
+        await env.add(model("m", {"memory": "8Gi"}))
+        waiting = await env.placement("m", state="Pending")
+        assert waiting["held"] is False and waiting["device"] == "MIG 1g.10gb (mixed strategy)"
+        env.clock.advance(1)  # a few reconciles later (resync), still planned afresh, never "kept"
+        await env.cluster.call("PATCH", "/apis/sluice.dev/v1alpha1/namespaces/e2e/inferencemodels/m",
+                               {"metadata": {"labels": {"touched": "yes"}}}, "application/merge-patch+json")
+        again = await env.condition("m", "GpuPlaced", status="False", reason="CapacityFull")
+        assert "kept" not in again["message"], again["message"]
+        status, _ = await env.cluster.call("DELETE", "/api/v1/namespaces/team-b/pods/3g-0")
+        assert status < 300
+        env.clock.advance(31)  # the next inventory read finds the 3g.40gb free
+        placed = await env.placement("m", state="Placed")
+        assert placed["device"] == "MIG 3g.40gb (mixed strategy)" and placed["held"] is True
+        assert gpu_limits(await env.pod_spec("m")) == {"nvidia.com/mig-3g.40gb": "1"}
+
+
 async def test_a_profile_no_gpu_of_the_cluster_has_is_an_invalid_spec() -> None:
     async with environment() as env:
         await env.add(gpu_nodes.a100_mixed("a100-a"))

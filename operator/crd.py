@@ -505,6 +505,9 @@ def _placement_status() -> Schema:
         "nodePools": {**strings, "description": "Node pools of the nodes it may land on."},
         "nodes": {**strings, "description": "Nodes the plan counted its replicas on (first 10)."},
         "replanToken": _str("The sluice.dev/replan annotation this placement was made for."),
+        "held": {"type": "boolean", "description": "Whether the model holds this device (it was placed there): "
+                 "only a held placement is kept when models are planned again; a Pending one that was never "
+                 "held is planned afresh each time. Absent (older operators): held when state is Placed."},
         "advice": {"type": "array", "description": "MIG repartitionings that would fit the model (advice only).",
                    "items": _obj("One node's new MIG layout.", {
                        "node": _str("The node."),

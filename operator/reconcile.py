@@ -751,7 +751,10 @@ def _request(
     )
     stored = status.get("placement")
     token = ((meta.get("annotations") or {}).get(REPLAN_ANNOTATION) or "")
-    if isinstance(stored, dict) and stored.get("kind") and stored.get("replanToken", "") == token:
+    # Only a device the model holds is its pin: the device a Pending plan waits for is planned afresh each time
+    # (pinned to it, the model would wait there while other capacity frees up elsewhere).
+    held = isinstance(stored, dict) and stored.get("held", stored.get("state") == placement.PLACED) is True
+    if held and stored.get("kind") and stored.get("replanToken", "") == token:
         try:
             shape = placement.Shape(
                 kind=str(stored["kind"]), resource=str(stored["resource"]), count=int(stored.get("count", 1)),
@@ -804,6 +807,8 @@ def _placement_status(placed: _Placed, body: Mapping[str, Any]) -> Obj:
         result["nodes"] = sorted(set(verdict.nodes))[:10]
     if token:
         result["replanToken"] = token
+    if shape is not None:
+        result["held"] = verdict.state == placement.PLACED or verdict.kept
     if placed.advice and verdict.state != placement.PLACED:
         result["advice"] = [{
             "node": a.node, "migConfig": a.config,
