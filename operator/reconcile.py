@@ -753,7 +753,9 @@ def _request(
     token = ((meta.get("annotations") or {}).get(REPLAN_ANNOTATION) or "")
     # Only a device the model holds is its pin: the device a Pending plan waits for is planned afresh each time
     # (pinned to it, the model would wait there while other capacity frees up elsewhere).
-    held = isinstance(stored, dict) and stored.get("held", stored.get("state") == placement.PLACED) is True
+    if not isinstance(stored, dict):
+        return request
+    held = stored.get("held", stored.get("state") == placement.PLACED) is True
     if held and stored.get("kind") and stored.get("replanToken", "") == token:
         try:
             shape = placement.Shape(
