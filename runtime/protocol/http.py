@@ -589,7 +589,9 @@ def _encode_off_loop(
     future.add_done_callback(encoded)
 
 
-def _compressing(respond: Callable[[Response], None], coding: bytes, offload: int) -> Callable[[Response], None]:
+def _compressing(
+    respond: Callable[[Response], None], coding: bytes, offload: int, name: str
+) -> Callable[[Response], None]:
     """``respond`` for a client that accepts ``coding``: a successful answer goes compressed (on a worker
     thread from ``offload`` bytes on, so one large answer does not stall the loop); errors go as they are."""
 
@@ -605,7 +607,7 @@ def _compressing(respond: Callable[[Response], None], coding: bytes, offload: in
         def done(future: asyncio.Future[bytes]) -> None:
             exc = future.exception()
             if exc is not None:
-                respond(_encode_failure(exc, "(compression)"))
+                respond(_encode_failure(exc, name))  # logged with the model's name
             else:
                 respond(Response(200, future.result(), response.content_type, extra))
 
@@ -801,7 +803,7 @@ class V2Routes:
         if accept is not None:  # tritonclient's response_compression_algorithm
             coding = http_codec.accepted_coding(accept)
             if coding is not None:
-                respond = _compressing(respond, coding, offload)
+                respond = _compressing(respond, coding, offload, name)
 
         def done(outcome: InferResponse | SluiceError) -> None:
             if isinstance(outcome, SluiceError):
