@@ -150,6 +150,54 @@ def counts_delta(before: Mapping[int, int], after: Mapping[int, int]) -> dict[in
     return {b: after[b] - before.get(b, 0) for b in after if after[b] - before.get(b, 0) > 0}
 
 
+STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
+"""The per-request stages of the v2 statistics, in the order a request goes through them."""
+
+
+def _count_ns(entry: Any) -> tuple[int, int]:
+    entry = entry or {}
+    return int(entry.get("count", 0)), int(entry.get("ns", 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+    """Where the server's time went between two statistics reads: each stage's mean per request (us),
+    executions, and the seconds the instances spent executing batches (input + infer + output)."""
+
+    request_us: dict[str, float]
+    executions: int
+    exec_s: float
+
+    def exec_ms(self) -> float | None:
+        """Mean milliseconds of one batch execution (copies in, model, copies out)."""
+        return self.exec_s * 1e3 / self.executions if self.executions else None
+
+    def busy(self, seconds: float, instances: int) -> float | None:
+        """Share of ``seconds`` x ``instances`` the instances spent executing batches."""
+        return self.exec_s / (seconds * instances) if seconds > 0 and instances > 0 else None
+
+
+def breakdown(before: Mapping[str, Any], after: Mapping[str, Any]) -> Breakdown:
+    """The :class:`Breakdown` between two ``model_stats`` entries of the v2 statistics (JSON)."""
+
+    def stage(stats: Mapping[str, Any], name: str) -> tuple[int, int]:
+        return _count_ns(stats.get("inference_stats", {}).get(name))
+
+    def batches(stats: Mapping[str, Any]) -> tuple[int, int]:
+        executions = ns = 0
+        for entry in stats.get("batch_stats", []):
+            executions += _count_ns(entry.get("compute_infer"))[0]
+            ns += sum(_count_ns(entry.get(name))[1] for name in STAGES[1:])
+        return executions, ns
+
+    request_us = {}
+    for name in STAGES:
+        (c0, n0), (c1, n1) = stage(before, name), stage(after, name)
+        request_us[name] = (n1 - n0) / (c1 - c0) / 1e3 if c1 > c0 else math.nan
+    (e0, b0), (e1, b1) = batches(before), batches(after)
+    return Breakdown(request_us, e1 - e0, (b1 - b0) / 1e9)
+
+
 def mean_batch(counts: Mapping[int, int]) -> float:
     """The mean formed batch (rows per execution); 0.0 without executions."""
     executions = sum(counts.values())
@@ -201,6 +249,8 @@ class ServedRow:
     p99_ms: float
     counts: dict[int, int]
     raw_img_s: float | None
+    spent: Breakdown | None = None
+    busy: float | None = None
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -227,6 +277,33 @@ def served_table(rows: Sequence[ServedRow], p99_budget: float | None) -> str:
         lines.append(
             f"| {r.protocol} | {r.concurrency} | {r.img_s:.0f} | {_fmt(r.p50_ms, '.2f')} | {_fmt(r.p99_ms, '.2f')} "
             f"| {mean_batch(r.counts):.1f} | {_fmt(r.raw_img_s, '.0f')} | {verdict} | {within} |"
+        )
+    return "\n".join(lines)
+
+
+def time_table(rows: Sequence[ServedRow], graph_ms: Mapping[int, float]) -> str:
+    """Where the server's time went for each served row: the mean per request of each stage (queue,
+    then the batch's input copies, model and output copies, which every request of a batch shares),
+    one execution against the raw graph time of the same batches, and how busy the instances were.
+    Instances busy well below 100 % while the ratio is low: the front end (decoding, the event loop)
+    does not keep them fed; busy near 100 %: the executions themselves are slower than the raw graphs."""
+    lines = [
+        "| protocol | c | queue us | input us | infer us | output us | ms per execution | raw ms per execution "
+        "| instances busy |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.spent is None:
+            continue
+        us = [_fmt(r.spent.request_us[name], ".0f") for name in STAGES]
+        executions = sum(r.counts.values())
+        raw_ms = None
+        if executions and r.raw_img_s:
+            raw_ms = sum(b * c for b, c in r.counts.items()) / r.raw_img_s / executions * 1e3
+        busy = "n/a" if r.busy is None else f"{r.busy:.0%}"
+        lines.append(
+            f"| {r.protocol} | {r.concurrency} | {' | '.join(us)} | {_fmt(r.spent.exec_ms(), '.2f')} "
+            f"| {_fmt(raw_ms, '.2f')} | {busy} |"
         )
     return "\n".join(lines)
 
@@ -385,12 +462,12 @@ def start_server(repo: Path, extra: Sequence[str]) -> tuple[subprocess.Popen[str
     return server, http_port, grpc_port
 
 
-def _stats(http_url: str) -> dict[int, int]:
+def _stats(http_url: str) -> dict[str, Any]:
     import tritonclient.http as httpclient
 
     client = httpclient.InferenceServerClient(http_url)
     try:
-        return batch_counts(client.get_inference_statistics(MODEL)["model_stats"][0])
+        return dict(client.get_inference_statistics(MODEL)["model_stats"][0])
     finally:
         client.close()
 
@@ -508,11 +585,17 @@ def run_served(
                         rate, p50, p99 = drive(
                             protocol, url, concurrency, args.duration_s, setup, args.client_processes
                         )
-                    counts = counts_delta(before, _stats(http_url))
+                    after = _stats(http_url)
+                    counts = counts_delta(batch_counts(before), batch_counts(after))
+                    spent = breakdown(before, after)
                     rows.append(
-                        ServedRow(protocol, concurrency, rate, p50, p99, counts, raw_rate_for_mix(counts, graph_ms))
+                        ServedRow(
+                            protocol, concurrency, rate, p50, p99, counts, raw_rate_for_mix(counts, graph_ms),
+                            spent, spent.busy(args.duration_s, setup.instances),
+                        )
                     )
                     print(served_table(rows[-1:], None).splitlines()[-1], file=sys.stderr, flush=True)
+                    print(time_table(rows[-1:], graph_ms).splitlines()[-1], file=sys.stderr, flush=True)
         finally:
             server.send_signal(signal.SIGINT)
             server.wait(60)
@@ -574,6 +657,11 @@ def main() -> int:
         f"{','.join(map(str, preferred))}, queue delay {args.queue_delay_us} us; target ratio >= {TARGET_RATIO}\n"
     )
     print(served_table(rows, budget))
+    print(
+        f"\nwhere the server's time went (its statistics over each point; {setup.instances} instance(s); "
+        "busy: batch executions / (point seconds x instances))\n"
+    )
+    print(time_table(rows, graph_ms))
     return 0
 
 

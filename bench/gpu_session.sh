@@ -4,7 +4,7 @@
 # packages on PYTHONPATH through a link tree outside the repository (never the repository root, where
 # ./operator would shadow the standard library) and installs wheels brought along in .whl/.
 #
-#   bash bench/gpu_session.sh STEP...      STEP: quick | tests | resnet | resnet-small | resnet-workers | memory | workers | shm | all
+#   bash bench/gpu_session.sh STEP...      STEP: quick | followup | tests | resnet | resnet-small | resnet-workers | memory | workers | shm | all
 #
 # A lease of 15 minutes of device time (machine start included) holds one `quick` call, not the
 # full steps (each up to 10 minutes): `quick` runs the essentials, each capped by `timeout`
@@ -15,6 +15,8 @@
 #   quick         tests (cap 150 s), a short ResNet run at c1/c32/c128 over both protocols (165 s),
 #                 memory with and without graphs (45 s), encoder with 0/4/16 protocol workers (90 s):
 #                 at most ~8 minutes; give the device call timeout_s 540
+#   followup      after quick: the tests again, ResNet c32/c128/c256 with the server's time breakdown, and
+#                 over gRPC with 8 protocol workers at c64/c256: at most ~5.5 minutes; timeout_s 370
 #   tests         the GPU tests (PyTorch on CUDA, CUDA graphs, NVML, CUDA shared memory), -rs for skips
 #   resnet        bench/gpu_resnet.py: ResNet-50 fp16 channels_last, raw with CUDA graphs vs served
 #   resnet-small  the same, short (a check that the bench runs before the long one)
@@ -79,6 +81,16 @@ run_step() {
       capped 90 workers "$PY" -P bench/frontend_workers.py --model encoder --device cuda:0 --workers 0,4,16 \
         --concurrency 256 --connections 64 --client-processes 8 --seconds 4 --warmup 1 || failed=1
       return $failed ;;
+    followup)
+      # after a `quick` in the same session: the GPU tests again (after fixes), and ResNet with the
+      # server's time breakdown, one process and 8 protocol workers: at most ~5.5 minutes, timeout_s 370
+      local failed=0
+      capped 170 tests bash "$0" tests || failed=1
+      capped 70 resnet "$PY" -P bench/gpu_resnet.py --concurrency 32,128,256 --duration-s 4 --raw-s 1 \
+        --client-processes 8 || failed=1
+      capped 70 resnet-workers "$PY" -P bench/gpu_resnet.py --mode served --protocols grpc --concurrency 64,256 \
+        --duration-s 4 --raw-s 1 --client-processes 8 --serve-arg=--protocol-workers=8 || failed=1
+      return $failed ;;
     tests)
       "$PY" -m pytest -q -p no:cacheprovider -rs -o addopts="--import-mode=importlib" \
         tests/runtime/test_pytorch_backend.py tests/runtime/test_pytorch_conformance.py tests/runtime/test_torch_graphs.py \
@@ -107,7 +119,7 @@ run_step() {
     shm)
       "$PY" -P bench/cuda_shm.py ;;
     *)
-      echo "unknown step '$step'; allowed: quick, tests, resnet, resnet-small, resnet-workers, memory, workers, shm, all" >&2
+      echo "unknown step '$step'; allowed: quick, followup, tests, resnet, resnet-small, resnet-workers, memory, workers, shm, all" >&2
       return 2 ;;
   esac
 }

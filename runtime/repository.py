@@ -223,11 +223,13 @@ def _quietly(close: Callable[[], object]) -> None:
         log.exception("closing a model instance failed")
 
 
-def instance_plan(config: mc.ModelConfig, gpu_count: int) -> list[tuple[int, int]]:
+def instance_plan(config: mc.ModelConfig, gpu_count: int, auto_gpu: bool = True) -> list[tuple[int, int]]:
     """(kind, device_id) for every instance the instance groups ask for, with Triton's semantics (pure).
 
     No instance_group means one KIND_AUTO group of one instance. KIND_AUTO is KIND_GPU when
-    ``gpu_count`` > 0, else KIND_CPU. KIND_GPU places ``count`` instances on each listed GPU, or on
+    ``gpu_count`` > 0 and the backend can run this model on a GPU (``auto_gpu``: false for an
+    onnxruntime build without the CUDA execution provider, or an AOTInductor package compiled for the
+    CPU), or when the group lists GPUs; else KIND_CPU. KIND_GPU places ``count`` instances on each listed GPU, or on
     each of the ``gpu_count`` visible GPUs when none is listed; a listed GPU that is not visible is a
     ConfigError. KIND_GPU without GPUs listed on a machine with none gives ``count`` instances on
     device 0, so the backend says what it lacks (a CUDA build, a visible GPU). KIND_CPU and
@@ -240,7 +242,7 @@ def instance_plan(config: mc.ModelConfig, gpu_count: int) -> list[tuple[int, int
         count = max(group.count, 1)
         kind = group.kind
         if kind == K.KIND_AUTO:
-            kind = K.KIND_GPU if gpu_count > 0 or group.gpus else K.KIND_CPU
+            kind = K.KIND_GPU if (gpu_count > 0 and auto_gpu) or group.gpus else K.KIND_CPU
         if kind != K.KIND_GPU:
             plan.extend((kind, 0) for _ in range(count))
             continue
@@ -256,6 +258,26 @@ def instance_plan(config: mc.ModelConfig, gpu_count: int) -> list[tuple[int, int
         devices = list(group.gpus) or list(range(gpu_count)) or [0]
         plan.extend((kind, device) for device in devices for _ in range(count))
     return plan
+
+
+_AUTO_CHECKED = ("onnxruntime", "pytorch")
+"""Backends that can be unable to use a visible GPU (a CPU-only build, a CPU-compiled package)."""
+
+
+def _has_auto_group(config: mc.ModelConfig) -> bool:
+    K = mc.ModelInstanceGroup
+    return not config.instance_group or any(g.kind == K.KIND_AUTO and not g.gpus for g in config.instance_group)
+
+
+def _why_auto_is_not_gpu(backend: str, config: mc.ModelConfig, last: LoadContext) -> str | None:
+    """Why KIND_AUTO cannot place this model on a visible GPU; None when it can."""
+    if backend == "onnxruntime":
+        from sluice.runtime.backends import onnxrt
+
+        return onnxrt.why_no_gpu()
+    from sluice.runtime.backends import pytorch
+
+    return pytorch.why_no_gpu(config, last)
 
 
 @functools.cache
@@ -336,16 +358,15 @@ def _prepare_loaded(
         )
     if tried is not None:
         tried.extend(chosen)
+    last = LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root, services)
     if backend == "onnxruntime":
         from sluice.runtime.backends import onnxrt
 
-        ctx = LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root, services)
-        inputs, outputs = onnxrt.probe(onnxrt.model_path(config, ctx))
+        inputs, outputs = onnxrt.probe(onnxrt.model_path(config, last))
         warnings += model_config.complete_io(config, inputs, outputs)
     if backend == "tensorrt":  # the engine's IO and profiles complete and check the config
         from sluice.runtime.backends import tensorrt
 
-        last = LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root, services)
         try:
             warnings += tensorrt.complete_config(config, tensorrt.probe(tensorrt.model_path(config, last)))
         except ConfigError as exc:
@@ -353,12 +374,10 @@ def _prepare_loaded(
     if backend == "python":  # TritonPythonModel.auto_complete_config, before validation
         from sluice.runtime.backends import python
 
-        last = LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root, services)
         python.auto_complete(config, last)
     if backend == "pytorch":  # a torch.export program completes the config from its signature
         from sluice.runtime.backends import pytorch
 
-        last = LoadContext(name, chosen[-1], model_dir, model_dir / str(chosen[-1]), root, services)
         probed = pytorch.probe(config, last)
         if probed is not None:
             warnings += model_config.complete_io(config, *probed, source=loaded.source)
@@ -382,8 +401,14 @@ def _prepare_loaded(
         plans = [(version, ensemble.Ensemble(config), []) for version in chosen]
         return _Prepared(config, plans, warnings, None, cache, labels)
     loader = _backend_loader(backend)
+    gpu_count = visible_gpu_count(backend)
+    why_not_gpu = _why_auto_is_not_gpu(backend, config, last) if gpu_count and backend in _AUTO_CHECKED else None
+    if why_not_gpu is not None and _has_auto_group(config):
+        warnings.append(
+            f"instance_group kind KIND_AUTO runs on the CPU although {gpu_count} GPU(s) are visible: {why_not_gpu}"
+        )
     try:
-        plan = instance_plan(config, visible_gpu_count(backend))
+        plan = instance_plan(config, gpu_count, auto_gpu=why_not_gpu is None)
     except ConfigError as exc:
         raise ConfigError(exc.detail, file=loaded.source, field=exc.field) from None
     if backend == "pytorch":

@@ -86,6 +86,39 @@ def test_served_table_marks_the_target_and_the_p99_budget():
     assert lines[4].endswith("| n/a | n/a | yes |")
 
 
+def _model_stats(requests: int, executions: int, scale: int) -> dict:
+    """Statistics after ``requests`` requests in ``executions`` batches of 4, each stage ``scale`` us."""
+    stage = {"count": requests, "ns": requests * scale * 1000}
+    per_batch = {"count": executions, "ns": executions * scale * 1000}
+    return {
+        "inference_stats": {name: dict(stage) for name in resnet.STAGES},
+        "batch_stats": [
+            {"batch_size": 4, "compute_input": per_batch, "compute_infer": per_batch, "compute_output": per_batch}
+        ],
+    }
+
+
+def test_the_breakdown_is_per_request_means_and_execution_seconds_between_two_reads():
+    spent = resnet.breakdown(_model_stats(40, 10, 100), _model_stats(80, 20, 100))
+    assert spent.request_us == {name: pytest.approx(100.0) for name in resnet.STAGES}
+    assert spent.executions == 10
+    assert spent.exec_s == pytest.approx(10 * 3 * 100e-6)  # input + infer + output, 100 us each
+    assert spent.exec_ms() == pytest.approx(0.3)
+    assert spent.busy(0.003, 2) == pytest.approx(0.5)
+    idle = resnet.breakdown(_model_stats(40, 10, 100), _model_stats(40, 10, 100))
+    assert idle.executions == 0 and idle.exec_ms() is None
+    assert all(v != v for v in idle.request_us.values())  # nan: no request in the window
+    assert resnet.breakdown({}, {"name": "m"}).executions == 0  # a model not yet run has no stats
+
+
+def test_time_table_sets_each_execution_against_the_raw_graph_time():
+    spent = resnet.breakdown(_model_stats(0, 0, 100), _model_stats(40, 10, 100))
+    row = resnet.ServedRow("grpc", 32, 900.0, 10.0, 30.0, {4: 10}, 4000.0, spent, 0.25)
+    lines = resnet.time_table([row, resnet.ServedRow("http", 1, 1.0, 1.0, 1.0, {}, None)], {4: 1.0}).splitlines()
+    assert len(lines) == 3  # the row without a breakdown is left out
+    assert lines[2] == "| grpc | 32 | 100 | 100 | 100 | 100 | 0.30 | 1.00 | 25% |"
+
+
 def test_raw_table_and_perf_analyzer_csv():
     assert resnet.raw_table({2: 1.0, 8: 2.0}).splitlines()[2:] == ["| 2 | 1.000 | 2000 |", "| 8 | 2.000 | 4000 |"]
     csv_text = "Concurrency,Inferences/Second,p50 latency,p99 latency\n8,1234.5,2500,7000\n"

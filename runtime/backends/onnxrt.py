@@ -54,6 +54,18 @@ def _ort() -> Any:
     return onnxruntime
 
 
+def why_no_gpu() -> str | None:
+    """Why instance_group kind KIND_AUTO cannot place a model on a visible GPU: this onnxruntime
+    build lacks the CUDA execution provider (the CPU-only ``onnxruntime``); None when it has it."""
+    available = list(_ort().get_available_providers())
+    if "CUDAExecutionProvider" in available:
+        return None
+    return (
+        f"this onnxruntime build has no CUDA execution provider (it offers {', '.join(available)}); "
+        "install the 'gpu' extra (onnxruntime-gpu) to run it on a GPU"
+    )
+
+
 def model_path(config: mc.ModelConfig, ctx: LoadContext) -> Path:
     path = ctx.version_dir / (config.default_model_filename or "model.onnx")
     if not path.exists():

@@ -113,6 +113,47 @@ _DATATYPE_BY_TORCH = {
 }
 
 
+def package_device(path: Path) -> str | None:
+    """The device an AOTInductor package at ``path`` was compiled for (its metadata); None when it
+    does not say or cannot be read (loading it then tells)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            texts = [
+                archive.read(name).decode("utf-8", "replace")
+                for name in archive.namelist()
+                if name.endswith("_metadata.json") and "/data/aotinductor/" in f"/{name}"
+            ]
+    except (zipfile.BadZipFile, OSError, KeyError):
+        return None
+    return torch_plan.aoti_device(texts)
+
+
+def why_no_gpu(config: mc.ModelConfig, ctx: LoadContext) -> str | None:
+    """Why instance_group kind KIND_AUTO cannot place this model on a visible GPU: a torch without
+    CUDA, or an AOTInductor package compiled for the CPU; None when it can (or when the load will say
+    what is wrong anyway: no torch, no model file)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        why = "has no CUDA build" if torch.version.cuda is None else "sees no GPU"
+        return f"this torch {torch.__version__} {why}"
+    try:
+        path = model_path(config, ctx)
+        kind = kind_of(path)
+    except ConfigError:
+        return None
+    if kind == torch_plan.AOTI:
+        device = package_device(path)
+        if device is not None and device != "cuda":
+            return (
+                f"the AOTInductor package '{path.name}' was compiled for {device} "
+                "(compile it for cuda to run it on a GPU)"
+            )
+    return None
+
+
 def probe_export(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Inputs and outputs a ``torch.export`` program declares (for completing the config): inputs
     named after forward()'s arguments, outputs ``OUTPUT__<index>``; symbolic dims are -1."""
@@ -239,6 +280,9 @@ def _load_export(torch: Any, path: Path, device: Any, settings: torch_plan.Torch
 def _load_aoti(torch: Any, path: Path, device: Any, device_id: int) -> _Loaded:
     from torch._inductor import aoti_load_package
 
+    compiled_for = package_device(path)
+    if compiled_for is not None and compiled_for != device.type:  # refused before torch's own, terser error
+        raise _wrong_device(compiled_for, device, path)
     try:
         compiled = aoti_load_package(str(path), device_index=device_id if device.type == "cuda" else -1)
     except Exception as exc:
@@ -247,13 +291,18 @@ def _load_aoti(torch: Any, path: Path, device: Any, device_id: int) -> _Loaded:
         ) from exc
     built_for = str(compiled.get_metadata().get("AOTI_DEVICE_KEY", "cpu"))
     if built_for != device.type:
-        raise ConfigError(
-            f"the AOTInductor package was compiled for {built_for} but the instance runs on {device.type}; "
-            f"allowed: instance_group kind {'KIND_GPU' if built_for == 'cuda' else 'KIND_CPU'} for this package",
-            file=str(path),
-            field="instance_group",
-        )
+        raise _wrong_device(built_for, device, path)
     return _Loaded(compiled, None, dict_input=False)
+
+
+def _wrong_device(built_for: str, device: Any, path: Path) -> ConfigError:
+    return ConfigError(
+        f"the AOTInductor package was compiled for {built_for} but the instance runs on {device.type}; "
+        f"allowed: instance_group kind {'KIND_GPU' if built_for == 'cuda' else 'KIND_CPU'} for this package "
+        "(or KIND_AUTO), or a package compiled for the instance's device",
+        file=str(path),
+        field="instance_group",
+    )
 
 
 # --- CUDA staging --------------------------------------------------------------------------------

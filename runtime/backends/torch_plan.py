@@ -18,6 +18,7 @@ Called by ``pytorch.py`` (load and execute) and by the repository (load warnings
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -73,6 +74,22 @@ def model_kind(member_names: Sequence[str], shown_name: str) -> str:
         "(torch._inductor.aoti_compile_and_package)",
         field="default_model_filename",
     )
+
+
+def aoti_device(metadata: Sequence[str]) -> str | None:
+    """The device an AOTInductor package was compiled for (``AOTI_DEVICE_KEY``: ``cpu``, ``cuda``, ...)
+    from the texts of its ``*_metadata.json`` members; None when none says (an unreadable or older
+    package: loading it tells). Members that disagree give the first that is not ``cpu``."""
+    devices: list[str] = []
+    for text in metadata:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            continue
+        device = value.get("AOTI_DEVICE_KEY") if isinstance(value, dict) else None
+        if isinstance(device, str) and device:
+            devices.append(device)
+    return next((d for d in devices if d != "cpu"), devices[0] if devices else None)
 
 
 def model_filename(default_model_filename: str, present: Sequence[str]) -> str:

@@ -175,6 +175,23 @@ output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
 """
 
 
+TORCH_ADD_SUB_CONFIG = ADD_SUB_CONFIG.replace('name: "add_sub"', 'name: "add_sub_gpu"').replace(
+    'backend: "onnxruntime"', 'platform: "pytorch_libtorch"\ninstance_group [ { kind: KIND_GPU } ]'
+)
+"""The same add_sub as a TorchScript model on the GPU: the regions' bytes feed a CUDA instance."""
+
+
+def _scripted_add_sub(path: Path) -> bytes:
+    import torch
+
+    class AddSub(torch.nn.Module):
+        def forward(self, INPUT0: torch.Tensor, INPUT1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return INPUT0 + INPUT1, INPUT0 - INPUT1
+
+    torch.jit.script(AddSub()).save(str(path))
+    return path.read_bytes()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -191,6 +208,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     base = tmp_path_factory.mktemp("cudashm")
     repo = base / "repo"
     write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    write_model(repo, "add_sub_gpu", TORCH_ADD_SUB_CONFIG, {"model.pt": _scripted_add_sub(base / "add_sub.pt")})
     write_model(repo, "gated", GATED_CONFIG, {"model.py": GATED_PY})
     gate = base / "gate"
     gate.mkdir()
@@ -242,8 +260,11 @@ def unique(prefix: str) -> str:
 # -- tests ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("model", ["add_sub", "add_sub_gpu"])  # onnxruntime (KIND_AUTO), torch on the GPU
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_add_sub_with_inputs_and_outputs_in_cuda_regions(served: Served, regions: Any, protocol: str) -> None:
+def test_add_sub_with_inputs_and_outputs_in_cuda_regions(
+    served: Served, regions: Any, protocol: str, model: str
+) -> None:
     client, mod = client_for(served, protocol), module_for(protocol)
     metadata = client.get_server_metadata()
     assert "cuda_shared_memory" in (metadata["extensions"] if protocol == "http" else metadata.extensions)
@@ -264,7 +285,7 @@ def test_add_sub_with_inputs_and_outputs_in_cuda_regions(served: Served, regions
     outputs[0].set_shared_memory(out_name, 64, offset=outs.base)
     outputs[1].set_shared_memory(out_name, 64, offset=outs.base + 64)
     for _ in range(3):  # the same regions, request after request
-        client.infer("add_sub", inputs, outputs=outputs)
+        client.infer(model, inputs, outputs=outputs)
         np.testing.assert_allclose(outs.read(np.float32, 16), a + b)
         np.testing.assert_allclose(outs.read(np.float32, 16, offset=64), a - b)
         a = a + 1
@@ -272,7 +293,8 @@ def test_add_sub_with_inputs_and_outputs_in_cuda_regions(served: Served, regions
     client.unregister_cuda_shared_memory(in_name)
     client.unregister_cuda_shared_memory(out_name)
     status = client.get_cuda_shared_memory_status()
-    assert len(status if protocol == "http" else status.regions) == 0
+    names = [row["name"] for row in status] if protocol == "http" else list(status.regions)
+    assert in_name not in names and out_name not in names
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -331,7 +353,7 @@ def test_unregister_while_in_flight(served: Served, regions: Any) -> None:
     entered = _open_within(served.gate / "entered", os.O_RDONLY, 60)  # the model is running
     os.close(entered)
     client.unregister_cuda_shared_memory("busy")
-    assert len(client.get_cuda_shared_memory_status().regions) == 0
+    assert "busy" not in client.get_cuda_shared_memory_status().regions
     client.register_cuda_shared_memory("busy", region.raw_handle, 0, region.byte_size)  # the name is free again
     os.close(_open_within(served.gate / "release", os.O_WRONLY, 60))
     assert finished.wait(60)

@@ -177,6 +177,19 @@ def test_instance_plan_follows_tritons_placement(groups, gpus, expected):
     assert instance_plan(cfg(groups), gpus) == expected
 
 
+def test_kind_auto_stays_on_the_cpu_when_the_backend_cannot_use_the_gpus():
+    """KIND_AUTO with GPUs visible but a backend that cannot use them (a CPU-only onnxruntime, an
+    AOTInductor package compiled for the CPU) is KIND_CPU; listed GPUs and KIND_GPU are still GPU."""
+    assert instance_plan(cfg(""), 2, auto_gpu=False) == [(K.KIND_CPU, 0)]
+    assert instance_plan(cfg("instance_group [ { kind: KIND_AUTO count: 2 } ]"), 1, auto_gpu=False) == [
+        (K.KIND_CPU, 0)
+    ] * 2
+    assert instance_plan(cfg("instance_group [ { kind: KIND_AUTO gpus: [ 1 ] } ]"), 2, auto_gpu=False) == [
+        (K.KIND_GPU, 1)
+    ]
+    assert instance_plan(cfg("instance_group [ { kind: KIND_GPU } ]"), 1, auto_gpu=False) == [(K.KIND_GPU, 0)]
+
+
 def test_a_listed_gpu_that_is_not_visible_is_a_config_error():
     visible = r"GPU 2 is listed but this machine has 2 GPUs visible \(ids 0 to 1\)"
     with pytest.raises(ConfigError, match=visible) as info:
@@ -199,6 +212,17 @@ def test_model_kind_tells_the_three_archives_apart(tmp_path):
     assert torch_plan.model_kind(aoti, "model.pt2") == torch_plan.AOTI
     with pytest.raises(ConfigError, match=r"'weights.zip' is a zip archive but not a model torch can load; allowed"):
         torch_plan.model_kind(["weights/a.npy"], "weights.zip")
+
+
+def test_the_device_an_aoti_package_was_compiled_for_comes_from_its_metadata():
+    def meta(device: str) -> str:
+        return f'{{"AOTI_DEVICE_KEY": "{device}", "AOTI_PLATFORM": "linux", "AOTI_COMPUTE_CAPABILITY": ""}}'
+
+    assert torch_plan.aoti_device([meta("cpu"), meta("cpu")]) == "cpu"
+    assert torch_plan.aoti_device([meta("cpu"), meta("cuda")]) == "cuda"  # the kernels' device over the wrapper's
+    assert torch_plan.aoti_device(["not json", "[]", '{"AOTI_DEVICE_KEY": 3}', meta("cuda")]) == "cuda"
+    assert torch_plan.aoti_device([]) is None
+    assert torch_plan.aoti_device(['{"AOTI_PLATFORM": "linux"}']) is None
 
 
 def test_model_filename_prefers_the_config_then_model_pt():
@@ -425,8 +449,9 @@ def test_a_lost_cuda_context_fails_liveness_and_readiness_and_says_why(tmp_path,
         with pytest.raises(InferenceServerException) as info:
             http_infer(server, "poisoned", {"INPUT__0": np.full((1, 4), 50, np.float32)})
         assert str(info.value.status()) == "503"
-        assert "hit an unrecoverable CUDA error on cpu for a batch of 1 rows: RuntimeError: CUDA error: an illegal " \
-            "memory access was encountered; this process's CUDA context is lost" in str(info.value)
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"  # KIND_AUTO: the GPU where there is one
+        assert f"hit an unrecoverable CUDA error on {device} for a batch of 1 rows: RuntimeError: CUDA error: an " \
+            "illegal memory access was encountered; this process's CUDA context is lost" in str(info.value)
         assert not http.is_server_live() and not http.is_server_ready()
         assert not grpc.is_server_live() and not grpc.is_server_ready()
         with urllib.request.urlopen(f"http://{server.metrics}/metrics") as scrape:
@@ -710,22 +735,73 @@ def test_graphs_on_a_cpu_instance_load_with_a_warning_and_run_eagerly(tmp_path, 
 # --- AOTInductor (compiles C++ with gcc: ~25 s on the 2-core machine) -------------------------------
 
 
-def test_aot_inductor_package_is_served(tmp_path, serve):
+def aoti_package(program: Any, path: Path) -> Path:
     from torch._inductor import aoti_compile_and_package
 
-    program = exported_add_sub(tmp_path / "program.pt2")
-    repo = tmp_path / "repo"
-    (repo / "aoti" / "1").mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # torch's own deprecation inside its compile (torch 2.13)
         warnings.simplefilter("ignore", FutureWarning)
-        aoti_compile_and_package(program, package_path=str(repo / "aoti" / "1" / "model.pt2"))
+        aoti_compile_and_package(program, package_path=str(path))
+    return path
+
+
+def test_aot_inductor_package_is_served(tmp_path, serve, caplog):
+    """A package compiled for the CPU: KIND_AUTO serves it on the CPU even where a GPU is visible
+    (saying why), and KIND_GPU is refused naming the device it was compiled for (on a machine without
+    CUDA: naming what torch lacks)."""
+    from sluice.runtime.backends import pytorch
+
+    repo = tmp_path / "repo"
+    package = aoti_package(exported_add_sub(tmp_path / "program.pt2"), repo / "aoti" / "1" / "model.pt2")
+    assert pytorch.package_device(package) == "cpu"
     write_model(repo, "aoti", ADD_SUB_CONFIG, {})
-    server = serve(repo)
+    (repo / "aoti_gpu" / "1").mkdir(parents=True)
+    (repo / "aoti_gpu" / "1" / "model.pt2").write_bytes(package.read_bytes())
+    write_model(repo, "aoti_gpu", ADD_SUB_CONFIG + "instance_group [ { kind: KIND_GPU } ]", {})
+    with caplog.at_level("WARNING", logger="sluice"):
+        server = serve(repo, **EXPLICIT)
+        httpclient.InferenceServerClient(server.http).load_model("aoti")
     a, b = rows(5, 1), rows(5, 2)
     for infer in (http_infer, grpc_infer):
         result = infer(server, "aoti", {"INPUT__0": a, "INPUT__1": b})
         np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), a + b, rtol=1e-5)
         np.testing.assert_allclose(result.as_numpy("OUTPUT__1"), a - b, rtol=1e-5)
+    said = [r.getMessage() for r in caplog.records if "KIND_AUTO runs on the CPU" in r.getMessage()]
+    if torch.cuda.is_available():
+        assert any("the AOTInductor package 'model.pt2' was compiled for cpu" in m for m in said), said
+        message = load_error(server, "aoti_gpu")
+        assert "the AOTInductor package was compiled for cpu but the instance runs on cuda; allowed: " \
+            "instance_group kind KIND_CPU for this package" in message
+        assert "aoti_gpu/1/model.pt2" in message and str(tmp_path) not in message
+    else:
+        assert said == []  # no GPU visible: nothing to explain
+        assert "KIND_GPU needs torch with CUDA and a visible GPU" in load_error(server, "aoti_gpu")
+
+
+@needs_gpu
+def test_a_package_compiled_for_cuda_runs_on_the_gpu_and_is_refused_on_the_cpu(tmp_path, serve):
+    from sluice.runtime.backends import pytorch
+
+    batch = torch.export.Dim("batch", min=1, max=64)
+    example = (torch.randn(2, 4, device="cuda"), torch.randn(2, 4, device="cuda"))
+    program = torch.export.export(AddSub().cuda(), example, dynamic_shapes=({0: batch}, {0: batch}))
+    repo = tmp_path / "repo"
+    package = aoti_package(program, repo / "aoti" / "1" / "model.pt2")
+    assert pytorch.package_device(package) == "cuda"
+    write_model(repo, "aoti", ADD_SUB_CONFIG, {})
+    (repo / "aoti_cpu" / "1").mkdir(parents=True)
+    (repo / "aoti_cpu" / "1" / "model.pt2").write_bytes(package.read_bytes())
+    write_model(repo, "aoti_cpu", ADD_SUB_CONFIG + "instance_group [ { kind: KIND_CPU } ]", {})
+    server = serve(repo, **EXPLICIT)
+    httpclient.InferenceServerClient(server.http).load_model("aoti")
+    a, b = rows(7, 1), rows(7, 2)
+    for infer in (http_infer, grpc_infer):
+        result = infer(server, "aoti", {"INPUT__0": a, "INPUT__1": b})
+        np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), a + b, rtol=1e-5)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT__1"), a - b, rtol=1e-5)
+    message = load_error(server, "aoti_cpu")
+    assert "the AOTInductor package was compiled for cuda but the instance runs on cpu; allowed: " \
+        "instance_group kind KIND_GPU for this package" in message
 
 
 # --- GPU (skipped here: no CUDA) ------------------------------------------------------------------
