@@ -12,9 +12,10 @@
 # how long each took, to size the next call.
 #
 # Each step writes its output to $OUT/<step>.txt as well (OUT defaults to ./gpu-out, ignored by git).
-#   quick         tests (cap 150 s), a short ResNet run at c1/c32/c128 over both protocols (165 s),
-#                 memory with and without graphs (45 s), encoder with 0/4/16 protocol workers (90 s):
-#                 at most ~8 minutes; give the device call timeout_s 540
+#   quick         tests (cap 200 s), a short ResNet run at c1/c32/c128 over both protocols with the
+#                 server's time breakdown (100 s), memory with and without graphs (30 s), encoder with
+#                 0/4/16 protocol workers (70 s), the staging merge on the CPU (30 s): at most ~7.5
+#                 minutes (4 min 40 s on the H100 machine, 2026-11-27); give the device call timeout_s 540
 #   followup      after quick: the tests again, ResNet c32/c128/c256 with the server's time breakdown, and
 #                 over gRPC with 8 protocol workers at c64/c256: at most ~5.5 minutes; timeout_s 370
 #   tests         the GPU tests (PyTorch on CUDA, CUDA graphs, NVML, CUDA shared memory), -rs for skips
@@ -74,12 +75,13 @@ run_step() {
   case $step in
     quick)
       local failed=0
-      capped 150 tests bash "$0" tests || failed=1
-      capped 165 resnet "$PY" -P bench/gpu_resnet.py --concurrency 1,32,128 --duration-s 4 --raw-s 1 \
+      capped 200 tests bash "$0" tests || failed=1
+      capped 100 resnet "$PY" -P bench/gpu_resnet.py --concurrency 1,32,128 --duration-s 4 --raw-s 1 \
         --client-processes 8 || failed=1
-      capped 45 memory "$PY" -P bench/gpu_memory.py || failed=1
-      capped 90 workers "$PY" -P bench/frontend_workers.py --model encoder --device cuda:0 --workers 0,4,16 \
+      capped 30 memory "$PY" -P bench/gpu_memory.py || failed=1
+      capped 70 workers "$PY" -P bench/frontend_workers.py --model encoder --device cuda:0 --workers 0,4,16 \
         --concurrency 256 --connections 64 --client-processes 8 --seconds 4 --warmup 1 || failed=1
+      capped 30 merge "$PY" -P bench/staging_merge.py --parts 8,32,128 --torch-threads 1 || failed=1
       return $failed ;;
     followup)
       # after a `quick` in the same session: the GPU tests again (after fixes), and ResNet with the

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import threading
 import time
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -32,7 +33,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime.backends import torch_plan
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result, TensorSpec
-from sluice.runtime.backends.tensor import input_parts, merge_inputs, merge_into, merged_shape, split_timed
+from sluice.runtime.backends.tensor import input_parts, merge_inputs, merged_shape, split_timed
 from sluice.runtime.errors import ConfigError, ModelError, SluiceError, Unavailable, Unsupported
 from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, InferRequest
 
@@ -307,13 +308,52 @@ def _wrong_device(built_for: str, device: Any, path: Path) -> ConfigError:
 
 # --- CUDA staging --------------------------------------------------------------------------------
 
+_READ_ONLY_WARNED = threading.Lock()
+_read_only_warned = False
+
+
+def _quiet_read_only_warning(torch: Any) -> None:
+    """Request tensors decoded from the wire are read-only numpy arrays; torch.from_numpy warns once
+    per process that it cannot protect them (merge_rows only reads them). Take that one warning here,
+    silenced, so it reaches no log and no test that turns warnings into errors."""
+    global _read_only_warned
+    with _READ_ONLY_WARNED:
+        if _read_only_warned:
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.from_numpy(np.frombuffer(bytes(1), dtype=np.uint8))
+        _read_only_warned = True
+
+
+def merge_rows(torch: Any, parts: Sequence[np.ndarray], out: Any) -> Any:
+    """``parts`` (same dtype and row shape) concatenated along the batch dimension into ``out``, a
+    1-D uint8 tensor of exactly their bytes (the head of a pinned buffer), in one torch call; returns
+    ``out``. torch copies the whole batch with the GIL released once, where numpy's concatenate
+    releases and retakes it for every part, and each retake waits for the event loop thread to give
+    it up (measured: numpy ~250 us a 294 KiB part against a busy thread, torch ~90; the served
+    ResNet-50 spent ~0.25 ms an image so). ValueError when the parts do not fit."""
+    first = parts[0]
+    if any(p.dtype != first.dtype or p.shape[1:] != first.shape[1:] for p in parts):
+        raise ValueError(f"cannot merge parts of {[(str(p.dtype), p.shape) for p in parts]}: rows differ")
+    if not _read_only_warned:
+        _quiet_read_only_warning(torch)
+    sources = [torch.from_numpy(np.ascontiguousarray(p).reshape(-1).view(np.uint8)) for p in parts]
+    if sum(int(s.numel()) for s in sources) != int(out.numel()):
+        raise ValueError(f"cannot merge parts of shapes {[p.shape for p in parts]} into {int(out.numel())} bytes")
+    if len(sources) == 1:
+        out.copy_(sources[0])
+    else:
+        torch.cat(sources, out=out)
+    return out
+
 
 class _CudaStaging:
     """Pinned host buffers of one instance, one per tensor name and direction, grown as needed
     (:func:`torch_plan.pinned_capacity`). A batch's inputs are merged straight into them
-    (:meth:`stage`: one host copy per byte); copies to and from the device are asynchronous on the
-    instance's stream, which the instance synchronizes before it answers, so a buffer is free again
-    on the next call."""
+    (:meth:`stage`: one host copy per byte, in one torch call, :func:`merge_rows`); copies to and
+    from the device are asynchronous on the instance's stream, which the instance synchronizes
+    before it answers, so a buffer is free again on the next call."""
 
     def __init__(self, torch: Any, device: Any, stream: Any) -> None:
         self._torch = torch
@@ -338,7 +378,7 @@ class _CudaStaging:
         itemsize = parts[0].dtype.itemsize
         nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
         buffer = self._buffer(("in", name), nbytes)[:nbytes]
-        merge_into(parts, buffer.numpy().view(parts[0].dtype).reshape(shape))
+        merge_rows(self._torch, parts, buffer)
         return buffer.view(dtype).view(shape)
 
     def to_host(self, name: str, value: Any) -> Any:

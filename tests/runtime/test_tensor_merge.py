@@ -79,3 +79,49 @@ def test_input_parts_group_by_name_in_request_order_and_merge_inputs_agrees():
     for name, arrays in parts.items():
         out = np.empty(merged_shape(arrays), arrays[0].dtype)
         np.testing.assert_array_equal(merge_into(arrays, out), merged[name])
+
+
+# -- the CUDA instances' merge: one torch call into the pinned buffer's bytes (checked on the CPU) ---------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    rows=st.lists(st.integers(0, 5), min_size=1, max_size=6),
+    row_shape=st.lists(st.integers(1, 4), min_size=0, max_size=3),
+    spare=st.integers(0, 64),
+    seed=st.integers(0, 2**16),
+    read_only=st.booleans(),
+)
+def test_merge_rows_writes_the_concatenation_bytes_into_the_buffer_head(dtype, rows, row_shape, spare, seed, read_only):
+    torch = pytest.importorskip("torch")
+    from sluice.runtime.backends.pytorch import merge_rows
+
+    rng = np.random.default_rng(seed)
+    parts = [(rng.random((n, *row_shape)) * 100).astype(dtype) for n in rows]
+    if read_only:  # what the wire gives: arrays over bytes
+        parts = [np.frombuffer(p.tobytes(), dtype=p.dtype).reshape(p.shape) for p in parts]
+    expected = np.concatenate(parts, axis=0)
+    buffer = torch.full((expected.nbytes + spare,), 0xAB, dtype=torch.uint8)
+    head = buffer[: expected.nbytes]
+    assert merge_rows(torch, parts, head) is head
+    np.testing.assert_array_equal(head.numpy().view(expected.dtype).reshape(expected.shape), expected)
+    assert (buffer[expected.nbytes :] == 0xAB).all()  # nothing written past the batch
+
+
+def test_merge_rows_takes_strided_parts_and_refuses_parts_that_do_not_fit():
+    torch = pytest.importorskip("torch")
+    from sluice.runtime.backends.pytorch import merge_rows
+
+    bytes_ = torch.uint8
+    wide = np.arange(24, dtype=np.float32).reshape(4, 6)
+    parts = [wide[:, ::2], wide[:2, 1::2]]  # not contiguous
+    out = torch.empty(6 * 3 * 4, dtype=torch.uint8)
+    merge_rows(torch, parts, out)
+    np.testing.assert_array_equal(out.numpy().view(np.float32).reshape(6, 3), np.concatenate(parts))
+    with pytest.raises(ValueError, match="rows differ"):
+        merge_rows(torch, [np.zeros((1, 3), np.float32), np.zeros((1, 4), np.float32)], torch.empty(28, dtype=bytes_))
+    with pytest.raises(ValueError, match="rows differ"):  # no silent reinterpretation of another type
+        merge_rows(torch, [np.zeros((1, 2), np.float32), np.zeros((1, 2), np.int32)], torch.empty(16, dtype=bytes_))
+    with pytest.raises(ValueError, match=r"into 12 bytes"):
+        merge_rows(torch, [np.zeros((2, 3), np.float32)], torch.empty(12, dtype=bytes_))
