@@ -256,6 +256,63 @@ class _H2Error(Exception):
 # -- streams -------------------------------------------------------------------------------------
 
 
+class _Pieces:
+    """The bytes of a stream's gRPC messages as they arrive: views of the reads that carried them,
+    taken out in order with one copy each (:meth:`take`). ``need``: the length of the message whose
+    prefix was read (-1: the next prefix is due); ``flag``: its compressed flag."""
+
+    __slots__ = ("flag", "need", "parts", "size", "taken")
+
+    def __init__(self) -> None:
+        self.parts: deque[memoryview] = deque()
+        self.size = 0  # bytes held
+        self.taken = 0  # bytes of the current message (prefix included) taken out so far
+        self.need = -1
+        self.flag = 0
+
+    def add(self, view: memoryview) -> None:
+        if len(view):
+            self.parts.append(view)
+            self.size += len(view)
+
+    def take(self, n: int) -> bytes:
+        """The next ``n`` bytes (``n`` <= ``size``), joined into one bytes object."""
+        parts = self.parts
+        self.size -= n
+        self.taken = 0 if self.need >= 0 else self.taken + n  # a message body ends the message
+        if not n:
+            return b""
+        first = parts[0]
+        if len(first) >= n:
+            if len(first) == n:
+                parts.popleft()
+            else:
+                parts[0] = first[n:]
+            return bytes(first[:n])
+        chosen: list[memoryview] = []
+        left = n
+        while left:
+            part = parts[0]
+            if len(part) <= left:
+                chosen.append(parts.popleft())
+                left -= len(part)
+            else:
+                chosen.append(part[:left])
+                parts[0] = part[left:]
+                left = 0
+        return b"".join(chosen)
+
+    @property
+    def started(self) -> bool:
+        """Whether part of a message (its prefix or body) came and was not yet taken out whole."""
+        return self.size > 0 or self.need >= 0
+
+    @property
+    def received(self) -> int:
+        """Bytes of the unfinished message that came (prefix included)."""
+        return self.taken + self.size
+
+
 class _Stream:
     __slots__ = (
         "caller",
@@ -297,7 +354,7 @@ class _Stream:
         self.finished = False  # answered, reset or abandoned: nothing more is sent
         self.headers_sent = False
         self.message: bytes | None = None
-        self.rbuf: bytearray | None = None
+        self.rbuf: _Pieces | None = None  # a gRPC message arriving over several DATA frames
         self.pending: deque | None = None  # response DATA waiting for window
         self.trailers: bytes | None = None  # trailer frame(s) to send after pending DATA
         self.request: InferRequest | None = None
@@ -408,13 +465,28 @@ class GrpcConnection(asyncio.Protocol):
         if self._closed:
             return
         self.last_activity = self._loop.time()
+        head = None  # the frame the last read cut, completed from the start of this one
+        skip = 0  # where this read's own frames start
         if self._buf:
-            data = self._buf + data
-            self._buf = b""
+            buf, self._buf = self._buf, b""
+            need = 9 + ((buf[0] << 16) | (buf[1] << 8) | buf[2]) - len(buf) if len(buf) >= 9 else -1
+            if self._preface_ok and 0 < need <= len(data):
+                # Not buf + data: that copies the whole read (up to 256 KiB) again for one frame.
+                head, skip = buf + data[:need], need
+            else:
+                data = buf + data
         # What this read produces (acks, window updates, immediate answers) is written once, below.
         scheduled, self._flush_scheduled = self._flush_scheduled, True
         try:
-            if not self._preface_ok:
+            if head is not None:
+                done = self._frames(head)
+                if done < len(head):  # paused or closed within it: the rest waits in _buf
+                    data, skip = head[done:] + data[skip:], 0
+                    head = None
+                    pos = 0
+                else:
+                    pos = self._frames(data, skip)
+            elif not self._preface_ok:
                 if len(data) < len(PREFACE):
                     if not PREFACE.startswith(data):
                         raise _H2Error(PROTOCOL_ERROR, "expected the HTTP/2 connection preface (h2c, prior knowledge)")
@@ -424,7 +496,9 @@ class GrpcConnection(asyncio.Protocol):
                     raise _H2Error(PROTOCOL_ERROR, "expected the HTTP/2 connection preface (h2c, prior knowledge)")
                 self._preface_ok = True
                 data = data[len(PREFACE) :]
-            pos = self._frames(data)
+                pos = self._frames(data)
+            else:
+                pos = self._frames(data)
         except _H2Error as exc:
             self._fail(exc.code, exc.debug)
             return
@@ -528,8 +602,9 @@ class GrpcConnection(asyncio.Protocol):
             self._control(frame(PING, 0, 0, KEEPALIVE_PING))
 
     # -- frames ----------------------------------------------------------------------------------
-    def _frames(self, data: bytes) -> int:
-        pos = 0
+    def _frames(self, data: bytes, pos: int = 0) -> int:
+        """Handle the whole frames of ``data`` from ``pos``; return where the first incomplete one
+        starts (or where handling stopped: closed, or paused for writing)."""
         end = len(data)
         unpack = _FRAME.unpack_from
         while end - pos >= 9:
@@ -882,30 +957,38 @@ class GrpcConnection(asyncio.Protocol):
 
     # -- gRPC messages ---------------------------------------------------------------------------
     def _feed(self, stream: _Stream, data: bytes, start: int, stop: int) -> None:
-        """Split DATA into gRPC messages (5-byte prefix: compressed flag, big-endian length)."""
-        rbuf = stream.rbuf
-        if rbuf is None and stop - start >= 5:
-            flag, n = _PREFIX.unpack_from(data, start)
-            if n + 5 == stop - start and n <= self._max_message:  # the usual case: one message, one frame
-                self._on_message(stream, flag, data[start + 5 : stop])
+        """Split DATA into gRPC messages (5-byte prefix: compressed flag, big-endian length).
+
+        A message over several frames (every request over 16 KiB) is kept as views of the reads
+        that brought it and joined once when complete: one copy of its bytes, where appending each
+        frame to a growing buffer copied them ~8 times over (a 294 KiB image: 18 frames)."""
+        pieces = stream.rbuf
+        if pieces is None:
+            if stop - start >= 5:
+                flag, n = _PREFIX.unpack_from(data, start)
+                if n + 5 == stop - start and n <= self._max_message:  # the usual case: one message, one frame
+                    self._on_message(stream, flag, data[start + 5 : stop])
+                    return
+            pieces = stream.rbuf = _Pieces()
+        pieces.add(memoryview(data)[start:stop])
+        while not stream.finished:
+            if pieces.need < 0:
+                if pieces.size < 5:
+                    return
+                flag, n = _PREFIX.unpack_from(pieces.take(5), 0)
+                if n > self._max_message:
+                    self._respond_error(
+                        stream,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"received message larger than max ({n} vs. {self._max_message} bytes; "
+                        "--max-grpc-message-bytes)",
+                    )
+                    return
+                pieces.flag, pieces.need = flag, n
+            if pieces.size < pieces.need:
                 return
-        if rbuf is None:
-            rbuf = stream.rbuf = bytearray()
-        rbuf += memoryview(data)[start:stop]
-        while len(rbuf) >= 5 and not stream.finished:
-            flag, n = _PREFIX.unpack_from(rbuf, 0)
-            if n > self._max_message:
-                self._respond_error(
-                    stream,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"received message larger than max ({n} vs. {self._max_message} bytes; --max-grpc-message-bytes)",
-                )
-                return
-            if len(rbuf) < n + 5:
-                return
-            with memoryview(rbuf) as view:
-                message = bytes(view[5 : n + 5])
-            del rbuf[: n + 5]
+            flag, message = pieces.flag, pieces.take(pieces.need)
+            pieces.need = -1
             self._on_message(stream, flag, message)
 
     def _on_message(self, stream: _Stream, flag: int, message: bytes) -> None:
@@ -947,11 +1030,11 @@ class GrpcConnection(asyncio.Protocol):
     def _end_of_input(self, stream: _Stream) -> None:
         route = stream.route
         assert route is not None
-        if stream.rbuf:
+        if stream.rbuf is not None and stream.rbuf.started:
             self._respond_error(
                 stream,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"request ended inside a gRPC message ({len(stream.rbuf)} bytes of it came)",
+                f"request ended inside a gRPC message ({stream.rbuf.received} bytes of it came)",
             )
             return
         if route.kind == _STREAM:

@@ -9,6 +9,8 @@ The last tests run tritonclient against both front ends ("h2" and "grpcio").
 from __future__ import annotations
 
 import gzip
+import itertools
+import random
 import re
 import socket
 import threading
@@ -694,6 +696,48 @@ def test_stream_infer_answers_each_message_then_ok_trailers_after_half_close(ser
     assert client.response(3).status == RESOURCE_EXHAUSTED
     client.request(5, SERVICE + "ModelInfer", add_sub_request())
     assert_add_sub_ok(client.response(5))
+
+
+def test_messages_cut_into_data_frames_anywhere_are_read_whole(serve, repo, connect):
+    """gRPC messages arrive in DATA frames cut wherever the client cuts them: inside the 5-byte
+    prefix, several messages in one frame, one message over many frames. 40 seeded cuttings of one to
+    three ModelStreamInfer messages, each answered with its own id and right sums."""
+    server = serve(repo)
+    client = connect(server.grpc)
+    rng = random.Random(20261127)
+    for case in range(40):
+        sid = 1 + 2 * case
+        ids = [f"c{case}m{m}" for m in range(rng.randint(1, 3))]
+        body = b"".join(grpc_frame(add_sub_request(rid)) for rid in ids)
+        cuts = sorted(rng.sample(range(1, len(body)), rng.randint(0, min(12, len(body) - 1))))
+        client.send(HeadersFrame(sid, client.block(SERVICE + "ModelStreamInfer"), flags=["END_HEADERS"]))
+        edges = [0, *cuts, len(body)]
+        for begin, end in itertools.pairwise(edges):
+            client.send_data(sid, body[begin:end], end_stream=end == len(body))
+        response = client.response(sid)
+        assert response.status == OK, (cuts, response.message)
+        replies = [pb.ModelStreamInferResponse.FromString(m) for m in response.messages()]
+        assert [r.error_message for r in replies] == [""] * len(ids), cuts
+        assert sorted(r.infer_response.id for r in replies) == sorted(ids), cuts
+        for reply in replies:
+            sums = np.frombuffer(reply.infer_response.raw_output_contents[0], np.float32)
+            np.testing.assert_array_equal(sums, 2 * np.arange(16, dtype=np.float32))
+
+
+@pytest.mark.parametrize("sent", [3, 5, 40])
+def test_a_request_that_ends_inside_a_message_says_how_much_came(serve, repo, connect, sent):
+    """Cut inside the prefix (3 bytes), right after it (5) or inside the body (40), over two frames."""
+    server = serve(repo)
+    client = connect(server.grpc)
+    body = grpc_frame(add_sub_request())[:sent]
+    client.send(HeadersFrame(1, client.block(SERVICE + "ModelInfer"), flags=["END_HEADERS"]))
+    client.send_data(1, body[:2], end_stream=False)
+    client.send_data(1, body[2:])
+    response = client.response(1)
+    assert response.status == INVALID_ARGUMENT
+    assert response.message == f"request ended inside a gRPC message ({sent} bytes of it came)"
+    client.request(3, SERVICE + "ModelInfer", add_sub_request())
+    assert_add_sub_ok(client.response(3))
 
 
 def test_idle_connection_gets_goaway_and_is_closed(serve, repo, connect):
