@@ -281,7 +281,7 @@ def served_table(rows: Sequence[ServedRow], p99_budget: float | None) -> str:
     return "\n".join(lines)
 
 
-def time_table(rows: Sequence[ServedRow], graph_ms: Mapping[int, float]) -> str:
+def time_table(rows: Sequence[ServedRow]) -> str:
     """Where the server's time went for each served row: the mean per request of each stage (queue,
     then the batch's input copies, model and output copies, which every request of a batch shares),
     one execution against the raw graph time of the same batches, and how busy the instances were.
@@ -578,24 +578,27 @@ def run_served(
                         drive_perf_analyzer(perf_analyzer, protocol, url, concurrency, warm)
                     else:
                         drive(protocol, url, concurrency, min(1.0, args.duration_s), setup, args.client_processes)
-                    before = _stats(http_url)
+                    before, began = _stats(http_url), time.perf_counter()
                     if perf_analyzer:
                         rate, p50, p99 = drive_perf_analyzer(perf_analyzer, protocol, url, concurrency, args.duration_s)
                     else:
                         rate, p50, p99 = drive(
                             protocol, url, concurrency, args.duration_s, setup, args.client_processes
                         )
-                    after = _stats(http_url)
+                    after, span = _stats(http_url), time.perf_counter() - began
                     counts = counts_delta(batch_counts(before), batch_counts(after))
                     spent = breakdown(before, after)
+                    # our clients load the server for duration_s (their start-up is idle); perf_analyzer
+                    # for several intervals and its warm-up: then the whole span between the reads
+                    window = span if perf_analyzer else args.duration_s
                     rows.append(
                         ServedRow(
                             protocol, concurrency, rate, p50, p99, counts, raw_rate_for_mix(counts, graph_ms),
-                            spent, spent.busy(args.duration_s, setup.instances),
+                            spent, spent.busy(window, setup.instances),
                         )
                     )
                     print(served_table(rows[-1:], None).splitlines()[-1], file=sys.stderr, flush=True)
-                    print(time_table(rows[-1:], graph_ms).splitlines()[-1], file=sys.stderr, flush=True)
+                    print(time_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
         finally:
             server.send_signal(signal.SIGINT)
             server.wait(60)
@@ -661,7 +664,7 @@ def main() -> int:
         f"\nwhere the server's time went (its statistics over each point; {setup.instances} instance(s); "
         "busy: batch executions / (point seconds x instances))\n"
     )
-    print(time_table(rows, graph_ms))
+    print(time_table(rows))
     return 0
 
 

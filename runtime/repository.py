@@ -269,15 +269,16 @@ def _has_auto_group(config: mc.ModelConfig) -> bool:
     return not config.instance_group or any(g.kind == K.KIND_AUTO and not g.gpus for g in config.instance_group)
 
 
-def _why_auto_is_not_gpu(backend: str, config: mc.ModelConfig, last: LoadContext) -> str | None:
-    """Why KIND_AUTO cannot place this model on a visible GPU; None when it can."""
+def _why_auto_is_not_gpu(backend: str, config: mc.ModelConfig, versions: list[LoadContext]) -> str | None:
+    """Why KIND_AUTO cannot place this model (every version it serves: one plan places them all) on
+    a visible GPU; None when it can."""
     if backend == "onnxruntime":
         from sluice.runtime.backends import onnxrt
 
         return onnxrt.why_no_gpu()
     from sluice.runtime.backends import pytorch
 
-    return pytorch.why_no_gpu(config, last)
+    return next((why for ctx in versions if (why := pytorch.why_no_gpu(config, ctx)) is not None), None)
 
 
 @functools.cache
@@ -402,7 +403,10 @@ def _prepare_loaded(
         return _Prepared(config, plans, warnings, None, cache, labels)
     loader = _backend_loader(backend)
     gpu_count = visible_gpu_count(backend)
-    why_not_gpu = _why_auto_is_not_gpu(backend, config, last) if gpu_count and backend in _AUTO_CHECKED else None
+    why_not_gpu = None
+    if gpu_count and backend in _AUTO_CHECKED:
+        versions = [LoadContext(name, v, model_dir, model_dir / str(v), root, services) for v in chosen]
+        why_not_gpu = _why_auto_is_not_gpu(backend, config, versions)
     if why_not_gpu is not None and _has_auto_group(config):
         warnings.append(
             f"instance_group kind KIND_AUTO runs on the CPU although {gpu_count} GPU(s) are visible: {why_not_gpu}"

@@ -114,7 +114,7 @@ def test_the_breakdown_is_per_request_means_and_execution_seconds_between_two_re
 def test_time_table_sets_each_execution_against_the_raw_graph_time():
     spent = resnet.breakdown(_model_stats(0, 0, 100), _model_stats(40, 10, 100))
     row = resnet.ServedRow("grpc", 32, 900.0, 10.0, 30.0, {4: 10}, 4000.0, spent, 0.25)
-    lines = resnet.time_table([row, resnet.ServedRow("http", 1, 1.0, 1.0, 1.0, {}, None)], {4: 1.0}).splitlines()
+    lines = resnet.time_table([row, resnet.ServedRow("http", 1, 1.0, 1.0, 1.0, {}, None)]).splitlines()
     assert len(lines) == 3  # the row without a breakdown is left out
     assert lines[2] == "| grpc | 32 | 100 | 100 | 100 | 100 | 0.30 | 1.00 | 25% |"
 

@@ -119,12 +119,10 @@ def package_device(path: Path) -> str | None:
     does not say or cannot be read (loading it then tells)."""
     try:
         with zipfile.ZipFile(path) as archive:
-            texts = [
-                archive.read(name).decode("utf-8", "replace")
-                for name in archive.namelist()
-                if name.endswith("_metadata.json") and "/data/aotinductor/" in f"/{name}"
-            ]
-    except (zipfile.BadZipFile, OSError, KeyError):
+            names = [n for n in archive.namelist() if n.endswith("_metadata.json") and "/data/aotinductor/" in f"/{n}"]
+            model = [n for n in names if "/data/aotinductor/model/" in f"/{n}"]  # what aoti_load_package loads
+            texts = [archive.read(name).decode("utf-8", "replace") for name in model or names]
+    except Exception:  # unreadable in any way (bad zip, compression, encryption): the load says so
         return None
     return torch_plan.aoti_device(texts)
 
@@ -283,7 +281,7 @@ def _load_aoti(torch: Any, path: Path, device: Any, device_id: int) -> _Loaded:
 
     compiled_for = package_device(path)
     if compiled_for is not None and compiled_for != device.type:  # refused before torch's own, terser error
-        raise _wrong_device(compiled_for, device, path)
+        raise _wrong_device(torch, compiled_for, device, path)
     try:
         compiled = aoti_load_package(str(path), device_index=device_id if device.type == "cuda" else -1)
     except Exception as exc:
@@ -292,15 +290,18 @@ def _load_aoti(torch: Any, path: Path, device: Any, device_id: int) -> _Loaded:
         ) from exc
     built_for = str(compiled.get_metadata().get("AOTI_DEVICE_KEY", "cpu"))
     if built_for != device.type:
-        raise _wrong_device(built_for, device, path)
+        raise _wrong_device(torch, built_for, device, path)
     return _Loaded(compiled, None, dict_input=False)
 
 
-def _wrong_device(built_for: str, device: Any, path: Path) -> ConfigError:
+def _wrong_device(torch: Any, built_for: str, device: Any, path: Path) -> ConfigError:
+    # KIND_AUTO helps where it would pick the package's device: the CPU always, a GPU only with CUDA
+    auto = built_for == "cpu" or (built_for == "cuda" and torch.cuda.is_available())
     return ConfigError(
         f"the AOTInductor package was compiled for {built_for} but the instance runs on {device.type}; "
-        f"allowed: instance_group kind {'KIND_GPU' if built_for == 'cuda' else 'KIND_CPU'} for this package "
-        "(or KIND_AUTO), or a package compiled for the instance's device",
+        f"allowed: instance_group kind {'KIND_GPU' if built_for == 'cuda' else 'KIND_CPU'} for this package"
+        + (" (or KIND_AUTO)" if auto else "")
+        + ", or a package compiled for the instance's device",
         file=str(path),
         field="instance_group",
     )

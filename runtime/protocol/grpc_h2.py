@@ -95,6 +95,8 @@ STREAM_WINDOW = 8 << 20
 """Our SETTINGS_INITIAL_WINDOW_SIZE: what a client may send on one stream before we replenish it."""
 CONNECTION_WINDOW = 64 << 20
 """Receive window of the whole connection, advertised at start and replenished at half."""
+KEPT_SLACK = 1 << 20
+"""Bytes of the reads a stream's partial message may keep alive beyond twice its own size."""
 MAX_CONCURRENT_STREAMS = 1024
 """Open streams per connection; more are refused with RST_STREAM(REFUSED_STREAM)."""
 MAX_GRPC_MESSAGE_IN_ERRORS = 4096
@@ -261,25 +263,40 @@ class _Pieces:
     taken out in order with one copy each (:meth:`take`). ``need``: the length of the message whose
     prefix was read (-1: the next prefix is due); ``flag``: its compressed flag."""
 
-    __slots__ = ("flag", "need", "parts", "size", "taken")
+    __slots__ = ("flag", "kept", "last", "need", "parts", "size", "taken")
 
     def __init__(self) -> None:
         self.parts: deque[memoryview] = deque()
         self.size = 0  # bytes held
+        self.kept = 0  # bytes of the reads the views keep alive (an upper bound)
+        self.last: object = None  # the read the last view came from
         self.taken = 0  # bytes of the current message (prefix included) taken out so far
         self.need = -1
         self.flag = 0
 
     def add(self, view: memoryview) -> None:
-        if len(view):
-            self.parts.append(view)
-            self.size += len(view)
+        if not len(view):
+            return
+        if view.obj is not self.last:
+            self.last = view.obj
+            self.kept += len(view.obj)  # type: ignore[arg-type]
+        self.parts.append(view)
+        self.size += len(view)
+        if self.kept > 2 * self.size + KEPT_SLACK:
+            # Small pieces of many reads (a client interleaving streams, or padding reads with
+            # other frames) would keep every read alive: hold their bytes alone instead.
+            joined = b"".join(self.parts)
+            self.parts.clear()
+            self.parts.append(memoryview(joined))
+            self.kept, self.last = len(joined), joined
 
     def take(self, n: int) -> bytes:
         """The next ``n`` bytes (``n`` <= ``size``), joined into one bytes object."""
         parts = self.parts
         self.size -= n
         self.taken = 0 if self.need >= 0 else self.taken + n  # a message body ends the message
+        if not self.size:
+            self.kept, self.last = 0, None  # the views still held are dropped below
         if not n:
             return b""
         first = parts[0]
@@ -479,13 +496,9 @@ class GrpcConnection(asyncio.Protocol):
         scheduled, self._flush_scheduled = self._flush_scheduled, True
         try:
             if head is not None:
-                done = self._frames(head)
-                if done < len(head):  # paused or closed within it: the rest waits in _buf
-                    data, skip = head[done:] + data[skip:], 0
-                    head = None
-                    pos = 0
-                else:
-                    pos = self._frames(data, skip)
+                self._frames(head)  # exactly one frame
+                # paused or closed by it: the rest of this read waits in _buf (or is dropped)
+                pos = skip if self._closed or self._write_paused else self._frames(data, skip)
             elif not self._preface_ok:
                 if len(data) < len(PREFACE):
                     if not PREFACE.startswith(data):

@@ -724,6 +724,25 @@ def test_messages_cut_into_data_frames_anywhere_are_read_whole(serve, repo, conn
             np.testing.assert_array_equal(sums, 2 * np.arange(16, dtype=np.float32))
 
 
+def test_pieces_of_many_reads_keep_only_their_own_bytes_alive():
+    """One byte of a message in each of many 256 KiB reads (a client padding its reads with other
+    frames) must not keep every read alive: what is held stays within twice the message's bytes plus
+    KEPT_SLACK and one read, and the bytes come out in order."""
+    from sluice.runtime.protocol.grpc_h2 import KEPT_SLACK, _Pieces
+
+    pieces = _Pieces()
+    expected = bytearray()
+    for i in range(400):
+        read = bytes([i % 251]) + bytes(256 * 1024 - 1)
+        pieces.add(memoryview(read)[:1])
+        expected += read[:1]
+        held = sum(len(view.obj) for view in {id(v.obj): v for v in pieces.parts}.values())
+        assert held <= 2 * pieces.size + KEPT_SLACK + 256 * 1024, (i, held)
+    assert pieces.size == 400
+    assert pieces.take(5) + pieces.take(395) == bytes(expected)
+    assert pieces.size == 0 and not pieces.parts
+
+
 @pytest.mark.parametrize("sent", [3, 5, 40])
 def test_a_request_that_ends_inside_a_message_says_how_much_came(serve, repo, connect, sent):
     """Cut inside the prefix (3 bytes), right after it (5) or inside the body (40), over two frames."""
