@@ -4,7 +4,7 @@
 # packages on PYTHONPATH through a link tree outside the repository (never the repository root, where
 # ./operator would shadow the standard library) and installs wheels brought along in .whl/.
 #
-#   bash bench/gpu_session.sh STEP...      STEP: quick | followup | tests | resnet | resnet-small | resnet-workers | memory | workers | shm | all
+#   bash bench/gpu_session.sh STEP...      STEP: quick | followup | figures | tests | resnet | resnet-small | resnet-workers | memory | workers | shm | all
 #
 # A lease of 15 minutes of device time (machine start included) holds one `quick` call, not the
 # full steps (each up to 10 minutes): `quick` runs the essentials, each capped by `timeout`
@@ -18,6 +18,8 @@
 #                 minutes (4 min 40 s on the H100 machine, 2026-11-27); give the device call timeout_s 540
 #   followup      after quick: the tests again, ResNet c32/c128/c256 with the server's time breakdown, and
 #                 over gRPC with 8 protocol workers at c64/c256: at most ~5.5 minutes; timeout_s 370
+#   figures       what quick does not take: ResNet c1..c256 both protocols and with 8 protocol workers,
+#                 the encoder at 1/2/8 workers, memory per served instance, CUDA shm: ~7 minutes, timeout_s 450
 #   tests         the GPU tests (PyTorch on CUDA, CUDA graphs, NVML, CUDA shared memory), -rs for skips
 #   resnet        bench/gpu_resnet.py: ResNet-50 fp16 channels_last, raw with CUDA graphs vs served
 #   resnet-small  the same, short (a check that the bench runs before the long one)
@@ -93,6 +95,21 @@ run_step() {
       capped 70 resnet-workers "$PY" -P bench/gpu_resnet.py --mode served --protocols grpc --concurrency 64,256 \
         --duration-s 4 --raw-s 1 --client-processes 8 --serve-arg=--protocol-workers=8 || failed=1
       return $failed ;;
+    figures)
+      # the figures issue 14 still lacks after quick/followup: ResNet over c1..c256 both protocols
+      # and with 8 protocol workers, the encoder at 1/2/8 workers, memory per served instance, CUDA
+      # shared memory: at most ~7 minutes; timeout_s 450
+      local failed=0
+      capped 140 resnet "$PY" -P bench/gpu_resnet.py --concurrency 1,8,32,64,128,256 --duration-s 4 --raw-s 1 \
+        --client-processes 8 || failed=1
+      capped 80 resnet-workers "$PY" -P bench/gpu_resnet.py --mode served --protocols grpc \
+        --concurrency 32,64,128,256 --duration-s 4 --raw-s 1 --client-processes 8 \
+        --serve-arg=--protocol-workers=8 || failed=1
+      capped 70 workers "$PY" -P bench/frontend_workers.py --model encoder --device cuda:0 --workers 1,2,8 \
+        --concurrency 256 --connections 64 --client-processes 8 --seconds 4 --warmup 1 || failed=1
+      capped 90 memory "$PY" -P bench/gpu_memory.py --served || failed=1
+      capped 45 shm "$PY" -P bench/cuda_shm.py || failed=1
+      return $failed ;;
     tests)
       "$PY" -m pytest -q -p no:cacheprovider -rs -o addopts="--import-mode=importlib" \
         tests/runtime/test_pytorch_backend.py tests/runtime/test_pytorch_conformance.py tests/runtime/test_torch_graphs.py \
@@ -121,7 +138,7 @@ run_step() {
     shm)
       "$PY" -P bench/cuda_shm.py ;;
     *)
-      echo "unknown step '$step'; allowed: quick, followup, tests, resnet, resnet-small, resnet-workers, memory, workers, shm, all" >&2
+      echo "unknown step '$step'; allowed: quick, followup, figures, tests, resnet, resnet-small, resnet-workers, memory, workers, shm, all" >&2
       return 2 ;;
   esac
 }
