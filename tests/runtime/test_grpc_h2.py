@@ -35,6 +35,8 @@ from hyperframe.frame import (
     SettingsFrame,
     WindowUpdateFrame,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
 from sluice.runtime.settings import Limits, SchedulingDefaults
@@ -741,6 +743,38 @@ def test_pieces_of_many_reads_keep_only_their_own_bytes_alive():
     assert pieces.size == 400
     assert pieces.take(5) + pieces.take(395) == bytes(expected)
     assert pieces.size == 0 and not pieces.parts
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=6),
+    cuts=st.lists(st.integers(1, 4000), max_size=30),
+    read=st.integers(1, 5000),
+    seed=st.integers(0, 2**16),
+)
+def test_pieces_give_back_the_bytes_in_order_whatever_the_cuts(sizes, cuts, read, seed):
+    """Views of reads of any size, cut into pieces anywhere, then taken out in messages of any size:
+    the same bytes in the same order, and size/started/received say what is held."""
+    from sluice.runtime.protocol.grpc_h2 import _Pieces
+
+    rng = np.random.default_rng(seed)
+    stream = rng.integers(0, 256, sum(sizes), dtype=np.uint8).tobytes()
+    pieces, offset, edges = _Pieces(), 0, sorted({c % (len(stream) + 1) for c in cuts} | {len(stream)})
+    for edge in edges:  # each piece a view of a read that holds it and other bytes around it
+        carrier = bytes(read) + stream[offset:edge] + bytes(read)
+        pieces.add(memoryview(carrier)[read : read + edge - offset])
+        offset = edge
+    assert pieces.size == len(stream)
+    taken, at = [], 0
+    for n in sizes:
+        pieces.need = n  # a body: its prefix was read
+        assert pieces.started
+        taken.append(pieces.take(n))
+        pieces.need = -1
+        at += n
+        assert pieces.size == len(stream) - at and pieces.received == pieces.size
+    assert taken == [stream[sum(sizes[:i]) : sum(sizes[: i + 1])] for i in range(len(sizes))]
+    assert not pieces.started and not pieces.parts
 
 
 @pytest.mark.parametrize("sent", [3, 5, 40])
