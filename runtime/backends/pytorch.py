@@ -356,20 +356,43 @@ class _CudaStaging:
     from the device are asynchronous on the instance's stream, which the instance synchronizes
     before it answers, so a buffer is free again on the next call."""
 
-    def __init__(self, torch: Any, device: Any, stream: Any) -> None:
+    VIEWS = 256
+    """Views kept per instance (a model with dynamic dims would otherwise make one per shape)."""
+
+    def __init__(self, torch: Any, device: Any, stream: Any, *, pin: bool = True) -> None:
         self._torch = torch
         self._device = device
         self._stream = stream
+        self._pin = pin  # False only where a test checks the buffers on a machine without CUDA
         self._buffers: dict[tuple[str, str], Any] = {}
+        self._views: dict[tuple[tuple[str, str], Any, tuple[int, ...]], tuple[Any, Any, Any]] = {}
 
     def _buffer(self, key: tuple[str, str], nbytes: int) -> Any:
         current = self._buffers.get(key)
         size = 0 if current is None else int(current.numel())
         capacity = torch_plan.pinned_capacity(nbytes, size)
         if current is None or capacity != size:
-            current = self._torch.empty(capacity, dtype=self._torch.uint8, pin_memory=True)
+            current = self._torch.empty(capacity, dtype=self._torch.uint8, pin_memory=self._pin)
             self._buffers[key] = current
+            # views of the old buffer would keep its pinned memory alive
+            self._views = {k: v for k, v in self._views.items() if k[0] != key}
         return current
+
+    def _typed(self, key: tuple[str, str], nbytes: int, dtype: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
+        """(the buffer's first ``nbytes`` as uint8, the same bytes as ``dtype`` in ``shape``), kept
+        per shape while the buffer stays: every torch call gives up the GIL and waits to take it back
+        from the busy event loop (tens of us each, bench/staging_merge.py's neighbour), and a batch
+        size comes back again and again."""
+        buffer = self._buffer(key, nbytes)
+        cached = self._views.get((key, dtype, shape))
+        if cached is not None and cached[0] is buffer:
+            return cached[1], cached[2]
+        head = buffer[:nbytes]
+        typed = head.view(dtype).view(shape)
+        if len(self._views) >= self.VIEWS:
+            self._views.clear()
+        self._views[(key, dtype, shape)] = (buffer, head, typed)
+        return head, typed
 
     def stage(self, name: str, parts: Sequence[np.ndarray], dtype: Any) -> Any:
         """``parts`` (one array per request) merged along the batch dimension into this input's pinned
@@ -378,14 +401,16 @@ class _CudaStaging:
         shape = merged_shape(parts)
         itemsize = parts[0].dtype.itemsize
         nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-        buffer = self._buffer(("in", name), nbytes)[:nbytes]
-        merge_rows(self._torch, parts, buffer)
-        return buffer.view(dtype).view(shape)
+        head, typed = self._typed(("in", name), nbytes, dtype, tuple(shape))
+        merge_rows(self._torch, parts, head)
+        return typed
 
     def to_host(self, name: str, value: Any) -> Any:
+        """A non-blocking copy of device tensor ``value`` into this output's pinned buffer: a
+        contiguous host tensor of its dtype and shape, valid once the stream is synchronized."""
         value = value.contiguous()
         nbytes = value.numel() * value.element_size()
-        staged = self._buffer(("out", name), nbytes)[:nbytes].view(value.dtype).view(value.shape)
+        _, staged = self._typed(("out", name), nbytes, value.dtype, tuple(value.shape))
         staged.copy_(value, non_blocking=True)
         return staged
 
@@ -434,6 +459,7 @@ class TorchInstance(ModelInstance):
         self._cuda = self._device.type == "cuda"
         self._stream: Any = None
         self._staging: _CudaStaging | None = None
+        self._synced = False  # the stream was synchronized after this batch's last enqueued work
         self._graphed: Any = None
         if self._cuda:
             self._stream = self._torch.cuda.Stream(device=self._device)
@@ -576,11 +602,14 @@ class TorchInstance(ModelInstance):
             wanted = getattr(torch, torch_plan.TORCH_DTYPE_BY_CONFIG[spec.data_type])
             if value.dtype != wanted:
                 value = value.to(wanted)  # the model ran in the ``precision`` parameter's type
-            value = value.detach()
+            if value.requires_grad:  # not under inference mode; a torch call saved where it is not needed
+                value = value.detach()
             if self._staging is not None and value.is_cuda:
-                value = self._staging.to_host(spec.name, value)
+                value = self._staging.to_host(spec.name, value)  # contiguous
                 self._stream.synchronize()
-            value = value.contiguous()
+                self._synced = True
+            else:
+                value = value.contiguous()
             if value.dtype == torch.bfloat16:
                 array = value.view(torch.int16).numpy().view(np.uint16).copy()
             else:
@@ -658,8 +687,10 @@ class TorchInstance(ModelInstance):
             inputs_done = time.monotonic_ns()
             results = self._forward(tensors)
         outputs_start = time.monotonic_ns()
+        self._synced = False
         arrays = self._outputs_of(results, rows)
-        self._stream.synchronize()  # the pinned input buffers are rewritten by the next batch
+        if not self._synced:  # an output's copy synchronized the stream after all this batch's work
+            self._stream.synchronize()  # the pinned input buffers are rewritten by the next batch
         return arrays, inputs_done, outputs_start
 
     def close(self) -> None:

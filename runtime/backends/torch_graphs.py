@@ -327,6 +327,9 @@ class _Graph:
     inputs: list[Any]  # static input buffers (torch.Tensor), in config.input order
     outputs: list[Any]  # static output buffers the graph writes
     filled: int  # rows of ``inputs`` that hold data of the last run (the rest are zero)
+    rows: dict[int, tuple[list[Any], list[Any]]] = dataclasses.field(default_factory=dict)
+    """Per row count: the first rows of ``inputs`` and of ``outputs`` (views, made once: each torch
+    call gives up the GIL, and a busy event loop makes taking it back cost tens of us)."""
 
 
 class GraphedModel:
@@ -454,25 +457,30 @@ class GraphedModel:
         torch = _torch()
         # The inputs may come from work queued on the caller's current stream.
         self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        if self.plan.batched:
+            views = entry.rows.get(n)
+            if views is None:
+                views = entry.rows[n] = (
+                    [slice_rows(static, n) for static in entry.inputs],
+                    [slice_rows(out, n) for out in entry.outputs],
+                )
+            targets, results = views
+        else:
+            targets, results = entry.inputs, entry.outputs
         with torch.no_grad(), torch.cuda.stream(self._stream):
             stale = rows_to_zero(entry.filled, n) if self.plan.batched else None
             entry.filled = max(entry.filled, n)  # rows a copy that fails part-way may have written
-            for static, given in zip(entry.inputs, inputs, strict=True):
+            for static, target, given in zip(entry.inputs, targets, inputs, strict=True):
                 if given.device.type == "cpu" and given.dtype != static.dtype:
                     # convert on the GPU, not on the host (copy_ across devices would cast first)
                     given = given.to(self._device, non_blocking=True)
-                if self.plan.batched:
-                    static[:n].copy_(given, non_blocking=True)
-                else:
-                    static.copy_(given, non_blocking=True)
+                target.copy_(given, non_blocking=True)
             if stale is not None:
                 for static in entry.inputs:
                     static[stale[0] : stale[1]].zero_()
             entry.filled = n
             entry.graph.replay()
-        if not self.plan.batched:
-            return list(entry.outputs)
-        return [slice_rows(out, n) for out in entry.outputs]
+        return list(results)
 
     def close(self) -> None:
         """Drop the graphs and their buffers (their pool returns to PyTorch's caching allocator)."""

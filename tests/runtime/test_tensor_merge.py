@@ -125,3 +125,33 @@ def test_merge_rows_takes_strided_parts_and_refuses_parts_that_do_not_fit():
         merge_rows(torch, [np.zeros((1, 2), np.float32), np.zeros((1, 2), np.int32)], torch.empty(16, dtype=bytes_))
     with pytest.raises(ValueError, match=r"into 12 bytes"):
         merge_rows(torch, [np.zeros((2, 3), np.float32)], torch.empty(12, dtype=bytes_))
+
+
+def test_the_staging_buffers_views_are_made_once_per_shape_and_dropped_with_their_buffer():
+    """_CudaStaging on plain memory (``pin=False``): a batch shape seen again gets the same typed view
+    (no torch call), the bytes are the batch's; a larger batch grows the buffer and the old buffer's
+    views go with it; outputs come back contiguous with their values."""
+    torch = pytest.importorskip("torch")
+    from sluice.runtime.backends.pytorch import _CudaStaging
+
+    staging = _CudaStaging(torch, torch.device("cpu"), None, pin=False)
+    rows = [np.full((1, 3, 4), i, np.float16) for i in range(4)]
+    first = staging.stage("x", rows[:2], torch.float16)
+    again = staging.stage("x", rows[2:], torch.float16)
+    assert again is first and tuple(again.shape) == (2, 3, 4)
+    np.testing.assert_array_equal(again.numpy(), np.concatenate(rows[2:]))
+    three = staging.stage("x", rows[:3], torch.float16)
+    assert tuple(three.shape) == (3, 3, 4) and three is not first
+    old = staging._buffers[("in", "x")]
+    big = [np.full((40000, 3, 4), 7, np.float16)]  # past the buffer: it grows
+    np.testing.assert_array_equal(staging.stage("x", big, torch.float16).numpy(), big[0])
+    assert staging._buffers[("in", "x")] is not old
+    assert all(entry[0] is not old for entry in staging._views.values())  # nothing keeps the old buffer
+    out = torch.arange(24, dtype=torch.float32).reshape(4, 6)[:, ::2]  # not contiguous
+    host = staging.to_host("y", out)
+    assert host.is_contiguous() and torch.equal(host, out)
+    assert staging.to_host("y", out * 2) is host  # same shape: the same view, new values
+    assert torch.equal(host, out * 2)
+    for n in range(1, staging.VIEWS + 5):  # bounded whatever the shapes
+        staging.stage("z", [np.zeros((1, n), np.float32)], torch.float32)
+    assert len(staging._views) <= staging.VIEWS
