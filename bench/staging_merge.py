@@ -8,7 +8,9 @@ around each part's copy and must take it back after, which waits for the loop th
 (``sys.setswitchinterval``, 100 us in ``sluice serve``); torch's ``cat`` (``runtime/backends/
 pytorch.py: merge_rows``, what the CUDA instances use for their pinned buffers) releases it once for
 the whole batch. This prints ms per batch and us per part, alone and beside a thread spinning in
-Python (standing for the busy event loop), with the server's switch interval. Needs torch (CPU is
+Python (standing for the busy event loop), with the server's switch interval; then what any torch
+call (a slice or view) costs alone and beside that thread: the reason the CUDA path makes its views
+of the pinned buffers once per shape. Needs torch (CPU is
 enough). Figures depend on the machine: compare rows of one run.
 """
 
@@ -87,6 +89,35 @@ def main() -> int:
                     spinner.join()
             print(f"| {count} | {beside} | {numpy_s * 1e3:.2f} | {numpy_s / count * 1e6:.0f} "
                   f"| {torch_s * 1e3:.2f} | {torch_s / count * 1e6:.0f} |")
+    # Any torch call gives up the GIL: what one costs beside a thread running Python (the per-batch
+    # calls of a CUDA execution: slices and views of the pinned buffers, copies, replay, sync)
+    buffer = torch.empty(1 << 20, dtype=torch.uint8)
+
+    def calls() -> None:
+        for _ in range(20):
+            buffer[:4096].view(torch.float16).view(8, 256)
+
+    print("\n| beside | us per torch call (slice, view, view) |")
+    print("|---|---|")
+    for beside in ("nothing", "a busy thread"):
+        stop = threading.Event()
+        spinner = None
+        if beside != "nothing":
+
+            def spin(stop: threading.Event = stop) -> None:
+                n = 0
+                while not stop.is_set():
+                    n += 1
+
+            spinner = threading.Thread(target=spin, daemon=True)
+            spinner.start()
+        try:
+            per_call = timed(calls, args.reps * 5) / 60
+        finally:
+            stop.set()
+            if spinner is not None:
+                spinner.join()
+        print(f"| {beside} | {per_call * 1e6:.1f} |")
     return 0
 
 
