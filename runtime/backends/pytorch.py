@@ -365,7 +365,7 @@ class _CudaStaging:
         self._stream = stream
         self._pin = pin  # False only where a test checks the buffers on a machine without CUDA
         self._buffers: dict[tuple[str, str], Any] = {}
-        self._views: dict[tuple[tuple[str, str], Any, tuple[int, ...]], tuple[Any, Any, Any]] = {}
+        self._views: dict[tuple[tuple[str, str], Any, tuple[int, ...], int], tuple[Any, Any, Any]] = {}
 
     def _buffer(self, key: tuple[str, str], nbytes: int) -> Any:
         current = self._buffers.get(key)
@@ -382,16 +382,18 @@ class _CudaStaging:
         """(the buffer's first ``nbytes`` as uint8, the same bytes as ``dtype`` in ``shape``), kept
         per shape while the buffer stays: every torch call gives up the GIL and waits to take it back
         from the busy event loop (tens of us each, bench/staging_merge.py's neighbour), and a batch
-        size comes back again and again."""
+        size comes back again and again. The same tensor objects come back for every batch of a
+        shape: callers read and copy them, and never change them in place (no ``resize_``,
+        ``squeeze_``, ``as_strided_``)."""
         buffer = self._buffer(key, nbytes)
-        cached = self._views.get((key, dtype, shape))
+        cached = self._views.get((key, dtype, shape, nbytes))
         if cached is not None and cached[0] is buffer:
             return cached[1], cached[2]
         head = buffer[:nbytes]
         typed = head.view(dtype).view(shape)
         if len(self._views) >= self.VIEWS:
             self._views.clear()
-        self._views[(key, dtype, shape)] = (buffer, head, typed)
+        self._views[(key, dtype, shape, nbytes)] = (buffer, head, typed)
         return head, typed
 
     def stage(self, name: str, parts: Sequence[np.ndarray], dtype: Any) -> Any:
@@ -678,6 +680,7 @@ class TorchInstance(ModelInstance):
         buffers, copied (with the dtype and layout conversions) straight into the CUDA graph's static
         buffers, or to the device for an eager call when no graph fits; the outputs copied back through
         pinned buffers. Returns the outputs and the two phase boundaries (monotonic ns)."""
+        self._synced = False
         parts = input_parts(requests)
         host = [self._staged(spec, parts[spec.name]) for spec in self._inputs]
         results = self._graphed.run(host) if self._graphed is not None else None
@@ -687,7 +690,6 @@ class TorchInstance(ModelInstance):
             inputs_done = time.monotonic_ns()
             results = self._forward(tensors)
         outputs_start = time.monotonic_ns()
-        self._synced = False
         arrays = self._outputs_of(results, rows)
         if not self._synced:  # an output's copy synchronized the stream after all this batch's work
             self._stream.synchronize()  # the pinned input buffers are rewritten by the next batch

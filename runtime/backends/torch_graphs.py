@@ -443,7 +443,8 @@ class GraphedModel:
         Returns the outputs sliced to ``n`` rows: views of the graph's static output buffers, valid
         until the next ``run`` of this object (copy them, e.g. to the host, before calling it again),
         and ready once the instance's stream reaches this point (read them on that stream, or
-        synchronize it)."""
+        synchronize it). The same view objects come back for every batch of ``n`` rows: read or copy
+        them, never change them in place."""
         if len(inputs) != len(self.plan.input_names):
             return None  # an optional input is missing: the graphs were captured with all of them
         n = int(inputs[0].shape[0]) if self.plan.batched else 0
