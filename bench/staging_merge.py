@@ -17,10 +17,11 @@ enough). Figures depend on the machine: compare rows of one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -36,6 +37,29 @@ def timed(fn: Callable[[], object], reps: int) -> float:
     for _ in range(reps):
         fn()
     return (time.perf_counter() - start) / reps
+
+
+@contextlib.contextmanager
+def beside(what: str) -> Iterator[None]:
+    """Run the body alone (``nothing``) or beside a thread spinning in Python (standing for the busy
+    event loop)."""
+    stop = threading.Event()
+    spinner = None
+    if what != "nothing":
+
+        def spin() -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+
+        spinner = threading.Thread(target=spin, daemon=True)
+        spinner.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if spinner is not None:
+            spinner.join()
 
 
 def main() -> int:
@@ -68,26 +92,11 @@ def main() -> int:
         ]  # read-only arrays over bytes, as requests arrive
         out = torch.empty(count * row_bytes, dtype=torch.uint8)
         typed = out.numpy().view(dtype).reshape(count, *args.shape)
-        for beside in ("nothing", "a busy thread"):
-            stop = threading.Event()
-            spinner = None
-            if beside != "nothing":
-
-                def spin(stop: threading.Event = stop) -> None:
-                    n = 0
-                    while not stop.is_set():
-                        n += 1
-
-                spinner = threading.Thread(target=spin, daemon=True)
-                spinner.start()
-            try:
+        for what in ("nothing", "a busy thread"):
+            with beside(what):
                 numpy_s = timed(lambda parts=parts, typed=typed: merge_into(parts, typed), args.reps)
                 torch_s = timed(lambda parts=parts, out=out: merge_rows(torch, parts, out), args.reps)
-            finally:
-                stop.set()
-                if spinner is not None:
-                    spinner.join()
-            print(f"| {count} | {beside} | {numpy_s * 1e3:.2f} | {numpy_s / count * 1e6:.0f} "
+            print(f"| {count} | {what} | {numpy_s * 1e3:.2f} | {numpy_s / count * 1e6:.0f} "
                   f"| {torch_s * 1e3:.2f} | {torch_s / count * 1e6:.0f} |")
     # Any torch call gives up the GIL: what one costs beside a thread running Python (the per-batch
     # calls of a CUDA execution: slices and views of the pinned buffers, copies, replay, sync)
@@ -99,25 +108,10 @@ def main() -> int:
 
     print("\n| beside | us per torch call (slice, view, view) |")
     print("|---|---|")
-    for beside in ("nothing", "a busy thread"):
-        stop = threading.Event()
-        spinner = None
-        if beside != "nothing":
-
-            def spin(stop: threading.Event = stop) -> None:
-                n = 0
-                while not stop.is_set():
-                    n += 1
-
-            spinner = threading.Thread(target=spin, daemon=True)
-            spinner.start()
-        try:
+    for what in ("nothing", "a busy thread"):
+        with beside(what):
             per_call = timed(calls, args.reps * 5) / 60
-        finally:
-            stop.set()
-            if spinner is not None:
-                spinner.join()
-        print(f"| {beside} | {per_call * 1e6:.1f} |")
+        print(f"| {what} | {per_call * 1e6:.1f} |")
     return 0
 
 

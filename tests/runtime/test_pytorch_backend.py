@@ -745,27 +745,37 @@ def aoti_package(program: Any, path: Path) -> Path:
     return path
 
 
+def aoti_repo(program: Any, repo: Path, device: str, other: str, other_kind: str) -> None:
+    """``program`` compiled into ``repo``/aoti (no instance_group) and, the same package, into
+    ``repo``/``other`` with ``other_kind``; the package says it was compiled for ``device``."""
+    from sluice.runtime.backends import pytorch
+
+    package = aoti_package(program, repo / "aoti" / "1" / "model.pt2")
+    assert pytorch.package_device(package) == device
+    write_model(repo, "aoti", ADD_SUB_CONFIG, {})
+    (repo / other / "1").mkdir(parents=True)
+    (repo / other / "1" / "model.pt2").write_bytes(package.read_bytes())
+    write_model(repo, other, ADD_SUB_CONFIG + f"instance_group [ {{ kind: {other_kind} }} ]", {})
+
+
+def assert_add_sub_served(server: Any, model: str, n: int) -> None:
+    a, b = rows(n, 1), rows(n, 2)
+    for infer in (http_infer, grpc_infer):
+        result = infer(server, model, {"INPUT__0": a, "INPUT__1": b})
+        np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), a + b, rtol=1e-5)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT__1"), a - b, rtol=1e-5)
+
+
 def test_aot_inductor_package_is_served(tmp_path, serve, caplog):
     """A package compiled for the CPU: KIND_AUTO serves it on the CPU even where a GPU is visible
     (saying why), and KIND_GPU is refused naming the device it was compiled for (on a machine without
     CUDA: naming what torch lacks)."""
-    from sluice.runtime.backends import pytorch
-
     repo = tmp_path / "repo"
-    package = aoti_package(exported_add_sub(tmp_path / "program.pt2"), repo / "aoti" / "1" / "model.pt2")
-    assert pytorch.package_device(package) == "cpu"
-    write_model(repo, "aoti", ADD_SUB_CONFIG, {})
-    (repo / "aoti_gpu" / "1").mkdir(parents=True)
-    (repo / "aoti_gpu" / "1" / "model.pt2").write_bytes(package.read_bytes())
-    write_model(repo, "aoti_gpu", ADD_SUB_CONFIG + "instance_group [ { kind: KIND_GPU } ]", {})
+    aoti_repo(exported_add_sub(tmp_path / "program.pt2"), repo, "cpu", "aoti_gpu", "KIND_GPU")
     with caplog.at_level("WARNING", logger="sluice"):
         server = serve(repo, **EXPLICIT)
         httpclient.InferenceServerClient(server.http).load_model("aoti")
-    a, b = rows(5, 1), rows(5, 2)
-    for infer in (http_infer, grpc_infer):
-        result = infer(server, "aoti", {"INPUT__0": a, "INPUT__1": b})
-        np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), a + b, rtol=1e-5)
-        np.testing.assert_allclose(result.as_numpy("OUTPUT__1"), a - b, rtol=1e-5)
+    assert_add_sub_served(server, "aoti", 5)
     said = [r.getMessage() for r in caplog.records if "KIND_AUTO runs on the CPU" in r.getMessage()]
     if torch.cuda.is_available():
         assert any("the AOTInductor package 'model.pt2' was compiled for cpu" in m for m in said), said
@@ -780,25 +790,14 @@ def test_aot_inductor_package_is_served(tmp_path, serve, caplog):
 
 @needs_gpu
 def test_a_package_compiled_for_cuda_runs_on_the_gpu_and_is_refused_on_the_cpu(tmp_path, serve):
-    from sluice.runtime.backends import pytorch
-
     batch = torch.export.Dim("batch", min=1, max=64)
     example = (torch.randn(2, 4, device="cuda"), torch.randn(2, 4, device="cuda"))
     program = torch.export.export(AddSub().cuda(), example, dynamic_shapes=({0: batch}, {0: batch}))
     repo = tmp_path / "repo"
-    package = aoti_package(program, repo / "aoti" / "1" / "model.pt2")
-    assert pytorch.package_device(package) == "cuda"
-    write_model(repo, "aoti", ADD_SUB_CONFIG, {})
-    (repo / "aoti_cpu" / "1").mkdir(parents=True)
-    (repo / "aoti_cpu" / "1" / "model.pt2").write_bytes(package.read_bytes())
-    write_model(repo, "aoti_cpu", ADD_SUB_CONFIG + "instance_group [ { kind: KIND_CPU } ]", {})
+    aoti_repo(program, repo, "cuda", "aoti_cpu", "KIND_CPU")
     server = serve(repo, **EXPLICIT)
     httpclient.InferenceServerClient(server.http).load_model("aoti")
-    a, b = rows(7, 1), rows(7, 2)
-    for infer in (http_infer, grpc_infer):
-        result = infer(server, "aoti", {"INPUT__0": a, "INPUT__1": b})
-        np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), a + b, rtol=1e-5)
-        np.testing.assert_allclose(result.as_numpy("OUTPUT__1"), a - b, rtol=1e-5)
+    assert_add_sub_served(server, "aoti", 7)
     message = load_error(server, "aoti_cpu")
     assert "the AOTInductor package was compiled for cuda but the instance runs on cpu; allowed: " \
         "instance_group kind KIND_GPU for this package" in message

@@ -22,14 +22,16 @@ def staging_view(parts: list[np.ndarray], capacity: int) -> tuple[np.ndarray, np
     return buffer, buffer[:nbytes].view(parts[0].dtype).reshape(shape)
 
 
+BATCHES = {  # a batch: its dtype, each request's rows, the row shape, spare buffer bytes, a seed
+    "dtype": st.sampled_from(DTYPES),
+    "row_shape": st.lists(st.integers(1, 4), min_size=0, max_size=3),
+    "spare": st.integers(0, 64),
+    "seed": st.integers(0, 2**16),
+}
+
+
 @settings(max_examples=60, deadline=None)
-@given(
-    dtype=st.sampled_from(DTYPES),
-    rows=st.lists(st.integers(1, 5), min_size=1, max_size=6),
-    row_shape=st.lists(st.integers(1, 4), min_size=0, max_size=3),
-    spare=st.integers(0, 64),
-    seed=st.integers(0, 2**16),
-)
+@given(rows=st.lists(st.integers(1, 5), min_size=1, max_size=6), **BATCHES)
 def test_merge_into_a_staging_view_equals_concatenation_and_leaves_the_rest(dtype, rows, row_shape, spare, seed):
     rng = np.random.default_rng(seed)
     parts = [(rng.random((n, *row_shape)) * 100).astype(dtype) for n in rows]
@@ -85,14 +87,7 @@ def test_input_parts_group_by_name_in_request_order_and_merge_inputs_agrees():
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    dtype=st.sampled_from(DTYPES),
-    rows=st.lists(st.integers(0, 5), min_size=1, max_size=6),
-    row_shape=st.lists(st.integers(1, 4), min_size=0, max_size=3),
-    spare=st.integers(0, 64),
-    seed=st.integers(0, 2**16),
-    read_only=st.booleans(),
-)
+@given(rows=st.lists(st.integers(0, 5), min_size=1, max_size=6), read_only=st.booleans(), **BATCHES)
 def test_merge_rows_writes_the_concatenation_bytes_into_the_buffer_head(dtype, rows, row_shape, spare, seed, read_only):
     torch = pytest.importorskip("torch")
     from sluice.runtime.backends.pytorch import merge_rows
