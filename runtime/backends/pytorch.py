@@ -606,10 +606,12 @@ class TorchInstance(ModelInstance):
                 value = value.to(wanted)  # the model ran in the ``precision`` parameter's type
             if value.requires_grad:  # not under inference mode; a torch call saved where it is not needed
                 value = value.detach()
-            if self._staging is not None and value.is_cuda:
+            if self._staging is not None and value.is_cuda and value.device == self._device:
                 value = self._staging.to_host(spec.name, value)  # contiguous
                 self._stream.synchronize()
                 self._synced = True
+            elif value.is_cuda:  # another GPU's (a model split over GPUs): a blocking copy waits for it
+                value = value.cpu().contiguous()
             else:
                 value = value.contiguous()
             if value.dtype == torch.bfloat16:
