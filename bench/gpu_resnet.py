@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import concurrent.futures
 import csv
 import dataclasses
@@ -38,6 +39,7 @@ import io
 import math
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -279,6 +281,46 @@ def served_table(rows: Sequence[ServedRow], p99_budget: float | None) -> str:
             f"| {mean_batch(r.counts):.1f} | {_fmt(r.raw_img_s, '.0f')} | {verdict} | {within} |"
         )
     return "\n".join(lines)
+
+
+def profile_summary(collapsed: str, top: int = 12) -> str:
+    """A short table of py-spy's collapsed stacks (``-f raw``: ``frame;frame;... count`` per line):
+    samples per thread, then the innermost frames of Sluice's code (``runtime/``, ``sluice``) by
+    samples, so a run that cannot bring the file back still says where the server's time went."""
+    threads: collections.Counter[str] = collections.Counter()
+    frames: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        parts = stack.split(";")
+        threads[parts[0]] += n
+        ours = [f for f in parts[1:] if "runtime/" in f or "sluice" in f]
+        frames[ours[-1] if ours else parts[-1]] += n
+    if not total:
+        return "(no samples)"
+    lines = [f"{total} samples", "", "| thread | share |", "|---|---|"]
+    lines += [f"| {name[:60]} | {n / total:.0%} |" for name, n in threads.most_common(6)]
+    lines += ["", "| innermost Sluice frame (else the innermost) | share |", "|---|---|"]
+    lines += [f"| {name[:100]} | {n / total:.1%} |" for name, n in frames.most_common(top)]
+    return "\n".join(lines)
+
+
+def start_profile(pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes] | None:
+    """py-spy sampling server ``pid`` for ``seconds`` into ``out`` (collapsed stacks, per thread,
+    without pausing it); None where py-spy is not installed (SLUICE_PY_SPY or PATH)."""
+    binary = os.environ.get("SLUICE_PY_SPY") or shutil.which("py-spy")
+    if not binary or not Path(binary).exists():
+        print("profile skipped: py-spy not found (SLUICE_PY_SPY or PATH)", file=sys.stderr)
+        return None
+    cmd = [
+        binary, "record", "-p", str(pid), "-d", str(max(1, int(seconds))), "-r", "200", "--nonblocking",
+        "--threads", "-f", "raw", "-o", str(out),
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def time_table(rows: Sequence[ServedRow]) -> str:
@@ -562,6 +604,7 @@ def run_served(
 ) -> tuple[list[ServedRow], str | None]:
     perf_analyzer = os.environ.get("SLUICE_PERF_ANALYZER")
     rows: list[ServedRow] = []
+    profiles: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory(prefix="sluice-resnet-") as tmp:
         repo = write_repo(Path(tmp), setup)
         server, http_port, grpc_port = start_server(repo, args.serve_arg)
@@ -579,6 +622,10 @@ def run_served(
                     else:
                         drive(protocol, url, concurrency, min(1.0, args.duration_s), setup, args.client_processes)
                     before, began = _stats(http_url), time.perf_counter()
+                    profiling, profile_file = None, Path(args.profile_dir)
+                    if args.profile_s and (protocol, concurrency) == (args.protocols[0], max(args.concurrency)):
+                        profile_file = Path(args.profile_dir) / f"resnet-server-{protocol}-c{concurrency}.pyspy.txt"
+                        profiling = start_profile(server.pid, min(args.profile_s, args.duration_s), profile_file)
                     if perf_analyzer:
                         rate, p50, p99 = drive_perf_analyzer(perf_analyzer, protocol, url, concurrency, args.duration_s)
                     else:
@@ -586,6 +633,10 @@ def run_served(
                             protocol, url, concurrency, args.duration_s, setup, args.client_processes
                         )
                     after, span = _stats(http_url), time.perf_counter() - began
+                    if profiling is not None:
+                        profiling.wait(60)
+                        if profile_file.exists():
+                            profiles.append((f"{protocol} c{concurrency}", profile_file.read_text()))
                     counts = counts_delta(batch_counts(before), batch_counts(after))
                     spent = breakdown(before, after)
                     # our clients load the server for duration_s (their start-up is idle); perf_analyzer
@@ -602,6 +653,9 @@ def run_served(
         finally:
             server.send_signal(signal.SIGINT)
             server.wait(60)
+    for label, collapsed in profiles:
+        print(f"\nthe server under py-spy during {label} ({args.profile_s:.0f} s):\n", file=sys.stderr)
+        print(profile_summary(collapsed), file=sys.stderr, flush=True)
     return rows, None
 
 
@@ -622,6 +676,11 @@ def main() -> int:
     )
     parser.add_argument("--client-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
     parser.add_argument("--serve-arg", action="append", default=[], help="extra `sluice serve` flag (repeatable)")
+    parser.add_argument(
+        "--profile-s", type=float, default=0.0,
+        help="sample the server with py-spy for this long during the first protocol's highest concurrency",
+    )
+    parser.add_argument("--profile-dir", default=".", help="where the py-spy collapsed stacks are written")
     args = parser.parse_args()
     small = args.small
     max_batch = args.max_batch or (16 if small else 256)

@@ -13,7 +13,7 @@
 #
 # Each step writes its output to $OUT/<step>.txt as well (OUT defaults to ./gpu-out, ignored by git).
 #   quick         tests (cap 200 s), a short ResNet run at c1/c32/c128 over both protocols with the
-#                 server's time breakdown (100 s), memory with and without graphs (30 s), encoder with
+#                 server's time breakdown and py-spy on it at gRPC c128 (100 s), memory with and without graphs (30 s), encoder with
 #                 0/4/16 protocol workers (70 s), the staging merge on the CPU (30 s): at most ~7.5
 #                 minutes (4 min 40 s on the H100 machine, 2026-11-27); give the device call timeout_s 540
 #   followup      after quick: the tests again, ResNet c32/c128/c256 with the server's time breakdown, and
@@ -54,6 +54,8 @@ setup() {
     touch "$SITE/.ready"
   fi
   export PYTHONPATH="$SITE/pkgs:$SITE/wheels${PYTHONPATH:+:$PYTHONPATH}"
+  # py-spy (a wheel in .whl/): gpu_resnet.py --profile-s samples the server with it
+  if [ -x "$SITE/wheels/bin/py-spy" ]; then export SLUICE_PY_SPY="$SITE/wheels/bin/py-spy"; fi
   {
     nvidia-smi --query-gpu=name,driver_version,memory.total,mig.mode.current --format=csv || true
     "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
@@ -79,7 +81,7 @@ run_step() {
       local failed=0
       capped 200 tests bash "$0" tests || failed=1
       capped 100 resnet "$PY" -P bench/gpu_resnet.py --concurrency 1,32,128 --duration-s 4 --raw-s 1 \
-        --client-processes 8 || failed=1
+        --client-processes 8 --profile-s 4 --profile-dir "$OUT" || failed=1
       capped 30 memory "$PY" -P bench/gpu_memory.py || failed=1
       capped 70 workers "$PY" -P bench/frontend_workers.py --model encoder --device cuda:0 --workers 0,4,16 \
         --concurrency 256 --connections 64 --client-processes 8 --seconds 4 --warmup 1 || failed=1
@@ -104,7 +106,7 @@ run_step() {
         --client-processes 8 || failed=1
       capped 80 resnet-workers "$PY" -P bench/gpu_resnet.py --mode served --protocols grpc \
         --concurrency 32,64,128,256 --duration-s 4 --raw-s 1 --client-processes 8 \
-        --serve-arg=--protocol-workers=8 || failed=1
+        --serve-arg=--protocol-workers=8 --profile-s 4 --profile-dir "$OUT" || failed=1
       capped 70 workers "$PY" -P bench/frontend_workers.py --model encoder --device cuda:0 --workers 1,2,8 \
         --concurrency 256 --connections 64 --client-processes 8 --seconds 4 --warmup 1 || failed=1
       capped 90 memory "$PY" -P bench/gpu_memory.py --served || failed=1

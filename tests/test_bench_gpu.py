@@ -119,6 +119,22 @@ def test_time_table_sets_each_execution_against_the_raw_graph_time():
     assert lines[2] == "| grpc | 32 | 100 | 100 | 100 | 100 | 0.30 | 1.00 | 25% |"
 
 
+def test_profile_summary_shares_by_thread_and_by_sluices_innermost_frame():
+    collapsed = "\n".join([
+        "MainThread;run (asyncio/runners.py:118);_feed (sluice/runtime/protocol/grpc_h2.py:973);memmove 30",
+        "MainThread;run (asyncio/runners.py:118);epoll_wait 10",
+        "Thread-1;_main (sluice/runtime/batching.py:256);execute (sluice/runtime/backends/pytorch.py:640) 60",
+        "not a sample line",
+    ])
+    lines = resnet.profile_summary(collapsed).splitlines()
+    assert lines[0] == "100 samples"
+    assert "| Thread-1 | 60% |" in lines and "| MainThread | 40% |" in lines
+    assert "| execute (sluice/runtime/backends/pytorch.py:640) | 60.0% |" in lines
+    assert "| _feed (sluice/runtime/protocol/grpc_h2.py:973) | 30.0% |" in lines
+    assert "| epoll_wait | 10.0% |" in lines  # no Sluice frame: the innermost one
+    assert resnet.profile_summary("") == "(no samples)"
+
+
 def test_raw_table_and_perf_analyzer_csv():
     assert resnet.raw_table({2: 1.0, 8: 2.0}).splitlines()[2:] == ["| 2 | 1.000 | 2000 |", "| 8 | 2.000 | 4000 |"]
     csv_text = "Concurrency,Inferences/Second,p50 latency,p99 latency\n8,1234.5,2500,7000\n"
