@@ -18,8 +18,9 @@
 #                 minutes (4 min 40 s on the H100 machine, 2026-11-27); give the device call timeout_s 540
 #   followup      after quick: the tests again, ResNet c32/c128/c256 with the server's time breakdown, and
 #                 over gRPC with 8 protocol workers at c64/c256: at most ~5.5 minutes; timeout_s 370
-#   figures       what quick does not take: ResNet c1..c256 both protocols and with 8 protocol workers,
-#                 the encoder at 1/2/8 workers, memory per served instance, CUDA shm: ~7 minutes, timeout_s 450
+#   figures       what quick does not take: ResNet c1..c256 both protocols and with 8 protocol workers
+#                 (2 and 4 instances), the encoder at 1/2/8 workers, memory per served instance, CUDA
+#                 shm: at most ~8 minutes, timeout_s 500 (each part its own file: a cut run keeps the rest)
 #   tests         the GPU tests (PyTorch on CUDA, CUDA graphs, NVML, CUDA shared memory), -rs for skips
 #   resnet        bench/gpu_resnet.py: ResNet-50 fp16 channels_last, raw with CUDA graphs vs served
 #   resnet-small  the same, short (a check that the bench runs before the long one)
@@ -99,18 +100,21 @@ run_step() {
       return $failed ;;
     figures)
       # the figures issue 14 still lacks after quick/followup: ResNet over c1..c256 both protocols
-      # and with 8 protocol workers, the encoder at 1/2/8 workers, memory per served instance, CUDA
-      # shared memory: at most ~7 minutes; timeout_s 450
+      # and with 8 protocol workers (2 and 4 instances), the encoder at 1/2/8 workers, memory per
+      # served instance, CUDA shared memory: at most ~8 minutes; timeout_s 500
       local failed=0
       capped 140 resnet "$PY" -P bench/gpu_resnet.py --concurrency 1,8,32,64,128,256 --duration-s 4 --raw-s 1 \
         --client-processes 8 || failed=1
       capped 80 resnet-workers "$PY" -P bench/gpu_resnet.py --mode served --protocols grpc \
         --concurrency 32,64,128,256 --duration-s 4 --raw-s 1 --client-processes 8 \
         --serve-arg=--protocol-workers=8 --profile-s 4 --profile-dir "$OUT" || failed=1
+      # the same with 4 instances: does a third and fourth hide the host work of each execution?
+      capped 60 resnet-workers-4 "$PY" -P bench/gpu_resnet.py --mode served --protocols grpc --concurrency 64,256 \
+        --duration-s 4 --raw-s 0.5 --client-processes 8 --instances 4 --serve-arg=--protocol-workers=8 || failed=1
       capped 70 workers "$PY" -P bench/frontend_workers.py --model encoder --device cuda:0 --workers 1,2,8 \
         --concurrency 256 --connections 64 --client-processes 8 --seconds 4 --warmup 1 || failed=1
-      capped 90 memory "$PY" -P bench/gpu_memory.py --served || failed=1
-      capped 45 shm "$PY" -P bench/cuda_shm.py || failed=1
+      capped 75 memory "$PY" -P bench/gpu_memory.py --served || failed=1
+      capped 40 shm "$PY" -P bench/cuda_shm.py || failed=1
       return $failed ;;
     tests)
       "$PY" -m pytest -q -p no:cacheprovider -rs -o addopts="--import-mode=importlib" \
