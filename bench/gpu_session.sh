@@ -61,6 +61,7 @@ setup() {
     nvidia-smi --query-gpu=name,driver_version,memory.total,mig.mode.current --format=csv || true
     "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
     nproc
+    echo "net.core.somaxconn $(cat /proc/sys/net/core/somaxconn 2>/dev/null)"
   } 2>&1 | tee "$OUT/machine.txt"
 }
 

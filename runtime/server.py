@@ -39,7 +39,15 @@ from sluice.runtime.protocol.grpc import start_grpc
 from sluice.runtime.protocol.grpc_h2 import GrpcServer
 from sluice.runtime.protocol.http import HttpServer, Request, Response, V2Routes
 from sluice.runtime.protocol.http_codec import accepted_coding, compress
-from sluice.runtime.protocol.listener import UNIX_SOCKET_MODE, Listener, remove_unix_socket, unix_path_problem
+from sluice.runtime.protocol.listener import (
+    BACKLOG,
+    UNIX_SOCKET_MODE,
+    Listener,
+    backlog_note,
+    read_somaxconn,
+    remove_unix_socket,
+    unix_path_problem,
+)
 from sluice.runtime.repository import Repository
 from sluice.runtime.settings import MODEL_CONTROL_MODES, ServerSettings
 from sluice.runtime.snapshot import Change
@@ -213,6 +221,9 @@ class Server:
             self.ports.metrics,
             "" if self.dataplane.ready() else " (NOT READY: strict readiness needs every model)",
         )
+        backlog = backlog_note(BACKLOG, read_somaxconn())
+        if backlog is not None:
+            log.warning("%s", backlog)
         if self.failed_models:
             log.error(
                 "%d model(s) failed to load: %s",
@@ -303,7 +314,7 @@ class Server:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(address)
-            sock.listen(2048)
+            sock.listen(BACKLOG)
         except BaseException:
             sock.close()
             raise

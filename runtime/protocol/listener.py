@@ -13,6 +13,32 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+BACKLOG = 2048
+"""Connections the kernel may hold for accept() on each listening socket (capped by net.core.somaxconn)."""
+SOMAXCONN = Path("/proc/sys/net/core/somaxconn")
+
+
+def backlog_note(requested: int, somaxconn: int | None) -> str | None:
+    """What to tell an operator when the kernel caps the listen backlog below ``requested``: a burst of
+    new connections past the cap is dropped, and each client retries after its SYN timeout (~1 s: a
+    p99 near one second). None when it does not (or the cap is unknown)."""
+    if somaxconn is None or somaxconn >= requested:
+        return None
+    return (
+        f"the listen backlog is {somaxconn} (net.core.somaxconn), not the {requested} Sluice asks for: "
+        "connections opened in a burst past it wait ~1 s for the client's retry; raise net.core.somaxconn "
+        "(the pod's securityContext.sysctls where the kubelet allows it, or the node's)"
+    )
+
+
+def read_somaxconn(path: Path = SOMAXCONN) -> int | None:
+    """This network namespace's net.core.somaxconn; None where it cannot be read (not Linux)."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 UNIX_SOCKET_MODE = 0o660
 """Mode of the socket files: the server's user and group may connect, others may not."""
 _SUN_PATH_MAX = 107  # bytes of a Unix socket path (sockaddr_un.sun_path, less its NUL)
@@ -86,7 +112,7 @@ class Listener:
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0 picks a free port); returns the bound port."""
-        server = await self.loop.create_server(self.make_connection, host, port, backlog=2048)
+        server = await self.loop.create_server(self.make_connection, host, port, backlog=BACKLOG)
         self._servers.append(server)
         self._start_sweeper()
         return server.sockets[0].getsockname()[1]
@@ -94,13 +120,13 @@ class Listener:
     async def start_socket(self, sock: socket.socket) -> None:
         """Accept on ``sock``, a listening socket made elsewhere (a protocol worker accepts on the
         engine's sockets: frontend_workers.py)."""
-        server = await self.loop.create_server(self.make_connection, sock=sock, backlog=2048)
+        server = await self.loop.create_server(self.make_connection, sock=sock, backlog=BACKLOG)
         self._servers.append(server)
         self._start_sweeper()
 
     async def start_unix(self, path: Path) -> None:
         """Listen on the Unix socket ``path`` as well (``unix_path_problem`` said it is usable)."""
-        server = await self.loop.create_unix_server(self.make_connection, os.fspath(path), backlog=2048)
+        server = await self.loop.create_unix_server(self.make_connection, os.fspath(path), backlog=BACKLOG)
         self._servers.append(server)
         os.chmod(path, UNIX_SOCKET_MODE)
         self._unix.append((path, os.lstat(path).st_ino))
