@@ -404,10 +404,10 @@ def _prepare_loaded(
     loader = _backend_loader(backend)
     gpu_count = visible_gpu_count(backend)
     why_not_gpu = None
-    if gpu_count and backend in _AUTO_CHECKED:
+    if gpu_count and backend in _AUTO_CHECKED and _has_auto_group(config):  # only KIND_AUTO is decided here
         versions = [LoadContext(name, v, model_dir, model_dir / str(v), root, services) for v in chosen]
         why_not_gpu = _why_auto_is_not_gpu(backend, config, versions)
-    if why_not_gpu is not None and _has_auto_group(config):
+    if why_not_gpu is not None:
         warnings.append(
             f"instance_group kind KIND_AUTO runs on the CPU although {gpu_count} GPU(s) are visible: {why_not_gpu}"
         )

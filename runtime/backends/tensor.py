@@ -38,8 +38,11 @@ def merged_shape(parts: Sequence[np.ndarray]) -> tuple[int, ...]:
 
 def merge_into(parts: Sequence[np.ndarray], out: np.ndarray) -> np.ndarray:
     """Concatenate ``parts`` along the batch dimension straight into ``out`` (shape
-    :func:`merged_shape`), e.g. a pinned host buffer: one copy of each byte, not a concatenation
-    and then a second copy. Returns ``out``; ValueError when the shapes do not fit."""
+    :func:`merged_shape`): one copy of each byte, not a concatenation and then a second copy.
+    Returns ``out``; ValueError when the shapes do not fit. numpy releases the GIL around each part,
+    so beside a busy event loop every part waits to retake it: the CUDA instances merge with
+    ``pytorch.merge_rows`` (one torch call) instead, and bench/staging_merge.py sets the two side
+    by side. No serving path calls this one now."""
     if out.shape != merged_shape(parts):
         raise ValueError(f"cannot merge parts of shapes {[p.shape for p in parts]} into {out.shape}")
     if len(parts) == 1:

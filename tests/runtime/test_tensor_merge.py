@@ -1,5 +1,6 @@
-"""Merging a batch's inputs straight into a staging buffer (runtime/backends/tensor.py): what the
-PyTorch backend's CUDA instances do with their pinned host buffers, checked here on plain memory."""
+"""Merging a batch's inputs straight into a staging buffer: numpy's ``merge_into``
+(runtime/backends/tensor.py) and the CUDA instances' ``merge_rows`` and pinned-buffer views
+(runtime/backends/pytorch.py), checked here on plain memory."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ DTYPES = [np.float32, np.float16, np.uint16, np.int64, np.int8, np.bool_]
 
 
 def staging_view(parts: list[np.ndarray], capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """A byte buffer larger than needed and the typed view of its head, as _CudaStaging.stage builds it."""
+    """A byte buffer larger than needed and the typed view of its head, as a staging buffer is used."""
     shape = merged_shape(parts)
     nbytes = int(np.prod(shape, dtype=np.int64)) * parts[0].dtype.itemsize
     buffer = np.full(max(capacity, nbytes), 0xAB, dtype=np.uint8)
