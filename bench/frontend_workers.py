@@ -2,6 +2,7 @@
 
     python -P bench/frontend_workers.py [--workers 0,1,2,4] [--seconds 8] [--concurrency 64] [--connections 16]
         [--model embed|encoder|image] [--device cpu|cuda:0] [--client-processes N] [--malloc-tuning on,off]
+        [--protocol grpc|http]
 
 Models where the protocol binds: token ids in, embeddings out.
 
@@ -18,11 +19,11 @@ Models where the protocol binds: token ids in, embeddings out.
   ``--malloc-tuning on,off`` measures each worker count with and without ``sluice serve``'s allocator
   settings (runtime/host_memory.py).
 
-For each worker count it starts ``sluice serve`` in a subprocess, loads it over gRPC from
-``--connections`` connections with ``--concurrency`` requests in flight (tritonclient's asyncio
-client, in ``--client-processes`` processes so the load is not bound by one client core; with
-SLUICE_PERF_ANALYZER=path, perf_analyzer instead), and reads the CPU time of the engine and of each
-worker from /proc before and after the measured window. Prints one row per worker count:
+For each worker count it starts ``sluice serve`` in a subprocess, loads it over ``--protocol`` (gRPC,
+or HTTP with binary tensor data) from ``--connections`` connections with ``--concurrency`` requests in
+flight (tritonclient's asyncio client, in ``--client-processes`` processes so the load is not bound by
+one client core; with SLUICE_PERF_ANALYZER=path, perf_analyzer instead), and reads the CPU time of
+the engine and of each worker from /proc before and after the measured window. Prints one row per worker count:
 inferences/s, engine CPU us per inference (and of it, the engine's event-loop thread: the rest is
 the model's execution thread), total server CPU us per inference (engine + workers), mean batch
 size formed (from the model's statistics).
@@ -180,7 +181,10 @@ def cpu_s(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
 
 
-def start(repo: Path, workers: int, malloc_tuning: str = "on") -> tuple[subprocess.Popen, int, list[int]]:
+def start(
+    repo: Path, workers: int, malloc_tuning: str = "on"
+) -> tuple[subprocess.Popen, dict[str, int], list[int]]:
+    """The server, its ports ({"HTTP": n, "gRPC": m}) and its protocol workers' pids."""
     cmd = [
         sys.executable, "-P", "-m", "sluice.runtime", "serve", "--model-repository", str(repo), "--http-port", "0",
         "--grpc-port", "0", "--metrics-port", "-1", "--protocol-workers", str(workers), "--log-level", "INFO",
@@ -193,46 +197,57 @@ def start(repo: Path, workers: int, malloc_tuning: str = "on") -> tuple[subproce
         if "protocol worker(s) serving" in line:
             pids = [int(p) for p in re.findall(r"\d+", line.split("pids")[1])]
         if "sluice ready" in line:
-            port = int(re.search(r"gRPC \S+:(\d+)", line).group(1))  # type: ignore[union-attr]
+            ports = {k: int(v) for k, v in re.findall(r"(HTTP|gRPC) \S+:(\d+)", line)}
             # read the rest of its output: an unread pipe would stop the server once it is full
             threading.Thread(target=lambda: [None for _ in proc.stdout or ()], daemon=True).start()
-            return proc, port, pids
+            return proc, ports, pids
     raise RuntimeError("the server did not start")
 
 
 def load_in_processes(
-    model: str, port: int, seconds: float, concurrency: int, connections: int, processes: int
+    model: str, port: int, seconds: float, concurrency: int, connections: int, processes: int, protocol: str = "grpc"
 ) -> int:
     """``load`` split over ``processes`` client processes (concurrency and connections divided among
     them); the inferences they completed."""
     if processes <= 1:
-        return asyncio.run(load(model, port, seconds, concurrency, connections))
+        return asyncio.run(load(model, port, seconds, concurrency, connections, protocol))
     shares = [
         (model, port, seconds, max(1, concurrency // processes + (i < concurrency % processes)),
-         max(1, connections // processes + (i < connections % processes)))
+         max(1, connections // processes + (i < connections % processes)), protocol)
         for i in range(processes)
     ]  # fmt: skip
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         return sum(pool.starmap(_load_sync, shares))
 
 
-def _load_sync(model: str, port: int, seconds: float, concurrency: int, connections: int) -> int:
+def _load_sync(model: str, port: int, seconds: float, concurrency: int, connections: int, protocol: str) -> int:
     try:
-        return asyncio.run(load(model, port, seconds, concurrency, connections))
+        return asyncio.run(load(model, port, seconds, concurrency, connections, protocol))
     except Exception as exc:  # tritonclient's exceptions do not unpickle: the pool would hang on one
         raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
 
 
-async def load(model: str, port: int, seconds: float, concurrency: int, connections: int) -> int:
+async def load(
+    model: str, port: int, seconds: float, concurrency: int, connections: int, protocol: str = "grpc"
+) -> int:
     import tritonclient.grpc.aio as grpcclient
+    import tritonclient.http.aio as httpclient
 
-    clients = [
-        grpcclient.InferenceServerClient(f"127.0.0.1:{port}", channel_args=[("grpc.use_local_subchannel_pool", 1)])
-        for _ in range(connections)
-    ]
+    if protocol == "grpc":
+        clients: list = [
+            grpcclient.InferenceServerClient(f"127.0.0.1:{port}", channel_args=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(connections)
+        ]
+    else:  # one aiohttp session a connection, each allowed its share of the requests in flight
+        per = max(1, -(-concurrency // connections))
+        clients = [httpclient.InferenceServerClient(f"127.0.0.1:{port}", conn_limit=per) for _ in range(connections)]
     name, datatype, shape = INPUTS[model]
-    tensor = grpcclient.InferInput(name, list(shape), datatype)
-    tensor.set_data_from_numpy(request_data(model))
+    module = grpcclient if protocol == "grpc" else httpclient
+    tensor = module.InferInput(name, list(shape), datatype)
+    if protocol == "grpc":
+        tensor.set_data_from_numpy(request_data(model))
+    else:
+        tensor.set_data_from_numpy(request_data(model), binary_data=True)
     served = served_name(model)
     done = 0
     stop_at = 0.0
@@ -279,6 +294,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="the encoder's device: cpu or cuda:N")
     p.add_argument("--client-processes", type=int, default=1, help="client processes sharing the load")
     p.add_argument("--malloc-tuning", default="on", help="sluice serve's --malloc-tuning: on, off, or on,off (both)")
+    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc", help="the load's protocol")
     args = p.parse_args()
     if args.model != "encoder" and args.device != "cpu":
         p.error("--device applies to --model encoder (the embed and image models are ONNX on the CPU)")
@@ -298,18 +314,23 @@ def main() -> None:
         (repo / "embed" / "config.pbtxt").write_text(encoder_config(args.device))
         encoder_model(repo / "embed" / "1" / "model.pt")
     analyzer = os.environ.get("SLUICE_PERF_ANALYZER")
-    client = "perf_analyzer" if analyzer else f"tritonclient grpc.aio x{args.client_processes} process(es)"
+    if analyzer and args.protocol != "grpc":
+        p.error("SLUICE_PERF_ANALYZER drives gRPC only here")
+    client = "perf_analyzer" if analyzer else f"tritonclient {args.protocol}.aio x{args.client_processes} process(es)"
     print(f"cpus {os.cpu_count()}, model {args.model} on {args.device}, load: {client}, "
           f"c{args.concurrency} over {args.connections} connection(s), {args.seconds:g} s per point")  # fmt: skip
     heads = ("workers", "malloc", "infer/s", "engine us/inf", "(loop thread)", "total us/inf", "mean batch")
     print(" ".join(f"{h:>{w}}" for h, w in zip(heads, (7, 6, 9, 14, 14, 13, 11), strict=True)))
     points = [(int(w), t) for w in args.workers.split(",") for t in tunings]
     for workers, tuning in points:
-        proc, port, pids = start(repo, workers, tuning)
+        proc, ports, pids = start(repo, workers, tuning)
+        port = ports["gRPC" if args.protocol == "grpc" else "HTTP"]
         try:
             target = (args.model, port)
             if args.warmup:
-                load_in_processes(*target, args.warmup, args.concurrency, args.connections, args.client_processes)
+                load_in_processes(
+                    *target, args.warmup, args.concurrency, args.connections, args.client_processes, args.protocol
+                )
             before = [cpu_s(pid) for pid in (proc.pid, *pids)]
             loop_before = cpu_s(proc.pid, proc.pid)  # the event loop runs on the main thread
             started = time.monotonic()
@@ -319,7 +340,7 @@ def main() -> None:
                 count = rate * elapsed
             else:
                 count = load_in_processes(
-                    *target, args.seconds, args.concurrency, args.connections, args.client_processes
+                    *target, args.seconds, args.concurrency, args.connections, args.client_processes, args.protocol
                 )
                 elapsed = time.monotonic() - started
                 rate = count / elapsed
@@ -329,7 +350,7 @@ def main() -> None:
             total = (sum(after) - sum(before)) / count * 1e6
             print(
                 f"{workers:>7} {tuning:>6} {rate:>9.0f} {engine:>14.1f} {loop:>14.1f} {total:>13.1f} "
-                f"{batch_mean(args.model, port):>11.1f}",
+                f"{batch_mean(args.model, ports['gRPC']):>11.1f}",
                 flush=True,
             )
         finally:

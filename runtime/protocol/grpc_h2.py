@@ -89,8 +89,14 @@ SETTINGS_MAX_HEADER_LIST_SIZE = 0x6
 
 MAX_WINDOW = 2**31 - 1
 DEFAULT_WINDOW = 65_535
-MAX_FRAME_SIZE = 16_384
-"""The largest frame we accept (the protocol default; we never raise it)."""
+DEFAULT_MAX_FRAME = 16_384
+"""The protocol's initial SETTINGS_MAX_FRAME_SIZE: the least a peer may set, and what we send in
+until a client says it takes more."""
+MAX_FRAME_SIZE = 1 << 20
+"""The largest frame we accept (our SETTINGS_MAX_FRAME_SIZE). Clients that honour it (grpcio does)
+send a large message in a few large DATA frames instead of one per 16 KiB, each handled in Python;
+a DATA frame cut by the end of a read is taken in pieces as the reads bring it (:class:`_CutData`),
+so a large frame is never buffered whole."""
 STREAM_WINDOW = 8 << 20
 """Our SETTINGS_INITIAL_WINDOW_SIZE: what a client may send on one stream before we replenish it."""
 CONNECTION_WINDOW = 64 << 20
@@ -330,6 +336,20 @@ class _Pieces:
         return self.taken + self.size
 
 
+class _CutData:
+    """A DATA frame a read ended inside: ``left`` bytes of it still to come, of which ``body`` are
+    message bytes for ``stream`` (None: dropped; the rest is padding); ``end_stream``: its flag,
+    acted on once the frame is whole. Flow control was settled for the whole frame when it began."""
+
+    __slots__ = ("body", "end_stream", "left", "stream")
+
+    def __init__(self, stream: _Stream | None, left: int, body: int, end_stream: bool) -> None:
+        self.stream = stream
+        self.left = left
+        self.body = body
+        self.end_stream = end_stream
+
+
 class _Stream:
     __slots__ = (
         "caller",
@@ -404,6 +424,7 @@ class GrpcConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._closed = False
         self._buf = b""
+        self._cut: _CutData | None = None  # a DATA frame the last read ended inside: the rest comes next
         self._preface_ok = False
         self._settings_seen = False
         self._preface_timer: asyncio.TimerHandle | None = None
@@ -422,7 +443,7 @@ class GrpcConnection(asyncio.Protocol):
         # Flow control.
         self._send_window = DEFAULT_WINDOW
         self._peer_initial_window = DEFAULT_WINDOW
-        self._peer_max_frame = MAX_FRAME_SIZE
+        self._peer_max_frame = DEFAULT_MAX_FRAME
         self._recv_window = CONNECTION_WINDOW
         self._recv_consumed = 0
         self._write_paused = False
@@ -482,24 +503,13 @@ class GrpcConnection(asyncio.Protocol):
         if self._closed:
             return
         self.last_activity = self._loop.time()
-        head = None  # the frame the last read cut, completed from the start of this one
-        skip = 0  # where this read's own frames start
-        if self._buf:
-            buf, self._buf = self._buf, b""
-            need = 9 + ((buf[0] << 16) | (buf[1] << 8) | buf[2]) - len(buf) if len(buf) >= 9 else -1
-            if self._preface_ok and 0 < need <= len(data):
-                # Not buf + data: that copies the whole read (up to 256 KiB) again for one frame.
-                head, skip = buf + data[:need], need
-            else:
-                data = buf + data
         # What this read produces (acks, window updates, immediate answers) is written once, below.
         scheduled, self._flush_scheduled = self._flush_scheduled, True
+        pos = 0
         try:
-            if head is not None:
-                self._frames(head)  # exactly one frame
-                # paused or closed by it: the rest of this read waits in _buf (or is dropped)
-                pos = skip if self._closed or self._write_paused else self._frames(data, skip)
-            elif not self._preface_ok:
+            if not self._preface_ok:
+                if self._buf:
+                    data, self._buf = self._buf + data, b""
                 if len(data) < len(PREFACE):
                     if not PREFACE.startswith(data):
                         raise _H2Error(PROTOCOL_ERROR, "expected the HTTP/2 connection preface (h2c, prior knowledge)")
@@ -508,19 +518,54 @@ class GrpcConnection(asyncio.Protocol):
                 if not data.startswith(PREFACE):
                     raise _H2Error(PROTOCOL_ERROR, "expected the HTTP/2 connection preface (h2c, prior knowledge)")
                 self._preface_ok = True
-                data = data[len(PREFACE) :]
-                pos = self._frames(data)
-            else:
-                pos = self._frames(data)
+                pos = len(PREFACE)
+            elif self._buf:
+                data, pos = self._after_buf(data)
+            if self._cut is not None and not self._stopped:
+                pos = self._more_data(data, pos)
+            if not self._stopped:
+                pos = self._frames(data, pos)
         except _H2Error as exc:
             self._fail(exc.code, exc.debug)
             return
         finally:
             self._flush_scheduled = scheduled
         if pos < len(data) and not self._closed:
-            self._buf = data[pos:]
+            self._buf = data[pos:]  # an incomplete frame, or what a pause left unread
         if self._out:
             self._flush()
+
+    @property
+    def _stopped(self) -> bool:
+        """Closed, or paused for writing: the rest of a read waits in ``_buf`` for resume_writing."""
+        return self._closed or self._write_paused
+
+    def _after_buf(self, data: bytes) -> tuple[bytes, int]:
+        """Handle what the last read left (``_buf``: frames a pause left unread, or the start of a frame
+        it cut) with the head of ``data``; return the bytes to go on with and where in them. Never
+        ``_buf + data`` for a frame it can finish otherwise: that copies the whole read (up to 256 KiB)."""
+        buf, self._buf = self._buf, b""
+        if self._cut is not None:
+            return buf + data, 0  # a pause came inside a cut DATA frame (rare): its rest goes first
+        done = self._frames(buf)  # whole frames, and a DATA frame cut by its end (then _cut is set)
+        if self._stopped:
+            return buf[done:] + data, 0  # paused again before the end (rare): all waits
+        tail = buf[done:]
+        if not tail:
+            return data, 0
+        skip = 0
+        if len(tail) < 9:  # a frame header cut by the read: complete it from the head of data
+            skip = min(9 - len(tail), len(data))
+            tail += data[:skip]
+            if len(tail) < 9:
+                return tail, 0  # still short (tiny reads): kept for the next
+        if tail[3] == DATA and not (tail[4] & PADDED and len(tail) == 9) and self._frames(tail) == len(tail):
+            return data, skip  # a DATA frame's start: the rest of its payload is read from data in place
+        need = 9 + int.from_bytes(tail[:3], "big") - len(tail)
+        if need <= len(data) - skip:
+            self._frames(tail + data[skip : skip + need])  # exactly one (small) frame
+            return data, skip + need
+        return tail + data[skip:], 0
 
     # -- output ----------------------------------------------------------------------------------
     def _emit(self, data: bytes | memoryview) -> None:
@@ -628,6 +673,11 @@ class GrpcConnection(asyncio.Protocol):
             start = pos + 9
             stop = start + length
             if stop > end:
+                # A DATA frame is taken in pieces (when padded, once its pad length came); others wait whole.
+                whole_header = not flags & PADDED or end > start
+                if ftype == DATA and whole_header and self._settings_seen and self._continuation is None:
+                    self._on_data(data, start, end, flags, sid & 0x7FFFFFFF, length)
+                    return end
                 break
             pos = stop
             sid &= 0x7FFFFFFF
@@ -636,7 +686,7 @@ class GrpcConnection(asyncio.Protocol):
             if not self._settings_seen and ftype != SETTINGS:
                 raise _H2Error(PROTOCOL_ERROR, "the first frame after the preface must be SETTINGS")
             if ftype == DATA:
-                self._on_data(data, start, stop, flags, sid)
+                self._on_data(data, start, stop, flags, sid, length)
             elif ftype == HEADERS:
                 self._on_headers(data, start, stop, flags, sid)
             elif ftype == SETTINGS:
@@ -703,7 +753,7 @@ class GrpcConnection(asyncio.Protocol):
                         raise _H2Error(FLOW_CONTROL_ERROR, "a stream window grew over 2^31-1")
                 opened = opened or delta > 0
             elif ident == SETTINGS_MAX_FRAME_SIZE:
-                if not MAX_FRAME_SIZE <= value <= 2**24 - 1:
+                if not DEFAULT_MAX_FRAME <= value <= 2**24 - 1:
                     raise _H2Error(PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value} is outside 16384..2^24-1")
                 self._peer_max_frame = value
                 opened = True
@@ -765,40 +815,51 @@ class GrpcConnection(asyncio.Protocol):
             raise _H2Error(ENHANCE_YOUR_CALM, "too many streams reset by the client (rapid reset)")
         self._after_stream_closed()
 
-    def _on_data(self, data: bytes, start: int, stop: int, flags: int, sid: int) -> None:
+    def _on_data(self, data: bytes, start: int, stop: int, flags: int, sid: int, length: int) -> None:
+        """A DATA frame of ``length`` payload bytes, of which ``data[start:stop]`` came: all of them,
+        or the first (a frame cut by the end of a read: :meth:`_more_data` takes the rest as it comes).
+        Flow control and the stream's state are settled for the whole frame here."""
         if not sid:
             raise _H2Error(PROTOCOL_ERROR, "DATA on stream 0")
-        length = stop - start
         # Flow control counts the whole payload, padding included. Credit goes back as it is consumed
         # (_consumed): at once for what is dropped and for the one message of a unary call (bounded
         # by --max-grpc-message-bytes), when the handler takes it for a ModelStreamInfer message.
         self._recv_window -= length
         if self._recv_window < 0:
             raise _H2Error(FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+        left = length - (stop - start)  # bytes of this frame still to come
+        body = length  # of the payload, the bytes of gRPC messages (the rest is padding)
         if flags & PADDED:
             if not length:
                 raise _H2Error(FRAME_SIZE_ERROR, "PADDED DATA without a pad length")
             pad = data[start]
             start += 1
-            if pad > stop - start:
+            body = length - 1 - pad
+            if body < 0:
                 raise _H2Error(PROTOCOL_ERROR, "DATA padding longer than the payload")
-            stop -= pad
+        stop = min(stop, start + body)
+        end_stream = flags & END_STREAM
         stream = self._streams.get(sid)
         if stream is None:
             if sid > self._last_sid:
                 raise _H2Error(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
             self._credit(length)
+            if left:
+                self._cut = _CutData(None, left, body - (stop - start), False)
             return  # a stream we answered or reset: its late DATA is dropped
         if stream.remote_closed:
             self._credit(length)
             self._reset(stream, STREAM_CLOSED)
+            if left:
+                self._cut = _CutData(None, left, body - (stop - start), False)
             return
         stream.recv_window -= length
         if stream.recv_window < 0:
             self._credit(length)
             self._reset(stream, FLOW_CONTROL_ERROR)
+            if left:
+                self._cut = _CutData(None, left, body - (stop - start), False)
             return
-        end_stream = flags & END_STREAM
         # Input matters only until the answer is decided (trailers set, e.g. a 415 waiting for window).
         answering = not stream.finished and stream.trailers is None
         queue = stream.queue
@@ -816,10 +877,34 @@ class GrpcConnection(asyncio.Protocol):
                 self._consumed(stream, length)
             if stop > start and answering:
                 self._feed(stream, data, start, stop)
-        if end_stream:
-            stream.remote_closed = True
-            if answering and not stream.finished:
-                self._end_of_input(stream)
+        if left:
+            self._cut = _CutData(stream, left, body - (stop - start), bool(end_stream))
+        elif end_stream:
+            self._end_stream(stream, answering)
+
+    def _more_data(self, data: bytes, pos: int) -> int:
+        """The next bytes of the DATA frame the last read cut, from ``data[pos:]``; where they end."""
+        cut = self._cut
+        assert cut is not None
+        n = min(cut.left, len(data) - pos)
+        body = min(n, cut.body)
+        cut.left -= n
+        cut.body -= body
+        stream = cut.stream
+        if stream is not None:
+            answering = not stream.finished and stream.trailers is None
+            if body and answering:
+                self._feed(stream, data, pos, pos + body)
+            if not cut.left and cut.end_stream:
+                self._end_stream(stream, answering)
+        if not cut.left:
+            self._cut = None
+        return pos + n
+
+    def _end_stream(self, stream: _Stream, answering: bool) -> None:
+        stream.remote_closed = True
+        if answering and not stream.finished:
+            self._end_of_input(stream)
 
     def _credit(self, n: int) -> None:
         """``n`` bytes of the connection window were consumed: give them back, in large updates."""

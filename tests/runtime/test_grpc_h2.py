@@ -211,10 +211,14 @@ class Response:
 class Client:
     """Speaks just enough HTTP/2 to drive the server frame by frame; records what comes back."""
 
-    def __init__(self, address: str, settings: dict[int, int] | None = None, auto_window: bool = True) -> None:
-        host, port = address.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=5)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def __init__(
+        self, address: str, settings: dict[int, int] | None = None, auto_window: bool = True, sock: Any = None
+    ) -> None:
+        if sock is None:
+            host, port = address.rsplit(":", 1)
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock  # a socket, or what stands in for one (test_grpc_h2_reads.py)
         self.encoder = hpack.Encoder()
         self.decoder = hpack.Decoder()
         self.buf = bytearray()
@@ -599,7 +603,7 @@ def test_gzip_compressed_request(serve, repo, connect):
     ("garbage", "code"),
     [
         (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", PROTOCOL_ERROR),
-        (PREFACE + SettingsFrame(0, {}).serialize() + b"\x01\x00\x00\x00\x00\x00\x00\x00\x01", None),  # 64 KiB
+        (PREFACE + SettingsFrame(0, {}).serialize() + b"\x10\x00\x01\x00\x00\x00\x00\x00\x01", None),  # 1 MiB + 1
         (PREFACE + PingFrame(0, b"12345678").serialize(), PROTOCOL_ERROR),  # SETTINGS must come first
         (PREFACE + SettingsFrame(0, {}).serialize() + DataFrame(1, b"x").serialize(), PROTOCOL_ERROR),  # idle stream
     ],

@@ -24,6 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
+from sluice.runtime.protocol.grpc_h2 import MAX_FRAME_SIZE
+
 from .conftest import ADD_SUB_CONFIG, BUILDERS, start_server, write_model  # type: ignore[import-not-found]
 from .test_grpc_h2 import SERVICE, Client, add_sub_request, assert_add_sub_ok, grpc_frame, raw_frame  # type: ignore[import-not-found]
 
@@ -104,7 +106,7 @@ INVALID = st.sampled_from(
             lambda last: raw_frame(HEADERS, 0, last + 2, b"\x83") + raw_frame(PING, 0, 0, b"12345678"),
             PROTOCOL_ERROR,
         ),
-        ("oversized-frame", lambda last: raw_frame(0xFA, 0, 0, bytes(16_385)), FRAME_SIZE_ERROR),
+        ("oversized-frame", lambda last: raw_frame(0xFA, 0, 0, bytes(MAX_FRAME_SIZE + 1)), FRAME_SIZE_ERROR),
         ("bad-hpack-index", lambda last: raw_frame(HEADERS, END_HEADERS, last + 2, b"\xff\xff\x7f"), COMPRESSION_ERROR),
         ("data-on-idle", lambda last: raw_frame(DATA, 0, last + 2, b"x"), PROTOCOL_ERROR),
         ("goaway-on-stream", lambda last: raw_frame(GOAWAY, 0, 1, u32(0) + u32(0)), PROTOCOL_ERROR),
@@ -198,7 +200,7 @@ def test_random_bytes_after_the_preface(server, noise):
     client = Client(server.grpc, {})
     try:
         with contextlib.suppress(OSError):
-            client.sock.sendall(noise + bytes(16_384 + 18))
+            client.sock.sendall(noise + bytes(MAX_FRAME_SIZE + 18))
         while not client.closed:
             assert client.read_frame(timeout=5.0) is not None or client.closed, "no close after garbage"
         goaways = [f for f in client.received if isinstance(f, GoAwayFrame)]
