@@ -589,17 +589,24 @@ def _encode_off_loop(
     future.add_done_callback(encoded)
 
 
+_VARY = (b"vary", b"accept-encoding")
+
+
 def _compressing(
     respond: Callable[[Response], None], coding: bytes, offload: int, name: str
 ) -> Callable[[Response], None]:
-    """``respond`` for a client that accepts ``coding``: a successful answer goes compressed (on a worker
-    thread from ``offload`` bytes on, so one large answer does not stall the loop); errors go as they are."""
+    """``respond`` for a client that accepts ``coding``: a successful answer of COMPRESS_MIN_BYTES or
+    more goes compressed (on a worker thread from ``offload`` bytes on, so one large answer does not
+    stall the loop); shorter ones and errors go as they are."""
 
     def compressed(response: Response) -> None:
         if response.status != 200:
             respond(response)
             return
-        extra = [*(response.extra or ()), (b"content-encoding", coding), (b"vary", b"accept-encoding")]
+        if len(response.body) < http_codec.COMPRESS_MIN_BYTES:
+            respond(Response(200, response.body, response.content_type, [*(response.extra or ()), _VARY]))
+            return
+        extra = [*(response.extra or ()), (b"content-encoding", coding), _VARY]
         if len(response.body) < offload:
             respond(Response(200, http_codec.compress(response.body, coding), response.content_type, extra))
             return
@@ -635,6 +642,7 @@ class V2Routes:
         self.codec = InferCodec(limits)
         self.tracing = dataplane.tracing
         self._infer_paths: dict[bytes, tuple[str, str]] = {}
+        self._codings: dict[bytes, bytes | None] = {}  # Accept-Encoding header -> the coding it takes
 
     def __call__(self, request: Request) -> Response | Awaitable[Response] | object:
         if request.method == b"CONNECT":
@@ -800,8 +808,14 @@ class V2Routes:
         codec = self.codec
         offload = self.limits.json_offload_bytes
         accept = request.headers.get(b"accept-encoding")
-        if accept is not None:  # tritonclient's response_compression_algorithm
-            coding = http_codec.accepted_coding(accept)
+        if accept is not None:  # tritonclient's response_compression_algorithm; aiohttp's default
+            codings = self._codings
+            coding = codings.get(accept, b"")
+            if coding == b"":
+                coding = http_codec.accepted_coding(accept)
+                if len(codings) >= 64:  # clients send a handful of distinct headers
+                    codings.clear()
+                codings[accept] = coding
             if coding is not None:
                 respond = _compressing(respond, coding, offload, name)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from sluice.runtime.protocol.http_codec import accepted_coding
+from sluice.runtime.protocol.http_codec import COMPRESS_MIN_BYTES, accepted_coding
 from sluice.runtime.settings import Limits
 
 
@@ -79,12 +79,17 @@ def mlp_body(rows: int) -> bytes:
 @pytest.mark.parametrize("offload", [256 * 1024, 64], ids=["on-the-loop", "on-a-worker-thread"])
 def test_the_answer_is_compressed_only_when_accepted_and_errors_stay_plain(serve, example_repo, offload, workers):
     server = serve(example_repo, limits=Limits(json_offload_bytes=offload), protocol_workers=workers)
-    status, headers, plain = raw_infer(server.http, "identity", mlp_body(4))
-    assert status == 200 and "content-encoding" not in headers
-    status, headers, body = raw_infer(server.http, "br, gzip;q=0.8", mlp_body(4))
+    status, headers, plain = raw_infer(server.http, "identity", mlp_body(16))
+    assert status == 200 and "content-encoding" not in headers and len(plain) >= COMPRESS_MIN_BYTES
+    status, headers, body = raw_infer(server.http, "br, gzip;q=0.8", mlp_body(16))
     assert (status, headers["content-encoding"], headers["vary"]) == (200, "gzip", "accept-encoding")
     assert json.loads(gzip.decompress(body)) == json.loads(plain)
-    status, headers, body = raw_infer(server.http, "deflate", mlp_body(4))
+    status, headers, body = raw_infer(server.http, "deflate", mlp_body(16))
     assert headers["content-encoding"] == "deflate" and json.loads(zlib.decompress(body)) == json.loads(plain)
+    # a short answer goes as it is, whatever the client accepts (and says that it depends on the header)
+    status, headers, small = raw_infer(server.http, "gzip", mlp_body(1))
+    assert status == 200 and len(small) < COMPRESS_MIN_BYTES
+    assert "content-encoding" not in headers and headers["vary"] == "accept-encoding"
+    assert json.loads(small)["outputs"][0]["shape"][0] == 1
     status, headers, body = raw_infer(server.http, "gzip", b'{"inputs": 5}')  # a client error: plain JSON
     assert status == 400 and "content-encoding" not in headers and json.loads(body)["error"]
