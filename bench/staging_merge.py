@@ -7,8 +7,10 @@ next requests. numpy's ``concatenate`` (``runtime/backends/tensor.py: merge_into
 around each part's copy and must take it back after, which waits for the loop thread to give it up
 (``sys.setswitchinterval``, 100 us in ``sluice serve``); torch's ``cat`` (``runtime/backends/
 pytorch.py: merge_rows``, what the CUDA instances use for their pinned buffers) releases it once for
-the whole batch. This prints ms per batch and us per part, alone and beside a thread spinning in
-Python (standing for the busy event loop), with the server's switch interval; then what any torch
+the whole batch; ``bytearray.join`` (``tensor.concat_rows``, what the CPU instances use) copies
+every part in one call and releases the GIL at most once. This prints ms per batch and us per part,
+alone and beside a thread spinning in Python (standing for the busy event loop), with the server's
+switch interval; then what any torch
 call (a slice or view) costs alone and beside that thread: the reason the CUDA path makes its views
 of the pinned buffers once per shape. Needs torch (CPU is
 enough). Figures depend on the machine: compare rows of one run.
@@ -66,7 +68,7 @@ def main() -> int:
     import torch
 
     from sluice.runtime.backends.pytorch import merge_rows
-    from sluice.runtime.backends.tensor import merge_into
+    from sluice.runtime.backends.tensor import concat_rows, merge_into
 
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--parts", type=_ints, default=(8, 32, 128), help="parts (requests) per batch")
@@ -82,8 +84,9 @@ def main() -> int:
     row_bytes = int(np.prod(args.shape)) * dtype.itemsize
     print(f"parts of 1 x {list(args.shape)} {dtype} ({row_bytes / 1024:.0f} KiB), switch interval 100 us; "
           f"torch {torch.__version__} with {torch.get_num_threads()} thread(s)\n")
-    print("| parts | beside | numpy concatenate ms | us a part | torch.cat ms | us a part |")
-    print("|---|---|---|---|---|---|")
+    print("| parts | beside | numpy concatenate ms | us a part | torch.cat ms | us a part "
+          "| concat_rows ms | us a part |")
+    print("|---|---|---|---|---|---|---|---|")
     for count in args.parts:
         rng = np.random.default_rng(count)
         parts = [
@@ -96,8 +99,10 @@ def main() -> int:
             with beside(what):
                 numpy_s = timed(lambda parts=parts, typed=typed: merge_into(parts, typed), args.reps)
                 torch_s = timed(lambda parts=parts, out=out: merge_rows(torch, parts, out), args.reps)
+                join_s = timed(lambda parts=parts: concat_rows(parts), args.reps)
             print(f"| {count} | {what} | {numpy_s * 1e3:.2f} | {numpy_s / count * 1e6:.0f} "
-                  f"| {torch_s * 1e3:.2f} | {torch_s / count * 1e6:.0f} |")
+                  f"| {torch_s * 1e3:.2f} | {torch_s / count * 1e6:.0f} "
+                  f"| {join_s * 1e3:.2f} | {join_s / count * 1e6:.0f} |")
     # Any torch call gives up the GIL: what one costs beside a thread running Python (the per-batch
     # calls of a CUDA execution: slices and views of the pinned buffers, copies, replay, sync)
     buffer = torch.empty(1 << 20, dtype=torch.uint8)

@@ -36,7 +36,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result
-from sluice.runtime.backends.tensor import merge_inputs, split_timed
+from sluice.runtime.backends.tensor import concat_rows, merge_inputs, split_timed
 from sluice.runtime.errors import ConfigError, InvalidArgument, ModelError, SluiceError, Unavailable, Unsupported
 from sluice.runtime.types import CONFIG_TYPE_BY_DATATYPE, DATATYPE_BY_CONFIG_TYPE, InferRequest, numpy_dtype
 
@@ -592,7 +592,7 @@ class TrtInstance(ModelInstance):
         outputs_start = time.monotonic_ns()
         outputs = {}
         for name in self._outputs:
-            array = parts[0][name] if len(parts) == 1 else np.concatenate([p[name] for p in parts], axis=0)
+            array = parts[0][name] if len(parts) == 1 else concat_rows([p[name] for p in parts])
             if name in self._reshape:
                 array = array.reshape(self._reshape[name])
             outputs[name] = (self._datatypes[name], array)

@@ -1,6 +1,6 @@
-"""Merging a batch's inputs straight into a staging buffer: numpy's ``merge_into``
-(runtime/backends/tensor.py) and the CUDA instances' ``merge_rows`` and pinned-buffer views
-(runtime/backends/pytorch.py), checked here on plain memory."""
+"""Merging a batch's inputs: ``concat_rows`` (runtime/backends/tensor.py, what the CPU instances
+use), numpy's ``merge_into`` straight into a staging buffer, and the CUDA instances' ``merge_rows``
+and pinned-buffer views (runtime/backends/pytorch.py), checked here on plain memory."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sluice.runtime.backends.tensor import input_parts, merge_inputs, merge_into, merged_shape
+from sluice.runtime.backends.tensor import concat_rows, input_parts, merge_inputs, merge_into, merged_shape
 from sluice.runtime.types import InferRequest, Tensor
 
 DTYPES = [np.float32, np.float16, np.uint16, np.int64, np.int8, np.bool_]
@@ -42,6 +42,40 @@ def test_merge_into_a_staging_view_equals_concatenation_and_leaves_the_rest(dtyp
     assert merged is out
     np.testing.assert_array_equal(out, np.concatenate(parts, axis=0))
     assert (buffer[needed:] == 0xAB).all()  # nothing written past the batch
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.lists(st.integers(0, 5), min_size=1, max_size=6),
+    layout=st.sampled_from(["wire", "owned", "strided", "mixed-dtype", "big-endian"]),
+    **BATCHES,
+)
+def test_concat_rows_equals_numpy_concatenate(dtype, rows, row_shape, spare, seed, layout):
+    """Every dtype, zero-row parts, read-only parts over bytes (the wire), strided parts, parts numpy
+    must cast: the same values, dtype and shape as np.concatenate, in a new writable array."""
+    rng = np.random.default_rng(seed)
+    parts = [(rng.random((n, *row_shape)) * 100).astype(dtype) for n in rows]
+    if layout == "wire":
+        parts = [np.frombuffer(p.tobytes(), dtype=p.dtype).reshape(p.shape) for p in parts]
+    elif layout == "strided" and row_shape:
+        parts = [np.repeat(p, 2, axis=-1)[..., ::2] for p in parts]
+    elif layout == "mixed-dtype":
+        parts[-1] = parts[-1].astype(np.float64)
+    elif layout == "big-endian":
+        parts = [p.astype(p.dtype.newbyteorder(">")) for p in parts]
+    expected = np.concatenate(parts, axis=0)
+    merged = concat_rows(parts)
+    assert merged.dtype == expected.dtype and merged.shape == expected.shape
+    np.testing.assert_array_equal(merged, expected)
+    assert merged.flags.writeable and merged.flags.c_contiguous
+    assert not any(np.shares_memory(merged, p) for p in parts)
+
+
+def test_concat_rows_of_strings_and_of_rows_that_differ():
+    strings = [np.array([b"a", b"bc"], dtype=object), np.array([b""], dtype=object)]
+    assert concat_rows(strings).tolist() == [b"a", b"bc", b""]
+    with pytest.raises(ValueError):  # numpy's own message for rows of different shapes
+        concat_rows([np.zeros((1, 3), np.float32), np.zeros((1, 4), np.float32)])
 
 
 def test_a_single_part_is_copied_not_aliased():
