@@ -7,13 +7,12 @@ next requests. numpy's ``concatenate`` (``runtime/backends/tensor.py: merge_into
 around each part's copy and must take it back after, which waits for the loop thread to give it up
 (``sys.setswitchinterval``, 100 us in ``sluice serve``); torch's ``cat`` (``runtime/backends/
 pytorch.py: merge_rows``, what the CUDA instances use for their pinned buffers) releases it once for
-the whole batch; ``bytearray.join`` (``tensor.concat_rows``, what the CPU instances use) copies
-every part in one call and releases the GIL at most once. This prints ms per batch and us per part,
-alone and beside a thread spinning in Python (standing for the busy event loop), with the server's
-switch interval; then what any torch
-call (a slice or view) costs alone and beside that thread: the reason the CUDA path makes its views
-of the pinned buffers once per shape. Needs torch (CPU is
-enough). Figures depend on the machine: compare rows of one run.
+the whole batch; ``tensor.concat_rows`` (what the CPU instances use) copies each part with the GIL
+held, so a waiting thread gets its turn at the switch interval, not after every part. This prints
+ms per batch and us per part, alone and beside a thread spinning in Python (standing for the busy
+event loop), with the server's switch interval; then what any torch call (a slice or view) costs
+alone and beside that thread: the reason the CUDA path makes its views of the pinned buffers once
+per shape. Needs torch (CPU is enough). Figures depend on the machine: compare rows of one run.
 """
 
 from __future__ import annotations

@@ -32,24 +32,31 @@ def merge_inputs(requests: Sequence[InferRequest]) -> dict[str, np.ndarray]:
 
 def concat_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
     """``parts`` concatenated along the batch dimension (the first) into a new writable array, as
-    ``np.concatenate(parts, axis=0)`` makes it, with the GIL given up at most once.
+    ``np.concatenate(parts, axis=0)`` makes it, without giving up the GIL between parts.
 
     numpy's concatenate releases the GIL around each part's copy and takes it back after; beside a
     busy event loop each retake waits up to the switch interval (100 us in ``sluice serve``), so a
     294 KiB image part cost 100-250 us where the copy alone takes 15-40 (bench/staging_merge.py on
-    the 2-core VM). ``bytearray.join`` copies every part in one call, holding the GIL below 1 MiB in
-    all and releasing it once above: 30-45 us a part beside the busy thread. Object (BYTES) arrays,
-    a byte order not the machine's, and parts that differ in dtype, row shape or layout go through
-    numpy's concatenate (which casts, or says what does not fit)."""
+    the 2-core VM). Here each part is one memcpy under the GIL (a memoryview slice assignment), so a
+    waiting thread takes its turn at the interpreter's switch interval between parts instead of at
+    every part: the loop is never held for more than one part's copy past its turn. Object (BYTES)
+    arrays, a byte order not the machine's, and parts that differ in dtype, rank, row shape or
+    layout go through numpy's concatenate (which casts, or says what does not fit)."""
     first = parts[0]
-    dtype, row = first.dtype, first.shape[1:]
-    if dtype.hasobject or not dtype.isnative or not first.ndim or len(parts) < 2:
+    dtype, row, ndim = first.dtype, first.shape[1:], first.ndim
+    if dtype.hasobject or not dtype.isnative or not ndim or len(parts) < 2:
         return np.concatenate(parts, axis=0)  # (numpy's result is in the native byte order)
     for part in parts:
-        if part.dtype != dtype or part.shape[1:] != row or not part.flags.c_contiguous:
+        if part.dtype != dtype or part.ndim != ndim or part.shape[1:] != row or not part.flags.c_contiguous:
             return np.concatenate(parts, axis=0)
-    joined = bytearray().join([part.reshape(-1).view(np.uint8) for part in parts])
-    return np.frombuffer(joined, dtype).reshape(merged_shape(parts))
+    out = np.empty(merged_shape(parts), dtype)
+    flat = memoryview(out.reshape(-1).view(np.uint8))
+    at = 0
+    for part in parts:
+        n = part.nbytes
+        flat[at : at + n] = memoryview(part.reshape(-1).view(np.uint8))
+        at += n
+    return out
 
 
 def merged_shape(parts: Sequence[np.ndarray]) -> tuple[int, ...]:

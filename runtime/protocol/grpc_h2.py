@@ -425,6 +425,8 @@ class GrpcConnection(asyncio.Protocol):
         self._closed = False
         self._buf = b""
         self._cut: _CutData | None = None  # a DATA frame the last read ended inside: the rest comes next
+        self._frame_reads: list[bytes] = []  # reads of a frame longer than they are (joined once whole)...
+        self._frame_due = 0  # ...and the bytes it still lacks
         self._preface_ok = False
         self._settings_seen = False
         self._preface_timer: asyncio.TimerHandle | None = None
@@ -436,7 +438,8 @@ class GrpcConnection(asyncio.Protocol):
         self._goaway_sid: int | None = None  # set once we sent GOAWAY: streams above it are ignored
         self._peer_goaway = False
         self._continuation: tuple[int, list[bytes], int, bool] | None = None
-        self._decoder = hpack.Decoder(max_header_list_size=4 * server.limits.max_header_bytes + 65_536)
+        self._max_block = 4 * server.limits.max_header_bytes + 65_536  # encoded header block bytes
+        self._decoder = hpack.Decoder(max_header_list_size=self._max_block)
         self._heads: dict[bytes, _Head] = {}
         self._heads_bytes = 0
         self._table_reset_pending = False
@@ -544,6 +547,13 @@ class GrpcConnection(asyncio.Protocol):
         """Handle what the last read left (``_buf``: frames a pause left unread, or the start of a frame
         it cut) with the head of ``data``; return the bytes to go on with and where in them. Never
         ``_buf + data`` for a frame it can finish otherwise: that copies the whole read (up to 256 KiB)."""
+        if self._frame_due > 0:  # a frame (not DATA) longer than the reads: collected, joined once
+            self._frame_reads.append(data)
+            self._frame_due -= len(data)
+            if self._frame_due > 0:
+                return b"", 0  # (``_buf`` keeps its start)
+            data = b"".join(self._frame_reads)
+            self._frame_reads = []
         buf, self._buf = self._buf, b""
         if self._cut is not None:
             return buf + data, 0  # a pause came inside a cut DATA frame (rare): its rest goes first
@@ -565,7 +575,9 @@ class GrpcConnection(asyncio.Protocol):
         if need <= len(data) - skip:
             self._frames(tail + data[skip : skip + need])  # exactly one (small) frame
             return data, skip + need
-        return tail + data[skip:], 0
+        # Not tail + data for each read: a 1 MiB frame in small reads would copy what came each time.
+        self._buf, self._frame_reads, self._frame_due = tail, [data[skip:]], need - (len(data) - skip)
+        return b"", 0
 
     # -- output ----------------------------------------------------------------------------------
     def _emit(self, data: bytes | memoryview) -> None:
@@ -961,6 +973,8 @@ class GrpcConnection(asyncio.Protocol):
                 raise _H2Error(FRAME_SIZE_ERROR, "HEADERS with PRIORITY shorter than 5 bytes")
             start += 5
         fragment = data[start:stop]
+        if len(fragment) > self._max_block:  # before decoding it (frames may be up to 1 MiB)
+            raise _H2Error(ENHANCE_YOUR_CALM, "header block far over SETTINGS_MAX_HEADER_LIST_SIZE")
         if flags & END_HEADERS:
             self._header_block(sid, fragment, bool(flags & END_STREAM))
         else:
@@ -973,7 +987,7 @@ class GrpcConnection(asyncio.Protocol):
         _, fragments, size, end_stream = pending
         fragments.append(data[start:stop])
         size += stop - start
-        if size > 4 * self._limits.max_header_bytes + 65_536:
+        if size > self._max_block:
             raise _H2Error(ENHANCE_YOUR_CALM, "header block far over SETTINGS_MAX_HEADER_LIST_SIZE")
         if flags & END_HEADERS:
             self._continuation = None

@@ -306,3 +306,36 @@ def test_the_server_advertises_its_max_frame_size(running):
         assert client.server_settings[0x5] == MAX_FRAME_SIZE
     finally:
         client.close()
+
+
+def test_a_long_frame_in_many_small_reads_is_read_once_whole(running):
+    """A frame other than DATA is handled whole: one of ~1 MiB (an unknown type, ignored) in 1,000-byte
+    reads, then a call and a PING, each read kept until the frame is whole (not copied again with
+    every read); the call is answered and the PING acked."""
+    client = client_over(running, lambda data: [data])
+    try:
+        size = MAX_FRAME_SIZE - 100
+        wire = raw_frame(0xFA, 0, 0, bytes(size)) + headers(client, 1, "ModelInfer")
+        wire += raw_frame(DATA, END_STREAM, 1, grpc_frame(add_sub_request()))
+        wire += PingFrame(0, b"afterbig").serialize()
+        client.sock.cut = at(*range(1_000, len(wire), 1_000))
+        client.sock.sendall(wire)
+        assert_add_sub_ok(client.response(1))
+        client.read_until(lambda: any(isinstance(f, PingFrame) and f.opaque_data == b"afterbig" for f in client.received))
+        assert client.goaway is None
+    finally:
+        client.close()
+
+
+def test_a_headers_frame_over_the_block_limit_is_refused_before_it_is_decoded(running):
+    """Frames may be 1 MiB, header blocks may not: one HEADERS frame (no CONTINUATION) far over the
+    header list limit gets GOAWAY(ENHANCE_YOUR_CALM), as a block grown by CONTINUATION frames does."""
+    client = client_over(running, lambda data: [data])
+    try:
+        block = client.block(SERVICE + "ModelInfer", extra=[("x-big", "v" * 200_000)])
+        client.sock.sendall(raw_frame(HEADERS, END_HEADERS, 1, block))
+        client.drain(5.0)
+        assert client.closed and client.goaway is not None
+        assert client.goaway.error_code == 0xB and b"header block" in client.goaway.additional_data
+    finally:
+        client.close()

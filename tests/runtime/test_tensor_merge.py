@@ -76,6 +76,8 @@ def test_concat_rows_of_strings_and_of_rows_that_differ():
     assert concat_rows(strings).tolist() == [b"a", b"bc", b""]
     with pytest.raises(ValueError):  # numpy's own message for rows of different shapes
         concat_rows([np.zeros((1, 3), np.float32), np.zeros((1, 4), np.float32)])
+    with pytest.raises(ValueError):  # and for parts of different rank (a 0-d one)
+        concat_rows([np.zeros(2, np.float32), np.zeros((), np.float32)])
 
 
 def test_a_single_part_is_copied_not_aliased():
