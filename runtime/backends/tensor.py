@@ -39,24 +39,32 @@ def concat_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
     294 KiB image part cost 100-250 us where the copy alone takes 15-40 (bench/staging_merge.py on
     the 2-core VM). Here each part is one memcpy under the GIL (a memoryview slice assignment), so a
     waiting thread takes its turn at the interpreter's switch interval between parts instead of at
-    every part: the loop is never held for more than one part's copy past its turn. Object (BYTES)
-    arrays, a byte order not the machine's, and parts that differ in dtype, rank, row shape or
-    layout go through numpy's concatenate (which casts, or says what does not fit)."""
+    every part: the loop is never held for more than one part's copy past its turn. Parts of 500
+    elements or fewer (numpy keeps the GIL for those, and its loop is faster: the MLP's rows),
+    object (BYTES) arrays, a byte order not the machine's, and parts that differ in dtype, rank, row
+    shape or layout go through numpy's concatenate (which casts, or says what does not fit)."""
     first = parts[0]
     dtype, row, ndim = first.dtype, first.shape[1:], first.ndim
-    if dtype.hasobject or not dtype.isnative or not ndim or len(parts) < 2:
-        return np.concatenate(parts, axis=0)  # (numpy's result is in the native byte order)
+    if first.size <= _NUMPY_KEEPS_GIL or dtype.hasobject or not dtype.isnative or not ndim or len(parts) < 2:
+        # small parts (a batch's parts differ in rows only): numpy copies them keeping the GIL, and faster;
+        # and numpy's result is in the native byte order
+        return np.concatenate(parts, axis=0)
     for part in parts:
         if part.dtype != dtype or part.ndim != ndim or part.shape[1:] != row or not part.flags.c_contiguous:
             return np.concatenate(parts, axis=0)
     out = np.empty(merged_shape(parts), dtype)
-    flat = memoryview(out.reshape(-1).view(np.uint8))
+    flat = memoryview(out).cast("B") if dtype.kind in "biufc" else memoryview(out.reshape(-1).view(np.uint8))
     at = 0
     for part in parts:
         n = part.nbytes
-        flat[at : at + n] = memoryview(part.reshape(-1).view(np.uint8))
-        at += n
+        if n:  # (a memoryview of no bytes cannot be cast)
+            flat[at : at + n] = memoryview(part).cast("B") if dtype.kind in "biufc" else part.reshape(-1).view(np.uint8)
+            at += n
     return out
+
+
+_NUMPY_KEEPS_GIL = 500
+"""numpy releases the GIL around a copy of more than this many elements (NPY_BEGIN_THREADS_THRESHOLDED)."""
 
 
 def merged_shape(parts: Sequence[np.ndarray]) -> tuple[int, ...]:

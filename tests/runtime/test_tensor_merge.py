@@ -48,12 +48,16 @@ def test_merge_into_a_staging_view_equals_concatenation_and_leaves_the_rest(dtyp
 @given(
     rows=st.lists(st.integers(0, 5), min_size=1, max_size=6),
     layout=st.sampled_from(["wire", "owned", "strided", "mixed-dtype", "big-endian"]),
+    wide=st.booleans(),
     **BATCHES,
 )
-def test_concat_rows_equals_numpy_concatenate(dtype, rows, row_shape, spare, seed, layout):
+def test_concat_rows_equals_numpy_concatenate(dtype, rows, row_shape, spare, seed, layout, wide):
     """Every dtype, zero-row parts, read-only parts over bytes (the wire), strided parts, parts numpy
-    must cast: the same values, dtype and shape as np.concatenate, in a new writable array."""
+    must cast, parts small enough for numpy and ``wide`` ones (over 500 elements a row: copied part by
+    part): the same values, dtype and shape as np.concatenate, in a new writable array."""
     rng = np.random.default_rng(seed)
+    if wide:
+        row_shape = [*row_shape, 501]
     parts = [(rng.random((n, *row_shape)) * 100).astype(dtype) for n in rows]
     if layout == "wire":
         parts = [np.frombuffer(p.tobytes(), dtype=p.dtype).reshape(p.shape) for p in parts]
