@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -53,14 +54,20 @@ def concat_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
         if part.dtype != dtype or part.ndim != ndim or part.shape[1:] != row or not part.flags.c_contiguous:
             return np.concatenate(parts, axis=0)
     out = np.empty(merged_shape(parts), dtype)
-    flat = memoryview(out).cast("B") if dtype.kind in "biufc" else memoryview(out.reshape(-1).view(np.uint8))
+    flat = _byte_view(out)
     at = 0
     for part in parts:
         n = part.nbytes
         if n:  # (a memoryview of no bytes cannot be cast)
-            flat[at : at + n] = memoryview(part).cast("B") if dtype.kind in "biufc" else part.reshape(-1).view(np.uint8)
+            flat[at : at + n] = _byte_view(part)
             at += n
     return out
+
+
+def _byte_view(array: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes, as a flat memoryview of unsigned bytes (no copy)."""
+    exported: Any = array if array.dtype.kind in "biufc" else array.reshape(-1).view(np.uint8)
+    return memoryview(exported).cast("B")
 
 
 _NUMPY_KEEPS_GIL = 500

@@ -569,6 +569,12 @@ class GrpcConnection(asyncio.Protocol):
             tail += data[:skip]
             if len(tail) < 9:
                 return tail, 0  # still short (tiny reads): kept for the next
+            length = int.from_bytes(tail[:3], "big")
+            if length > MAX_FRAME_SIZE:  # refused now, as _frames refuses a header that came whole
+                raise _H2Error(FRAME_SIZE_ERROR, f"frame of {length} bytes is over SETTINGS_MAX_FRAME_SIZE")
+        if tail[3] == DATA and tail[4] & PADDED and len(tail) == 9 and skip < len(data):
+            tail += data[skip : skip + 1]  # a padded DATA frame is taken in pieces once its pad length came
+            skip += 1
         if tail[3] == DATA and not (tail[4] & PADDED and len(tail) == 9) and self._frames(tail) == len(tail):
             return data, skip  # a DATA frame's start: the rest of its payload is read from data in place
         need = 9 + int.from_bytes(tail[:3], "big") - len(tail)

@@ -339,3 +339,20 @@ def test_a_headers_frame_over_the_block_limit_is_refused_before_it_is_decoded(ru
         assert client.goaway.error_code == 0xB and b"header block" in client.goaway.additional_data
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("split", [1, 4, 8])
+def test_a_frame_header_split_by_reads_is_checked_when_it_is_whole(running, split):
+    """A header announcing 16 MiB, cut by a read: refused (FRAME_SIZE_ERROR) as soon as the header is
+    whole, not after the frame's bytes were collected."""
+    client = client_over(running, lambda data: [data])
+    try:
+        header = (1 << 24) - 1
+        head = header.to_bytes(3, "big") + bytes([HEADERS, END_HEADERS]) + (1).to_bytes(4, "big")
+        client.sock.sendall(head[:split])
+        client.sock.sendall(head[split:] + bytes(1_000))
+        client.drain(5.0)
+        assert client.closed and client.goaway is not None and client.goaway.error_code == 0x6
+        assert f"frame of {header} bytes".encode() in client.goaway.additional_data
+    finally:
+        client.close()
