@@ -856,27 +856,26 @@ class GrpcConnection(asyncio.Protocol):
             if body < 0:
                 raise _H2Error(PROTOCOL_ERROR, "DATA padding longer than the payload")
         stop = min(stop, start + body)
+        rest = body - (stop - start)  # message bytes of this frame still to come
+        dropped = _CutData(None, left, rest, False) if left else None  # its rest, when the stream takes none
         end_stream = flags & END_STREAM
         stream = self._streams.get(sid)
         if stream is None:
             if sid > self._last_sid:
                 raise _H2Error(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
             self._credit(length)
-            if left:
-                self._cut = _CutData(None, left, body - (stop - start), False)
+            self._cut = dropped
             return  # a stream we answered or reset: its late DATA is dropped
         if stream.remote_closed:
             self._credit(length)
             self._reset(stream, STREAM_CLOSED)
-            if left:
-                self._cut = _CutData(None, left, body - (stop - start), False)
+            self._cut = dropped
             return
         stream.recv_window -= length
         if stream.recv_window < 0:
             self._credit(length)
             self._reset(stream, FLOW_CONTROL_ERROR)
-            if left:
-                self._cut = _CutData(None, left, body - (stop - start), False)
+            self._cut = dropped
             return
         # Input matters only until the answer is decided (trailers set, e.g. a 415 waiting for window).
         answering = not stream.finished and stream.trailers is None
@@ -896,7 +895,7 @@ class GrpcConnection(asyncio.Protocol):
             if stop > start and answering:
                 self._feed(stream, data, start, stop)
         if left:
-            self._cut = _CutData(stream, left, body - (stop - start), bool(end_stream))
+            self._cut = _CutData(stream, left, rest, bool(end_stream))
         elif end_stream:
             self._end_stream(stream, answering)
 
