@@ -190,9 +190,17 @@ class Observer:
 
 
 _QUEUED, _RUNNING, _DONE = 0, 1, 2
+# What an answered entry holds instead of its request: answered entries leave the lanes and the
+# deadline heap lazily, and must not keep their inputs (memory, or a protocol worker's arena range
+# lent to them: worker_wire.Lease) until then.
+_ANSWERED = InferRequest("", "", [])
 
 
 Done = Callable[[Result], None]
+
+
+def _ignore(outcome: Result) -> None:
+    """An answered entry's callback: it is never called twice."""
 
 
 class _Entry:
@@ -279,6 +287,9 @@ class _Worker:
                 )
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 return
+            # not kept while waiting for the next job: the batch's requests (and the arena ranges
+            # protocol workers lent them, worker_wire.Lease) go when the loop has answered them
+            del job, batch, requests, results
 
     def stop(self) -> None:
         self.jobs.put(None)
@@ -417,6 +428,8 @@ class Scheduler:
         stuck = [worker for worker in workers if worker.batch is not None]
         for worker in stuck:
             for entry in worker.batch or ():
+                if entry.state == _DONE:
+                    continue
                 entry.request.cancel.cancel()
                 self._finish(
                     entry,
@@ -548,9 +561,9 @@ class Scheduler:
 
     def _drop_dead(self) -> None:
         """Answered entries leave the lanes and the deadline heap lazily, at their heads, when an
-        instance takes work. While every instance is busy they pile up behind a live one (with their
-        inputs) as clients give up and retry; past twice the live queue, sweep them out (amortized
-        O(1) per request)."""
+        instance takes work. While every instance is busy they pile up behind a live one as clients
+        give up and retry (without their requests: ``_finish`` lets go of those); past twice the
+        live queue, sweep them out (amortized O(1) per request)."""
         bound = 2 * self._pending + 64
         for lane in self._lanes:
             if len(lane) > bound:
@@ -566,8 +579,9 @@ class Scheduler:
             return
         entry.state = _DONE
         entry.request.cancel.clear()
+        done, entry.done, entry.request = entry.done, _ignore, _ANSWERED
         try:
-            entry.done(outcome)
+            done(outcome)
         except Exception:  # a failing caller must not leave the rest of its batch unanswered
             log.exception("completion callback failed for a request of model '%s'", self._config.model_label)
 
@@ -736,14 +750,15 @@ class Scheduler:
         worker.batch = None
         self._free.append(worker)
         self._running -= len(batch)
-        for entry, result, waited in zip(batch, results, queue_ns, strict=True):
-            trace = entry.request.trace
+        requests = [entry.request for entry in batch]  # an answered entry lets go of its request
+        for entry, request, result, waited in zip(batch, requests, results, queue_ns, strict=True):
+            trace = request.trace
             if trace is not None:  # sampled (tracing.py): the timestamps taken anyway, before it is answered
-                rows = sum(e.request.batch_size for e in batch)
+                rows = sum(r.batch_size for r in requests)
                 trace.executed(entry.enqueued, waited, start_ns, compute_ns, rows, len(batch))
             self._finish(entry, result)
         self._exec_ewma_ns = compute_ns if not self._exec_ewma_ns else 0.8 * self._exec_ewma_ns + 0.2 * compute_ns
-        self._observer.on_batch([e.request for e in batch], queue_ns, compute_ns, results, phases_ns=phases_ns)
+        self._observer.on_batch(requests, queue_ns, compute_ns, results, phases_ns=phases_ns)
         self._maybe_idle()
         if self._pending:
             self._pump(freed=True)

@@ -206,7 +206,11 @@ class EngineSide:
         self.link: Link | None = None
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.stopped: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.peer = requests_arena  # the worker's arena: large inputs, copied out on receipt
+        self.peer = requests_arena  # the worker's arena: large inputs, lent to their requests (Lease)
+        # offsets of the worker's arena no request refers to any more: appended by a Lease when its
+        # last array goes (in any thread), sent to the worker (``freed``) from the loop
+        self.freed: list[int] = []
+        self._free_due = False
         self._arena = worker_wire.Arena(responses_arena)  # ours: large outputs, until the worker took them
         self._cancels: dict[int, Callable[[], object]] = {}  # rid -> cancels that request
         self._outbox: list[tuple[int, InferResponse | SluiceError]] = []  # answered, to send this turn
@@ -256,6 +260,9 @@ class EngineSide:
         cancels = self._cancels
         cancels[rid] = request.cancel.cancel
         outbox = self._outbox
+        if self.freed and not self._free_due:  # ranges let go of since the last answers (a model kept them)
+            self._free_due = True
+            self._loop.call_soon(self._send_freed)
 
         def done(outcome: InferResponse | SluiceError) -> None:
             if cancels.pop(rid, None) is None:
@@ -278,6 +285,7 @@ class EngineSide:
         self._outbox.clear()
         if self.link is None or not items:
             return
+        self._send_freed()  # what the requests answered last turn let go of (their batch has ended)
         try:
             self.link.send_frame(worker_wire.encode_outcomes(items, self._arena))
         except Exception:  # one response that cannot be sent must not take its batch's with it
@@ -297,6 +305,16 @@ class EngineSide:
     def _release(self, offsets: list[int]) -> None:
         for offset in offsets:
             self._arena.release(offset)
+
+    def _send_freed(self) -> None:
+        """Tell the worker which ranges of its arena it may reuse (those whose Lease has gone)."""
+        self._free_due = False
+        freed = self.freed
+        count = len(freed)  # Leases may append meanwhile (other threads): those stay for the next time
+        if count and self.link is not None:
+            offsets = freed[:count]
+            del freed[:count]
+            self.link.send(("freed", offsets))
 
     # -- forwarded HTTP requests ----------------------------------------------------------------------
     def _http(self, rid: int, method: bytes, url: bytes, headers: dict[bytes, bytes], body: bytes) -> None:
@@ -487,8 +505,9 @@ class WorkerPool:
         )
         worker = _Worker(index, side, process, time.monotonic(), (requests_fd, responses_fd))
         self._workers[index] = worker
+        framer = worker_wire.Framer(side.peer, freed=side.freed.append)  # inputs lent, not copied
         _, link = await loop.create_unix_connection(
-            lambda: Link(side.on_message, lambda: self._lost(worker), worker_wire.Framer(side.peer)), sock=ours
+            lambda: Link(side.on_message, lambda: self._lost(worker), framer), sock=ours
         )
         side.link = link
         link.send(("start", self.settings, index))
@@ -579,6 +598,7 @@ class RemotePlane:
             "stream_reply": self._stream_event,
             "stream_taken": self._stream_event,
             "stream_done": self._stream_event,
+            "freed": self._freed,
         }
         self._streams: dict[int, asyncio.Queue[tuple]] = {}
         self.on_stop: Callable[[float], None] = lambda grace: None
@@ -623,32 +643,56 @@ class RemotePlane:
         try:
             self.link.send_frame(worker_wire.encode_requests(items, self._arena))
         except Exception:  # one request that cannot be sent must not take the others with it
+            for _, _, refs in items:  # the frame was not sent: what it put in the arena is ours again
+                self._free_refs(refs)
             for item in items:
                 try:
                     self.link.send_frame(worker_wire.encode_requests([item], self._arena))
                 except Exception:
                     log.exception("cannot send an inference request to the engine")
-                    self._done(item[0], Internal("internal server error: the request cannot be sent"), None)
+                    self._done(item[0], Internal("internal server error: the request cannot be sent"), None, sent=False)
+
+    def _free_refs(self, refs: list[int]) -> None:
+        for offset in refs:
+            self._arena.release(offset)
+        refs.clear()
 
     def _cancel(self, rid: int) -> None:
         if rid in self._pending and self.link is not None:
             self._send_requests()  # the engine hears of the request before its cancel
             self.link.send(("cancel", rid))
 
-    def _done(self, rid: int, outcome: InferResponse | SluiceError, taken: list[int] | None) -> None:
+    def _done(
+        self, rid: int, outcome: InferResponse | SluiceError, taken: list[int] | None, sent: bool = True
+    ) -> None:
+        """An outcome: the engine's, or (``sent`` False) this worker's for a request it could not send,
+        whose arena ranges are its own to free; the engine says when it has let go of the others."""
         entry = self._pending.pop(rid, None)
         if entry is None:
             if taken:
                 self._send(("release", taken))
             return
         done, refs, token = entry
-        for offset in refs:
-            self._arena.release(offset)
+        if not sent:
+            self._free_refs(refs)
         if token is not None:
             token.clear()
         if taken:
             self._send(("release", taken))
         done(outcome)
+
+    @property
+    def arena_used_bytes(self) -> int:
+        """Bytes of this worker's requests' arena in use: sent inputs the engine has not let go of."""
+        return self._arena.used_bytes
+
+    def _freed(self, offsets: list[int]) -> None:
+        """The engine let go of these ranges of the requests' arena: they may be reused."""
+        for offset in offsets:
+            try:
+                self._arena.release(offset)
+            except KeyError:  # not one of ours: the engine's bookkeeping is wrong, the range stays held
+                log.error("the engine freed an arena range at %r that is not in use; ignored", offset)
 
     async def infer(self, request: InferRequest) -> InferResponse:
         return await awaited(self.infer_nowait, request)

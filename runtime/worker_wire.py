@@ -13,9 +13,12 @@ parameters and where its data is: so many bytes in the frame (numbers as they li
 in Triton's length-prefixed form), a range of the sender's shared-memory arena (:class:`Arena`,
 from ``ARENA_MIN_BYTES`` on), or, for an output no raw form fits (an object array of ``str``,
 say), the array pickled in the metadata.
-The receiver's tensors are numpy views of the received bytes (no copy; arena data is copied out, as
-the sender reuses the range). Pickling numpy arrays (the previous form) cost ~5 us a tensor; a tuple
-of plain values ~0.5 us (docs/frontend-workers.md).
+The receiver's tensors are numpy views of the received bytes (no copy). Arena data is copied out by
+the worker (the engine's outputs: it tells the engine ``release`` at once); the engine lends the
+worker's arena range to the request instead (:class:`Lease`): the range is the request's until the
+last array over it is gone, whoever keeps it (a batch, a model, the response cache), and only then
+does the engine tell the worker it is ``freed``. Pickling numpy arrays (the previous form) cost ~5 us
+a tensor; a tuple of plain values ~0.5 us (docs/frontend-workers.md).
 
 The engine reads frames from its workers with an unpickler that refuses every class (workers send
 plain values only), so a corrupt frame is a :class:`WireError`, never code run or a crash: the engine
@@ -32,6 +35,7 @@ import io
 import math
 import pickle
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -215,6 +219,26 @@ def _dtype(text: str) -> np.dtype:
     return dtype
 
 
+class Lease:
+    """A range of the peer's arena lent to the arrays made over it (``np.asarray(lease)``): numpy
+    keeps the lease as the base of every array, slice and view made from it, so the lease lives
+    exactly as long as the last of them. When it goes, ``freed`` gets the range's offset, in
+    whichever thread dropped that array (``freed`` must be safe there: ``list.append`` is)."""
+
+    __slots__ = ("__array_interface__", "_freed", "_memory", "_offset")
+
+    def __init__(
+        self, memory: memoryview, interface: dict[str, Any], offset: int, freed: Callable[[int], object]
+    ) -> None:
+        self._memory = memory  # keeps the mapping alive as long as the arrays over it
+        self.__array_interface__ = interface
+        self._offset = offset
+        self._freed = freed
+
+    def __del__(self) -> None:
+        self._freed(self._offset)
+
+
 class Framer:
     """Splits received bytes into messages: ``feed`` returns every message completed by ``data``.
 
@@ -222,14 +246,24 @@ class Framer:
     of a ``done`` frame as ``("done", rid, InferResponse | SluiceError, taken)`` (``taken``: the
     offsets of ``peer`` arena data copied out, for the sender to release), everything else as the
     tuple sent. ``peer``: the sender's arena; ``trusted``: allow pickled classes (the worker reading the engine). Raises
-    :class:`WireError` for a frame that is not one."""
+    :class:`WireError` for a frame that is not one.
 
-    __slots__ = ("_peer", "_pending", "_trusted")
+    ``freed`` (the engine's side): a request's inputs in ``peer`` are not copied but lent
+    (:class:`Lease`, read-only views of the arena), and ``freed`` gets each range's offset once
+    nothing refers to it any more; the sender must not reuse the range before it hears so."""
 
-    def __init__(self, peer: memoryview | None = None, trusted: bool = False) -> None:
+    __slots__ = ("_address", "_freed", "_peer", "_pending", "_trusted")
+
+    def __init__(
+        self, peer: memoryview | None = None, trusted: bool = False, freed: Callable[[int], object] | None = None
+    ) -> None:
         self._pending = bytearray()  # the start of a frame not yet whole
         self._peer = peer
         self._trusted = trusted
+        self._freed = freed if peer is not None else None
+        # where the arena starts in this process's memory (views are made by address, so their lease
+        # can be their base: numpy would make a buffer's memoryview the base instead)
+        self._address = 0 if self._freed is None else np.frombuffer(peer, np.uint8).ctypes.data  # type: ignore[arg-type]
 
     def feed(self, data: bytes) -> list[tuple]:
         pending = self._pending
@@ -295,7 +329,7 @@ class Framer:
             if not (type(name) is type(version) is type(id_) is type(caller) is str and type(parameters) is dict):
                 raise WireError("a request's model, version, id and caller are strings and its parameters a dict")
             tensors: list[Tensor] = []
-            cursor = self._tensors(inputs, chunk, cursor, limit, None, tensors)
+            cursor = self._tensors(inputs, chunk, cursor, limit, None, tensors, self._freed)
             request = InferRequest(
                 name,
                 version,
@@ -319,9 +353,17 @@ class Framer:
             out.append(("done", rid, InferResponse(name, version, tensors, id_, parameters), taken))
 
     def _tensors(
-        self, entries: list, chunk: bytes, cursor: int, limit: int, taken: list[int] | None, tensors: list[Tensor]
+        self,
+        entries: list,
+        chunk: bytes,
+        cursor: int,
+        limit: int,
+        taken: list[int] | None,
+        tensors: list[Tensor],
+        freed: Callable[[int], object] | None = None,
     ) -> int:
-        """Append the tensors ``entries`` describe to ``tensors``; returns where the next one's data is."""
+        """Append the tensors ``entries`` describe to ``tensors``; returns where the next one's data is.
+        Arena data is lent when ``freed`` is given, else copied out (its offset appended to ``taken``)."""
         for name, datatype, dtype, shape, parameters, where in entries:
             kind = type(where)
             if kind is int:
@@ -339,15 +381,35 @@ class Framer:
             elif kind is tuple:
                 if self._peer is None:
                     raise WireError(f"tensor '{name}' is in an arena this link does not have")
-                array = take(self._peer, (where[0], dtype, shape))
-                if taken is not None:
-                    taken.append(where[0])
+                if freed is not None:
+                    array = self._lend(name, where, dtype, shape, freed)
+                else:
+                    array = take(self._peer, (where[0], dtype, shape))
+                    if taken is not None:
+                        taken.append(where[0])
             elif self._trusted and kind is np.ndarray:
                 array = where
             else:
                 raise WireError(f"tensor '{name}' has no data")
             tensors.append(Tensor(name, datatype, array, parameters))
         return cursor
+
+
+    def _lend(
+        self, name: str, where: tuple, dtype: str, shape: Any, freed: Callable[[int], object]
+    ) -> np.ndarray:
+        """A read-only view of the peer's arena range ``where`` names, lent until it is gone."""
+        peer = self._peer
+        assert peer is not None
+        numpy_dtype = _dtype(dtype)
+        offset = where[0] if len(where) == 1 else None
+        if type(offset) is not int or type(shape) is not tuple or not all(type(n) is int and n >= 0 for n in shape):
+            raise WireError(f"tensor '{name}' names an arena range {where!r} of shape {shape!r}: not one")
+        nbytes = math.prod(shape) * numpy_dtype.itemsize
+        if offset < 0 or offset + nbytes > len(peer):
+            raise WireError(f"tensor '{name}' claims {nbytes} bytes at {offset} of an arena of {len(peer)}")
+        interface = {"data": (self._address + offset, True), "shape": shape, "typestr": dtype, "version": 3}
+        return np.asarray(Lease(peer, interface, offset, freed))
 
 
 def _whole(buffer: bytearray) -> int:
@@ -418,8 +480,9 @@ class Allocator:
 
 class Arena:
     """A sender's shared-memory arena: ``put`` copies an array in and returns its reference (or
-    None: too small, an object array, or no room); the receiver's ``take`` copies it out; the
-    sender ``release``s the range once the receiver said it took it."""
+    None: too small, an object array, or no room); the receiver ``take``s it (a copy) or lends it
+    (``Framer``'s ``freed``: a view); the sender ``release``s the range once the receiver said it
+    took it or freed it."""
 
     def __init__(self, buffer: memoryview, min_bytes: int = ARENA_MIN_BYTES) -> None:
         self._buffer = buffer

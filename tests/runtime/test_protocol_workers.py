@@ -113,6 +113,26 @@ class TritonPythonModel:
         ]
 """
 
+REMEMBER_CONFIG = IDENTITY_CONFIG.replace('name: "identity"', 'name: "remember"')
+REMEMBER_PY = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    \"\"\"Answers each request with the input of the one before it: it keeps its inputs.\"\"\"
+
+    def initialize(self, args):
+        self.previous = None
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            now = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            before, self.previous = (now if self.previous is None else self.previous), now
+            responses.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT0", before)]))
+        return responses
+"""
+
 
 def _repo(root: Path) -> Path:
     repo = root / "repo"
@@ -120,6 +140,7 @@ def _repo(root: Path) -> Path:
     write_model(repo, "mlp", MLP_CONFIG, {"model.onnx": BUILDERS.mlp_model()})
     write_model(repo, "gated", BATCHED_GATED_CONFIG, {"model.py": gated_py(GATE)})
     write_model(repo, "identity", IDENTITY_CONFIG, {"model.py": IDENTITY_PY})
+    write_model(repo, "remember", REMEMBER_CONFIG, {"model.py": REMEMBER_PY})
     return repo
 
 
@@ -159,6 +180,26 @@ def test_inference_is_correct_over_http_and_grpc(servers: tuple[Running, Running
         tensor = module.InferInput("INPUT0", [big.size], "FP32")
         tensor.set_data_from_numpy(big)
         np.testing.assert_array_equal(client.infer("identity", [tensor]).as_numpy("OUTPUT0"), big)
+
+
+def test_an_input_a_model_keeps_is_never_overwritten_by_later_requests(servers: tuple[Running, Running, Any]) -> None:
+    """Large inputs reach the engine as views of the worker's shared-memory arena (no copy): the
+    range stays the request's for as long as anything (here the model) refers to it, while ~40 MB of
+    later requests go through the 32 MiB arena."""
+    workers, _, _ = servers
+    rng = np.random.default_rng(11)
+    previous: np.ndarray | None = None
+    for client, module in (
+        (httpclient.InferenceServerClient(workers.http), httpclient),
+        (grpcclient.InferenceServerClient(workers.grpc), grpcclient),
+    ):
+        for _ in range(16):
+            sent = rng.random(300_000, dtype=np.float32)  # 1.2 MB
+            tensor = module.InferInput("INPUT0", [sent.size], "FP32")
+            tensor.set_data_from_numpy(sent)
+            got = client.infer("remember", [tensor]).as_numpy("OUTPUT0")
+            np.testing.assert_array_equal(got, sent if previous is None else previous)
+            previous = sent
 
 
 def _both(call: Any) -> tuple[Any, Any]:

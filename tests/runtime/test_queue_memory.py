@@ -6,6 +6,7 @@ import gc
 import socket
 import time
 import tracemalloc
+import urllib.request
 
 import numpy as np
 import tritonclient.http as httpclient
@@ -88,3 +89,66 @@ def test_cancelled_requests_behind_a_busy_instance_are_released(tmp_path, serve)
         tracemalloc.stop()
         (version_dir / "release").touch()
         first.close()
+
+
+def test_a_batch_taken_from_the_queue_keeps_none_of_its_inputs_once_answered(tmp_path, serve):
+    """Requests dispatched from the queue stay in their lane until the next dispatch looks at it: an
+    answered one must not keep its input (nor a protocol worker's arena range) until then."""
+    repo = tmp_path / "repo"
+    config = BUSY_CONFIG.replace("max_batch_size: 0", "max_batch_size: 8")
+    version_dir = write_model(repo, "busy", config + "dynamic_batching { }\n", {"model.py": BUSY_PY}) / "1"
+    server = serve(repo)
+    host, port = server.http.split(":")
+    elements = 256 * 1024  # 1 MiB a request
+    header = b'{"inputs":[{"name":"IN","shape":[1,%d],"datatype":"FP32","parameters":{"binary_data_size":%d}}]}' % (
+        elements,
+        elements * 4,
+    )
+    body = header + np.zeros(elements, np.float32).tobytes()
+    request = (
+        b"POST /v2/models/busy/infer HTTP/1.1\r\nHost: t\r\nContent-Type: application/octet-stream\r\n"
+        b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n%s" % (len(header), len(body), body)
+    )
+    tracemalloc.start()
+    sockets = []
+    try:
+        before = live_bytes()
+        first = socket.create_connection((host, int(port)))
+        sockets.append(first)
+        first.sendall(request)  # occupies the only instance
+        deadline = time.monotonic() + 10
+        while not (version_dir / "entered").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for _ in range(8):  # queued behind it: one batch of 8 when it is released
+            sock = socket.create_connection((host, int(port)))
+            sockets.append(sock)
+            sock.sendall(request)
+        client = httpclient.InferenceServerClient(server.http)
+        deadline = time.monotonic() + 10  # all 8 queued before the instance is let go
+        while _queue_depth(server.metrics, "busy") < 8:
+            assert time.monotonic() < deadline, "the 8 requests did not reach the queue"
+            time.sleep(0.01)
+        (version_dir / "release").touch()
+        for sock in sockets:
+            sock.settimeout(10)
+            assert sock.recv(12) == b"HTTP/1.1 200"
+            sock.close()
+        stats = client.get_inference_statistics("busy")["model_stats"][0]
+        assert [(b["batch_size"], b["compute_infer"]["count"]) for b in stats["batch_stats"]] == [(1, 1), (8, 1)]
+        client.close()
+        grown = live_bytes() - before
+        assert grown < 3 * 1024 * 1024, f"{grown >> 20} MiB still held for 9 answered requests"
+    finally:
+        tracemalloc.stop()
+        for sock in sockets:
+            sock.close()
+
+
+def _queue_depth(metrics: str, model: str) -> float:
+    """Requests waiting in ``model``'s queue now: the server's own gauge."""
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith("sluice_queue_depth{") and f'model="{model}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

@@ -8,6 +8,7 @@ import mmap
 import pickle
 import socket
 import struct
+import threading
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from sluice.runtime import errors, worker_wire
-from sluice.runtime.frontend_workers import Link
+from sluice.runtime.frontend_workers import EngineSide, Link, RemotePlane
 from sluice.runtime.types import DATATYPES, InferRequest, InferResponse, RequestedOutput, Tensor, numpy_dtype
 
 WireError = worker_wire.WireError
@@ -109,8 +110,10 @@ def arena(size: int = 1 << 20) -> tuple[worker_wire.Arena, memoryview]:
 def test_requests_round_trip_whatever_the_reads(sent: list[InferRequest], cuts: list[int], shm: bool) -> None:
     sender, memory = arena() if shm else (None, None)
     refs: list[int] = []
+    freed: list[int] = []
     stream = b"".join(joined(worker_wire.encode_request(rid, r, sender, refs)) for rid, r in enumerate(sent))
-    got = feed_in_cuts(worker_wire.Framer(memory), stream, cuts)  # the engine's framer: plain values only
+    # the engine's framer: plain values only, arena inputs lent
+    got = feed_in_cuts(worker_wire.Framer(memory, freed=freed.append), stream, cuts)
     assert [(m[0], m[1]) for m in got] == [("infer", rid) for rid in range(len(sent))]
     for (_, _, back), request in zip(got, sent, strict=True):
         assert (back.model_name, back.model_version, back.id, back.parameters, back.caller) == (
@@ -126,9 +129,79 @@ def test_requests_round_trip_whatever_the_reads(sent: list[InferRequest], cuts: 
         else:
             assert back.outputs == request.outputs
     if sender is not None:
-        for offset in refs:
+        assert freed == []  # lent while the requests live
+        del got, back, request
+        assert sorted(freed) == sorted(refs)  # each range freed once, when its last array went
+        for offset in freed:
             sender.release(offset)
         assert sender.used_bytes == 0
+
+
+def _lent(shape: tuple[int, ...] = (50, 100)) -> tuple[InferRequest, np.ndarray, list[int], list[int], memoryview]:
+    """A request whose input crossed through the arena, as the engine reads it: (request, the input
+    sent, the arena offsets used, the list ``freed`` appends to, the arena)."""
+    sender, memory = arena()
+    sent = np.random.default_rng(3).random(shape, dtype=np.float32)
+    refs: list[int] = []
+    frame = joined(worker_wire.encode_request(1, InferRequest("m", "", [Tensor("x", "FP32", sent)]), sender, refs))
+    freed: list[int] = []
+    [(_, _, request)] = worker_wire.Framer(memory, freed=freed.append).feed(frame)
+    return request, sent, refs, freed, memory
+
+
+def test_the_engine_lends_arena_inputs_until_their_last_view_is_gone() -> None:
+    request, sent, refs, freed, memory = _lent()
+    data = request.inputs[0].data
+    assert len(refs) == 1 and data.tobytes() == sent.tobytes()
+    assert np.shares_memory(data, np.frombuffer(memory, np.uint8))  # a view of the arena: no copy
+    assert not data.flags.writeable and data.flags.c_contiguous and data.flags.aligned
+    with pytest.raises(ValueError, match="read-only"):
+        data[0, 0] = 1.0
+    # whatever a batch or a model makes of it keeps the range: slices, reshapes, dtype views, buffers
+    row, every_7th, as_bytes = data[3], data.reshape(-1)[::7], data.view(np.uint8)
+    exported = memoryview(data)
+    del request, data
+    assert freed == []
+    del row, every_7th
+    assert freed == []
+    np.testing.assert_array_equal(np.frombuffer(exported, np.float32), sent.reshape(-1))
+    del exported
+    assert freed == []
+    del as_bytes
+    assert freed == refs  # once, when the last went
+
+
+def test_a_lent_range_dropped_in_another_thread_is_freed_there() -> None:
+    request, _, refs, freed, _ = _lent()
+    holder = [request]
+    del request
+    thread = threading.Thread(target=holder.clear)  # as a model's thread drops the batch it ran
+    thread.start()
+    thread.join()
+    assert freed == refs
+
+
+@pytest.mark.parametrize(
+    ("where", "dtype", "shape", "problem"),
+    [
+        ((1 << 40,), "<f4", (1,), "claims 4 bytes at 1099511627776 of an arena of 1048576"),
+        ((-8,), "<f4", (1,), "claims 4 bytes at -8"),
+        (((1 << 20) - 4,), "<f4", (2,), "claims 8 bytes at 1048572 of an arena of 1048576"),
+        ((0,), "<f4", (2, -1), "names an arena range \\(0,\\) of shape \\(2, -1\\): not one"),
+        ((0,), "<f4", [2], "of shape \\[2\\]: not one"),
+        ((0, 4), "<f4", (1,), "names an arena range \\(0, 4\\)"),
+        (("0",), "<f4", (1,), "names an arena range"),
+        ((0,), "|O", (1,), "no raw form"),
+        ((0,), "<f8", (1 << 62,), "claims 36893488147419103232 bytes at 0"),
+    ],
+)
+def test_a_bad_arena_range_from_a_worker_is_refused(where: tuple, dtype: str, shape: Any, problem: str) -> None:
+    _, memory = arena()
+    freed: list[int] = []
+    stream = frame_with(("infer", [(1, "m", "", [("x", "FP32", dtype, shape, {}, where)], None, "", {}, "")]))
+    with pytest.raises(WireError, match=problem):
+        worker_wire.Framer(memory, freed=freed.append).feed(stream)
+    assert freed == []
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -288,3 +361,57 @@ async def test_a_corrupt_frame_closes_the_link_and_reports_it_lost() -> None:
     assert await asyncio.wait_for(loop.sock_recv(theirs, 10), 5.0) == b""  # the worker sees the link close
     theirs.close()
     transport.close()
+
+
+# -- the arena between a worker and the engine ---------------------------------------------------------
+
+
+class _KeepingPlane:
+    """The data plane as EngineSide calls it: answers each request with a copy of its input and keeps
+    the input, as a model that holds on to what it was given would (until the test lets it go)."""
+
+    def __init__(self) -> None:
+        self.kept: list[np.ndarray] = []
+
+    def infer_nowait(self, request: InferRequest, done: Any) -> None:
+        data = request.inputs[0].data
+        self.kept.append(data)
+        done(InferResponse(request.model_name, "1", [Tensor("y", "FP32", data.copy())]))
+
+
+async def test_a_worker_reuses_an_input_range_only_after_the_engine_let_go_of_it() -> None:
+    loop = asyncio.get_running_loop()
+    requests_arena, responses_arena = (memoryview(mmap.mmap(-1, 1 << 20)) for _ in range(2))
+    plane = _KeepingPlane()
+    engine = EngineSide(plane, None, None, requests_arena, responses_arena)  # type: ignore[arg-type]
+    worker = RemotePlane(requests_arena, responses_arena)
+    ours, theirs = socket.socketpair()
+    engine_end, engine.link = await loop.create_unix_connection(
+        lambda: Link(engine.on_message, lambda: None, worker_wire.Framer(engine.peer, freed=engine.freed.append)),
+        sock=ours,
+    )
+    worker_end, worker.link = await loop.create_unix_connection(
+        lambda: Link(worker.on_message, lambda: None, worker_wire.Framer(worker.peer, trusted=True)), sock=theirs
+    )
+    rng = np.random.default_rng(5)
+
+    async def infer(data: np.ndarray) -> np.ndarray:
+        response = await worker.infer(InferRequest("m", "", [Tensor("x", "FP32", data)]))
+        return response.outputs[0].data
+
+    first = rng.random(40_000, dtype=np.float32)  # 160 KB: through the arena (from 64 KiB on)
+    np.testing.assert_array_equal(await infer(first), first)
+    assert worker.arena_used_bytes >= first.nbytes  # answered, but the model still holds it
+    for _ in range(20):  # 3.2 MB through a 1 MiB arena: ranges come back and are reused
+        sent = rng.random(40_000, dtype=np.float32)
+        np.testing.assert_array_equal(await infer(sent), sent)
+        plane.kept.pop()  # the model lets this one go
+    np.testing.assert_array_equal(plane.kept[0], first)  # never overwritten meanwhile
+    small = np.ones(4, np.float32)  # in the frame: the next message carries what was let go of
+    np.testing.assert_array_equal(await infer(small), small)
+    assert worker.arena_used_bytes == first.nbytes  # only what the model still holds (a multiple of 64)
+    plane.kept.clear()
+    np.testing.assert_array_equal(await infer(small), small)
+    assert worker.arena_used_bytes == 0
+    engine_end.close()
+    worker_end.close()
