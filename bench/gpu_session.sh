@@ -4,7 +4,7 @@
 # packages on PYTHONPATH through a link tree outside the repository (never the repository root, where
 # ./operator would shadow the standard library) and installs wheels brought along in .whl/.
 #
-#   bash bench/gpu_session.sh STEP...      STEP: quick | followup | figures | tests | resnet | resnet-small | resnet-workers | memory | workers | shm | all
+#   bash bench/gpu_session.sh STEP...      STEP: close | quick | followup | figures | tests | resnet | resnet-small | resnet-workers | memory | workers | shm | all
 #
 # A lease of 15 minutes of device time (machine start included) holds one `quick` call, not the
 # full steps (each up to 10 minutes): `quick` runs the essentials, each capped by `timeout`
@@ -12,6 +12,14 @@
 # how long each took, to size the next call.
 #
 # Each step writes its output to $OUT/<step>.txt as well (OUT defaults to ./gpu-out, ignored by git).
+#   close         everything issue 14's "Done means" still needs, in one device call: the GPU tests
+#                 (cap 170 s), ResNet c1..c256 over both protocols with the server's breakdown and py-spy
+#                 at gRPC c128 (cap 150 s), ResNet with 8 protocol workers at c32..c256 (cap 80 s), the
+#                 encoder with 0, 1, 2, 4, 8, 16 protocol workers (cap 130 s): at most ~9 minutes,
+#                 timeout_s 560; each part capped and in its own file ($OUT/quick-*.txt, times in
+#                 $OUT/quick-times.txt). Then, if the lease has time left: `figures-rest`.
+#   figures-rest  what `close` leaves: memory per served instance, ResNet with 4 instances, CUDA shm,
+#                 the staging merge: at most ~4 minutes, timeout_s 260
 #   quick         tests (cap 200 s), a short ResNet run at c1/c32/c128 over both protocols with the
 #                 server's time breakdown and py-spy on it at gRPC c128 (100 s), memory with and without graphs (30 s), encoder with
 #                 0/4/16 protocol workers (70 s), the staging merge on the CPU (30 s): at most ~7.5
@@ -89,6 +97,25 @@ run_step() {
         --concurrency 256 --connections 64 --client-processes 8 --seconds 4 --warmup 1 || failed=1
       capped 30 merge "$PY" -P bench/staging_merge.py --parts 8,32,128 --torch-threads 1 || failed=1
       return $failed ;;
+    close)
+      local failed=0
+      capped 170 tests bash "$0" tests || failed=1
+      capped 150 resnet "$PY" -P bench/gpu_resnet.py --concurrency 1,8,32,64,128,256 --duration-s 4 --raw-s 1 \
+        --client-processes 8 --profile-s 4 --profile-dir "$OUT" || failed=1
+      capped 80 resnet-workers "$PY" -P bench/gpu_resnet.py --mode served --protocols grpc \
+        --concurrency 32,64,128,256 --duration-s 4 --raw-s 1 --client-processes 8 \
+        --serve-arg=--protocol-workers=8 || failed=1
+      capped 130 workers "$PY" -P bench/frontend_workers.py --model encoder --device cuda:0 --workers 0,1,2,4,8,16 \
+        --concurrency 256 --connections 64 --client-processes 8 --seconds 4 --warmup 1 || failed=1
+      return $failed ;;
+    figures-rest)
+      local failed=0
+      capped 75 memory "$PY" -P bench/gpu_memory.py --served || failed=1
+      capped 60 resnet-workers-4 "$PY" -P bench/gpu_resnet.py --mode served --protocols grpc --concurrency 64,256 \
+        --duration-s 4 --raw-s 0.5 --client-processes 8 --instances 4 --serve-arg=--protocol-workers=8 || failed=1
+      capped 40 shm "$PY" -P bench/cuda_shm.py || failed=1
+      capped 30 merge "$PY" -P bench/staging_merge.py --parts 8,32,128 --torch-threads 1 || failed=1
+      return $failed ;;
     followup)
       # after a `quick` in the same session: the GPU tests again (after fixes), and ResNet with the
       # server's time breakdown, one process and 8 protocol workers: at most ~5.5 minutes, timeout_s 370
@@ -145,12 +172,12 @@ run_step() {
     shm)
       "$PY" -P bench/cuda_shm.py ;;
     *)
-      echo "unknown step '$step'; allowed: quick, followup, figures, tests, resnet, resnet-small, resnet-workers, memory, workers, shm, all" >&2
+      echo "unknown step '$step'; allowed: close, figures-rest, quick, followup, figures, tests, resnet, resnet-small, resnet-workers, memory, workers, shm, all" >&2
       return 2 ;;
   esac
 }
 
-[ $# -gt 0 ] || { sed -n 2,20p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,29p "$0"; exit 2; }
 setup || { echo "setup failed" >&2; exit 1; }
 steps=()
 for step in "$@"; do

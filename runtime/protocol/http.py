@@ -603,7 +603,9 @@ def _compressing(
         if response.status != 200:
             respond(response)
             return
-        if len(response.body) < http_codec.COMPRESS_MIN_BYTES:
+        if len(response.body) < http_codec.COMPRESS_MIN_BYTES or not http_codec.worth_compressing(
+            response.body, _header_length(response)
+        ):
             respond(Response(200, response.body, response.content_type, [*(response.extra or ()), _VARY]))
             return
         extra = [*(response.extra or ()), (b"content-encoding", coding), _VARY]
@@ -622,6 +624,14 @@ def _compressing(
         future.add_done_callback(done)
 
     return compressed
+
+
+def _header_length(response: Response) -> int | None:
+    """The JSON header's length of an answer with binary tensor data (None: all JSON)."""
+    for name, value in response.extra or ():
+        if name == b"inference-header-content-length":
+            return int(value)
+    return None
 
 
 def _large_json(request: Request, header_length: int | None, threshold: int) -> bool:

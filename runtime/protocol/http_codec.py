@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import zlib
 from typing import Any
 
@@ -73,6 +74,21 @@ COMPRESS_MIN_BYTES = 1024
 gzip costs the event loop ~13 us for a 144-byte answer (54 us for 2 KB) on the 2-core VM, on every
 request of an aiohttp-based client (``tritonclient.http.aio``), which asks for gzip by default.
 Starlette's GZip middleware draws the line at 500 bytes, Akamai at 860."""
+
+
+_DATATYPE = re.compile(rb'"datatype"\s*:\s*"([A-Z0-9]+)"')
+_FLOATS = frozenset((b"FP16", b"BF16", b"FP32", b"FP64"))
+
+
+def worth_compressing(body: bytes, header_length: int | None) -> bool:
+    """Whether an inference answer is worth gzip or deflate. Not when it is mostly binary tensor data
+    and every output is floating point: random-looking mantissas come out 4-6 % smaller, for 46-78 us
+    of the event loop per 2-4 KB answer (ResNet's 1000 FP16 logits, 1024 FP32 embeddings; ``timeit``
+    on the 2-core VM). ``Accept-Encoding`` lets a server send any answer as it is. JSON answers,
+    and binary ones with an integer, boolean or BYTES output, still go compressed."""
+    if header_length is None or (len(body) - header_length) * 2 < len(body):
+        return True
+    return not all(datatype in _FLOATS for datatype in _DATATYPE.findall(body, 0, header_length))
 
 
 def compress(body: bytes, coding: bytes) -> bytes:
