@@ -209,7 +209,8 @@ def _parser() -> argparse.ArgumentParser:
         default=defaults.protocol_workers,
         metavar="N",
         help="protocol worker processes that accept connections and decode requests, sending them to this "
-        "process's batchers (0 to 64; 0: one process does everything, for small pods; see docs/frontend-workers.md)",
+        "process's batchers (0 to 64; 0: one process does everything, for small pods; auto: the usable CPUs "
+        "(affinity, cgroup quota) less 2, at most 8, and 0 under 4 CPUs; see docs/frontend-workers.md)",
     )
     serve.add_argument(
         "--malloc-tuning",
@@ -328,17 +329,32 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _protocol_workers(value: str) -> int:
+def _protocol_workers(value: str) -> int | str:
     from sluice.runtime.frontend_workers import protocol_workers_problem
 
+    if value == "auto":
+        return value
     try:
         count: object = int(value)
     except ValueError:
         count = value
     problem = protocol_workers_problem(count)
     if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
+        raise argparse.ArgumentTypeError(f"{problem}, or auto")
     return int(value)
+
+
+def _resolve_protocol_workers(value: int | str, grpc_server: str, grpc_port: int) -> tuple[int, str | None]:
+    """``--protocol-workers``: the count, and how ``auto`` chose it (None when given)."""
+    if value != "auto":
+        return int(value), None
+    from sluice.runtime.frontend_workers import auto_protocol_workers, usable_cpus
+
+    if grpc_server != "h2" and grpc_port >= 0:
+        return 0, "auto: 0 (the grpcio gRPC server runs in one process)"
+    cpus, found = usable_cpus()
+    count = auto_protocol_workers(cpus)
+    return count, f"auto: {count} for {found}"
 
 
 def _positive_ints(value: str) -> tuple[int, ...]:
@@ -523,6 +539,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     from sluice.runtime import mirror
 
     repository_url = args.model_repository if mirror.is_remote(args.model_repository) else None
+    workers, workers_auto = _resolve_protocol_workers(args.protocol_workers, args.grpc_server, args.grpc_port)
     return ServerSettings(
         model_repository=(
             mirror.cache_root(args.model_repository_cache_dir, repository_url)
@@ -555,7 +572,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         duplicate_window_s=args.duplicate_window_s,
         tracing=parse_trace_config(args.trace_config),
         log=log_settings_from_args(args),
-        protocol_workers=args.protocol_workers,
+        protocol_workers=workers,
+        protocol_workers_auto=workers_auto,
         malloc_tuning=MallocTuning() if args.malloc_tuning == "on" else None,
         gpu_metrics=GpuMetricsSettings(
             enabled=args.allow_gpu_metrics,

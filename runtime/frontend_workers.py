@@ -34,6 +34,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import math
 import mmap
 import os
 import signal
@@ -83,6 +84,63 @@ def protocol_workers_problem(value: object) -> str | None:
     if not 0 <= value <= MAX_PROTOCOL_WORKERS:
         return f"must be from 0 (no workers: one process decodes every request) to {MAX_PROTOCOL_WORKERS}, got {value}"
     return None
+
+
+AUTO_MAX_WORKERS = 8
+"""``--protocol-workers auto`` starts at most this many: on the H100 machine (16 cores) 8 workers fed
+ResNet-50 with the instances busy ~87 % of the time, and the encoder gained nothing from 4 to 16
+(docs/performance.md)."""
+
+
+def auto_protocol_workers(cpus: float) -> int:
+    """``--protocol-workers auto``: a core for the engine (batchers, the link) and one for the models'
+    threads, the rest for workers, up to AUTO_MAX_WORKERS; 0 (one process) below 4 usable CPUs,
+    where a worker would take a core from the engine or the models."""
+    count = math.floor(cpus + 1e-9) - 2
+    return 0 if count < 2 else min(count, AUTO_MAX_WORKERS)
+
+
+def cgroup_cpu_limit(cpu_max: str | None, quota_us: str | None = None, period_us: str | None = None) -> float | None:
+    """The CPUs a cgroup's quota allows (a Kubernetes CPU limit), from cgroup v2's ``cpu.max``
+    ("200000 100000": 2 CPUs; "max 100000": none) or v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``
+    (-1: none); None when there is no limit or the text is not one."""
+    try:
+        if cpu_max is not None:
+            quota, _, period = cpu_max.strip().partition(" ")
+            if quota == "max":
+                return None
+            value, per = int(quota), int(period or 100000)
+        elif quota_us is not None and period_us is not None:
+            value, per = int(quota_us), int(period_us)
+        else:
+            return None
+    except ValueError:
+        return None
+    return value / per if value > 0 and per > 0 else None
+
+
+def usable_cpus() -> tuple[float, str]:
+    """The CPUs this process may use (its affinity, and its cgroup's quota when lower), and how that
+    was found, for the log."""
+    affinity = len(os.sched_getaffinity(0))
+
+    def read(path: str) -> str | None:
+        try:
+            with open(path) as file:
+                return file.read()
+        except OSError:
+            return None
+
+    limit = cgroup_cpu_limit(read("/sys/fs/cgroup/cpu.max"))
+    if limit is None:
+        limit = cgroup_cpu_limit(
+            None, read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), read("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+        )
+    if limit is not None and limit < affinity:
+        return limit, f"the cgroup's CPU quota ({limit:g}; {affinity} CPUs in the affinity mask)"
+    return float(affinity), f"{affinity} CPUs in the affinity mask" + (
+        "" if limit is None else f" (cgroup quota {limit:g})"
+    )
 
 
 def restart_delay(lifetime_s: float) -> float:

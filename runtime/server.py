@@ -179,6 +179,8 @@ class Server:
         problem = frontend_workers.protocol_workers_problem(settings.protocol_workers)
         if problem is not None:
             raise StartupError(f"--protocol-workers {problem}")
+        if settings.protocol_workers_auto is not None:
+            log.info("--protocol-workers %s", settings.protocol_workers_auto)
         if settings.protocol_workers and settings.grpc_server != "h2" and settings.grpc_port >= 0:
             raise StartupError("--protocol-workers needs --grpc-server h2 (the grpcio server runs in one process)")
         try:

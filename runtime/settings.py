@@ -252,6 +252,8 @@ class ServerSettings:
     data plane and N workers accept the HTTP and gRPC connections, decode requests and send them
     here (frontend_workers.py), so decoding uses N cores and batches still form across every
     connection. 0: this one process does everything (small pods)."""
+    protocol_workers_auto: str | None = None
+    """How ``--protocol-workers auto`` chose ``protocol_workers`` (for the start log); None when set."""
     gpu_metrics: GpuMetricsSettings = dataclasses.field(default_factory=GpuMetricsSettings)
     """GPU and MIG telemetry from NVML (``--allow-gpu-metrics``, ``--metrics-interval-ms``)."""
     malloc_tuning: MallocTuning | None = dataclasses.field(default_factory=MallocTuning)

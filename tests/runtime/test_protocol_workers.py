@@ -30,7 +30,13 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from sluice.runtime import worker_wire
-from sluice.runtime.frontend_workers import protocol_workers_problem, restart_delay
+from sluice.runtime.frontend_workers import (
+    auto_protocol_workers,
+    cgroup_cpu_limit,
+    protocol_workers_problem,
+    restart_delay,
+    usable_cpus,
+)
 
 from .conftest import (  # type: ignore[import-not-found]
     ADD_SUB_CONFIG,
@@ -568,6 +574,59 @@ def test_bad_protocol_workers_value_is_refused(tmp_path: Path) -> None:
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2
-    assert "--protocol-workers: must be from 0 (no workers: one process decodes every request) to 64, got 65" in (
-        result.stderr
+    assert (
+        "--protocol-workers: must be from 0 (no workers: one process decodes every request) to 64, got 65, or auto"
+        in result.stderr
     )
+
+
+@pytest.mark.parametrize(
+    ("cpus", "workers"),
+    [(1, 0), (2, 0), (3, 0), (3.99, 0), (4, 2), (4.5, 2), (6, 4), (10, 8), (16, 8), (128, 8)],
+)
+def test_auto_leaves_a_core_to_the_engine_and_one_to_the_models(cpus: float, workers: int) -> None:
+    assert auto_protocol_workers(cpus) == workers
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "v1", "limit"),
+    [
+        ("max 100000\n", None, None),  # cgroup v2, no limit
+        ("200000 100000\n", None, 2.0),  # resources.limits.cpu: 2
+        ("150000 100000", None, 1.5),
+        ("50000", None, 0.5),  # the period defaults to 100 ms
+        ("0 100000", None, None),
+        ("two 100000", None, None),
+        (None, ("-1\n", "100000\n"), None),  # cgroup v1, no limit
+        (None, ("400000\n", "100000\n"), 4.0),
+        (None, ("x", "100000"), None),
+        (None, None, None),  # neither file
+    ],
+)
+def test_the_cgroup_cpu_limit_is_read_as_kubernetes_writes_it(cpu_max, v1, limit) -> None:
+    assert cgroup_cpu_limit(cpu_max, *(v1 or (None, None))) == limit
+
+
+def test_auto_chooses_from_the_usable_cpus_and_says_how(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    cpus, found = usable_cpus()
+    expected = auto_protocol_workers(cpus)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.runtime", "serve", "--model-repository", str(repo), "--http-port", "0",
+         "--grpc-port", "0", "--metrics-port", "-1", "--protocol-workers", "auto", "--drain-period-s", "0"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "sluice ready" in line or "sluice serving" in line:
+                break
+        said = "".join(lines)
+        assert f"--protocol-workers auto: {expected} for {found}" in said, said
+        assert ("protocol worker(s) serving" in said) == (expected > 0)
+    finally:
+        proc.terminate()
+        proc.wait(30)
