@@ -344,14 +344,20 @@ def _protocol_workers(value: str) -> int | str:
     return int(value)
 
 
-def _resolve_protocol_workers(value: int | str, grpc_server: str, grpc_port: int) -> tuple[int, str | None]:
-    """``--protocol-workers``: the count, and how ``auto`` chose it (None when given)."""
+def _resolve_protocol_workers(
+    value: int | str, grpc_server: str, grpc_port: int, tracing: bool
+) -> tuple[int, str | None]:
+    """``--protocol-workers``: the count, and how ``auto`` chose it (None when given). ``auto`` never
+    takes away what was asked for: with the grpcio server, or tracing on at start (spans are recorded
+    by the engine's front ends only), it is 0."""
     if value != "auto":
         return int(value), None
     from sluice.runtime.frontend_workers import auto_protocol_workers, usable_cpus
 
     if grpc_server != "h2" and grpc_port >= 0:
         return 0, "auto: 0 (the grpcio gRPC server runs in one process)"
+    if tracing:
+        return 0, "auto: 0 (tracing is on: requests decoded by protocol workers are not traced)"
     cpus, found = usable_cpus()
     count = auto_protocol_workers(cpus)
     return count, f"auto: {count} for {found}"
@@ -539,7 +545,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     from sluice.runtime import mirror
 
     repository_url = args.model_repository if mirror.is_remote(args.model_repository) else None
-    workers, workers_auto = _resolve_protocol_workers(args.protocol_workers, args.grpc_server, args.grpc_port)
+    tracing = parse_trace_config(args.trace_config)
+    workers, workers_auto = _resolve_protocol_workers(
+        args.protocol_workers, args.grpc_server, args.grpc_port, tracing.levels.level != ("OFF",)
+    )
     return ServerSettings(
         model_repository=(
             mirror.cache_root(args.model_repository_cache_dir, repository_url)
@@ -570,7 +579,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         split_file=args.split_file,
         caller_label_limit=args.caller_label_limit,
         duplicate_window_s=args.duplicate_window_s,
-        tracing=parse_trace_config(args.trace_config),
+        tracing=tracing,
         log=log_settings_from_args(args),
         protocol_workers=workers,
         protocol_workers_auto=workers_auto,

@@ -607,14 +607,23 @@ def test_the_cgroup_cpu_limit_is_read_as_kubernetes_writes_it(cpu_max, v1, limit
     assert cgroup_cpu_limit(cpu_max, *(v1 or (None, None))) == limit
 
 
-def test_auto_chooses_from_the_usable_cpus_and_says_how(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ([], None),
+        (["--trace-config", "level=TIMESTAMPS"], "auto: 0 (tracing is on: requests decoded by protocol workers"),
+        (["--grpc-server", "grpcio"], "auto: 0 (the grpcio gRPC server runs in one process)"),
+    ],
+    ids=["cpus", "tracing", "grpcio"],
+)
+def test_auto_chooses_from_the_usable_cpus_and_says_how(tmp_path: Path, extra: list[str], why: str | None) -> None:
     repo = tmp_path / "repo"
     write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
     cpus, found = usable_cpus()
-    expected = auto_protocol_workers(cpus)
+    expected = auto_protocol_workers(cpus) if why is None else 0
     proc = subprocess.Popen(
         [sys.executable, "-m", "sluice.runtime", "serve", "--model-repository", str(repo), "--http-port", "0",
-         "--grpc-port", "0", "--metrics-port", "-1", "--protocol-workers", "auto", "--drain-period-s", "0"],
+         "--grpc-port", "0", "--metrics-port", "-1", "--protocol-workers", "auto", "--drain-period-s", "0", *extra],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
@@ -625,7 +634,9 @@ def test_auto_chooses_from_the_usable_cpus_and_says_how(tmp_path: Path) -> None:
             if "sluice ready" in line or "sluice serving" in line:
                 break
         said = "".join(lines)
-        assert f"--protocol-workers auto: {expected} for {found}" in said, said
+        assert (f"--protocol-workers auto: {expected} for {found}" if why is None else f"--protocol-workers {why}") in (
+            said
+        ), said
         assert ("protocol worker(s) serving" in said) == (expected > 0)
     finally:
         proc.terminate()
