@@ -283,7 +283,7 @@ class _Worker:
             phases_ns = self.instance.last_phases_ns
             try:
                 self._loop.call_soon_threadsafe(
-                    self._done, self, batch, queue_ns, results, compute_ns, start, phases_ns
+                    self._done, self, batch, requests, queue_ns, results, compute_ns, start, phases_ns
                 )
             except RuntimeError:  # the loop is closed: nobody is waiting any more
                 return
@@ -740,6 +740,7 @@ class Scheduler:
         self,
         worker: _Worker,
         batch: list[_Entry],
+        requests: list[InferRequest],
         queue_ns: list[int],
         results: list[Result],
         compute_ns: int,
@@ -750,7 +751,8 @@ class Scheduler:
         worker.batch = None
         self._free.append(worker)
         self._running -= len(batch)
-        requests = [entry.request for entry in batch]  # an answered entry lets go of its request
+        # the requests as the worker ran them: an answered entry has let go of its own (a batch that
+        # outlived an unload's grace period was answered then)
         for entry, request, result, waited in zip(batch, requests, results, queue_ns, strict=True):
             trace = request.trace
             if trace is not None:  # sampled (tracing.py): the timestamps taken anyway, before it is answered

@@ -268,6 +268,7 @@ class EngineSide:
         # offsets of the worker's arena no request refers to any more: appended by a Lease when its
         # last array goes (in any thread), sent to the worker (``freed``) from the loop
         self.freed: list[int] = []
+        self.lent = worker_wire.LentRanges()  # what the worker sent that is not freed yet (on the loop)
         self._free_due = False
         self._arena = worker_wire.Arena(responses_arena)  # ours: large outputs, until the worker took them
         self._cancels: dict[int, Callable[[], object]] = {}  # rid -> cancels that request
@@ -344,13 +345,17 @@ class EngineSide:
         if self.link is None or not items:
             return
         self._send_freed()  # what the requests answered last turn let go of (their batch has ended)
+        refs: list[int] = []
         try:
-            self.link.send_frame(worker_wire.encode_outcomes(items, self._arena))
+            self.link.send_frame(worker_wire.encode_outcomes(items, self._arena, refs))
         except Exception:  # one response that cannot be sent must not take its batch's with it
+            self._release(refs)  # put in our arena for the frame that was not sent
             for rid, outcome in items:
+                refs.clear()
                 try:
-                    self.link.send_frame(worker_wire.encode_outcome(rid, outcome, self._arena))
+                    self.link.send_frame(worker_wire.encode_outcome(rid, outcome, self._arena, refs))
                 except Exception:
+                    self._release(refs)
                     log.exception("cannot send the response to a protocol worker's request")
                     failed = Internal("internal server error: the response cannot be sent (see server log)")
                     self.link.send_frame(worker_wire.encode_outcome(rid, failed))
@@ -369,10 +374,13 @@ class EngineSide:
         self._free_due = False
         freed = self.freed
         count = len(freed)  # Leases may append meanwhile (other threads): those stay for the next time
-        if count and self.link is not None:
+        if count:
             offsets = freed[:count]
             del freed[:count]
-            self.link.send(("freed", offsets))
+            for offset in offsets:
+                self.lent.remove(offset)
+            if self.link is not None:
+                self.link.send(("freed", offsets))
 
     # -- forwarded HTTP requests ----------------------------------------------------------------------
     def _http(self, rid: int, method: bytes, url: bytes, headers: dict[bytes, bytes], body: bytes) -> None:
@@ -563,7 +571,7 @@ class WorkerPool:
         )
         worker = _Worker(index, side, process, time.monotonic(), (requests_fd, responses_fd))
         self._workers[index] = worker
-        framer = worker_wire.Framer(side.peer, freed=side.freed.append)  # inputs lent, not copied
+        framer = worker_wire.Framer(side.peer, freed=side.freed.append, lent=side.lent)  # inputs lent, not copied
         _, link = await loop.create_unix_connection(
             lambda: Link(side.on_message, lambda: self._lost(worker), framer), sock=ours
         )

@@ -23,7 +23,8 @@ a tensor; a tuple of plain values ~0.5 us (docs/frontend-workers.md).
 The engine reads frames from its workers with an unpickler that refuses every class (workers send
 plain values only), so a corrupt frame is a :class:`WireError`, never code run or a crash: the engine
 closes that worker's link and restarts the worker. Workers trust the engine (it sends their
-settings).
+settings). The engine trusts a worker not to write into an arena range it sent until it is freed
+(the ranges it names are checked: bounds, alignment, no overlap with a range lent now).
 
 Pure: no sockets here; ``Framer`` splits a byte stream into messages and the ``encode_*`` functions
 make the frames (lists of bytes-like pieces, written with one ``writelines``/``join``).
@@ -31,6 +32,7 @@ make the frames (lists of bytes-like pieces, written with one ``writelines``/``j
 
 from __future__ import annotations
 
+import bisect
 import io
 import math
 import pickle
@@ -238,6 +240,52 @@ class Lease:
     def __del__(self) -> None:
         self._freed(self._offset)
 
+    def disarm(self) -> None:
+        """Never lent after all (no array was made over it): nothing to free."""
+        self._freed = _not_lent
+
+
+def _not_lent(offset: int) -> None:
+    return None
+
+
+ALIGNMENT = 64
+"""Arena ranges start at multiples of this (``Allocator``); the engine refuses any other offset."""
+
+
+class LentRanges:
+    """The ranges of a peer's arena lent out now (the engine's side, used on its loop): a range a
+    worker names while it, or one it overlaps, is still lent is refused, so a worker's bug cannot
+    make two requests share memory. The engine trusts a worker not to write into a range it sent
+    until it hears the range is ``freed`` (the worker is this build, started by the engine)."""
+
+    __slots__ = ("_ends", "_starts")
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def add(self, offset: int, nbytes: int) -> bool:
+        """Lend ``nbytes`` from ``offset``; False when that overlaps a range lent now."""
+        end = offset + max(nbytes, 1)
+        starts = self._starts
+        i = bisect.bisect_right(starts, offset)
+        if (i and self._ends[i - 1] > offset) or (i < len(starts) and starts[i] < end):
+            return False
+        starts.insert(i, offset)
+        self._ends.insert(i, end)
+        return True
+
+    def remove(self, offset: int) -> None:
+        starts = self._starts
+        i = bisect.bisect_left(starts, offset)
+        if i < len(starts) and starts[i] == offset:
+            del starts[i]
+            del self._ends[i]
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
 
 class Framer:
     """Splits received bytes into messages: ``feed`` returns every message completed by ``data``.
@@ -250,17 +298,24 @@ class Framer:
 
     ``freed`` (the engine's side): a request's inputs in ``peer`` are not copied but lent
     (:class:`Lease`, read-only views of the arena), and ``freed`` gets each range's offset once
-    nothing refers to it any more; the sender must not reuse the range before it hears so."""
+    nothing refers to it any more; the sender must not reuse the range before it hears so.
+    ``lent``: the ranges lent now (their owner removes a range when it tells the sender it is
+    freed); a range overlapping one of them is refused."""
 
-    __slots__ = ("_address", "_freed", "_peer", "_pending", "_trusted")
+    __slots__ = ("_address", "_freed", "_lent", "_peer", "_pending", "_trusted")
 
     def __init__(
-        self, peer: memoryview | None = None, trusted: bool = False, freed: Callable[[int], object] | None = None
+        self,
+        peer: memoryview | None = None,
+        trusted: bool = False,
+        freed: Callable[[int], object] | None = None,
+        lent: LentRanges | None = None,
     ) -> None:
         self._pending = bytearray()  # the start of a frame not yet whole
         self._peer = peer
         self._trusted = trusted
         self._freed = freed if peer is not None else None
+        self._lent = lent
         # where the arena starts in this process's memory (views are made by address, so their lease
         # can be their base: numpy would make a buffer's memoryview the base instead)
         self._address = 0 if self._freed is None else np.frombuffer(peer, np.uint8).ctypes.data  # type: ignore[arg-type]
@@ -394,7 +449,6 @@ class Framer:
             tensors.append(Tensor(name, datatype, array, parameters))
         return cursor
 
-
     def _lend(
         self, name: str, where: tuple, dtype: str, shape: Any, freed: Callable[[int], object]
     ) -> np.ndarray:
@@ -408,8 +462,20 @@ class Framer:
         nbytes = math.prod(shape) * numpy_dtype.itemsize
         if offset < 0 or offset + nbytes > len(peer):
             raise WireError(f"tensor '{name}' claims {nbytes} bytes at {offset} of an arena of {len(peer)}")
+        if offset % ALIGNMENT:
+            raise WireError(f"tensor '{name}' is at arena offset {offset}: not a multiple of {ALIGNMENT}")
+        lent = self._lent
+        if lent is not None and not lent.add(offset, nbytes):
+            raise WireError(f"tensor '{name}' names arena bytes {offset} to {offset + nbytes}, lent to a request now")
         interface = {"data": (self._address + offset, True), "shape": shape, "typestr": dtype, "version": 3}
-        return np.asarray(Lease(peer, interface, offset, freed))
+        lease = Lease(peer, interface, offset, freed)
+        try:
+            return np.asarray(lease)
+        except Exception as exc:  # numpy's own limits (dimensions, sizes): no array, nothing lent
+            lease.disarm()
+            if lent is not None:
+                lent.remove(offset)
+            raise WireError(f"tensor '{name}' of shape {shape!r} cannot be made: {exc}") from None
 
 
 def _whole(buffer: bytearray) -> int:

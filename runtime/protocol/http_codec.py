@@ -88,7 +88,8 @@ def worth_compressing(body: bytes, header_length: int | None) -> bool:
     and binary ones with an integer, boolean or BYTES output, still go compressed."""
     if header_length is None or (len(body) - header_length) * 2 < len(body):
         return True
-    return not all(datatype in _FLOATS for datatype in _DATATYPE.findall(body, 0, header_length))
+    datatypes = _DATATYPE.findall(body, 0, header_length)
+    return not datatypes or not all(datatype in _FLOATS for datatype in datatypes)
 
 
 def compress(body: bytes, coding: bytes) -> bytes:

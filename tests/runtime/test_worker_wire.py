@@ -193,6 +193,9 @@ def test_a_lent_range_dropped_in_another_thread_is_freed_there() -> None:
         (("0",), "<f4", (1,), "names an arena range"),
         ((0,), "|O", (1,), "no raw form"),
         ((0,), "<f8", (1 << 62,), "claims 36893488147419103232 bytes at 0"),
+        ((8,), "<f4", (1,), "is at arena offset 8: not a multiple of 64"),
+        ((0,), "<f4", (0, 1 << 62, 1 << 62), "of shape \\(0, .*\\) cannot be made"),  # no bytes, too big for numpy
+        ((0,), "<f4", (1,) * 65, "cannot be made"),  # more dimensions than numpy has
     ],
 )
 def test_a_bad_arena_range_from_a_worker_is_refused(where: tuple, dtype: str, shape: Any, problem: str) -> None:
@@ -202,6 +205,28 @@ def test_a_bad_arena_range_from_a_worker_is_refused(where: tuple, dtype: str, sh
     with pytest.raises(WireError, match=problem):
         worker_wire.Framer(memory, freed=freed.append).feed(stream)
     assert freed == []
+
+
+def test_a_range_lent_now_cannot_be_named_again_until_it_is_freed() -> None:
+    sender, memory = arena()
+    lent = worker_wire.LentRanges()
+    freed: list[int] = []
+    framer = worker_wire.Framer(memory, freed=freed.append, lent=lent)
+    x = np.ones(1000, np.float32)  # 4000 bytes: ranges 0..4000 and 4032..8032
+    first = joined(worker_wire.encode_request(1, InferRequest("m", "", [Tensor("x", "FP32", x)]), sender, []))
+    [(_, _, held)] = framer.feed(first)
+    for where, shape in (((0,), (1,)), ((3968,), (16,)), ((0,), (2000,))):  # the same range; inside; over it
+        bad = frame_with(("infer", [(2, "m", "", [("x", "FP32", "<f4", shape, {}, where)], None, "", {}, "")]))
+        with pytest.raises(WireError, match="lent to a request now"):
+            framer.feed(bad)
+    beside = frame_with(("infer", [(3, "m", "", [("x", "FP32", "<f4", (16,), {}, (4032,))], None, "", {}, "")]))
+    [(_, _, next_to_it)] = framer.feed(beside)  # a range next to it is fine
+    assert next_to_it.inputs[0].data.shape == (16,) and len(lent) == 2
+    del held
+    assert freed == [0]
+    lent.remove(0)  # as the engine does when it tells the worker
+    [(_, _, again)] = framer.feed(first)
+    assert again.inputs[0].data.tobytes() == x.tobytes() and len(lent) == 2
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -372,8 +397,11 @@ class _KeepingPlane:
 
     def __init__(self) -> None:
         self.kept: list[np.ndarray] = []
+        self.hold = False  # True: answer nothing (a request still running)
 
     def infer_nowait(self, request: InferRequest, done: Any) -> None:
+        if self.hold:
+            return
         data = request.inputs[0].data
         self.kept.append(data)
         done(InferResponse(request.model_name, "1", [Tensor("y", "FP32", data.copy())]))
@@ -413,5 +441,19 @@ async def test_a_worker_reuses_an_input_range_only_after_the_engine_let_go_of_it
     plane.kept.clear()
     np.testing.assert_array_equal(await infer(small), small)
     assert worker.arena_used_bytes == 0
+    assert len(engine.lent) == 0
+    # let go of while no answer is due: the worker's next request brings the news back
+    kept = rng.random(40_000, dtype=np.float32)
+    np.testing.assert_array_equal(await infer(kept), kept)
+    plane.hold = True  # answers nothing from now on
+    plane.kept.clear()
+    assert worker.arena_used_bytes >= kept.nbytes
+    waiting = asyncio.ensure_future(infer(small))
+    for _ in range(100):  # loop turns, not time
+        if worker.arena_used_bytes == 0:
+            break
+        await asyncio.sleep(0)
+    assert worker.arena_used_bytes == 0 and not waiting.done()
+    waiting.cancel()
     engine_end.close()
     worker_end.close()
