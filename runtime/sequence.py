@@ -784,6 +784,7 @@ class SequenceScheduler:
         self,
         worker: batching._Worker,
         rows: list[_Row],
+        ran: list[InferRequest],  # the rows' requests, as the worker ran them (the rows keep theirs)
         queue_ns: list[int],
         results: list[Result],
         compute_ns: int,
