@@ -7,6 +7,7 @@ import socket
 import time
 import tracemalloc
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import tritonclient.http as httpclient
@@ -47,27 +48,38 @@ def live_bytes() -> int:
     return tracemalloc.get_traced_memory()[0]
 
 
+def binary_request(shape: list[int]) -> bytes:
+    """An HTTP/1.1 infer request for ``busy`` with a zero FP32 input of ``shape`` as binary data."""
+    elements = int(np.prod(shape))
+    header = b'{"inputs":[{"name":"IN","shape":%s,"datatype":"FP32","parameters":{"binary_data_size":%d}}]}' % (
+        str(shape).replace(" ", "").encode(),
+        elements * 4,
+    )
+    body = header + np.zeros(elements, np.float32).tobytes()
+    return (
+        b"POST /v2/models/busy/infer HTTP/1.1\r\nHost: t\r\nContent-Type: application/octet-stream\r\n"
+        b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n%s" % (len(header), len(body), body)
+    )
+
+
+def wait_entered(version_dir: Path) -> None:
+    """Until the busy model has started executing (it writes ``entered``)."""
+    deadline = time.monotonic() + 10
+    while not (version_dir / "entered").exists():
+        assert time.monotonic() < deadline, "the model did not start executing"
+        time.sleep(0.01)
+
+
 def test_cancelled_requests_behind_a_busy_instance_are_released(tmp_path, serve):
     repo = tmp_path / "repo"
     version_dir = write_model(repo, "busy", BUSY_CONFIG, {"model.py": BUSY_PY}) / "1"
     server = serve(repo)
     host, port = server.http.split(":")
-    header = b'{"inputs":[{"name":"IN","shape":[%d],"datatype":"FP32","parameters":{"binary_data_size":%d}}]}' % (
-        ELEMENTS,
-        ELEMENTS * 4,
-    )
-    body = header + np.zeros(ELEMENTS, np.float32).tobytes()
-    request = (
-        b"POST /v2/models/busy/infer HTTP/1.1\r\nHost: t\r\nContent-Type: application/octet-stream\r\n"
-        b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n%s" % (len(header), len(body), body)
-    )
+    request = binary_request([ELEMENTS])
     first = socket.create_connection((host, int(port)))
     try:
         first.sendall(request)  # occupies the only instance
-        deadline = time.monotonic() + 10
-        while not (version_dir / "entered").exists():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_entered(version_dir)
         tracemalloc.start()
         before = live_bytes()
         for _ in range(600):  # 150 MiB of requests, each queued then given up on by its client
@@ -99,16 +111,7 @@ def test_a_batch_taken_from_the_queue_keeps_none_of_its_inputs_once_answered(tmp
     version_dir = write_model(repo, "busy", config + "dynamic_batching { }\n", {"model.py": BUSY_PY}) / "1"
     server = serve(repo)
     host, port = server.http.split(":")
-    elements = 256 * 1024  # 1 MiB a request
-    header = b'{"inputs":[{"name":"IN","shape":[1,%d],"datatype":"FP32","parameters":{"binary_data_size":%d}}]}' % (
-        elements,
-        elements * 4,
-    )
-    body = header + np.zeros(elements, np.float32).tobytes()
-    request = (
-        b"POST /v2/models/busy/infer HTTP/1.1\r\nHost: t\r\nContent-Type: application/octet-stream\r\n"
-        b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n%s" % (len(header), len(body), body)
-    )
+    request = binary_request([1, 256 * 1024])  # 1 MiB a request
     tracemalloc.start()
     sockets = []
     try:
@@ -116,10 +119,7 @@ def test_a_batch_taken_from_the_queue_keeps_none_of_its_inputs_once_answered(tmp
         first = socket.create_connection((host, int(port)))
         sockets.append(first)
         first.sendall(request)  # occupies the only instance
-        deadline = time.monotonic() + 10
-        while not (version_dir / "entered").exists():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_entered(version_dir)
         for _ in range(8):  # queued behind it: one batch of 8 when it is released
             sock = socket.create_connection((host, int(port)))
             sockets.append(sock)
