@@ -16,7 +16,7 @@ say), the array pickled in the metadata.
 The receiver's tensors are numpy views of the received bytes (no copy). Arena data is copied out by
 the worker (the engine's outputs: it tells the engine ``release`` at once); the engine lends the
 worker's arena range to the request instead (:class:`Lease`): the range is the request's until the
-last array over it is gone, whoever keeps it (a batch, a model, the response cache), and only then
+last array over it is gone, whoever keeps it (a batch, a model that holds its inputs), and only then
 does the engine tell the worker it is ``freed``. Pickling numpy arrays (the previous form) cost ~5 us
 a tensor; a tuple of plain values ~0.5 us (docs/frontend-workers.md).
 
