@@ -49,9 +49,12 @@ class Injector:
         self.clock = clock
         self.native: bool | None = None if settings.webhook.native_sidecars == "auto" else \
             settings.webhook.native_sidecars == "true"
+        self.ca_pem: str | None = None  # the self-managed CA, once ensure_certificates has run
 
-    async def prepare(self) -> None:
-        """Everything that needs the API before the first admission: the version, the certificates."""
+    async def prepare(self, publish: bool = True) -> None:
+        """Everything that needs the API before the first admission: the version, the certificates
+        (the CA published in the caBundle unless ``publish`` is False: the server does that once it
+        listens, so the API server never calls a webhook that is not there yet)."""
         await self.kube.connected()
         if self.native is None:
             try:
@@ -63,7 +66,7 @@ class Injector:
             log.info("Kubernetes %s: injecting the runtime as a %s", version.get("gitVersion", "?"),
                      "native sidecar" if self.native else "regular container (no native sidecars before 1.29)")
         if self.settings.webhook.tls == "self-managed":
-            await self.ensure_certificates()
+            await self.ensure_certificates(publish=publish)
 
     def review(self, pod: Mapping[str, Any], index: Mapping[Any, Any]) -> list[Obj]:
         """The JSON patch for ``pod``, its models looked up in the kopf index ((namespace, name) -> models)."""
@@ -76,8 +79,9 @@ class Injector:
 
     # ------------------------------------------------------------ self-managed TLS
 
-    async def ensure_certificates(self) -> None:
-        """Make the Secret hold a valid bundle, write it to ``cert_dir``, publish the CA in the caBundle."""
+    async def ensure_certificates(self, publish: bool = True) -> None:
+        """Make the Secret hold a valid bundle, write it to ``cert_dir``, publish the CA in the caBundle
+        (``publish``; ``ca_pem`` holds it either way)."""
         hook = self.settings.webhook
         names = certificates.dns_names(hook.service, hook.namespace, self.settings.cluster_domain)
         for _ in range(5):  # another replica may write between our read and our write: read again
@@ -122,7 +126,9 @@ class Injector:
                 partial.write_text(text)
                 partial.chmod(0o600)
                 partial.replace(target)  # atomic: kopf never loads a half-written file
-        await self.publish_ca(bundle.ca_cert)
+        self.ca_pem = bundle.ca_cert
+        if publish:
+            await self.publish_ca(bundle.ca_cert)
 
     async def publish_ca(self, ca_pem: str) -> None:
         """Set every webhook's ``clientConfig.caBundle`` of the configuration to ``ca_pem``."""
@@ -154,7 +160,7 @@ class InjectorServer(kopf.WebhookServer):
     async def __call__(self, fn: Any) -> AsyncIterator[Any]:
         while True:  # no listener before there is a certificate to serve with
             try:
-                await self.injector.prepare()
+                await self.injector.prepare(publish=False)
                 break
             except Exception:  # RBAC, an API server not reachable yet: the log says which; try again
                 log.exception("Preparing the sidecar webhook failed; retrying in %g s", PREPARE_RETRY_SECONDS)
@@ -171,11 +177,24 @@ class InjectorServer(kopf.WebhookServer):
         if self.injector.settings.webhook.tls == "self-managed":
             renewing = asyncio.get_running_loop().create_task(self._renew())
         try:
+            unpublished = self.injector.ca_pem
             async for config in super().__call__(cast(Any, with_namespace)):
+                if unpublished is not None:  # listening now: the API server may call us
+                    await self._publish(unpublished)
+                    unpublished = None
                 yield config
         finally:
             if renewing is not None:
                 renewing.cancel()
+
+    async def _publish(self, ca_pem: str) -> None:
+        while True:
+            try:
+                await self.injector.publish_ca(ca_pem)
+                return
+            except Exception:  # RBAC, an API server not reachable: the log says which; try again
+                log.exception("Publishing the webhook CA failed; retrying in %g s", PREPARE_RETRY_SECONDS)
+                await asyncio.sleep(PREPARE_RETRY_SECONDS)
 
     async def _renew(self) -> None:
         while True:
