@@ -70,6 +70,7 @@ setup() {
     "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
     nproc
     echo "net.core.somaxconn $(cat /proc/sys/net/core/somaxconn 2>/dev/null)"
+    "$PY" -P -c 'from sluice.runtime import frontend_workers as f; cpus, found = f.usable_cpus(); print("--protocol-workers auto:", f.auto_protocol_workers(cpus), "for", found)'
   } 2>&1 | tee "$OUT/machine.txt"
 }
 
