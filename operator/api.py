@@ -81,6 +81,9 @@ MAX_REPLICAS = 100
 MAX_BATCH_SIZE = 4096
 MAX_INSTANCES = 64
 MAX_GPUS = 16
+PROTOCOL_WORKERS_AUTO = "auto"
+MAX_PROTOCOL_WORKERS = 64
+"""The runtime's bound on ``sluice serve --protocol-workers`` (a contract test holds the two equal)."""
 
 NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}$"
 STORAGE_URI_PATTERN = r"^(s3|gs|az|https|pvc)://[^\s]+$"
@@ -220,6 +223,15 @@ class Shutdown:
 
 
 @dataclasses.dataclass(frozen=True)
+class Server:
+    """Settings of the runtime process itself rather than of a model (``spec.server``)."""
+
+    protocol_workers: int | str | None = None
+    """``--protocol-workers``: a count of protocol worker processes, ``"auto"`` (from the pod's CPU limit),
+    or ``None``: not passed, so the runtime's default (one process) and unchanged pods on an upgrade."""
+
+
+@dataclasses.dataclass(frozen=True)
 class CanaryAnalysis:
     """How a candidate is judged (``spec.canary.analysis``); see docs/operator.md."""
 
@@ -274,6 +286,7 @@ class InferenceModelSpec:
     canary: Canary | None = None
     storage: Storage = Storage()
     shutdown: Shutdown = Shutdown()
+    server: Server = Server()
     pool: str | None = None
     """The ModelPool (same namespace) whose pods serve this model; ``None``: its own Deployment."""
     mode: str = DEPLOYMENT_MODE
@@ -290,6 +303,7 @@ class ModelPoolSpec:
     """cpu and memory of the runtime container (``gpu`` is always ``None`` here)."""
     scaling: Scaling = Scaling()
     shutdown: Shutdown = Shutdown()
+    server: Server = Server()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +338,7 @@ class EnsembleSpec:
     scaling: Scaling = Scaling()
     storage: Storage = Storage()
     shutdown: Shutdown = Shutdown()
+    server: Server = Server()
 
 
 def quantity_to_float(text: str) -> float:
@@ -608,6 +623,19 @@ class _Reader:
             ),
         )
 
+    def server(self, data: Mapping[str, Any] | None, path: str) -> Server:
+        if data is None:
+            return Server()
+        value = data.get("protocolWorkers")
+        if value is None or value == PROTOCOL_WORKERS_AUTO:
+            return Server(protocol_workers=value)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PROTOCOL_WORKERS:
+            self.problem(f"{path}.protocolWorkers", f"must be {PROTOCOL_WORKERS_AUTO} (one worker per CPU of the "
+                         f"pod's limit past two, at most 8) or an integer from 0 to {MAX_PROTOCOL_WORKERS}, "
+                         f"got {value!r}")
+            return Server()
+        return Server(protocol_workers=value)
+
     def storage(self, data: Mapping[str, Any] | None, path: str) -> Storage:
         if data is None:
             return Storage()
@@ -691,6 +719,7 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
         canary=canary,
         storage=read.storage(read.obj(spec, "storage", "spec"), "spec.storage"),
         shutdown=read.shutdown(read.obj(spec, "shutdown", "spec"), "spec.shutdown"),
+        server=read.server(read.obj(spec, "server", "spec"), "spec.server"),
         pool=read.string(spec, "pool", "spec", pattern=POOL_NAME_PATTERN),
         mode=read.string(spec, "mode", "spec", choices=MODES) or DEPLOYMENT_MODE,
     )
@@ -726,6 +755,9 @@ def _check_member(read: _Reader, name: str, spec: InferenceModelSpec) -> None:
         read.problem("spec.scaling", f"a member of pool {spec.pool!r} is scaled with the pool (ModelPool "
                      f"{spec.pool} spec.scaling); remove minReplicas/maxReplicas here ({spec.scaling.min_replicas}/"
                      f"{spec.scaling.max_replicas}), {leave}")
+    if spec.server != Server():
+        read.problem("spec.server", f"a member of pool {spec.pool!r} runs in the pool's pods: set it on ModelPool "
+                     f"{spec.pool} spec.server instead, {leave}")
     if spec.pool == name:
         read.problem("spec.pool", f"a member cannot have its pool's name ({name!r}): both would own the Service "
                      f"{name!r}; rename the pool or the model")
@@ -742,6 +774,9 @@ def _check_sidecar(read: _Reader, spec: InferenceModelSpec) -> None:
     if (spec.scaling.min_replicas, spec.scaling.max_replicas) != (DEFAULT_MIN_REPLICAS, DEFAULT_MAX_REPLICAS):
         read.problem("spec.scaling", f"{why}, so it scales with them: remove minReplicas/maxReplicas "
                      f"({spec.scaling.min_replicas}/{spec.scaling.max_replicas})")
+    if spec.server != Server():
+        read.problem("spec.server", f"{why} and serves them in one process (its Unix sockets are not handed to "
+                     "protocol workers): remove spec.server")
 
 
 def parse_model_pool(name: str, spec: Mapping[str, Any]) -> ModelPoolSpec:
@@ -766,6 +801,7 @@ def parse_model_pool(name: str, spec: Mapping[str, Any]) -> ModelPoolSpec:
         resources=dataclasses.replace(resources, gpu=None),
         scaling=read.scaling(read.obj(spec, "scaling", "spec"), "spec.scaling"),
         shutdown=read.shutdown(read.obj(spec, "shutdown", "spec"), "spec.shutdown"),
+        server=read.server(read.obj(spec, "server", "spec"), "spec.server"),
     )
     if read.problems:
         raise SpecError(read.problems)
@@ -829,6 +865,7 @@ def parse_ensemble(name: str, spec: Mapping[str, Any]) -> EnsembleSpec:
         scaling=read.scaling(read.obj(spec, "scaling", "spec"), "spec.scaling"),
         storage=read.storage(read.obj(spec, "storage", "spec"), "spec.storage"),
         shutdown=read.shutdown(read.obj(spec, "shutdown", "spec"), "spec.shutdown"),
+        server=read.server(read.obj(spec, "server", "spec"), "spec.server"),
     )
     if read.problems:
         raise SpecError(read.problems)

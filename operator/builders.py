@@ -441,8 +441,8 @@ def model_storage(models: Sequence[ServedModel]) -> tuple[str | None, str | None
 def deployment(
     owner: Owner, *, name: str, models: Sequence[ServedModel], config_map_name: str, files: Mapping[str, str],
     resources: api.Resources, rendering: GpuRendering, replicas: int | None, storage: api.Storage,
-    shutdown: api.Shutdown, settings: Settings, track: str = STABLE, split: bool = False, candidate: str = "",
-    pod_labels: Mapping[str, str] | None = None,
+    shutdown: api.Shutdown, server: api.Server, settings: Settings, track: str = STABLE, split: bool = False,
+    candidate: str = "", pod_labels: Mapping[str, str] | None = None,
 ) -> Obj:
     """The runtime Deployment; ``replicas`` ``None`` leaves the count to its owner (the HPA).
 
@@ -491,6 +491,8 @@ def deployment(
         volumes.append({"name": "split", "configMap": {"name": f"{owner.name}-split", "optional": True}})
         mounts.append({"name": "split", "mountPath": SPLIT_DIRECTORY, "readOnly": True})
         args = ["--split-file", f"{SPLIT_DIRECTORY}/{SPLIT_FILE}"]
+    if server.protocol_workers is not None:
+        args += ["--protocol-workers", str(server.protocol_workers)]
     gpu_limits, affinity = rendering.limits, rendering.affinity
     cpu = resources.cpu or settings.default_resources.cpu
     memory = resources.memory or settings.default_resources.memory
@@ -798,7 +800,7 @@ def _config_key(served: ServedModel) -> str:
 
 def _track(
     owner: Owner, models: Sequence[ServedModel], *, track: str, resources: api.Resources, gpus: Sequence[api.Gpu],
-    scaling: api.Scaling, storage: api.Storage, shutdown: api.Shutdown, settings: Settings,
+    scaling: api.Scaling, storage: api.Storage, shutdown: api.Shutdown, server: api.Server, settings: Settings,
     live: Mapping[str, Any] | None, split: bool = False, candidate: str = "", shape: placement.Shape | None = None,
     pod_labels: Mapping[str, str] | None = None,
 ) -> tuple[list[Obj], list[tuple[str, str, str]]]:
@@ -817,8 +819,8 @@ def _track(
     objects += [
         deployment(owner, name=name, models=models, config_map_name=cm_name, files=files, resources=resources,
                    rendering=rendering, replicas=deployment_replicas(scaling, live), storage=storage,
-                   shutdown=shutdown, settings=settings, track=track, split=split, candidate=candidate,
-                   pod_labels=pod_labels),
+                   shutdown=shutdown, server=server, settings=settings, track=track, split=split,
+                   candidate=candidate, pod_labels=pod_labels),
         service(owner, name, settings, track),
     ]
     if scaling.max_replicas >= 2:
@@ -844,15 +846,16 @@ def _track_names(owner: Owner, track: str) -> list[tuple[str, str, str]]:
 def _workload(
     owner: Owner, models: Sequence[ServedModel], *, model_name: str, resources: api.Resources,
     gpus: Sequence[api.Gpu], scaling: api.Scaling, storage: api.Storage, shutdown: api.Shutdown,
-    settings: Settings, traffic: tuple[Obj, ...], notes: tuple[str, ...] = (), placement: str | None = None,
+    server: api.Server, settings: Settings, traffic: tuple[Obj, ...], notes: tuple[str, ...] = (),
+    placement: str | None = None,
     live: Mapping[str, Any] | None = None, split: bool = False, candidate: str = "",
     extra: Sequence[Obj] = (), extra_absent: Sequence[tuple[str, str, str]] = (), shape: Shape | None = None,
     pod_labels: Mapping[str, str] | None = None,
 ) -> Desired:
     name = owner.name
     objects, absent = _track(owner, models, track=STABLE, resources=resources, gpus=gpus, scaling=scaling,
-                             storage=storage, shutdown=shutdown, settings=settings, live=live, split=split,
-                             candidate=candidate, shape=shape, pod_labels=pod_labels)
+                             storage=storage, shutdown=shutdown, server=server, settings=settings, live=live,
+                             split=split, candidate=candidate, shape=shape, pod_labels=pod_labels)
     host = f"{name}.{owner.namespace}.svc.{settings.cluster_domain}"
     http_url = f"http://{host}:{settings.http_port}"
     return Desired(
@@ -1015,8 +1018,8 @@ def inference_model(
             objects, absent = _track(
                 owner, [served_model(source, candidate_runtime, gpu=bool(gpus))], track=CANARY,
                 resources=spec.resources, gpus=gpus, scaling=spec.scaling, storage=spec.storage,
-                shutdown=spec.shutdown, settings=settings, live=live_canary, candidate=rollout.candidate,
-                shape=shape)
+                shutdown=spec.shutdown, server=spec.server, settings=settings, live=live_canary,
+                candidate=rollout.candidate, shape=shape)
             extra += objects
             extra_absent += absent
             traffic = (
@@ -1027,8 +1030,9 @@ def inference_model(
             extra_absent += _track_names(owner, CANARY)
     return _workload(
         owner, [served], model_name=spec.model.name, resources=spec.resources, gpus=gpus,
-        scaling=spec.scaling, storage=spec.storage, shutdown=spec.shutdown, settings=settings, traffic=traffic,
-        live=live, split=True, candidate=candidate, extra=extra, extra_absent=extra_absent, shape=shape,
+        scaling=spec.scaling, storage=spec.storage, shutdown=spec.shutdown, server=spec.server, settings=settings,
+        traffic=traffic, live=live, split=True, candidate=candidate, extra=extra, extra_absent=extra_absent,
+        shape=shape,
     )
 
 
@@ -1117,7 +1121,7 @@ def ensemble(
     models.insert(0, ServedModel(source, "config.json", text))
     return _workload(
         owner, models, model_name=ensemble_name, resources=spec.resources, gpus=gpus,
-        scaling=spec.scaling, storage=spec.storage, shutdown=spec.shutdown, settings=settings,
+        scaling=spec.scaling, storage=spec.storage, shutdown=spec.shutdown, server=spec.server, settings=settings,
         traffic=({"revision": "stable", "version": 1, "percent": 100},),
         placement="Colocated" if colocate else "Remote", live=live,
     )
@@ -1155,7 +1159,7 @@ def model_pool(
     return _workload(
         owner, served, model_name="", resources=dataclasses.replace(spec.resources, gpu=spec.gpu),
         gpus=[spec.gpu], scaling=spec.scaling, storage=api.Storage(service_account_name=service_account),
-        shutdown=spec.shutdown, settings=settings, traffic=(), live=live,
+        shutdown=spec.shutdown, server=spec.server, settings=settings, traffic=(), live=live,
         pod_labels={member_label(name): "true" for name, _ in members}, shape=shape,
     )
 

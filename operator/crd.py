@@ -252,6 +252,29 @@ def _shutdown() -> Schema:
     )
 
 
+def _server() -> Schema:
+    return _obj(
+        "Settings of the runtime process itself (not of the model). Leave it out to keep the runtime's "
+        "defaults; a change rolls the pods.",
+        {
+            "protocolWorkers": {
+                "description": (
+                    "Protocol worker processes that decode HTTP and gRPC requests beside the one that batches and "
+                    "runs the models (sluice serve --protocol-workers; docs/frontend-workers.md): auto (the pod's "
+                    "CPU limit less two, at most 8, none under 4 CPUs; the usual choice on GPU nodes, where one "
+                    "process cannot decode fast enough to keep the device busy) or a count from 0 (one process) "
+                    f"to {api.MAX_PROTOCOL_WORKERS}."
+                ),
+                "x-kubernetes-int-or-string": True,
+                "anyOf": [{"type": "integer"}, {"type": "string"}],
+                "minimum": 0,
+                "maximum": api.MAX_PROTOCOL_WORKERS,
+                "pattern": f"^{api.PROTOCOL_WORKERS_AUTO}$",
+            },
+        },
+    )
+
+
 def _storage() -> Schema:
     return _obj(
         "Credentials for fetching model files, by reference only: credentials never go into the spec.",
@@ -575,6 +598,7 @@ def inference_model_crd() -> dict[str, Any]:
             "canary": _canary(),
             "storage": _storage(),
             "shutdown": _shutdown(),
+            "server": _server(),
             "pool": _str(
                 "A ModelPool in the same namespace whose runtime pods serve this model next to other members "
                 "on one GPU or MIG slice, instead of a Deployment of its own. A member declares its share in "
@@ -608,6 +632,10 @@ def inference_model_crd() -> dict[str, Any]:
             _rule("!has(self.pool) || !has(self.scaling) || "
                   "(self.scaling.minReplicas == 1 && self.scaling.maxReplicas == 1)",
                   "a pool member is scaled with its pool: remove spec.scaling's minReplicas and maxReplicas"),
+            _rule("!has(self.pool) || !has(self.server)",
+                  "a pool member runs in its pool's pods: set spec.server on the ModelPool"),
+            _rule("!has(self.mode) || self.mode != 'Sidecar' || !has(self.server)",
+                  "a Sidecar model's runtime serves its application in one process: remove spec.server"),
             _rule("!has(self.mode) || self.mode != 'Sidecar' || (!has(self.pool) && !has(self.canary) && "
                   "(!has(self.scaling) || (self.scaling.minReplicas == 1 && self.scaling.maxReplicas == 1)))",
                   "a Sidecar model runs in its application's pods: remove spec.pool, spec.canary and spec.scaling"),
@@ -686,6 +714,7 @@ def ensemble_crd() -> dict[str, Any]:
             "scaling": _scaling(),
             "storage": _storage(),
             "shutdown": _shutdown(),
+            "server": _server(),
         },
         required=("steps", "inputs", "outputs"),
     )
@@ -711,6 +740,7 @@ def model_pool_crd() -> dict[str, Any]:
             "scaling": {**_scaling(), "description": "Replica bounds of the pool: it scales as one, on its pods' "
                         "runtime metric summed over every member (members have no autoscaling of their own)."},
             "shutdown": _shutdown(),
+            "server": _server(),
         },
         required=("gpu",),
     )

@@ -50,6 +50,15 @@ def test_defaults_match_the_crd():
      "spec.canary.sizeLimit: 'x' does not match"),
     ({"model": MODEL, "shutdown": {"drainSeconds": -1}}, "spec.shutdown.drainSeconds: must be from 0 to 600"),
     ({"model": MODEL, "shutdown": {"graceSeconds": 0}}, "spec.shutdown.graceSeconds: must be from 1 to 3600"),
+    ({"model": MODEL, "server": {"protocolWorkers": 65}},
+     "spec.server.protocolWorkers: must be auto (one worker per CPU of the pod's limit past two, at most 8) or an "
+     "integer from 0 to 64, got 65"),
+    ({"model": MODEL, "server": {"protocolWorkers": -1}}, "spec.server.protocolWorkers: must be auto"),
+    ({"model": MODEL, "server": {"protocolWorkers": "4"}}, "an integer from 0 to 64, got '4'"),
+    ({"model": MODEL, "server": {"protocolWorkers": "Auto"}}, "got 'Auto'"),
+    ({"model": MODEL, "server": {"protocolWorkers": True}}, "got True"),
+    ({"model": MODEL, "server": {"protocolWorkers": 2.5}}, "got 2.5"),
+    ({"model": MODEL, "server": "auto"}, "spec.server: must be an object"),
     ({"model": MODEL, "scaling": {"metric": "cpu"}},
      "spec.scaling.metric: must be one of queueDepth, inflight, latency, got 'cpu'"),
     ({"model": MODEL, "scaling": {"engine": "vpa"}}, "spec.scaling.engine: must be one of hpa, keda, got 'vpa'"),
@@ -65,6 +74,30 @@ def test_defaults_match_the_crd():
 ])
 def test_invalid_specs_say_what_to_change(spec, expected):
     assert any(expected in p for p in problems(spec)), problems(spec)
+
+
+@pytest.mark.parametrize("value", ["auto", 0, 1, 8, 64])
+def test_protocol_workers_are_auto_or_a_count(value):
+    spec = {"model": MODEL, "server": {"protocolWorkers": value}}
+    assert api.parse_inference_model("m", spec).server == api.Server(protocol_workers=value)
+    assert api.parse_inference_model("m", {"model": MODEL}).server == api.Server(protocol_workers=None)
+    assert api.parse_inference_model("m", {"model": MODEL, "server": {}}).server == api.Server()
+
+
+def test_pools_and_ensembles_take_server_settings_and_sidecars_refuse_them():
+    pool = api.parse_model_pool("small", {"gpu": {"count": 1}, "server": {"protocolWorkers": "auto"}})
+    assert pool.server.protocol_workers == "auto"
+    ensemble = api.parse_ensemble("e", {
+        "steps": [{"name": "s", "modelRef": {"name": "m"}, "inputMap": {"x": "IN"}, "outputMap": {"y": "OUT"}}],
+        "inputs": [{"name": "IN", "dataType": "TYPE_FP32", "dims": [4]}],
+        "outputs": [{"name": "OUT", "dataType": "TYPE_FP32", "dims": [4]}],
+        "server": {"protocolWorkers": 3}})
+    assert ensemble.server.protocol_workers == 3
+    found = problems({"model": MODEL, "mode": "Sidecar", "server": {"protocolWorkers": 2}})
+    assert any(p.startswith("spec.server: a Sidecar model runs inside its application's pods") and
+               "remove spec.server" in p for p in found), found
+    # Leaving it at the default is not a problem.
+    assert api.parse_inference_model("m", {"model": MODEL, "mode": "Sidecar", "server": {}}).server == api.Server()
 
 
 def test_scaling_fields_and_their_defaults():
@@ -207,9 +240,11 @@ def test_a_member_names_its_pool_and_its_share():
      "move the model out of the pool first (remove spec.pool), or run the candidate as its own InferenceModel"),
     ({"scaling": {"minReplicas": 1, "maxReplicas": 4}},
      "spec.scaling: a member of pool 'small' is scaled with the pool", "remove minReplicas/maxReplicas here (1/4)"),
+    ({"server": {"protocolWorkers": 2}}, "spec.server: a member of pool 'small' runs in the pool's pods",
+     "set it on ModelPool small spec.server instead"),
     ({"pool": "m"}, "spec.pool: a member cannot have its pool's name", "rename the pool or the model"),
     ({"pool": "Small_Pool"}, "spec.pool: 'Small_Pool' does not match", ""),
-], ids=["no-share", "zero-share", "count", "mig", "canary", "scaling", "own-name", "bad-name"])
+], ids=["no-share", "zero-share", "count", "mig", "canary", "scaling", "server", "own-name", "bad-name"])
 def test_invalid_members_say_what_to_do(change, field, advice):
     found = problems({**MEMBER, **change})
     assert any(field in p and advice in p for p in found), found

@@ -120,6 +120,21 @@ def test_shutdown_defaults_and_no_drain():
     assert pod["terminationGracePeriodSeconds"] == 0 + 30 + 5
 
 
+@pytest.mark.parametrize(("server", "expected"), [
+    (None, None), ({}, None), ({"protocolWorkers": "auto"}, "auto"), ({"protocolWorkers": 0}, "0"),
+    ({"protocolWorkers": 8}, "8"),
+])
+def test_protocol_workers_reach_the_runtime_only_when_asked(server, expected):
+    # Unset, the args are what they were before spec.server existed: an operator upgrade rolls no pod.
+    spec = {**MODELS["gpu-autoscaled"], **({} if server is None else {"server": server})}
+    _, container = _runtime_pod(spec)
+    if expected is None:
+        assert "--protocol-workers" not in container["args"]
+        assert container == _runtime_pod(MODELS["gpu-autoscaled"])[1]
+    else:
+        assert _flag(container, "--protocol-workers") == expected
+
+
 def test_builders_are_deterministic():
     spec = api.parse_inference_model("resnet", MODELS["gpu-autoscaled"])
     assert builders.inference_model(owner(), spec, SETTINGS) == builders.inference_model(owner(), spec, SETTINGS)
@@ -223,6 +238,18 @@ def _pool(members: tuple[str, ...] = ("intent", "sentiment"), spec: dict | None 
 def test_model_pool_matches_golden():
     desired = _pool()
     check_golden("modelpool", [*desired.objects, {"absent": [list(a) for a in desired.absent]}])
+
+
+def test_a_pool_and_an_ensemble_pass_their_own_server_settings():
+    pool = _one(_pool(spec={**POOL, "server": {"protocolWorkers": "auto"}}), "Deployment")
+    assert _flag(pool["spec"]["template"]["spec"]["containers"][0], "--protocol-workers") == "auto"
+    assert "--protocol-workers" not in _one(_pool(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    referenced = {"resnet": api.parse_inference_model("resnet", MODELS["gpu-autoscaled"])}
+    desired = builders.ensemble(owner("Ensemble", "classifier"),
+                                api.parse_ensemble("classifier", {**ENSEMBLE, "server": {"protocolWorkers": 4}}),
+                                referenced, SETTINGS)
+    assert _flag(_one(desired, "Deployment")["spec"]["template"]["spec"]["containers"][0],
+                 "--protocol-workers") == "4"
 
 
 def test_a_pool_serves_every_admitted_member_from_one_deployment():

@@ -152,6 +152,24 @@ def test_scaling_defaults_of_the_crd_are_the_operators():
     assert any("self.fallbackReplicas <= self.maxReplicas" in r for r in rules)
 
 
+@pytest.mark.parametrize("value", ["auto", 0, 8, 64, 65, -1, "4", "Auto", "", True, 2.5, None])
+def test_the_crd_and_the_operator_agree_on_protocol_workers(value):
+    # An API server enforces the schema (int-or-string, with minimum/maximum for the integer and a
+    # pattern for the string); the operator re-checks it for servers that do not: both must agree.
+    try:
+        api.parse_inference_model("m", {"model": {"storageUri": "s3://b/m", "format": "onnx"},
+                                        "server": {"protocolWorkers": value}})
+        operator_accepts = True
+    except api.SpecError:
+        operator_accepts = False
+    assert operator_accepts == (value is None or value == "auto" or (type(value) is int and 0 <= value <= 64))
+    for kind in ("InferenceModel", "ModelPool", "Ensemble"):
+        server = SCHEMAS[kind]["properties"]["spec"]["properties"]["server"]
+        assert server["properties"]["protocolWorkers"]["x-kubernetes-int-or-string"] is True
+        document = {} if value is None else {"protocolWorkers": value}
+        assert jsonschema.Draft7Validator(_strip_extensions(server)).is_valid(document) == operator_accepts, kind
+
+
 def test_examples_cover_every_kind():
     kinds = {doc["kind"] for path in EXAMPLES for doc in yaml.safe_load_all(path.read_text())}
     assert kinds == {"InferenceModel", "Ensemble", "ModelPool"}

@@ -111,6 +111,25 @@ async def test_runtime_pods_drain_in_prestop_with_a_grace_period_that_covers_it(
     assert pod["terminationGracePeriodSeconds"] == 95
 
 
+async def test_protocol_workers_are_passed_to_the_runtime_and_bad_values_refused(client, operator, apiserver):
+    def args() -> str:
+        return " ".join(client.read(DEPLOY, "resnet")["spec"]["template"]["spec"]["containers"][0]["args"])
+
+    await client.create(client.IM, client.model())
+    await client.wait(lambda: client.read(DEPLOY, "resnet"))
+    assert "--protocol-workers" not in args()
+    await client.patch(client.IM, "resnet", {"spec": {"server": {"protocolWorkers": "auto"}}})
+    await client.wait(lambda: "--protocol-workers auto" in args())
+    await client.patch(client.IM, "resnet", {"spec": {"server": {"protocolWorkers": 6}}})
+    await client.wait(lambda: "--protocol-workers 6" in args())
+    for value in (65, "six", -1):  # the API server's schema: int-or-string, 0..64 or "auto"
+        status, body = await client.create_raw(client.IM, client.model("other", server={"protocolWorkers": value}))
+        assert status == 422, (value, body)
+        assert "protocolWorkers" in body["message"], body
+    await client.patch(client.IM, "resnet", {"spec": {"server": None}})
+    await client.wait(lambda: "--protocol-workers" not in args())
+
+
 async def test_scaling_change_removes_the_hpa_and_pins_replicas(client, operator, apiserver):
     await client.create(client.IM, client.model())
     await client.wait(lambda: client.read(HPA, "resnet"))

@@ -29,6 +29,13 @@ def render(spec: dict, *, phase_canary: bool = True, promoted: bool = False, wei
     return {(o["kind"], o["metadata"]["name"]): o for o in desired.objects}
 
 
+def test_the_candidate_runs_with_the_stable_server_settings():
+    objects = render({**SPEC, "server": {"protocolWorkers": "auto"}})
+    for name in ("clf", "clf-canary"):
+        args = objects[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--protocol-workers") + 1] == "auto", name
+
+
 def config_of(objects: dict, name: str) -> dict:
     [text] = objects[("ConfigMap", name)]["data"].values()
     return json.loads(text)

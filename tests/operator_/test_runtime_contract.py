@@ -110,12 +110,15 @@ def get(url: str) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-SPECS = {
+SPECS: dict[str, dict[str, Any]] = {
     # config.json rendered from spec.runtime (Triton field names); inputs auto-completed from model.onnx
-    "rendered-config": {"storageUri": "s3://bucket/add_sub", "format": "onnx"},
+    "rendered-config": {"model": {"storageUri": "s3://bucket/add_sub", "format": "onnx"}},
     # an inline config.pbtxt, used verbatim
-    "inline-pbtxt": {"storageUri": "s3://bucket/add_sub", "format": "onnx",
-                     "config": (ADD_SUB / "config.pbtxt").read_text().replace('"add_sub"', '"addsub"')},
+    "inline-pbtxt": {"model": {"storageUri": "s3://bucket/add_sub", "format": "onnx",
+                               "config": (ADD_SUB / "config.pbtxt").read_text().replace('"add_sub"', '"addsub"')}},
+    # two protocol worker processes decode the requests (spec.server)
+    "protocol-workers": {"model": {"storageUri": "s3://bucket/add_sub", "format": "onnx"},
+                         "server": {"protocolWorkers": 2}},
 }
 
 
@@ -123,8 +126,7 @@ SPECS = {
 def pod(request: pytest.FixtureRequest, tmp_path: pathlib.Path, s3_env: dict[str, str]) -> Iterator[Pod]:
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     settings = Settings(http_port=ports["http"], grpc_port=ports["grpc"], metrics_port=ports["metrics"])
-    spec = {"model": SPECS[request.param],
-            "scaling": {"minReplicas": 1, "maxReplicas": 2}}
+    spec = {**SPECS[request.param], "scaling": {"minReplicas": 1, "maxReplicas": 2}}
     objects = rendered("addsub", spec, settings)
     repository = tmp_path / "models"
     argv = lay_out_pod(objects, repository, s3_env)
@@ -192,6 +194,49 @@ def test_the_rendered_pod_serves_probes_and_the_hpa_metric(pod):
     _, exposition = get(f"http://{POD_IP}:{named['metrics']}/metrics")
     samples = [line for line in exposition.splitlines() if line.startswith(metric + "{")]
     assert any('model="addsub"' in line and 'version="1"' in line for line in samples), exposition[:2000]
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc, as ``ps --ppid`` reads it)."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # gone meanwhile
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def test_the_rendered_pod_answers_tritonclient_over_both_protocols(pod, request):
+    """Inference through the Service's ports as the pod runs them; with spec.server.protocolWorkers the
+    runtime starts that many worker processes and the requests are decoded there."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    objects, ports, process = pod
+    _, container = _container(objects)
+    _wait_ready(container, process)
+    workers = SPECS[request.node.callspec.params["pod"]].get("server", {}).get("protocolWorkers", 0)
+    assert len(_children(process.pid)) == workers
+    a, b = np.arange(16, dtype=np.float32), np.full(16, 2, dtype=np.float32)
+    for module, port in ((httpclient, ports["http"]), (grpcclient, ports["grpc"])):
+        client = module.InferenceServerClient(f"{POD_IP}:{port}")
+        inputs = [module.InferInput("INPUT0", [16], "FP32"), module.InferInput("INPUT1", [16], "FP32")]
+        inputs[0].set_data_from_numpy(a)
+        inputs[1].set_data_from_numpy(b)
+        result = client.infer("addsub", inputs)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+        client.close()
+    # Which process answered: a worker names itself in a response header (HTTP).
+    request = urllib.request.Request(f"http://{POD_IP}:{ports['http']}/v2/models/addsub/versions/1")
+    with urllib.request.urlopen(request, timeout=5) as response:
+        served_by = response.headers.get("sluice-worker")
+    assert (served_by is not None) == (workers > 0), served_by
 
 
 def test_the_rendered_pod_stops_cleanly_within_its_grace_period(pod):
@@ -308,3 +353,13 @@ def test_the_injected_sidecar_serves_over_its_socket_and_shared_memory(s3_env: d
             shutil.rmtree(root, ignore_errors=True)
     assert returncode == 0
     assert not (root / "run" / "grpc.sock").exists()
+
+
+def test_the_operator_bounds_protocol_workers_as_the_runtime_does() -> None:
+    """``spec.server.protocolWorkers`` is checked by the operator (and the CRD) with the runtime's own
+    bound: a count the runtime would refuse at start must never reach a pod."""
+    from sluice.runtime import frontend_workers
+
+    assert api.MAX_PROTOCOL_WORKERS == frontend_workers.MAX_PROTOCOL_WORKERS
+    assert frontend_workers.protocol_workers_problem(api.MAX_PROTOCOL_WORKERS) is None
+    assert frontend_workers.protocol_workers_problem(api.MAX_PROTOCOL_WORKERS + 1) is not None
