@@ -33,9 +33,13 @@ MODEL_POOL_PLURAL = "modelpools"
 FORMATS = ("onnx", "torchscript", "tensorrt", "python")
 """Model formats, mapped to the Triton backend the runtime loads them with (see ``BACKEND_BY_FORMAT``)."""
 BACKEND_BY_FORMAT = {"onnx": "onnxruntime", "torchscript": "pytorch", "tensorrt": "tensorrt", "python": "python"}
-SERVED_FORMATS = ("onnx", "python")
-"""Formats the runtime image can load today. The API accepts the others so specs written for the GPU
-backends stay valid; until those backends land such a model is Degraded (NotImplemented), not deployed."""
+SERVED_FORMATS = ("onnx", "torchscript", "python")
+"""Formats the runtime images load. The API accepts the others (``tensorrt``) so specs written for them
+stay valid; until the images carry that backend such a model is Degraded (NotImplemented), not deployed."""
+TORCH_EXPORT_SUFFIX = ".pt2"
+"""A ``torchscript``-format file with this suffix is a ``torch.export`` program, whose config the runtime
+completes from its signature; TorchScript itself needs the config inline (and so does an AOTInductor
+package, also a ``.pt2``, which keeps no signature: its load fails without inputs and outputs)."""
 STORAGE_SCHEMES = ("s3", "gs", "az", "https", "pvc")
 """Where model files come from; all but ``pvc`` (mounted) are fetched by ``sluice pull`` in an init container."""
 CONFIG_FORMATS = ("pbtxt", "yaml", "json")
@@ -341,6 +345,11 @@ class EnsembleSpec:
     server: Server = Server()
 
 
+def is_torch_export(uri: str) -> bool:
+    """Whether a storage URI names one ``.pt2`` file (a query string, as in a signed https URL, aside)."""
+    return uri.split("?", 1)[0].endswith(TORCH_EXPORT_SUFFIX)
+
+
 def quantity_to_float(text: str) -> float:
     """Parse a Kubernetes quantity (``500m``, ``2Gi``, ``1.5``) into its value in base units."""
     match = re.fullmatch(QUANTITY_PATTERN, text)
@@ -473,6 +482,16 @@ class _Reader:
             name=name, storage_uri=uri or "", format=fmt or "onnx", version=version,
             config=config, config_format=config_format, checksum=checksum, size_limit=size_limit,
         )
+
+    def config_needed(self, source: ModelSource, path: str, config: str | None) -> None:
+        """A TorchScript model declares no input or output shapes: its config must come inline, unless the
+        file is a ``.pt2`` program (the runtime completes that config from the program's signature)."""
+        if source.format == "torchscript" and config is None and not is_torch_export(source.storage_uri):
+            self.problem(f"{path}.config", "is required for a torchscript model: TorchScript declares no input "
+                         "or output shapes, so the config must list them (as Triton's pytorch_libtorch needs). "
+                         "Give config.pbtxt text with input and output here, or serve a torch.export program "
+                         f"(a storageUri ending in {TORCH_EXPORT_SUFFIX}), whose config is completed from its "
+                         "signature")
 
     def fetch_checks(self, data: Mapping[str, Any], path: str, uri: str | None) -> tuple[str | None, str | None]:
         """``checksum`` and ``sizeLimit`` of a model source; neither goes with a mounted ``pvc://`` one."""
@@ -684,6 +703,8 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
         read.problem("spec.model", "is required: give at least storageUri and format")
         model_data = {}
     model = read.model_source(model_data, "spec.model", default_name=name)
+    if "storageUri" in model_data:
+        read.config_needed(model, "spec.model", model.config)
     runtime_data = read.obj(spec, "runtime", "spec")
     if model.config is not None and runtime_data:
         read.problem(
@@ -704,6 +725,10 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
             checksum=checksum,
             size_limit=size_limit,
         )
+        if uri is not None:
+            # The candidate runs with its own config, else the stable one (builders.candidate_model).
+            read.config_needed(dataclasses.replace(model, storage_uri=uri), "spec.canary",
+                               canary.config if canary.config is not None else model.config)
         if canary.runtime is not None and model.config is not None and canary.config is None:
             read.problem("spec.canary.runtime", "cannot be combined with spec.model.config; give the canary its "
                          "own spec.canary.config instead")
@@ -837,6 +862,8 @@ def parse_ensemble(name: str, spec: Mapping[str, Any]) -> EnsembleSpec:
             input_map=read.string_map(raw, "inputMap", path),
             output_map=read.string_map(raw, "outputMap", path),
         ))
+        if (source := steps[-1].model) is not None and inline is not None and "storageUri" in inline:
+            read.config_needed(source, f"{path}.model", source.config)
     names = [step.name for step in steps]
     for dup in sorted({n for n in names if names.count(n) > 1}):
         read.problem("spec.steps", f"step name {dup!r} is used more than once; give each step its own name")

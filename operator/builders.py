@@ -55,7 +55,7 @@ def unserved_formats(sources: Sequence[tuple[str, api.ModelSource]]) -> list[str
     return [
         f"{path}.format: {source.format} models are not served by this runtime version yet "
         f"(served: {', '.join(api.SERVED_FORMATS)}); nothing is deployed for it. Convert the model "
-        "(e.g. export it to ONNX) or wait for the GPU backends"
+        "(e.g. export it to ONNX, or TorchScript with format torchscript)"
         for path, source in sources if source.format not in api.SERVED_FORMATS
     ]
 
@@ -138,14 +138,20 @@ def model_config(source: api.ModelSource, runtime: api.RuntimeConfig, *, gpu: bo
 _ARCHIVES = (".tar.gz", ".tgz", ".tar", ".zip")
 
 
+_MODEL_FILES = (".onnx", ".pt", ".pt2", ".plan")
+"""Suffixes that make an object-store URI one model file rather than a prefix of files."""
+
+
 def _single_file(uri: str) -> str | None:
-    """The file name an https:// URI of one model file downloads to (the fetcher keeps it), else None."""
-    if not uri.startswith("https://"):
-        return None
+    """The file name a URI of one model file is fetched to (the fetcher keeps it), else None: any https://
+    file but an archive; an s3/gs/az object whose name ends in a model file's suffix (a prefix of files
+    keeps the names inside it)."""
     last = uri.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
-    if "." not in last or last.endswith(_ARCHIVES):
-        return None
-    return last
+    if uri.startswith("https://"):
+        return None if "." not in last or last.endswith(_ARCHIVES) else last
+    if uri.startswith(("s3://", "gs://", "az://")) and last.endswith(_MODEL_FILES):
+        return last
+    return None
 
 
 def served_model(

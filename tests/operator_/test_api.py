@@ -100,6 +100,33 @@ def test_pools_and_ensembles_take_server_settings_and_sidecars_refuse_them():
     assert api.parse_inference_model("m", {"model": MODEL, "mode": "Sidecar", "server": {}}).server == api.Server()
 
 
+TS_CONFIG = 'backend: "pytorch"\ninput [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+
+
+def test_a_torchscript_model_needs_its_config_unless_it_is_a_torch_export_program():
+    found = problems({"model": {"storageUri": "s3://b/m/1", "format": "torchscript"}})
+    assert any(p.startswith("spec.model.config: is required for a torchscript model: TorchScript declares no "
+                            "input or output shapes") and "a storageUri ending in .pt2" in p for p in found), found
+    for model in ({"storageUri": "s3://b/m/1", "format": "torchscript", "config": TS_CONFIG},
+                  {"storageUri": "s3://b/m/model.pt2", "format": "torchscript"},
+                  {"storageUri": "https://h/m.pt2?X-Amz-Signature=ab", "format": "torchscript"}):
+        assert api.parse_inference_model("m", {"model": model}).model.format == "torchscript"
+    # A canary runs with its own config, else the stable one; a .pt2 candidate needs neither.
+    stable = {"storageUri": "s3://b/m/model.pt2", "format": "torchscript"}
+    found = problems({"model": stable, "canary": {"storageUri": "s3://b/m/2", "version": 2}})
+    assert any(p.startswith("spec.canary.config: is required for a torchscript model") for p in found), found
+    for canary in ({"storageUri": "s3://b/m/2", "version": 2, "config": TS_CONFIG},
+                   {"storageUri": "s3://b/m2/model.pt2", "version": 2}):
+        api.parse_inference_model("m", {"model": stable, "canary": canary})
+    api.parse_inference_model("m", {"model": {**stable, "storageUri": "s3://b/m/1", "config": TS_CONFIG},
+                                    "canary": {"storageUri": "s3://b/m/2", "version": 2}})
+    with pytest.raises(api.SpecError, match=r"spec.steps\[0\].model.config: is required for a torchscript"):
+        api.parse_ensemble("e", {"steps": [{"name": "s", "model": {"storageUri": "s3://b/m", "format": "torchscript"},
+                                            "inputMap": {"x": "IN"}, "outputMap": {"y": "OUT"}}],
+                                 "inputs": [{"name": "IN", "dataType": "TYPE_FP32", "dims": [4]}],
+                                 "outputs": [{"name": "OUT", "dataType": "TYPE_FP32", "dims": [4]}]})
+
+
 def test_scaling_fields_and_their_defaults():
     default = api.parse_inference_model("m", {"model": MODEL, "scaling": {"minReplicas": 1, "maxReplicas": 4}}).scaling
     assert (default.metric, default.engine, default.target) == ("queueDepth", "hpa", api.DEFAULT_TARGET_QUEUE_DEPTH)

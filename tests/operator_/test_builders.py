@@ -78,14 +78,45 @@ def test_inference_model_children_match_golden(case):
     check_golden(f"inferencemodel-{case}", [*desired.objects, {"absent": [list(a) for a in desired.absent]}])
 
 
-@pytest.mark.parametrize("fmt", ["torchscript", "tensorrt"])
+@pytest.mark.parametrize("fmt", ["tensorrt"])
 def test_formats_without_a_backend_render_nothing(fmt):
     spec = api.parse_inference_model("resnet", {"model": {"storageUri": "s3://b/m", "format": fmt}})
     with pytest.raises(builders.NotServedError) as caught:
         builders.inference_model(owner(), spec, SETTINGS)
     [problem] = caught.value.problems
     assert problem.startswith(f"spec.model.format: {fmt} models are not served")
-    assert "(served: onnx, python)" in problem
+    assert "(served: onnx, torchscript, python)" in problem
+
+
+TORCHSCRIPT_CONFIG = """backend: "pytorch"
+max_batch_size: 8
+input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+instance_group [ { kind: KIND_GPU } ]
+"""
+
+
+def test_torchscript_models_are_deployed_with_their_config_on_the_gpu_image():
+    desired = builders.inference_model(owner(), api.parse_inference_model("resnet", {
+        "model": {"storageUri": "s3://b/resnet/1", "format": "torchscript", "config": TORCHSCRIPT_CONFIG},
+        "resources": {"gpu": {"count": 1}}}), SETTINGS)
+    container = _one(desired, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == SETTINGS.runtime_gpu_image
+    assert _one(desired, "ConfigMap")["data"] == {"resnet.config.pbtxt": TORCHSCRIPT_CONFIG}  # verbatim
+
+
+@pytest.mark.parametrize(("uri", "filename"), [
+    ("s3://b/models/resnet.pt2", "resnet.pt2"), ("gs://b/resnet/traced.pt", "traced.pt"),
+    ("az://c/m/model.onnx", "model.onnx"), ("https://example.com/m.pt2?sig=abc", "m.pt2"),
+    ("s3://b/models/resnet", None), ("s3://b/models/resnet.tar.gz", None), ("gs://b/m/v1.0", None),
+])
+def test_one_model_file_from_a_store_is_named_in_the_config(uri, filename):
+    # The fetch keeps an object's own name (sluice pull); the runtime would look for model.pt/model.onnx.
+    fmt = "torchscript" if ".pt" in uri else "onnx"
+    source = api.ModelSource(name="m", storage_uri=uri, format=fmt, version=1)
+    config = builders.model_config(source, api.RuntimeConfig(), gpu=False)
+    assert config.get("default_model_filename") == filename
+    assert config["backend"] == ("pytorch" if fmt == "torchscript" else "onnxruntime")
 
 
 def _runtime_pod(spec: dict) -> tuple[dict, dict]:

@@ -54,11 +54,11 @@ async def test_deleting_the_ensemble_keeps_the_referenced_model(client, operator
 
 
 async def test_an_ensemble_step_in_a_format_without_a_backend_is_not_deployed(client, operator):
-    await client.create(client.IM, client.model(model={"storageUri": "s3://models/r", "format": "torchscript"}))
+    await client.create(client.IM, client.model(model={"storageUri": "s3://models/r", "format": "tensorrt"}))
     await client.create(client.ENS, ENSEMBLE)
     degraded = await client.wait(
         lambda: (c := client.condition(client.read(client.ENS, "classifier"), "Degraded"))
         and c["reason"] == "NotImplemented" and c)
-    assert "InferenceModel 'resnet' spec.model.format: torchscript models are not served" in degraded["message"]
+    assert "InferenceModel 'resnet' spec.model.format: tensorrt models are not served" in degraded["message"]
     await client.settle()
     assert client.read("apps/v1/deployments", "classifier") is None

@@ -134,6 +134,11 @@ def test_examples_pass_the_crd_schema_and_the_operator_checks(path):
         parse = {"InferenceModel": api.parse_inference_model, "Ensemble": api.parse_ensemble,
                  "ModelPool": api.parse_model_pool}[doc["kind"]]
         parse(doc["metadata"]["name"], pruned["spec"])  # the CEL-equivalent rules
+        model = pruned["spec"].get("model", {})
+        if "config" in model:  # an inline config is the runtime's to read: it must parse there
+            from sluice.runtime.config import parse_config
+
+            parse_config(model["config"], path=f"{path.name}: spec.model.config", fmt=model["configFormat"])
 
 
 def test_scaling_defaults_of_the_crd_are_the_operators():

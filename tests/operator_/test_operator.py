@@ -204,7 +204,7 @@ async def test_a_format_without_a_backend_is_degraded_and_deploys_nothing(client
     degraded = await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded"))
     assert degraded["status"] == "True"
     assert degraded["reason"] == "NotImplemented"
-    assert "tensorrt models are not served by this runtime version yet (served: onnx, python)" in \
+    assert "tensorrt models are not served by this runtime version yet (served: onnx, torchscript, python)" in \
         degraded["message"]
     await client.settle()
     for resource, name in CHILDREN:  # no Deployment to crash-loop, nothing else either

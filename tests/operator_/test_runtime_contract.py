@@ -12,6 +12,7 @@ HPA names.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -254,6 +255,82 @@ def test_the_rendered_pod_stops_cleanly_within_its_grace_period(pod):
     except subprocess.TimeoutExpired:
         pytest.fail(f"the runtime was still running {left} s after SIGTERM: kubelet would SIGKILL it")
     assert returncode == 0, process.stdout.read() if process.stdout else ""
+
+
+# ---------------------------------------------------------------- PyTorch models
+
+TORCH_MISSING = importlib.util.find_spec("torch") is None
+TORCHSCRIPT_CONFIG = """platform: "pytorch_libtorch"
+max_batch_size: 8
+dynamic_batching { }
+input [ { name: "INPUT__0", data_type: TYPE_FP32, dims: [ 4 ] },
+        { name: "INPUT__1", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 4 ] },
+         { name: "OUTPUT__1", data_type: TYPE_FP32, dims: [ 4 ] } ]
+"""
+
+
+@pytest.mark.skipif(TORCH_MISSING, reason="torch is not installed (the torch extra; pip install torch==2.13.0)")
+@pytest.mark.parametrize("case", ["torchscript-inline-config", "torch-export-one-object"])
+def test_a_rendered_pytorch_pod_serves_tritonclient(case: str, tmp_path: pathlib.Path,
+                                                    s3_env: dict[str, str]) -> None:
+    """``format: torchscript`` from S3 as a platform team deploys it: a TorchScript prefix with its config
+    inline, or one ``torch.export`` object (``.pt2``, its own name kept by the fetch) whose config the
+    runtime completes from the program; rendered, fetched and started as kubelet would, then called."""
+    import numpy as np
+    import torch
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    class AddSub(torch.nn.Module):
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x + y, x - y
+
+    s3 = boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"], aws_access_key_id="testing",
+                      aws_secret_access_key="testing", region_name="us-east-1")
+    saved = tmp_path / "saved"
+    if case == "torchscript-inline-config":
+        torch.jit.script(AddSub()).save(str(saved))
+        s3.put_object(Bucket="bucket", Key="pt/ts/model.pt", Body=saved.read_bytes())
+        model = {"storageUri": "s3://bucket/pt/ts", "format": "torchscript", "config": TORCHSCRIPT_CONFIG}
+        spec: dict[str, Any] = {"model": model}
+        names = ("INPUT__0", "INPUT__1")
+    else:
+        batch = torch.export.Dim("batch", min=1, max=64)
+        program = torch.export.export(AddSub(), (torch.zeros(2, 4), torch.zeros(2, 4)),
+                                      dynamic_shapes=({0: batch}, {0: batch}))
+        torch.export.save(program, str(saved))
+        s3.put_object(Bucket="bucket", Key="pt/export/addsub.pt2", Body=saved.read_bytes())
+        spec = {"model": {"storageUri": "s3://bucket/pt/export/addsub.pt2", "format": "torchscript"},
+                "runtime": {"maxBatchSize": 8, "dynamicBatching": {"maxQueueDelayMicroseconds": 100}}}
+        names = ("x", "y")  # forward()'s argument names
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    settings = Settings(http_port=ports["http"], grpc_port=ports["grpc"], metrics_port=ports["metrics"])
+    objects = rendered("addsub", spec, settings)
+    repository = tmp_path / "models"
+    argv = [str(repository) if arg == builders.MODEL_REPOSITORY else arg
+            for arg in lay_out_pod(objects, repository, s3_env)]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_ready(_container(objects)[1], process)
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        y = np.ones((3, 4), dtype=np.float32)
+        for module, port in ((httpclient, ports["http"]), (grpcclient, ports["grpc"])):
+            client = module.InferenceServerClient(f"{POD_IP}:{port}")
+            inputs = [module.InferInput(name, [3, 4], "FP32") for name in names]
+            inputs[0].set_data_from_numpy(x)
+            inputs[1].set_data_from_numpy(y)
+            result = client.infer("addsub", inputs)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT__0"), x + y)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT__1"), x - y)
+            client.close()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 # ---------------------------------------------------------------- the injected sidecar
