@@ -216,6 +216,27 @@ async def test_a_format_without_a_backend_is_degraded_and_deploys_nothing(client
     await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded")["status"] == "False")
 
 
+async def test_a_torchscript_model_without_its_config_is_invalid_and_deploys_once_given_one(client, operator,
+                                                                                          apiserver):
+    await client.create(client.IM, client.model(model={"storageUri": "s3://models/resnet/1", "format": "torchscript"},
+                                                resources={"gpu": {"count": 1}}))
+    degraded = await client.wait(
+        lambda: (c := client.condition(client.read(client.IM, "resnet"), "Degraded")) and c["status"] == "True" and c)
+    assert degraded["reason"] == "InvalidSpec"
+    assert "spec.model.config: is required for a torchscript model" in degraded["message"]
+    assert client.read(DEPLOY, "resnet") is None
+    config = ('platform: "pytorch_libtorch"\nmax_batch_size: 8\n'
+              'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+              'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n')
+    # The inline config replaces spec.runtime (the two cannot be combined).
+    await client.patch(client.IM, "resnet", {"spec": {"model": {"config": config}, "runtime": None}})
+    deployment = await client.wait(lambda: client.read(DEPLOY, "resnet"))
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"].endswith("-cuda"), container["image"]  # the CUDA image carries torch's CUDA build
+    assert client.read("v1/configmaps", "resnet-config")["data"] == {"resnet.config.pbtxt": config}
+    await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded")["status"] == "False")
+
+
 async def test_a_rejected_apply_is_degraded_then_recovers(client, operator, apiserver):
     apiserver.reject_writes(DEPLOY, 403, 'deployments.apps is forbidden: User "system:serviceaccount:x" cannot patch')
     await client.create(client.IM, client.model())
