@@ -575,12 +575,16 @@ def drive(
 
 
 def drive_perf_analyzer(binary: str, protocol: str, url: str, concurrency: int, duration_s: float) -> Any:
+    """One point: perf_analyzer's three measurement windows of duration_s / 3 each, taken as they come
+    (any spread counts as stable), so a point lasts about as long as our own clients' and a device call's
+    caps hold; perf_analyzer reports the last window's figures."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "pa.csv"
+        window_ms = max(500, int(duration_s * 1000 / 3))
         cmd = [
             binary, "-m", MODEL, "-u", url, "-i", protocol, "--concurrency-range", f"{concurrency}:{concurrency}",
-            "--measurement-interval", str(int(duration_s * 1000)), "--max-threads", str(max(16, concurrency)),
-            "-f", str(out),
+            "--measurement-interval", str(window_ms), "--stability-percentage", "999", "--max-trials", "3",
+            "--max-threads", str(max(16, concurrency)), "-f", str(out),
         ]  # fmt: skip
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
         return parse_perf_analyzer_csv(out.read_text())

@@ -14,10 +14,14 @@
 # Each step writes its output to $OUT/<step>.txt as well (OUT defaults to ./gpu-out, ignored by git).
 #   close         everything issue 14's "Done means" still needs, in one device call: the GPU tests
 #                 (cap 170 s), ResNet c1..c256 over both protocols with the server's breakdown and py-spy
-#                 at gRPC c128 (cap 150 s), ResNet with 8 protocol workers at c32..c256 (cap 80 s), the
-#                 encoder with 0, 1, 2, 4, 8, 16 protocol workers (cap 130 s): at most ~9 minutes,
-#                 timeout_s 560; each part capped and in its own file ($OUT/quick-*.txt, times in
-#                 $OUT/quick-times.txt). Then, if the lease has time left: `figures-rest`.
+#                 at gRPC c256 (cap 150 s), ResNet with 8 protocol workers at c32..c256 (cap 80 s; driven
+#                 by perf_analyzer where the carried one runs, machine.txt says), the encoder with 0, 1, 2,
+#                 4, 8, 16 protocol workers (cap 130 s): at most ~9 minutes, timeout_s 560; each part
+#                 capped and in its own file, times in $OUT/quick-times.txt. Then, if the lease has time
+#                 left: `figures-rest`.
+#                 What comes back: $OUT/<step>.txt (every part's output), machine.txt, quick-times.txt,
+#                 and gpu-out.tgz with each part's own file and py-spy's stacks (the device tool returns
+#                 at most 8 files).
 #   figures-rest  what `close` leaves: memory per served instance, ResNet with 4 instances, CUDA shm,
 #                 the staging merge: at most ~4 minutes, timeout_s 260
 #   quick         tests (cap 200 s), a short ResNet run at c1/c32/c128 over both protocols with the
@@ -52,9 +56,19 @@ WHEELS=${SLUICE_GPU_WHEELS:-.whl}
 setup() {
   if [ ! -e "$SITE/.ready" ]; then
     mkdir -p "$SITE/pkgs/sluice"
-    if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    local wheels=() pa_wheel=""
+    for wheel in "$WHEELS"/*.whl; do
+      case $(basename "$wheel") in
+        perf_analyzer-*) pa_wheel=$wheel ;;  # a binary for glibc 2.38+: unpacked, not installed by pip
+        *) [ -e "$wheel" ] && wheels+=("$wheel") ;;
+      esac
+    done
+    if [ ${#wheels[@]} -gt 0 ]; then
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE/wheels" \
-        "$WHEELS"/*.whl || return 1
+        "${wheels[@]}" || return 1
+    fi
+    if [ -n "$pa_wheel" ]; then
+      "$PY" -m zipfile -e "$pa_wheel" "$SITE/wheels" && chmod +x "$SITE/wheels/perf_analyzer/bin/perf_analyzer"
     fi
     # the package-dir mapping of pyproject.toml, as links: sluice.runtime -> runtime/, and so on
     ln -sfn "$PWD/runtime" "$SITE/pkgs/sluice/runtime"
@@ -65,7 +79,13 @@ setup() {
   export PYTHONPATH="$SITE/pkgs:$SITE/wheels${PYTHONPATH:+:$PYTHONPATH}"
   # py-spy (a wheel in .whl/): gpu_resnet.py --profile-s samples the server with it
   if [ -x "$SITE/wheels/bin/py-spy" ]; then export SLUICE_PY_SPY="$SITE/wheels/bin/py-spy"; fi
+  # perf_analyzer (Triton's C++ load generator, a manylinux_2_38 wheel in .whl/): used where it runs
+  # (glibc 2.38 and libstdc++ of GCC 13 or newer), so the client costs the server's cores less
+  PERF_ANALYZER=""
+  local pa="$SITE/wheels/perf_analyzer/bin/perf_analyzer"
+  if [ -x "$pa" ] && "$pa" --version >/dev/null 2>&1; then PERF_ANALYZER=$pa; fi
   {
+    echo "load generator for resnet-workers: ${PERF_ANALYZER:+perf_analyzer }${PERF_ANALYZER:-tritonclient asyncio clients (perf_analyzer not carried or does not run here)}"
     nvidia-smi --query-gpu=name,driver_version,memory.total,mig.mode.current --format=csv || true
     "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
     nproc
@@ -103,8 +123,9 @@ run_step() {
       capped 170 tests bash "$0" tests || failed=1
       capped 150 resnet "$PY" -P bench/gpu_resnet.py --concurrency 1,8,32,64,128,256 --duration-s 4 --raw-s 1 \
         --client-processes 8 --profile-s 4 --profile-dir "$OUT" || failed=1
-      capped 80 resnet-workers "$PY" -P bench/gpu_resnet.py --mode served --protocols grpc \
-        --concurrency 32,64,128,256 --duration-s 4 --raw-s 1 --client-processes 8 \
+      # with 8 workers the asyncio clients (8 processes) compete for the 16 cores: perf_analyzer where it runs
+      SLUICE_PERF_ANALYZER=$PERF_ANALYZER capped 80 resnet-workers "$PY" -P bench/gpu_resnet.py --mode served \
+        --protocols grpc --concurrency 32,64,128,256 --duration-s 4 --raw-s 1 --client-processes 8 \
         --serve-arg=--protocol-workers=8 || failed=1
       capped 130 workers "$PY" -P bench/frontend_workers.py --model encoder --device cuda:0 --workers 0,1,2,4,8,16 \
         --concurrency 256 --connections 64 --client-processes 8 --seconds 4 --warmup 1 || failed=1
@@ -179,6 +200,7 @@ run_step() {
 }
 
 [ $# -gt 0 ] || { sed -n 2,29p "$0"; exit 2; }
+export SLUICE_GPU_SESSION_TOP=${SLUICE_GPU_SESSION_TOP:-$$}
 setup || { echo "setup failed" >&2; exit 1; }
 steps=()
 for step in "$@"; do
@@ -190,4 +212,15 @@ for one in "${steps[@]}"; do
   run_step "$one" 2>&1 | tee -a "$OUT/$one.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
+# The device tool brings back at most 8 files from $OUT: the step logs (each holds its parts' output),
+# machine.txt and quick-times.txt stay loose; the rest (each part's own file, py-spy's stacks) go into
+# one archive, once, by the outermost invocation (`close` runs `tests` through this script too).
+[ "$SLUICE_GPU_SESSION_TOP" = $$ ] || exit $status
+keep='^(machine\.txt|quick-times\.txt|gpu-out\.tgz)$'
+for one in "${steps[@]}"; do keep="$keep|^$one\.txt\$"; done
+rest=()
+while IFS= read -r name; do [[ $name =~ $keep ]] || rest+=("$name"); done < <(ls "$OUT")
+if [ ${#rest[@]} -gt 0 ]; then
+  tar -czf "$OUT/gpu-out.tgz" -C "$OUT" -- "${rest[@]}" && (cd "$OUT" && rm -rf -- "${rest[@]}")
+fi
 exit $status
