@@ -64,6 +64,7 @@ def _environment_help(defaults: Settings) -> str:
         ("SLUICE_IMAGE_PULL_POLICY", defaults.image_pull_policy, "for runtime and fetch containers"),
         ("SLUICE_DEFAULT_CPU", resources.cpu, "CPU of models that name none"),
         ("SLUICE_DEFAULT_MEMORY", resources.memory, "memory of models that name none"),
+        ("SLUICE_PROTOCOL_WORKERS", "not passed", "protocol workers of models that set none: auto or a count"),
         ("SLUICE_MAX_COLOCATED_GPUS", str(defaults.max_colocated_gpus), "ensemble colocation bound"),
         ("SLUICE_CLUSTER_DOMAIN", defaults.cluster_domain, "DNS suffix in status URLs"),
         ("SLUICE_RESYNC_SECONDS", f"{defaults.resync_seconds:g}", "period of the resync timer"),

@@ -497,8 +497,9 @@ def deployment(
         volumes.append({"name": "split", "configMap": {"name": f"{owner.name}-split", "optional": True}})
         mounts.append({"name": "split", "mountPath": SPLIT_DIRECTORY, "readOnly": True})
         args = ["--split-file", f"{SPLIT_DIRECTORY}/{SPLIT_FILE}"]
-    if server.protocol_workers is not None:
-        args += ["--protocol-workers", str(server.protocol_workers)]
+    workers = server.protocol_workers if server.protocol_workers is not None else settings.default_protocol_workers
+    if workers is not None:
+        args += ["--protocol-workers", str(workers)]
     gpu_limits, affinity = rendering.limits, rendering.affinity
     cpu = resources.cpu or settings.default_resources.cpu
     memory = resources.memory or settings.default_resources.memory

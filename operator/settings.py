@@ -73,6 +73,9 @@ class Settings:
     """Pull policy of the runtime and init containers."""
     default_resources: DefaultResources = dataclasses.field(default_factory=DefaultResources)
     """Resources for models that do not name their own."""
+    default_protocol_workers: int | str | None = None
+    """``spec.server.protocolWorkers`` of models that do not set it: ``auto`` or a count; ``None`` passes
+    nothing (the runtime's one process), so pods rendered before the setting existed do not roll."""
     cluster_domain: str = "cluster.local"
     """DNS suffix used to build the endpoint URLs in status."""
     max_colocated_gpus: int = 1
@@ -138,6 +141,7 @@ class Settings:
             runtime_gpu_image=env.get("SLUICE_RUNTIME_GPU_IMAGE", defaults.runtime_gpu_image),
             image_pull_policy=env.get("SLUICE_IMAGE_PULL_POLICY", defaults.image_pull_policy),
             default_resources=resources,
+            default_protocol_workers=_protocol_workers(env.get("SLUICE_PROTOCOL_WORKERS", "")),
             cluster_domain=env.get("SLUICE_CLUSTER_DOMAIN", defaults.cluster_domain),
             max_colocated_gpus=int(env.get("SLUICE_MAX_COLOCATED_GPUS", defaults.max_colocated_gpus)),
             resync_seconds=float(env.get("SLUICE_RESYNC_SECONDS", defaults.resync_seconds)),
@@ -186,6 +190,19 @@ def _one_of(variable: str, value: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"{variable}={value!r} is not allowed; allowed: {', '.join(allowed)}")
     return value
+
+
+MAX_PROTOCOL_WORKERS = 64
+"""The runtime's bound (``sluice serve --protocol-workers``; api.MAX_PROTOCOL_WORKERS is the same)."""
+
+
+def _protocol_workers(value: str) -> int | str | None:
+    if value in ("", "auto"):
+        return value or None
+    if value.isdigit() and int(value) <= MAX_PROTOCOL_WORKERS:
+        return int(value)
+    raise ValueError(f"SLUICE_PROTOCOL_WORKERS={value!r} is not allowed; allowed: empty (not passed), auto, "
+                     f"or a count from 0 to {MAX_PROTOCOL_WORKERS}")
 
 
 def _url(value: str | None) -> str | None:

@@ -166,6 +166,19 @@ def test_protocol_workers_reach_the_runtime_only_when_asked(server, expected):
         assert _flag(container, "--protocol-workers") == expected
 
 
+def test_the_operator_default_applies_where_the_spec_sets_no_protocol_workers():
+    settings = dataclasses.replace(SETTINGS, default_protocol_workers="auto")
+
+    def workers(spec: dict) -> str | None:
+        desired = builders.inference_model(owner(), api.parse_inference_model("resnet", spec), settings)
+        args = _one(desired, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+        return args[args.index("--protocol-workers") + 1] if "--protocol-workers" in args else None
+
+    assert workers(MODELS["cpu-minimal"]) == "auto"
+    assert workers({**MODELS["cpu-minimal"], "server": {"protocolWorkers": 0}}) == "0"  # the spec wins
+    assert workers({**MODELS["cpu-minimal"], "server": {}}) == "auto"
+
+
 def test_builders_are_deterministic():
     spec = api.parse_inference_model("resnet", MODELS["gpu-autoscaled"])
     assert builders.inference_model(owner(), spec, SETTINGS) == builders.inference_model(owner(), spec, SETTINGS)

@@ -310,6 +310,8 @@ def test_rbac_covers_every_kind_the_operator_writes():
     (["--set", "webhook.nativeSidecars=maybe"], "/webhook/nativeSidecars"),
     (["--set", "grafana.dashboard.enabeld=true"], "additional properties 'enabeld' not allowed"),
     (["--set", "grafana.dashboard.label=grafana dashboard"], "/grafana/dashboard/label"),
+    (["--set", "runtime.protocolWorkers=65"], "/runtime/protocolWorkers"),
+    (["--set", "runtime.protocolWorkers=many"], "/runtime/protocolWorkers"),
 ])
 def test_bad_values_fail_the_install(args, message):
     assert message in template_error(*args)
@@ -378,6 +380,14 @@ def _adapter_rules(*args: str) -> list[dict]:
 def _operator_env(*args: str) -> dict[str, str]:
     [deployment] = _rendered("Deployment", *args)
     return {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    ((), None), (("--set", "runtime.protocolWorkers=auto"), "auto"), (("--set", "runtime.protocolWorkers=8"), 8),
+])
+def test_the_protocol_workers_value_reaches_the_operator_settings(args, expected):
+    env = _operator_env(*args)
+    assert Settings.from_env(env).default_protocol_workers == expected
 
 
 def test_autoscaling_objects_are_off_by_default():

@@ -435,8 +435,9 @@ def test_the_injected_sidecar_serves_over_its_socket_and_shared_memory(s3_env: d
 def test_the_operator_bounds_protocol_workers_as_the_runtime_does() -> None:
     """``spec.server.protocolWorkers`` is checked by the operator (and the CRD) with the runtime's own
     bound: a count the runtime would refuse at start must never reach a pod."""
+    from sluice.operator import settings
     from sluice.runtime import frontend_workers
 
-    assert api.MAX_PROTOCOL_WORKERS == frontend_workers.MAX_PROTOCOL_WORKERS
+    assert api.MAX_PROTOCOL_WORKERS == frontend_workers.MAX_PROTOCOL_WORKERS == settings.MAX_PROTOCOL_WORKERS
     assert frontend_workers.protocol_workers_problem(api.MAX_PROTOCOL_WORKERS) is None
     assert frontend_workers.protocol_workers_problem(api.MAX_PROTOCOL_WORKERS + 1) is not None

@@ -16,7 +16,7 @@ def test_from_env_reads_every_documented_variable():
         "SLUICE_RUNTIME_GPU_IMAGE": "r:1-cuda", "SLUICE_DEFAULT_CPU": "2", "SLUICE_DEFAULT_MEMORY": "8Gi",
         "SLUICE_MAX_COLOCATED_GPUS": "2", "SLUICE_RESYNC_SECONDS": "30", "SLUICE_PEERING_NAME": "",
         "SLUICE_METRICS_PORT": "0", "SLUICE_PROMETHEUS_URL": "http://prometheus-operated.monitoring:9090",
-        "SLUICE_ROUTER": "istio", "SLUICE_GATEWAY": "infra/public",
+        "SLUICE_ROUTER": "istio", "SLUICE_GATEWAY": "infra/public", "SLUICE_PROTOCOL_WORKERS": "auto",
     })
     assert settings.namespaces == ("models", "research")
     assert (settings.runtime_image, settings.runtime_gpu_image) == ("r:1", "r:1-cuda")
@@ -27,6 +27,9 @@ def test_from_env_reads_every_documented_variable():
     assert settings.operator_metrics_port == 0
     assert settings.prometheus_url == "http://prometheus-operated.monitoring:9090"
     assert (settings.router, settings.gateway) == ("istio", "infra/public")
+    assert settings.default_protocol_workers == "auto"
+    assert Settings.from_env({"SLUICE_PROTOCOL_WORKERS": "4"}).default_protocol_workers == 4
+    assert Settings.from_env({"SLUICE_PROTOCOL_WORKERS": ""}).default_protocol_workers is None
 
 
 @pytest.mark.parametrize(("variable", "value", "allowed"), [
@@ -35,6 +38,9 @@ def test_from_env_reads_every_documented_variable():
     ("SLUICE_GATEWAY", "infra/", "allowed: <namespace>/<name> or <name>"),
     ("SLUICE_GATEWAY", "/public", "allowed: <namespace>/<name> or <name>"),
     ("SLUICE_GATEWAY", "a/b/c", "allowed: <namespace>/<name> or <name>"),
+    ("SLUICE_PROTOCOL_WORKERS", "65", "allowed: empty (not passed), auto, or a count from 0 to 64"),
+    ("SLUICE_PROTOCOL_WORKERS", "-1", "allowed: empty (not passed), auto"),
+    ("SLUICE_PROTOCOL_WORKERS", "Auto", "allowed: empty (not passed), auto"),
 ])
 def test_a_bad_canary_setting_names_the_variable_and_what_is_allowed(variable, value, allowed):
     with pytest.raises(ValueError, match=f"{variable}={value!r} is not allowed") as caught:
