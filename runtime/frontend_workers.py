@@ -531,6 +531,18 @@ class WorkerPool:
     def pids(self) -> list[int]:
         return [w.process.pid for w in self._workers.values()]
 
+    def counts(self) -> tuple[int, int, int]:
+        """(workers asked for, workers serving now, restarts so far), for the metrics."""
+        serving = sum(
+            1
+            for w in self._workers.values()
+            if w.side.ready.done()
+            and not w.side.ready.cancelled()
+            and w.side.ready.exception() is None
+            and not w.side.stopped.done()
+        )
+        return self.count, serving, self.restarts
+
     async def start(self, sockets: dict[str, socket.socket]) -> None:
         """Start the workers on ``sockets`` (``http``/``grpc``: listening sockets) and wait until each
         is accepting; raises RuntimeError when one cannot start."""

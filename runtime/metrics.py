@@ -234,6 +234,31 @@ class RepositoryCollector(Collector):
             yield from (polls, poll_failures)
 
 
+class ProtocolWorkerCollector(Collector):
+    """The protocol worker processes (``--protocol-workers``): how many were asked for, how many accept
+    and decode requests now, and how often one had to be restarted (a worker that keeps dying shows as
+    a rising count, which the log alone would hide from an alert)."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int, int]]) -> None:
+        self._counts = counts  # () -> (configured, serving, restarts)
+
+    def collect(self) -> Iterator[Metric]:
+        configured, serving, restarts = self._counts()
+        wanted = GaugeMetricFamily(
+            "sluice_protocol_workers", "Protocol worker processes asked for (--protocol-workers)"
+        )
+        wanted.add_metric([], configured)
+        up = GaugeMetricFamily(
+            "sluice_protocol_workers_serving", "Protocol worker processes accepting and decoding requests now"
+        )
+        up.add_metric([], serving)
+        restarted = CounterMetricFamily(
+            "sluice_protocol_worker_restarts", "Protocol worker processes restarted after one exited unasked"
+        )
+        restarted.add_metric([], restarts)
+        yield from (wanted, up, restarted)
+
+
 class Metrics:
     """The server's registry and its exposition."""
 

@@ -33,7 +33,7 @@ from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import NotFound, SluiceError
 from sluice.runtime.forwarding import Forwarder, SplitFileWatcher
 from sluice.runtime.gpu_telemetry import GpuTelemetry
-from sluice.runtime.metrics import Metrics
+from sluice.runtime.metrics import Metrics, ProtocolWorkerCollector
 from sluice.runtime.mirror import RepositoryMirror
 from sluice.runtime.protocol.grpc import start_grpc
 from sluice.runtime.protocol.grpc_h2 import GrpcServer
@@ -336,6 +336,7 @@ class Server:
             await self.workers.start(self._worker_sockets)
         except RuntimeError as exc:
             raise StartupError(f"--protocol-workers: {exc}") from None
+        self.metrics.registry.register(ProtocolWorkerCollector(self.workers.counts))
 
     async def _stop_workers(self, deadline: float) -> None:
         if self.workers is not None:

@@ -482,6 +482,7 @@ class Cli:
         self.lines: list[str] = []
         line = self.until("sluice ready")
         self.http = "127.0.0.1:" + re.search(r"HTTP \S+:(\d+)", line).group(1)  # type: ignore[union-attr]
+        self.metrics = "127.0.0.1:" + re.search(r"metrics \S+:(\d+)", line).group(1)  # type: ignore[union-attr]
         self.pids = [int(p) for p in re.findall(r"\d+", self.find("protocol worker(s) serving").split("pids")[1])]
 
     def until(self, text: str) -> str:
@@ -530,11 +531,32 @@ def _infer_add_sub(address: str) -> None:
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + a)
 
 
+def _worker_metrics(metrics: str) -> dict[str, float]:
+    """The protocol worker families of the server's Prometheus exposition."""
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        name: float(value)
+        for name, value in (line.split() for line in text.splitlines() if line.startswith("sluice_protocol_worker"))
+    }
+
+
 def test_killed_worker_is_restarted_and_workers_die_with_the_engine(cli: tuple[Cli, Path]) -> None:
     server, _ = cli
     assert len(server.pids) == 2
+    assert _worker_metrics(server.metrics) == {
+        "sluice_protocol_workers": 2.0, "sluice_protocol_workers_serving": 2.0,
+        "sluice_protocol_worker_restarts_total": 0.0,
+    }
     os.kill(server.pids[0], signal.SIGKILL)
+    # A new worker takes a Python start (and a second's back-off: it died young) to serve again.
+    _wait_for(lambda: _worker_metrics(server.metrics)["sluice_protocol_workers_serving"] == 1,
+              "the metrics show one worker serving")
     line = server.until("restarted: pid")
+    assert _worker_metrics(server.metrics) == {
+        "sluice_protocol_workers": 2.0, "sluice_protocol_workers_serving": 2.0,
+        "sluice_protocol_worker_restarts_total": 1.0,
+    }
     new_pid = int(line.rsplit("pid", 1)[1])
     assert new_pid not in server.pids
     assert any("exited with signal 9" in seen and "restarting it" in seen for seen in server.lines)
