@@ -12,6 +12,7 @@ HPA names.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import pathlib
@@ -123,14 +124,15 @@ SPECS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(params=sorted(SPECS))
-def pod(request: pytest.FixtureRequest, tmp_path: pathlib.Path, s3_env: dict[str, str]) -> Iterator[Pod]:
+@contextlib.contextmanager
+def started_pod(spec: dict[str, Any], root: pathlib.Path, env: dict[str, str]) -> Iterator[Pod]:
+    """``spec`` rendered as ``addsub`` on free ports, laid out under ``root`` and its runtime started;
+    SIGTERM (then SIGKILL) at the end, as kubelet stops a pod."""
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     settings = Settings(http_port=ports["http"], grpc_port=ports["grpc"], metrics_port=ports["metrics"])
-    spec = {**SPECS[request.param], "scaling": {"minReplicas": 1, "maxReplicas": 2}}
     objects = rendered("addsub", spec, settings)
-    repository = tmp_path / "models"
-    argv = lay_out_pod(objects, repository, s3_env)
+    repository = root / "models"
+    argv = lay_out_pod(objects, repository, env)
     argv = [str(repository) if arg == builders.MODEL_REPOSITORY else arg for arg in argv]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -142,6 +144,33 @@ def pod(request: pytest.FixtureRequest, tmp_path: pathlib.Path, s3_env: dict[str
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(params=sorted(SPECS))
+def pod(request: pytest.FixtureRequest, tmp_path: pathlib.Path, s3_env: dict[str, str]) -> Iterator[Pod]:
+    with started_pod({**SPECS[request.param], "scaling": {"minReplicas": 1, "maxReplicas": 2}}, tmp_path,
+                     s3_env) as running:
+        yield running
+
+
+def infer_both_protocols(ports: dict[str, int], inputs: dict[str, Any], expected: dict[str, Any]) -> None:
+    """``addsub`` called through the pod's HTTP and gRPC ports with tritonclient: ``expected`` outputs."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    for module, port in ((httpclient, ports["http"]), (grpcclient, ports["grpc"])):
+        client = module.InferenceServerClient(f"{POD_IP}:{port}")
+        try:
+            tensors = []
+            for name, array in inputs.items():
+                tensors.append(module.InferInput(name, list(array.shape), "FP32"))
+                tensors[-1].set_data_from_numpy(array)
+            result = client.infer("addsub", tensors)
+            for name, array in expected.items():
+                np.testing.assert_array_equal(result.as_numpy(name), array)
+        finally:
+            client.close()
 
 
 def _container(objects: tuple[dict[str, Any], ...]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -215,8 +244,6 @@ def test_the_rendered_pod_answers_tritonclient_over_both_protocols(pod, request)
     """Inference through the Service's ports as the pod runs them; with spec.server.protocolWorkers the
     runtime starts that many worker processes and the requests are decoded there."""
     import numpy as np
-    import tritonclient.grpc as grpcclient
-    import tritonclient.http as httpclient
 
     objects, ports, process = pod
     _, container = _container(objects)
@@ -224,15 +251,7 @@ def test_the_rendered_pod_answers_tritonclient_over_both_protocols(pod, request)
     workers = SPECS[request.node.callspec.params["pod"]].get("server", {}).get("protocolWorkers", 0)
     assert len(_children(process.pid)) == workers
     a, b = np.arange(16, dtype=np.float32), np.full(16, 2, dtype=np.float32)
-    for module, port in ((httpclient, ports["http"]), (grpcclient, ports["grpc"])):
-        client = module.InferenceServerClient(f"{POD_IP}:{port}")
-        inputs = [module.InferInput("INPUT0", [16], "FP32"), module.InferInput("INPUT1", [16], "FP32")]
-        inputs[0].set_data_from_numpy(a)
-        inputs[1].set_data_from_numpy(b)
-        result = client.infer("addsub", inputs)
-        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
-        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
-        client.close()
+    infer_both_protocols(ports, {"INPUT0": a, "INPUT1": b}, {"OUTPUT0": a + b, "OUTPUT1": a - b})
     # Which process answered: a worker names itself in a response header (HTTP).
     request = urllib.request.Request(f"http://{POD_IP}:{ports['http']}/v2/models/addsub/versions/1")
     with urllib.request.urlopen(request, timeout=5) as response:
@@ -279,8 +298,6 @@ def test_a_rendered_pytorch_pod_serves_tritonclient(case: str, tmp_path: pathlib
     runtime completes from the program; rendered, fetched and started as kubelet would, then called."""
     import numpy as np
     import torch
-    import tritonclient.grpc as grpcclient
-    import tritonclient.http as httpclient
 
     class AddSub(torch.nn.Module):
         def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,33 +321,11 @@ def test_a_rendered_pytorch_pod_serves_tritonclient(case: str, tmp_path: pathlib
         spec = {"model": {"storageUri": "s3://bucket/pt/export/addsub.pt2", "format": "torchscript"},
                 "runtime": {"maxBatchSize": 8, "dynamicBatching": {"maxQueueDelayMicroseconds": 100}}}
         names = ("x", "y")  # forward()'s argument names
-    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
-    settings = Settings(http_port=ports["http"], grpc_port=ports["grpc"], metrics_port=ports["metrics"])
-    objects = rendered("addsub", spec, settings)
-    repository = tmp_path / "models"
-    argv = [str(repository) if arg == builders.MODEL_REPOSITORY else arg
-            for arg in lay_out_pod(objects, repository, s3_env)]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with started_pod(spec, tmp_path, s3_env) as (objects, ports, process):
         _wait_ready(_container(objects)[1], process)
         x = np.arange(12, dtype=np.float32).reshape(3, 4)
         y = np.ones((3, 4), dtype=np.float32)
-        for module, port in ((httpclient, ports["http"]), (grpcclient, ports["grpc"])):
-            client = module.InferenceServerClient(f"{POD_IP}:{port}")
-            inputs = [module.InferInput(name, [3, 4], "FP32") for name in names]
-            inputs[0].set_data_from_numpy(x)
-            inputs[1].set_data_from_numpy(y)
-            result = client.infer("addsub", inputs)
-            np.testing.assert_array_equal(result.as_numpy("OUTPUT__0"), x + y)
-            np.testing.assert_array_equal(result.as_numpy("OUTPUT__1"), x - y)
-            client.close()
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        infer_both_protocols(ports, dict(zip(names, (x, y), strict=True)), {"OUTPUT__0": x + y, "OUTPUT__1": x - y})
 
 
 # ---------------------------------------------------------------- the injected sidecar
