@@ -277,6 +277,14 @@ def _server() -> Schema:
                 "minimum": 0,
                 "maximum": api.MAX_PROTOCOL_WORKERS,
                 "pattern": f"^{api.PROTOCOL_WORKERS_AUTO}$",
+                # minimum/maximum bind the integer form and pattern the string form; the rule says both
+                # again for validators that skip keywords on a node without a type.
+                "x-kubernetes-validations": [_rule(
+                    f"type(self) == string ? self == '{api.PROTOCOL_WORKERS_AUTO}' : "
+                    f"(self >= 0 && self <= {api.MAX_PROTOCOL_WORKERS})",
+                    f"protocolWorkers must be {api.PROTOCOL_WORKERS_AUTO} or a count from 0 to "
+                    f"{api.MAX_PROTOCOL_WORKERS}",
+                )],
             },
         },
     )
