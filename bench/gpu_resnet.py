@@ -575,9 +575,9 @@ def drive(
 
 
 def drive_perf_analyzer(binary: str, protocol: str, url: str, concurrency: int, duration_s: float) -> Any:
-    """One point: perf_analyzer's three measurement windows of duration_s / 3 each, taken as they come
-    (any spread counts as stable), so a point lasts about as long as our own clients' and a device call's
-    caps hold; perf_analyzer reports the last window's figures."""
+    """One point: perf_analyzer's measurement windows of duration_s / 3 each, at most three, with a
+    stability bound so wide (999 %) that it stops at three: a point lasts about as long as our own
+    clients' and a device call's caps hold. The figures are perf_analyzer's own report for the point."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "pa.csv"
         window_ms = max(500, int(duration_s * 1000 / 3))

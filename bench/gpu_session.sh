@@ -20,7 +20,7 @@
 #                 capped and in its own file, times in $OUT/quick-times.txt. Then, if the lease has time
 #                 left: `figures-rest`.
 #                 What comes back: $OUT/<step>.txt (every part's output), machine.txt, quick-times.txt,
-#                 and gpu-out.tgz with each part's own file and py-spy's stacks (the device tool returns
+#                 and parts.tar with each part's own file and py-spy's stacks (the device tool returns
 #                 at most 8 files).
 #   figures-rest  what `close` leaves: memory per served instance, ResNet with 4 instances, CUDA shm,
 #                 the staging merge: at most ~4 minutes, timeout_s 260
@@ -43,7 +43,7 @@
 #   shm           bench/cuda_shm.py: CUDA shared memory versus the wire
 # Wheels: .whl/ (or $SLUICE_GPU_WHEELS) holds what the machine lacks (tritonclient and its HTTP
 # client, httptools, h2/hpack, pytest and its plugins, hypothesis, onnx, ml_dtypes, pyyaml):
-# `bash bench/gpu_wheels.sh` fills it on a machine with network access (about 28 MB, cp312).
+# `bash bench/gpu_wheels.sh` fills it on a machine with network access (about 38 MB, cp312).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
@@ -56,7 +56,7 @@ WHEELS=${SLUICE_GPU_WHEELS:-.whl}
 setup() {
   if [ ! -e "$SITE/.ready" ]; then
     mkdir -p "$SITE/pkgs/sluice"
-    local wheels=() pa_wheel=""
+    local wheels=() pa_wheel="" wheel
     for wheel in "$WHEELS"/*.whl; do
       case $(basename "$wheel") in
         perf_analyzer-*) pa_wheel=$wheel ;;  # a binary for glibc 2.38+: unpacked, not installed by pip
@@ -102,7 +102,22 @@ capped() {  # SECONDS NAME COMMAND...: one part of `quick`, into $OUT/quick-NAME
   timeout -k 5 "$cap" "$@" 2>&1 | tee -a "$OUT/quick-$name.txt"
   rc=${PIPESTATUS[0]}
   echo "$name rc=$rc $(( $(date +%s) - start ))s (cap ${cap}s)" | tee -a "$OUT/quick-times.txt"
+  stow
   return "$rc"
+}
+
+# The device tool brings back at most 8 files from $OUT: the step logs (each holds its parts' output),
+# machine.txt and quick-times.txt stay loose; the rest (each part's own file, py-spy's stacks) are
+# appended to $OUT/parts.tar after each part, so a call cut short by its limit still brings back all
+# but the part it was in. Only the outermost invocation stows (`close` runs `tests` through this script).
+stow() {
+  [ "$SLUICE_GPU_SESSION_TOP" = $$ ] || return 0
+  local keep='^(machine\.txt|quick-times\.txt|parts\.tar)$' one name rest=()
+  for one in "${steps[@]}"; do keep="$keep|^$one\.txt\$"; done
+  while IFS= read -r name; do [[ $name =~ $keep ]] || rest+=("$name"); done < <(ls "$OUT")
+  if [ ${#rest[@]} -gt 0 ]; then
+    tar -rf "$OUT/parts.tar" -C "$OUT" -- "${rest[@]}" && (cd "$OUT" && rm -rf -- "${rest[@]}")
+  fi
 }
 
 run_step() {
@@ -199,7 +214,7 @@ run_step() {
   esac
 }
 
-[ $# -gt 0 ] || { sed -n 2,29p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | grep '^#'; exit 2; }
 export SLUICE_GPU_SESSION_TOP=${SLUICE_GPU_SESSION_TOP:-$$}
 setup || { echo "setup failed" >&2; exit 1; }
 steps=()
@@ -212,15 +227,5 @@ for one in "${steps[@]}"; do
   run_step "$one" 2>&1 | tee -a "$OUT/$one.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
-# The device tool brings back at most 8 files from $OUT: the step logs (each holds its parts' output),
-# machine.txt and quick-times.txt stay loose; the rest (each part's own file, py-spy's stacks) go into
-# one archive, once, by the outermost invocation (`close` runs `tests` through this script too).
-[ "$SLUICE_GPU_SESSION_TOP" = $$ ] || exit $status
-keep='^(machine\.txt|quick-times\.txt|gpu-out\.tgz)$'
-for one in "${steps[@]}"; do keep="$keep|^$one\.txt\$"; done
-rest=()
-while IFS= read -r name; do [[ $name =~ $keep ]] || rest+=("$name"); done < <(ls "$OUT")
-if [ ${#rest[@]} -gt 0 ]; then
-  tar -czf "$OUT/gpu-out.tgz" -C "$OUT" -- "${rest[@]}" && (cd "$OUT" && rm -rf -- "${rest[@]}")
-fi
+stow
 exit $status

@@ -36,6 +36,12 @@ BACKEND_BY_FORMAT = {"onnx": "onnxruntime", "torchscript": "pytorch", "tensorrt"
 SERVED_FORMATS = ("onnx", "torchscript", "python")
 """Formats the runtime images load. The API accepts the others (``tensorrt``) so specs written for them
 stay valid; until the images carry that backend such a model is Degraded (NotImplemented), not deployed."""
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar", ".zip")
+MODEL_FILE_SUFFIXES = (".onnx", ".pt", ".pt2", ".plan", ".py")
+"""Suffixes that make an object-store URI one model file rather than a prefix of files."""
+DEFAULT_MODEL_FILES = {"onnx": ("model.onnx",), "torchscript": ("model.pt", "model.pt2"),
+                       "tensorrt": ("model.plan",), "python": ("model.py",)}
+"""The files the runtime looks for in a version directory when the config names none."""
 TORCH_EXPORT_SUFFIX = ".pt2"
 """A ``torchscript``-format file with this suffix is a ``torch.export`` program, whose config the runtime
 completes from its signature; TorchScript itself needs the config inline (and so does an AOTInductor
@@ -345,9 +351,23 @@ class EnsembleSpec:
     server: Server = Server()
 
 
+def single_file(uri: str) -> str | None:
+    """The name one model file at ``uri`` is fetched under (``sluice pull`` keeps it), else None: any
+    https:// file but an archive; an s3/gs/az object whose name ends in a model file's suffix (a prefix,
+    and a path ending in ``/``, keeps the names inside it); never a mounted ``pvc://`` directory."""
+    path = uri.split("?", 1)[0]
+    last = path.rstrip("/").rsplit("/", 1)[-1]
+    if uri.startswith("https://"):
+        return None if "." not in last or last.endswith(ARCHIVE_SUFFIXES) else last
+    if uri.startswith(("s3://", "gs://", "az://")) and not path.endswith("/") and last.endswith(MODEL_FILE_SUFFIXES):
+        return last
+    return None
+
+
 def is_torch_export(uri: str) -> bool:
-    """Whether a storage URI names one ``.pt2`` file (a query string, as in a signed https URL, aside)."""
-    return uri.split("?", 1)[0].endswith(TORCH_EXPORT_SUFFIX)
+    """Whether a storage URI names one fetched ``.pt2`` file."""
+    name = single_file(uri)
+    return name is not None and name.endswith(TORCH_EXPORT_SUFFIX)
 
 
 def quantity_to_float(text: str) -> float:
@@ -485,13 +505,20 @@ class _Reader:
 
     def config_needed(self, source: ModelSource, path: str, config: str | None) -> None:
         """A TorchScript model declares no input or output shapes: its config must come inline, unless the
-        file is a ``.pt2`` program (the runtime completes that config from the program's signature)."""
+        file is a ``.pt2`` program (the runtime completes that config from the program's signature). An
+        inline config for one fetched file that keeps a name the runtime does not look for must name it."""
         if source.format == "torchscript" and config is None and not is_torch_export(source.storage_uri):
             self.problem(f"{path}.config", "is required for a torchscript model: TorchScript declares no input "
                          "or output shapes, so the config must list them (as Triton's pytorch_libtorch needs). "
                          "Give config.pbtxt text with input and output here, or serve a torch.export program "
-                         f"(a storageUri ending in {TORCH_EXPORT_SUFFIX}), whose config is completed from its "
-                         "signature")
+                         f"(a storageUri naming one {TORCH_EXPORT_SUFFIX} file), whose config is completed from "
+                         "its signature")
+        name = single_file(source.storage_uri)
+        defaults = DEFAULT_MODEL_FILES.get(source.format, ())
+        if config is not None and name is not None and name not in defaults and "default_model_filename" not in config:
+            self.problem(f"{path}.config", f"does not name the model file: the storageUri is fetched as {name!r} "
+                         f"(one file keeps its name) and the runtime looks for {' or '.join(defaults)}; add "
+                         f"default_model_filename: \"{name}\" to the config, or name the file {defaults[0]}")
 
     def fetch_checks(self, data: Mapping[str, Any], path: str, uri: str | None) -> tuple[str | None, str | None]:
         """``checksum`` and ``sizeLimit`` of a model source; neither goes with a mounted ``pvc://`` one."""

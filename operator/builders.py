@@ -115,7 +115,7 @@ def model_config(source: api.ModelSource, runtime: api.RuntimeConfig, *, gpu: bo
         "version_policy": {"specific": {"versions": [source.version]}},
         "instance_group": [{"count": runtime.instances, "kind": "KIND_GPU" if gpu else "KIND_CPU"}],
     }
-    filename = _single_file(source.storage_uri)
+    filename = _single_file(source)
     if filename is not None:
         config["default_model_filename"] = filename
     if runtime.dynamic_batching is not None:
@@ -135,23 +135,15 @@ def model_config(source: api.ModelSource, runtime: api.RuntimeConfig, *, gpu: bo
     return config
 
 
-_ARCHIVES = (".tar.gz", ".tgz", ".tar", ".zip")
-
-
-_MODEL_FILES = (".onnx", ".pt", ".pt2", ".plan")
-"""Suffixes that make an object-store URI one model file rather than a prefix of files."""
-
-
-def _single_file(uri: str) -> str | None:
-    """The file name a URI of one model file is fetched to (the fetcher keeps it), else None: any https://
-    file but an archive; an s3/gs/az object whose name ends in a model file's suffix (a prefix of files
-    keeps the names inside it)."""
-    last = uri.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
-    if uri.startswith("https://"):
-        return None if "." not in last or last.endswith(_ARCHIVES) else last
-    if uri.startswith(("s3://", "gs://", "az://")) and last.endswith(_MODEL_FILES):
-        return last
-    return None
+def _single_file(source: api.ModelSource) -> str | None:
+    """``default_model_filename`` for one fetched file: its own name. An https:// file is always named (as
+    it always was); an object-store file only when the runtime would not find it by its default name, so
+    configs rendered before object-store files were named stay as they were."""
+    name = api.single_file(source.storage_uri)
+    if name is None or (not source.storage_uri.startswith("https://")
+                        and name in api.DEFAULT_MODEL_FILES.get(source.format, ())):
+        return None
+    return name
 
 
 def served_model(

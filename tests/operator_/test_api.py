@@ -106,11 +106,15 @@ TS_CONFIG = 'backend: "pytorch"\ninput [ { name: "x" data_type: TYPE_FP32 dims: 
 def test_a_torchscript_model_needs_its_config_unless_it_is_a_torch_export_program():
     found = problems({"model": {"storageUri": "s3://b/m/1", "format": "torchscript"}})
     assert any(p.startswith("spec.model.config: is required for a torchscript model: TorchScript declares no "
-                            "input or output shapes") and "a storageUri ending in .pt2" in p for p in found), found
+                            "input or output shapes") and "a storageUri naming one .pt2 file" in p for p in found), found
     for model in ({"storageUri": "s3://b/m/1", "format": "torchscript", "config": TS_CONFIG},
                   {"storageUri": "s3://b/m/model.pt2", "format": "torchscript"},
                   {"storageUri": "https://h/m.pt2?X-Amz-Signature=ab", "format": "torchscript"}):
         assert api.parse_inference_model("m", {"model": model}).model.format == "torchscript"
+    # Only one fetched .pt2 file is a program: not a query string's, a prefix's or a mounted claim's.
+    for uri in ("https://h/m.pt?x=a.pt2", "s3://b/m.pt2/", "pvc://claim/m/model.pt2"):
+        assert any("spec.model.config: is required" in p
+                   for p in problems({"model": {"storageUri": uri, "format": "torchscript"}})), uri
     # A canary runs with its own config, else the stable one; a .pt2 candidate needs neither.
     stable = {"storageUri": "s3://b/m/model.pt2", "format": "torchscript"}
     found = problems({"model": stable, "canary": {"storageUri": "s3://b/m/2", "version": 2}})
@@ -125,6 +129,24 @@ def test_a_torchscript_model_needs_its_config_unless_it_is_a_torch_export_progra
                                             "inputMap": {"x": "IN"}, "outputMap": {"y": "OUT"}}],
                                  "inputs": [{"name": "IN", "dataType": "TYPE_FP32", "dims": [4]}],
                                  "outputs": [{"name": "OUT", "dataType": "TYPE_FP32", "dims": [4]}]})
+
+
+@pytest.mark.parametrize(("model", "ok"), [
+    ({"storageUri": "s3://b/m/resnet50.pt", "format": "torchscript", "config": TS_CONFIG}, False),
+    ({"storageUri": "s3://b/m/resnet50.pt", "format": "torchscript",
+      "config": TS_CONFIG + 'default_model_filename: "resnet50.pt"\n'}, True),
+    ({"storageUri": "s3://b/m/model.pt", "format": "torchscript", "config": TS_CONFIG}, True),
+    ({"storageUri": "https://h/r.onnx", "format": "onnx", "config": 'backend: "onnxruntime"\n'}, False),
+    ({"storageUri": "s3://b/m/1", "format": "torchscript", "config": TS_CONFIG}, True),  # a prefix
+])
+def test_an_inline_config_names_a_single_file_the_runtime_would_not_find(model, ok):
+    if ok:
+        api.parse_inference_model("m", {"model": model})
+    else:
+        name = model["storageUri"].rsplit("/", 1)[1]
+        assert any(p.startswith(f"spec.model.config: does not name the model file: the storageUri is fetched as "
+                                f"{name!r}") and f'add default_model_filename: "{name}"' in p
+                   for p in problems({"model": model}))
 
 
 def test_scaling_fields_and_their_defaults():

@@ -107,16 +107,21 @@ def test_torchscript_models_are_deployed_with_their_config_on_the_gpu_image():
 
 @pytest.mark.parametrize(("uri", "filename"), [
     ("s3://b/models/resnet.pt2", "resnet.pt2"), ("gs://b/resnet/traced.pt", "traced.pt"),
-    ("az://c/m/model.onnx", "model.onnx"), ("https://example.com/m.pt2?sig=abc", "m.pt2"),
+    ("az://c/m/resnet.onnx", "resnet.onnx"), ("https://example.com/m.pt2?sig=abc", "m.pt2"),
+    ("s3://b/m/preprocess.py", "preprocess.py"),
+    # the runtime finds these by their default names: nothing to add (configs rendered before stay as they were)
+    ("az://c/m/model.onnx", None), ("s3://b/m/model.pt2", None), ("https://example.com/model.onnx", "model.onnx"),
+    # prefixes, archives, mounted claims: the names inside are kept
     ("s3://b/models/resnet", None), ("s3://b/models/resnet.tar.gz", None), ("gs://b/m/v1.0", None),
+    ("s3://b/models/resnet.onnx/", None), ("pvc://claim/m/resnet.onnx", None),
 ])
 def test_one_model_file_from_a_store_is_named_in_the_config(uri, filename):
     # The fetch keeps an object's own name (sluice pull); the runtime would look for model.pt/model.onnx.
-    fmt = "torchscript" if ".pt" in uri else "onnx"
+    fmt = "torchscript" if ".pt" in uri else "python" if uri.endswith(".py") else "onnx"
     source = api.ModelSource(name="m", storage_uri=uri, format=fmt, version=1)
     config = builders.model_config(source, api.RuntimeConfig(), gpu=False)
     assert config.get("default_model_filename") == filename
-    assert config["backend"] == ("pytorch" if fmt == "torchscript" else "onnxruntime")
+    assert config["backend"] == api.BACKEND_BY_FORMAT[fmt]
 
 
 def _runtime_pod(spec: dict) -> tuple[dict, dict]:
