@@ -185,6 +185,20 @@ def test_a_quarter_goes_to_the_canary_exactly_and_only_the_canary_counts_it(
     assert metrics[forwarded(canary.grpc, "failure")] == 0
 
 
+def test_requests_decoded_by_protocol_workers_are_split_the_same(stable_repo, canary, serve, split_file, clock):
+    # The operator runs stable pods with --split-file always and --protocol-workers when asked: a request a
+    # worker decodes reaches the engine's split like one the engine decodes itself.
+    split_file.parent.mkdir()
+    write_split(split_file, canary.grpc, 25)
+    stable = serve(stable_repo, split_file=split_file, clock=clock, protocol_workers=2)
+
+    over_http = http_versions(stable, 40)
+    over_grpc = grpc_versions(stable, 40)
+    assert over_http.count("2") == 10 and over_grpc.count("2") == 10
+    assert successes(canary) == 20 and successes(stable) == 60
+    assert samples(stable)[forwarded(canary.grpc, "success")] == 20
+
+
 def test_the_request_id_and_raw_contents_pass_through(stable_repo, canary, serve, split_file, clock):
     split_file.parent.mkdir()
     write_split(split_file, canary.grpc, 100)
