@@ -106,7 +106,8 @@ TS_CONFIG = 'backend: "pytorch"\ninput [ { name: "x" data_type: TYPE_FP32 dims: 
 def test_a_torchscript_model_needs_its_config_unless_it_is_a_torch_export_program():
     found = problems({"model": {"storageUri": "s3://b/m/1", "format": "torchscript"}})
     assert any(p.startswith("spec.model.config: is required for a torchscript model: TorchScript declares no "
-                            "input or output shapes") and "a storageUri naming one .pt2 file" in p for p in found), found
+                            "input or output shapes") and "a storageUri naming one .pt2 file" in p
+               for p in found), found
     for model in ({"storageUri": "s3://b/m/1", "format": "torchscript", "config": TS_CONFIG},
                   {"storageUri": "s3://b/m/model.pt2", "format": "torchscript"},
                   {"storageUri": "https://h/m.pt2?X-Amz-Signature=ab", "format": "torchscript"}):
