@@ -34,6 +34,10 @@ from .test_response_cache import config as cached_config  # type: ignore[import-
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "sluice" / "dashboards" / "sluice.json"
 GPU_ROW = "GPU (sluice serve --allow-gpu-metrics)"
 """The row whose panels read the NVML families, exported only where the server reads NVML."""
+WORKERS_ROW = "Protocol workers (sluice serve --protocol-workers)"
+"""The row whose panels read the protocol worker families, exported only by a server with workers."""
+PER_POD_ROWS = {GPU_ROW, WORKERS_ROW}
+"""Rows of per-device or per-pod panels: filtered by namespace, with no model labels to filter by."""
 
 KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless", "offset"}
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'')
@@ -183,7 +187,7 @@ def gpu_metrics(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_every_expression_names_a_family_the_runtime_exports(runtime_families):
-    used = families_read({GPU_ROW}, outside=True)
+    used = families_read(PER_POD_ROWS, outside=True)
     assert used, "no PromQL found in the dashboard"
     unknown = {name: sorted(where) for name, where in used.items() if name not in runtime_families}
     assert unknown == {}, f"the dashboard reads families the runtime does not export: {unknown}"
@@ -215,6 +219,24 @@ def test_the_gpu_row_reads_families_a_server_reading_nvml_exports(runtime_famili
             assert grouped - {"namespace", "pod"} <= carried, (where, grouped - {"namespace", "pod"} - carried)
 
 
+def test_the_protocol_workers_row_reads_families_a_server_with_workers_exports(tmp_path, runtime_families):
+    from .conftest import start_server  # type: ignore[import-not-found]
+
+    write_model(tmp_path / "repo", "mlp", MLP_CONFIG, {"model.onnx": BUILDERS.mlp_model()})
+    server = start_server(tmp_path / "repo", protocol_workers=1)
+    try:
+        with urllib.request.urlopen(f"http://{server.metrics}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    finally:
+        server.stop()
+    used = families_read({WORKERS_ROW})
+    assert set(used) == {"sluice_protocol_workers", "sluice_protocol_workers_serving",
+                         "sluice_protocol_worker_restarts_total"}
+    assert set(used) <= exported(text), sorted(set(used) - exported(text))
+    assert set(label_names(text)) >= set(used), "each family has a sample"
+    assert not set(used) & runtime_families, "the row reads a family a server without workers exports"
+
+
 def test_the_dashboard_is_importable_grafana_json():
     dashboard = json.loads(DASHBOARD.read_text())
     assert dashboard["schemaVersion"] >= 38
@@ -231,8 +253,8 @@ def test_the_dashboard_is_importable_grafana_json():
         assert panel["datasource"] == {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}, panel["title"]
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == "${DS_PROMETHEUS}"
-            # the GPU row's per-device panels have no model labels to filter by (checked above)
-            for label in ("namespace",) if row == GPU_ROW else ("namespace", "model", "version"):
+            # the per-device and per-pod rows have no model labels to filter by (checked above)
+            for label in ("namespace",) if row in PER_POD_ROWS else ("namespace", "model", "version"):
                 assert f'{label}=~"${label}"' in target["expr"], (panel["title"], label)
     assert len(ids) == len(set(ids))
     cells = [
@@ -252,4 +274,4 @@ def test_the_dashboard_is_importable_grafana_json():
         depth["gridPos"]["y"] == hits["gridPos"]["y"]
         and depth["gridPos"]["x"] + depth["gridPos"]["w"] == hits["gridPos"]["x"]
     )
-    assert GPU_ROW in titles
+    assert GPU_ROW in titles and WORKERS_ROW in titles
