@@ -257,8 +257,8 @@ def _shutdown() -> Schema:
 
 def _server() -> Schema:
     return _obj(
-        "Settings of the runtime process itself (not of the model). Leave it out to keep the runtime's "
-        "defaults; a change rolls the pods.",
+        "Settings of the runtime process itself (not of the model). Left out, the operator's defaults apply "
+        "(the chart's runtime.protocolWorkers; unset there, the runtime's own). A change rolls the pods.",
         {
             "protocolWorkers": {
                 "description": (
@@ -266,7 +266,8 @@ def _server() -> Schema:
                     "runs the models (sluice serve --protocol-workers; docs/frontend-workers.md): auto (the pod's "
                     "CPU limit less two, at most 8, none under 4 CPUs; the usual choice on GPU nodes, where one "
                     "process cannot decode fast enough to keep the device busy) or a count from 0 (one process) "
-                    f"to {api.MAX_PROTOCOL_WORKERS}."
+                    f"to {api.MAX_PROTOCOL_WORKERS}. Each worker needs memory in resources.memory: up to ~0.4 GiB "
+                    "under load with large inputs."
                 ),
                 "x-kubernetes-int-or-string": True,
                 "anyOf": [{"type": "integer"}, {"type": "string"}],
