@@ -161,6 +161,9 @@ class RuntimeConfig:
     queue_policy: QueuePolicy | None = None
     instances: int = 1
     response_cache: bool = False
+    cuda_graphs: bool = False
+    """``optimization { cuda { graphs: true } }``: the PyTorch backend captures a CUDA graph per batch size
+    at load (docs/cuda-graphs.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -573,10 +576,27 @@ class _Reader:
         if not isinstance(cache, bool):
             self.problem(f"{path}.responseCache", f"must be true or false, got {cache!r}")
             cache = False
+        graphs = data.get("cudaGraphs", False)
+        if not isinstance(graphs, bool):
+            self.problem(f"{path}.cudaGraphs", f"must be true or false, got {graphs!r}")
+            graphs = False
         return RuntimeConfig(
             max_batch_size=max_batch, dynamic_batching=batching, queue_policy=policy,
             instances=self.integer(data, "instances", path, 1, 1, MAX_INSTANCES), response_cache=cache,
+            cuda_graphs=graphs,
         )
+
+    def graphs_possible(self, runtime: RuntimeConfig | None, path: str, fmt: str, gpu: Gpu | None) -> None:
+        """CUDA graphs are the PyTorch backend's, captured on a GPU: say so rather than render a setting the
+        runtime would ignore (other backends) or run eagerly (CPU instances)."""
+        if runtime is None or not runtime.cuda_graphs:
+            return
+        if fmt != "torchscript":
+            self.problem(f"{path}.cudaGraphs", f"CUDA graphs are captured by the PyTorch backend only (format "
+                         f"torchscript), not for format {fmt}; remove cudaGraphs")
+        elif gpu is None:
+            self.problem(f"{path}.cudaGraphs", "needs a GPU (spec.resources.gpu): graphs are captured on the "
+                         "device, and CPU instances run eagerly; add resources.gpu or remove cudaGraphs")
 
     def resources(self, data: Mapping[str, Any] | None, path: str) -> Resources:
         if data is None:
@@ -775,6 +795,9 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
         pool=read.string(spec, "pool", "spec", pattern=POOL_NAME_PATTERN),
         mode=read.string(spec, "mode", "spec", choices=MODES) or DEPLOYMENT_MODE,
     )
+    read.graphs_possible(result.runtime, "spec.runtime", model.format, result.resources.gpu)
+    if canary is not None:
+        read.graphs_possible(canary.runtime, "spec.canary.runtime", model.format, result.resources.gpu)
     if result.pool is not None:
         _check_member(read, name, result)
     if result.mode == SIDECAR_MODE:

@@ -130,6 +130,8 @@ def model_config(source: api.ModelSource, runtime: api.RuntimeConfig, *, gpu: bo
             "timeout_action": runtime.queue_policy.timeout_action,
         }
         config.setdefault("dynamic_batching", {})["default_queue_policy"] = policy
+    if runtime.cuda_graphs:
+        config["optimization"] = {"cuda": {"graphs": True}}
     if runtime.response_cache:
         config["response_cache"] = {"enable": True}
     return config

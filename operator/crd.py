@@ -342,6 +342,13 @@ def _runtime() -> Schema:
                 "type": "boolean", "default": False,
                 "description": "Cache responses keyed by model, version and inputs (response_cache).",
             },
+            "cudaGraphs": {
+                "type": "boolean",
+                "description": "Capture a CUDA graph per batch size at load and replay it for each batch "
+                               "(optimization.cuda.graphs; the PyTorch backend, format torchscript, on a GPU): "
+                               "the preferred batch sizes and maxBatchSize, a formed batch padded up to the "
+                               "nearest. Costs GPU memory (docs/cuda-graphs.md).",
+            },
         },
         rules=[
             _rule("!has(self.dynamicBatching) || self.maxBatchSize > 0",

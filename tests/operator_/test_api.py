@@ -150,6 +150,29 @@ def test_an_inline_config_names_a_single_file_the_runtime_would_not_find(model, 
                    for p in problems({"model": model}))
 
 
+PT2 = {"storageUri": "s3://b/m/model.pt2", "format": "torchscript"}
+
+
+def test_cuda_graphs_are_asked_for_a_pytorch_model_on_a_gpu():
+    gpu = {"gpu": {"count": 1}}
+    spec = api.parse_inference_model("m", {"model": PT2, "resources": gpu,
+                                           "runtime": {"maxBatchSize": 8, "cudaGraphs": True}})
+    assert spec.runtime.cuda_graphs is True
+    assert api.parse_inference_model("m", {"model": PT2, "runtime": {"maxBatchSize": 8}}).runtime.cuda_graphs is False
+    for spec_data, expected in (
+        ({"model": MODEL, "resources": gpu, "runtime": {"cudaGraphs": True}},
+         "spec.runtime.cudaGraphs: CUDA graphs are captured by the PyTorch backend only (format torchscript), "
+         "not for format onnx"),
+        ({"model": PT2, "runtime": {"cudaGraphs": True}}, "spec.runtime.cudaGraphs: needs a GPU (spec.resources.gpu)"),
+        ({"model": PT2, "resources": gpu, "runtime": {"cudaGraphs": "yes"}},
+         "spec.runtime.cudaGraphs: must be true or false, got 'yes'"),
+        ({"model": MODEL, "resources": gpu, "canary": {"storageUri": "s3://b/m2", "version": 2,
+                                                      "runtime": {"cudaGraphs": True}}},
+         "spec.canary.runtime.cudaGraphs: CUDA graphs are captured by the PyTorch backend only"),
+    ):
+        assert any(p.startswith(expected) for p in problems(spec_data)), problems(spec_data)
+
+
 def test_scaling_fields_and_their_defaults():
     default = api.parse_inference_model("m", {"model": MODEL, "scaling": {"minReplicas": 1, "maxReplicas": 4}}).scaling
     assert (default.metric, default.engine, default.target) == ("queueDepth", "hpa", api.DEFAULT_TARGET_QUEUE_DEPTH)

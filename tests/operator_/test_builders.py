@@ -124,6 +124,17 @@ def test_one_model_file_from_a_store_is_named_in_the_config(uri, filename):
     assert config["backend"] == api.BACKEND_BY_FORMAT[fmt]
 
 
+def test_cuda_graphs_are_rendered_as_tritons_optimization_field():
+    spec = api.parse_inference_model("resnet", {
+        "model": {"storageUri": "s3://b/resnet/resnet50.pt2", "format": "torchscript"},
+        "runtime": {"maxBatchSize": 64, "cudaGraphs": True, "dynamicBatching": {"preferredBatchSizes": [16, 32]}},
+        "resources": {"gpu": {"count": 1}}})
+    config = builders.model_config(spec.model, spec.runtime, gpu=True)
+    assert config["optimization"] == {"cuda": {"graphs": True}}
+    assert config["instance_group"] == [{"count": 1, "kind": "KIND_GPU"}]
+    assert "optimization" not in builders.model_config(spec.model, api.RuntimeConfig(max_batch_size=64), gpu=True)
+
+
 def _runtime_pod(spec: dict) -> tuple[dict, dict]:
     desired = builders.inference_model(owner(), api.parse_inference_model("resnet", spec), SETTINGS)
     [deployment] = [o for o in desired.objects if o["kind"] == "Deployment"]

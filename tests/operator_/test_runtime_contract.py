@@ -427,6 +427,28 @@ def test_the_injected_sidecar_serves_over_its_socket_and_shared_memory(s3_env: d
     assert not (root / "run" / "grpc.sock").exists()
 
 
+def test_the_runtime_reads_the_rendered_cuda_graphs_setting_as_the_batch_sizes_to_capture() -> None:
+    """``spec.runtime.cudaGraphs`` as the runtime reads the rendered config.json: graphs at the preferred
+    batch sizes and maxBatchSize (the capture itself needs a GPU: docs/cuda-graphs.md, tests/runtime)."""
+    import json
+
+    from sluice.runtime import config as model_config
+    from sluice.runtime.backends.torch_graphs import graph_plan
+
+    spec = {"model": {"storageUri": "s3://bucket/resnet50.pt2", "format": "torchscript"},
+            "runtime": {"maxBatchSize": 64, "cudaGraphs": True,
+                        "dynamicBatching": {"preferredBatchSizes": [16, 32], "maxQueueDelayMicroseconds": 500}},
+            "resources": {"gpu": {"count": 1}}}
+    [config_map] = [o for o in rendered("resnet", spec, Settings()) if o["kind"] == "ConfigMap"]
+    [text] = config_map["data"].values()
+    parsed = model_config.parse_config(text, path="resnet/config.json", fmt="json")
+    assert parsed.optimization.cuda.graphs and parsed.default_model_filename == "resnet50.pt2"
+    parsed.input.add(name="x", data_type=model_config.mc.TYPE_FP16, dims=[3, 224, 224])  # as the .pt2 completes it
+    plan = graph_plan(parsed)
+    assert plan is not None and [shape.batch_size for shape in plan.shapes] == [16, 32, 64]
+    assert json.loads(text)["instance_group"] == [{"count": 1, "kind": "KIND_GPU"}]
+
+
 def test_the_operator_bounds_protocol_workers_as_the_runtime_does() -> None:
     """``spec.server.protocolWorkers`` is checked by the operator (and the CRD) with the runtime's own
     bound: a count the runtime would refuse at start must never reach a pod."""
