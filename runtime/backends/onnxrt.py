@@ -370,8 +370,10 @@ def binding_for(providers: Sequence[Provider], config: mc.ModelConfig, datatypes
 
 class OnnxInstance(ModelInstance):
     def __init__(
-        self, session: Any, config: mc.ModelConfig, model_label: str, providers: Sequence[Provider] = ()
+        self, session: Any, config: mc.ModelConfig, model_label: str, providers: Sequence[Provider] = (),
+        binding: Binding | None = None,
     ) -> None:
+        """``binding``: where to bind IO (``binding_for`` decides it from ``providers`` when not given)."""
         self._session = session
         self._label = model_label
         self._batched = config.max_batch_size > 0
@@ -396,7 +398,9 @@ class OnnxInstance(ModelInstance):
             *self._datatypes.values(),
             *(DATATYPE_BY_CONFIG_TYPE[mc.DataType.Name(i.data_type)] for i in config.input),
         ]
-        self._binding = binding_for(providers, config, datatypes) if providers else None
+        if binding is None and providers:
+            binding = binding_for(providers, config, datatypes)
+        self._binding = binding
 
     def _run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         if self._binding is None:
