@@ -19,7 +19,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sluice.runtime import __version__
 from sluice.runtime.batching import BATCH_POLICIES
@@ -665,6 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "pull":
         return _pull(args)
+    runner: Callable[..., Any]
     try:
         import uvloop
 

@@ -39,6 +39,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime import names
 from sluice.runtime.backends.base import TensorSpec
+from sluice.runtime.config_json import config_to_json as config_to_json  # the config endpoint's form
 from sluice.runtime.errors import ConfigError
 from sluice.runtime.types import CONFIG_TYPE_BY_DATATYPE
 
@@ -304,8 +305,8 @@ def _checked_message(data: Any, desc: Descriptor, prefix: str) -> dict:
         if _is_map(fd):
             if not isinstance(value, dict):
                 raise _DocumentError(f"expected a mapping, got {_kind(value)}", field)
-            key_fd = fd.message_type.fields_by_name["key"]
-            value_fd = fd.message_type.fields_by_name["value"]
+            key_fd = _message_type(fd).fields_by_name["key"]
+            value_fd = _message_type(fd).fields_by_name["value"]
             entries: dict[str, Any] = {}
             for map_key, map_value in value.items():
                 entry = f"{field}[{map_key}]"
@@ -324,7 +325,7 @@ def _checked_message(data: Any, desc: Descriptor, prefix: str) -> dict:
 
 def _checked_single(value: Any, fd: FieldDescriptor, field: str) -> Any:
     if fd.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
-        return _checked_message({} if value is None else value, fd.message_type, field + ".")
+        return _checked_message({} if value is None else value, _message_type(fd), field + ".")
     _checked_scalar(value, fd, field)
     return value
 
@@ -333,6 +334,8 @@ def _checked_scalar(value: Any, fd: FieldDescriptor, field: str) -> None:
     cpp = fd.cpp_type
     if cpp == FieldDescriptor.CPPTYPE_ENUM:
         enum = fd.enum_type
+        if enum is None:
+            raise TypeError(f"{fd.full_name} is an enum field without an enum type")
         if isinstance(value, str) and value in enum.values_by_name:
             return
         if isinstance(value, int) and not isinstance(value, bool) and value in enum.values_by_number:
@@ -431,8 +434,16 @@ _ENUMS: dict[str, EnumDescriptor] = {
 def _is_repeated(fd: FieldDescriptor) -> bool:
     repeated = getattr(fd, "is_repeated", None)  # protobuf >= 5.29; ``label`` is deprecated there
     if repeated is None:
-        return fd.label == FieldDescriptor.LABEL_REPEATED
+        return bool(getattr(fd, "label", None) == FieldDescriptor.LABEL_REPEATED)
     return bool(repeated)
+
+
+def _message_type(fd: FieldDescriptor) -> Descriptor:
+    """The message type of a message (or map) field."""
+    desc = fd.message_type
+    if desc is None:
+        raise TypeError(f"{fd.full_name} is not a message field")
+    return desc
 
 
 def _is_map(fd: FieldDescriptor) -> bool:
@@ -562,7 +573,7 @@ def _document_fields(text: str) -> dict[str, tuple[int, int]]:
             if fd is None:
                 continue
             if _is_map(fd) and isinstance(value_node, yaml.MappingNode):
-                value_desc = fd.message_type.fields_by_name["value"].message_type
+                value_desc = _message_type(fd).fields_by_name["value"].message_type
                 for map_key, map_value in value_node.value:
                     entry = f"{field}[{map_key.value}]"
                     positions.setdefault(entry, mark(map_key))
@@ -577,6 +588,8 @@ def _document_fields(text: str) -> dict[str, tuple[int, int]]:
             elif fd.message_type is not None:
                 walk(value_node, fd.message_type, field + ".")
 
+    if root is None:  # an empty document
+        return positions
     try:
         walk(root, mc.ModelConfig.DESCRIPTOR, "")
     except Exception:
@@ -1407,43 +1420,3 @@ def select_versions(config: mc.ModelConfig, available: Sequence[int], *, source:
         return wanted
     count = policy.latest.num_versions if kind == "latest" else 1
     return versions[-max(count, 1) :]
-
-
-def config_to_json(config: mc.ModelConfig) -> dict[str, Any]:
-    """Triton's JSON form of the config (the HTTP ``/v2/models/<m>/config`` body).
-
-    Like Triton: proto field names, fields at their defaults included, 64-bit integers as numbers.
-    """
-    try:
-        data = json_format.MessageToDict(
-            config, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-        )
-    except TypeError:  # protobuf < 5.26 names the option differently
-        data = json_format.MessageToDict(config, preserving_proto_field_name=True, including_default_value_fields=True)
-    return _int64_as_numbers(data, mc.ModelConfig.DESCRIPTOR)
-
-
-def _int64_as_numbers(data: dict[str, Any], desc: Descriptor) -> dict[str, Any]:
-    """protobuf writes int64 as JSON strings; Triton's config endpoint writes numbers."""
-    wide = (FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64)
-    for name, value in data.items():
-        fd = desc.fields_by_name.get(name)
-        if fd is None:
-            continue
-        if _is_map(fd):
-            value_fd = fd.message_type.fields_by_name["value"]
-            for key, item in value.items():
-                value[key] = _convert_one(item, value_fd, wide)
-        elif _is_repeated(fd):
-            data[name] = [_convert_one(item, fd, wide) for item in value]
-        else:
-            data[name] = _convert_one(value, fd, wide)
-    return data
-
-
-def _convert_one(value: Any, fd: FieldDescriptor, wide: tuple[int, int]) -> Any:
-    if fd.message_type is not None and isinstance(value, dict):
-        return _int64_as_numbers(value, fd.message_type)
-    if fd.cpp_type in wide and isinstance(value, str):
-        return int(value)
-    return value

@@ -26,7 +26,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result, TensorSpec
 from sluice.runtime.backends.tensor import merge_inputs, split_timed
-from sluice.runtime.errors import ConfigError, InvalidArgument, ModelError, Unavailable, Unsupported
+from sluice.runtime.errors import ConfigError, InvalidArgument, ModelError, SluiceError, Unavailable, Unsupported
 from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, InferRequest
 
 # ORT type strings -> V2 datatypes.
@@ -425,7 +425,9 @@ class OnnxInstance(ModelInstance):
         try:
             arrays = self._run(feeds)
         except Exception as exc:
-            error = ModelError(f"onnxruntime failed to run model '{self._label}': {type(exc).__name__}: {exc}")
+            error: SluiceError = ModelError(
+                f"onnxruntime failed to run model '{self._label}': {type(exc).__name__}: {exc}"
+            )
             if "INVALID_ARGUMENT" in str(exc):
                 error = InvalidArgument(f"model '{self._label}' rejected the inputs: {exc}")
             return [error] * len(requests)

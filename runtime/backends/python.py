@@ -33,13 +33,13 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-from google.protobuf import descriptor as pb_descriptor
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime.backends import bls
 from sluice.runtime.backends import triton_python_backend_utils as pb_utils
 from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result
+from sluice.runtime.config_json import config_to_json
 from sluice.runtime.errors import (
     Cancelled,
     InvalidArgument,
@@ -238,37 +238,7 @@ def model_config_json(config: mc.ModelConfig) -> str:
     """The config as Triton hands it to ``initialize``: field names as in the proto, defaults
     included (``max_batch_size: 0`` is present), and 64-bit integers such as ``dims`` as JSON
     numbers, not the strings protobuf's JSON mapping would use."""
-    try:
-        data = json_format.MessageToDict(
-            config, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-        )
-    except TypeError:  # protobuf < 5.26 spells the option differently
-        data = json_format.MessageToDict(config, preserving_proto_field_name=True, including_default_value_fields=True)
-    _int64_strings_to_numbers(config.DESCRIPTOR, data)
-    return json.dumps(data)
-
-
-_INT64_TYPES = (pb_descriptor.FieldDescriptor.CPPTYPE_INT64, pb_descriptor.FieldDescriptor.CPPTYPE_UINT64)
-
-
-def _int64_strings_to_numbers(message_type: pb_descriptor.Descriptor, data: dict[str, Any]) -> None:
-    for field in message_type.fields:
-        if field.name not in data:
-            continue
-        value = data[field.name]
-        entry = field.message_type
-        if entry is not None and entry.GetOptions().map_entry:
-            value_field = entry.fields_by_name["value"]
-            for key, item in value.items():
-                if value_field.message_type is not None:
-                    _int64_strings_to_numbers(value_field.message_type, item)
-                elif value_field.cpp_type in _INT64_TYPES:
-                    value[key] = int(item)
-        elif entry is not None:
-            for item in value if isinstance(value, list) else [value]:
-                _int64_strings_to_numbers(entry, item)
-        elif field.cpp_type in _INT64_TYPES:
-            data[field.name] = [int(v) for v in value] if isinstance(value, list) else int(value)
+    return json.dumps(config_to_json(config))
 
 
 def instance_name_of(config: mc.ModelConfig, model_name: str, index: int) -> str:

@@ -40,7 +40,7 @@ import struct
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -799,8 +799,8 @@ class GrpcConnection(asyncio.Protocol):
             if self._send_window > MAX_WINDOW:
                 raise _H2Error(FLOW_CONTROL_ERROR, "connection window grew over 2^31-1")
             if self._blocked:
-                for stream in list(self._blocked.values()):
-                    self._pump(stream)
+                for blocked in list(self._blocked.values()):
+                    self._pump(blocked)
             return
         stream = self._streams.get(sid)
         if stream is None:
@@ -1489,7 +1489,7 @@ class GrpcServer(Listener):
     def on_stop(self, connection: GrpcConnection) -> None:  # type: ignore[override]
         connection.goaway()  # no new streams; the open calls go on
 
-    def parse_head(self, headers: list[tuple[bytes, bytes]]) -> _Head:
+    def parse_head(self, headers: Iterable[tuple[bytes, bytes]]) -> _Head:
         """Check a decoded request header list and resolve its route (pure; the result is cached)."""
         pseudo: dict[bytes, bytes] = {}
         regular = False

@@ -17,7 +17,7 @@ coroutine, for grpc.aio.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from google.protobuf import json_format
@@ -188,7 +188,7 @@ class Service:
         trace.finish(response, answered, clock())
         return payload
 
-    async def model_stream_infer(self, messages: AsyncIterator[Any], call: Call) -> AsyncIterator[Any]:
+    async def model_stream_infer(self, messages: AsyncIterator[Any], call: Call) -> AsyncGenerator[Any, None]:
         """Requests on one stream run concurrently (up to STREAM_IN_FLIGHT); responses come back as
         they finish, with ids; a bad message gets an error message on the stream, which goes on.
         A decoupled model answers a request with zero or more responses (:meth:`_decoupled`)."""

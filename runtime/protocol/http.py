@@ -695,7 +695,7 @@ class V2Routes:
             return json_response({"error": f"method {method.decode()} not allowed here; use GET"}, 405)
         return make()
 
-    def _models(self, request: Request, rest: list[bytes]) -> Response | Awaitable[Response]:
+    def _models(self, request: Request, rest: list[bytes]) -> Response | Awaitable[Response] | object:
         if not rest or rest == [b""]:
             raise NotFound("a model name is needed: /v2/models/<name>")
         if rest == [b"stats"]:
