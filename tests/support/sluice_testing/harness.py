@@ -47,17 +47,23 @@ class _Ignored(set[asyncio.Task[Any]]):
         return code is not None and code.co_filename.endswith("web_protocol.py")
 
 
-async def _sweep_respawned_timers(root_tasks: list[asyncio.Task[Any]]) -> None:
+def _timer_runners() -> set[asyncio.Task[Any]]:
+    return {task for task in asyncio.all_tasks() if task.get_name().startswith("runner of ") and not task.done()}
+
+
+async def _sweep_respawned_timers(stop: asyncio.Event, root_tasks: list[asyncio.Task[Any]]) -> None:
     """Cancel the timers kopf spawned after it stopped its daemons, as soon as its root tasks are done.
 
     On stop, kopf stops every timer, then its workers process the events still queued, and an event
     spawns the object's timer again (nothing stops that one). kopf cancels it as a hung task, but only
     after waiting 5 s for it to end on its own: seconds per test with a resync timer. This cancels the
-    same tasks the same way, without the wait."""
+    same tasks the same way, without the wait. Timers alive when the stop began are left to kopf: this
+    operator's are stopped by it, and another operator's in the same loop must go on."""
+    await stop.wait()
+    before = _timer_runners()
     await asyncio.wait(root_tasks)
-    for task in asyncio.all_tasks():
-        if task.get_name().startswith("runner of ") and not task.done():
-            task.cancel()
+    for task in _timer_runners() - before:
+        task.cancel()
 
 
 class OperatorHarness:
@@ -110,7 +116,7 @@ class OperatorHarness:
             clusterwide=not self.settings.namespaces, namespaces=self.settings.namespaces,
             stop_flag=self._stop, ready_flag=self._ready,
         )
-        sweeper = asyncio.create_task(_sweep_respawned_timers(tasks))
+        sweeper = asyncio.create_task(_sweep_respawned_timers(self._stop, tasks))
         self._ignored.add(sweeper)
         try:
             await kopf.run_tasks(tasks, ignored=self._ignored)
