@@ -109,8 +109,11 @@ def decide(queue: Sequence[Pending], now_ns: int, policy: BatchPolicy) -> Dispat
     # fixed_wait, as Triton's dynamic batcher: before the delay has passed, a prefix that reaches a
     # preferred size goes at once (the largest such); a queue past the largest preferred size sends
     # what fits under it; once the delay has passed (or with no delay) everything that fits goes.
+    # The delay runs from the oldest request of the batch being formed (Triton's
+    # pending_batch_oldest_enqueue_time), not from the head: a higher-priority request that arrives
+    # late, or one moved back by a DELAY timeout, must not hold older requests past their delay.
     delay = policy.max_queue_delay_ns
-    deadline = head.enqueued_ns + delay
+    deadline = min(item.enqueued_ns for item in queue[:count]) + delay
     if delay == 0 or now_ns < deadline:
         preferred = policy.preferred_batch_sizes
         if preferred:

@@ -83,6 +83,9 @@ DECIDE_CASES = [
     ("fw: lone request waits for the delay", q(1), 0, FW, Wait(100)),
     ("fw: delay counts from the oldest request", q(1, 1, enqueued=[50, 90]), 60, FW, Wait(150)),
     ("fw: dispatch when the delay has passed", q(1, 1), 100, FW, Dispatch(2)),
+    # a younger head: a higher-priority request queued later, or an older one moved back by DELAY
+    ("fw: delay runs from the batch's oldest, not the head", q(1, 1, enqueued=[90, 0]), 60, FW, Wait(100)),
+    ("fw: older request past its delay goes with the head", q(1, 1, enqueued=[90, 0]), 100, FW, Dispatch(2)),
     ("fw: dispatch at once when max_batch_size is reached", q(*[1] * 8), 0, FW, Dispatch(8)),
     ("fw: more than fits dispatches a full batch", q(*[1] * 9), 0, FW, Dispatch(8)),
     ("fw: next request would overflow -> send now", q(4, 3, 2), 0, FW, Dispatch(2)),
@@ -376,6 +379,23 @@ async def test_fixed_wait_waits_for_the_delay_on_the_fake_clock(harness):
     await h.started(1)
     assert h.batches == [["a", "b"]]
     assert [value_of(r) for r in await asyncio.gather(first, second)] == [2, 4]
+
+
+async def test_fixed_wait_delay_runs_from_the_oldest_request_not_a_later_higher_priority_one(harness):
+    """A priority-2 request waits; a priority-1 request arriving 4 ms later goes to the head of the
+    queue. The batch of both leaves when the older one's delay (5 ms) has passed, not 5 ms after the
+    newer head (Triton's pending_batch_oldest_enqueue_time)."""
+    h = harness(config(4, mode=FIXED_WAIT, delay_ns=5 * MS, levels=2))
+    h.gate.set()
+    low = await h.put("low", 1, priority=2)
+    h.clock.advance(4 * MS)
+    high = await h.put("high", 2, priority=1)
+    await settle(10)
+    assert h.batches == []
+    h.clock.advance(1 * MS)  # 5 ms after 'low', 1 ms after 'high'
+    await h.started(1)
+    assert h.batches == [["high", "low"]]
+    assert [value_of(r) for r in await asyncio.gather(low, high)] == [2, 4]
 
 
 async def test_fixed_wait_dispatches_a_full_or_preferred_batch_at_once(harness):
