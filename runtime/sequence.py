@@ -252,8 +252,9 @@ def not_started(cid: CorrelationId, model: str, idle_ns: int) -> InvalidArgument
     """Triton's error for a request without START on a sequence that is not active."""
     return InvalidArgument(
         f"inference request for sequence {cid} to model '{model}' must specify the START flag on the first "
-        f"request of the sequence (sequence {cid} is not active: it was never started, it ended, or it was "
-        f"released after {idle_ns // 1000} us idle, max_sequence_idle_microseconds)"
+        f"request of the sequence (sequence {cid} is not active: it was never started, it ended, a request of it was "
+        f"cancelled before it ran, or it was released after {idle_ns // 1000} us idle, "
+        "max_sequence_idle_microseconds)"
     )
 
 
@@ -275,6 +276,15 @@ def control_tensors(
             data = np.full(shape, control.false_true[1 if flag else 0], dtype=numpy_dtype(control.datatype))
         out.append(Tensor(control.name, control.datatype, data))
     return out
+
+
+def state_value(spec: StateSpec, run: SequenceRun | None, start: bool, batched: bool) -> np.ndarray:
+    """The value of implicit state ``spec`` a row of ``run`` gets: the output kept from its previous
+    request, or the initial state (with the batch dim when the model batches) on START."""
+    value = None if start or run is None or run.state is None else run.state.get(spec.input_name)
+    if value is None:
+        value = spec.initial[np.newaxis] if batched else spec.initial
+    return value
 
 
 # -- slots, backlog and batches (pure) -----------------------------------------------------------
@@ -383,15 +393,23 @@ class SequenceBook:
             del self._active[cid]  # a later request with this id starts a new sequence (or is refused)
         return job
 
-    def cancel(self, job: Job) -> bool:
-        """Drop a queued job (its client went away); False when it is no longer queued."""
+    def cancel(self, job: Job) -> list[Job] | None:
+        """Drop a queued job (its client went away); None when it is no longer queued. As in Triton,
+        a cancelled request ends its sequence: its later queued requests are dropped too (returned,
+        for the scheduler to answer), the slot is released once nothing of it runs, and a later
+        request without START is refused. Running on would hand the model a sequence with a step
+        missing, its state carried past the request that never ran."""
         run = job.sequence
         if run is None or job not in run.jobs:
-            return False
+            return None
         run.jobs.remove(job)
-        if job.end:
-            self._maybe_release(run)
-        return True
+        dropped = list(run.jobs)
+        run.jobs.clear()
+        if self._active.get(run.cid) is run:
+            del self._active[run.cid]
+        run.ended = True
+        self._maybe_release(run)
+        return dropped
 
     def next_batch(self, instance: int, now: int) -> Batch | batching.Wait:
         """The rows ``instance`` (idle) runs next, marked running; or when to ask again."""
@@ -404,11 +422,15 @@ class SequenceBook:
         for index in range(self._cfg.slots_per_instance):
             run = self._by_slot.get((instance, index))
             heads.append(run.jobs[0] if run is not None and run.jobs and not run.running else None)
-        first = next((job for job in heads if job is not None), None)
-        if first is None:
+        waiting = [job for job in heads if job is not None]
+        if not waiting:
             return batching.Wait(None)
-        # one shape per batch: rows of another shape wait for the next round (their slots read READY=0)
-        rows = [job if job is not None and job.shape_key == first.shape_key else None for job in heads]
+        # one shape per batch: rows of another shape wait for the next round (their slots read READY=0).
+        # The oldest head sets the shape (Triton takes the lowest slot's, which can starve a sequence whose
+        # shape differs from a busy sequence in a lower slot for as long as that one keeps sending).
+        first = min(waiting, key=lambda job: job.enqueued_ns)
+        key = self.row_key(first)
+        rows = [job if job is not None and self.row_key(job) == key else None for job in heads]
         last = max(i for i, job in enumerate(rows) if job is not None)
         rows = rows[: last + 1]
         for job in rows:
@@ -426,7 +448,7 @@ class SequenceBook:
             key=lambda job: job.enqueued_ns,
         )
         decision = batching.decide(
-            [batching.Pending(1, job.shape_key, job.enqueued_ns) for job in heads], now, self._cfg.batch
+            [batching.Pending(1, self.row_key(job), job.enqueued_ns) for job in heads], now, self._cfg.batch
         )
         if isinstance(decision, batching.Wait):
             return decision
@@ -456,6 +478,15 @@ class SequenceBook:
             run.ended = True
             self._maybe_release(run)
         return idle
+
+    def row_key(self, job: Job) -> tuple:
+        """What rows of one batch must share: the request's input shapes and, with implicit state, the
+        shapes of the state its row gets (a state with variable dims grows apart between sequences)."""
+        states = self._cfg.states
+        if not states:
+            return job.shape_key
+        batched = self._cfg.batched
+        return (job.shape_key, tuple(state_value(spec, job.sequence, job.start, batched).shape for spec in states))
 
     # -- internals -------------------------------------------------------------------------------
     @staticmethod
@@ -653,11 +684,28 @@ class SequenceScheduler:
 
     # -- internals ---------------------------------------------------------------------------
     def _cancel(self, entry: _Entry) -> None:
-        if entry.state == _QUEUED and entry.job is not None and self._book.cancel(entry.job):
+        if entry.state != _QUEUED or entry.job is None:
+            return
+        dropped = self._book.cancel(entry.job)
+        if dropped is None:
+            return
+        self._pending -= 1
+        self._observer.on_rejected("cancelled")
+        self._finish(entry, Cancelled("the request was cancelled by the client before it ran"))
+        run = entry.job.sequence
+        cid = run.cid if run is not None else "?"
+        for job in dropped:
             self._pending -= 1
             self._observer.on_rejected("cancelled")
-            self._finish(entry, Cancelled("the request was cancelled by the client before it ran"))
-            self._maybe_idle()
+            self._finish(
+                job.item,
+                Cancelled(
+                    f"an earlier request of sequence {cid} was cancelled before it ran, which ends the sequence "
+                    "(as in Triton); start it again with sequence_start"
+                ),
+            )
+        self._maybe_idle()
+        self._pump()  # a released slot may go to a sequence in the backlog
 
     def _finish(self, entry: _Entry, outcome: Result) -> None:
         if entry.state == _DONE:
@@ -679,8 +727,7 @@ class SequenceScheduler:
             self._timer.cancel()
         self._timer = None
         self._timer_at = None
-        if not self._closing:
-            self._pump()
+        self._pump()  # also while closing: queued requests run within the grace period
 
     def _arm(self, at_ns: int) -> None:
         assert self._loop is not None
@@ -711,14 +758,14 @@ class SequenceScheduler:
 
     def _dispatch(self, worker: batching._Worker, batch: Batch, now: int) -> None:
         rows: list[_Row] = []
-        template: InferRequest | None = None
+        template: Job | None = None
         for job in batch.rows:
             if job is None:
                 continue
             entry: _Entry = job.item
             entry.state = _RUNNING
             self._queued.discard(entry)
-            template = template or entry.request
+            template = template or job
         assert template is not None
         for job in batch.rows:
             if job is None:
@@ -733,13 +780,11 @@ class SequenceScheduler:
         worker.jobs.put((rows, [now - row.entry.enqueued if row.entry else 0 for row in rows]))  # type: ignore[arg-type]
 
     def _state_inputs(self, run: SequenceRun | None, start: bool) -> list[Tensor]:
-        tensors = []
-        for spec in self._config.states:
-            value = None if start or run is None or run.state is None else run.state.get(spec.input_name)
-            if value is None:
-                value = spec.initial[np.newaxis] if self._config.batched else spec.initial
-            tensors.append(Tensor(spec.input_name, spec.datatype, value))
-        return tensors
+        batched = self._config.batched
+        return [
+            Tensor(spec.input_name, spec.datatype, state_value(spec, run, start, batched))
+            for spec in self._config.states
+        ]
 
     def _requested(self, request: InferRequest) -> list[RequestedOutput] | None:
         if request.outputs is None or not self._config.states:
@@ -766,13 +811,18 @@ class SequenceScheduler:
             trace=request.trace,  # sampled (tracing.py): the backend reports its compute split to it
         )
 
-    def _padding_row(self, template: InferRequest) -> InferRequest:
+    def _padding_row(self, job: Job) -> InferRequest:
+        """A READY=0 row for an empty Direct slot: zeros shaped like ``job``'s row, its state included
+        (Triton's null request takes its states from the batch's request: a state with variable dims
+        has grown past the initial shape)."""
+        template: InferRequest = job.item.request
         inputs = [Tensor(t.name, t.datatype, _zeros_like(t)) for t in template.inputs]
         controls = control_tensors(self._config, start=False, end=False, ready=False, cid=None)
+        states = [Tensor(t.name, t.datatype, _zeros_like(t)) for t in self._state_inputs(job.sequence, job.start)]
         return InferRequest(
             template.model_name,
             template.model_version,
-            [*inputs, *controls, *self._state_inputs(None, True)],
+            [*inputs, *controls, *states],
             self._requested(template),
             "",
             {},
@@ -814,8 +864,7 @@ class SequenceScheduler:
         self._book.finished(jobs, now)
         self._observer.on_batch(requests, waits, compute_ns, answers, phases_ns=phases_ns)
         self._maybe_idle()
-        if not self._closing:
-            self._pump()
+        self._pump()  # also while closing: the next request of each sequence runs within the grace period
 
     def _take_state(self, job: Job, request: InferRequest, result: Result) -> Result:
         """Keep the row's state outputs for the sequence's next request. The client sees a state output

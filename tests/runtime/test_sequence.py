@@ -235,6 +235,57 @@ def test_direct_binds_slots_pads_empty_slots_and_backlogs_extra_sequences():
     assert ids(b.next_batch(0, 5)) == ["c1"]
 
 
+def test_direct_takes_the_shape_of_the_oldest_waiting_request():
+    """Triton takes the lowest occupied slot's shape, so a sequence in slot 1 whose shape differs from a
+    busy sequence in slot 0 waits as long as slot 0 keeps sending; the oldest head sets it here."""
+    b, _ = book(mbs=2)
+    b.admit(1, True, False, 0, "a1", shape_key=(1,))
+    b.admit(2, True, False, 0, "b1", shape_key=(2,))
+    first = b.next_batch(0, 0)
+    assert ids(first) == ["a1"]  # as old as b1: the lower slot
+    b.finished(first.rows, 1)
+    b.admit(1, False, False, 1, "a2", shape_key=(1,))  # slot 0 sends again
+    assert ids(b.next_batch(0, 1)) == [None, "b1"]  # b1 has waited longer
+
+
+def test_rows_whose_state_shapes_differ_are_not_batched_together():
+    state = (
+        'state [ { input_name: "H_IN" output_name: "H_OUT" data_type: TYPE_INT32 dims: [ -1 ] '
+        'initial_state: { data_type: TYPE_INT32 dims: [ 1 ] zero_data: true name: "z" } } ]'
+    )
+    for strategy in ("", "oldest { max_candidate_sequences: 2 }"):
+        c = cfg(CONTROLS + state + strategy, base=BASE.replace("max_batch_size: 4", "max_batch_size: 2"))
+        b = sequence.SequenceBook(c, 1)
+        first = [b.admit(cid, True, False, 0, f"s{cid}") for cid in (1, 2)]
+        batch = b.next_batch(0, 10**9)
+        assert ids(batch) == ["s1", "s2"]  # both start from the initial state: one batch
+        first[0].sequence.state = {"H_IN": np.zeros((1, 2), np.int32)}
+        first[1].sequence.state = {"H_IN": np.zeros((1, 3), np.int32)}
+        b.finished(first, 1)
+        later = [b.admit(cid, False, False, 2, f"t{cid}") for cid in (1, 2)]
+        assert b.row_key(later[0]) != b.row_key(later[1])
+        assert [job.item for job in b.next_batch(0, 10**9).rows if job] == ["t1"]
+        restart = b.admit(2, True, False, 3, "restart")  # START: the initial state again
+        assert b.row_key(restart) == b.row_key(first[0])
+
+
+def test_a_cancelled_request_ends_its_sequence():
+    b, _ = book(mbs=1)
+    b.admit(1, True, False, 0, "a1")
+    running = b.next_batch(0, 0)
+    second = b.admit(1, False, False, 1, "a2")
+    third = b.admit(1, False, False, 2, "a3")
+    b.admit(2, True, False, 3, "b1")  # backlog
+    dropped = b.cancel(second)
+    assert dropped == [third] and not b.active(1)
+    assert b.cancel(second) is None and b.cancel(third) is None  # no longer queued
+    with pytest.raises(sequence.NotStarted):
+        b.admit(1, False, False, 4, "a4")
+    assert b.slot_of(2) is None  # a1 still runs in the only slot
+    b.finished(running.rows, 5)
+    assert b.slot_of(2) == (0, 0) and ids(b.next_batch(0, 5)) == ["b1"]
+
+
 def test_oldest_takes_the_oldest_ready_sequences_and_waits_for_the_delay():
     b, _ = book("oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 100 }", mbs=3)
     b.admit(1, True, False, 10, "a")
@@ -333,8 +384,12 @@ def test_requests_of_one_sequence_run_in_order_and_never_concurrently(operations
         elif op == "cancel":
             for jobs in admitted.values():
                 for job in jobs:
-                    if id(job) not in cancelled and job not in started and b.cancel(job):
-                        cancelled.add(id(job))
+                    if id(job) in cancelled or job in started:
+                        continue
+                    dropped = b.cancel(job)
+                    if dropped is not None:  # the sequence ends: its later queued requests go too
+                        cancelled.update(id(other) for other in [job, *dropped])
+                        assert all(other.sequence is job.sequence for other in dropped) and not job.sequence.jobs
                         break
     for key, jobs in admitted.items():
         order = [job for job in started if id(job.sequence) == key]

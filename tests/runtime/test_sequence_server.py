@@ -207,6 +207,31 @@ def test_an_idle_sequence_is_released_on_the_fake_clock(serve, repo):
     client.close()
 
 
+def test_a_state_with_a_variable_dim_grows_apart_between_sequences_in_one_batch(serve, tmp_path):
+    """Direct, two slots: sequence 32 (slot 1) runs while slot 0 is empty, so its row is batched with a
+    padding row whose state must take the shape of 32's grown state (Triton's null request takes its
+    states from the batch's request); then both sequences send at once with states of different sizes."""
+    root = tmp_path / "repo"
+    write_model(root, "history", sm.HISTORY_CONFIG, {"model.onnx": sm.history_onnx()})
+    server = serve(root)
+    client = grpcclient.InferenceServerClient(server.grpc)
+    assert _call(client, "history", 1, 31, start=True).as_numpy("OUTPUT").tolist() == [[1]]
+    assert _call(client, "history", 10, 32, start=True).as_numpy("OUTPUT").tolist() == [[10]]
+    assert _call(client, "history", 10, 32).as_numpy("OUTPUT").tolist() == [[20]]  # padded below slot 1
+    assert _call(client, "history", 10, 32).as_numpy("OUTPUT").tolist() == [[30]]
+    answers: queue.Queue[Any] = queue.Queue()
+    for cid, value in ((31, 2), (32, 10)):  # history of 2 and of 4 values: never one batch
+        client.async_infer(
+            "history",
+            [_input(grpcclient, value)],
+            callback=lambda result, error, cid=cid: answers.put((cid, error or result)),
+            sequence_id=cid,
+        )
+    got = dict(answers.get(timeout=10) for _ in range(2))
+    assert {cid: result.as_numpy("OUTPUT").tolist() for cid, result in got.items()} == {31: [[3]], 32: [[40]]}
+    client.close()
+
+
 def test_sequence_batching_config_errors_name_file_line_field_and_allowed(serve, tmp_path):
     root = tmp_path / "bad"
     config = sm.accumulator_config("bad").replace("int32_false_true: [ 0, 1 ] } ] }", "} ] }", 1)

@@ -6,6 +6,8 @@
 * ``start_plus_input_onnx``: OUTPUT = (INPUT + START) * READY, with no state: the behaviour of the
   ``simple_sequence`` model Triton's client examples expect.
 * ``dyna_onnx``: OUTPUT = INPUT + START + END * CORRID (the ``simple_dyna_sequence`` behaviour).
+* ``history_onnx``: a state with a variable dim (``dims: [ -1 ]``) that grows by one per request:
+  HIST_OUT = HIST_IN with INPUT appended, OUTPUT = its sum (``HISTORY_CONFIG``, Direct, batch of 2).
 * ``ACCUMULATOR_PY``: the accumulator as a Python-backend model (state through pb_utils), which also
   returns the correlation id it saw as CORR (BYTES).
 """
@@ -74,6 +76,37 @@ def dyna_onnx() -> bytes:
         helper.make_node("Mul", ["sum", "READY"], ["OUTPUT"]),
     ]
     return _model(nodes, "simple_dyna_sequence", inputs, [_int32("OUTPUT")])
+
+
+def history_onnx() -> bytes:
+    from onnx import TensorProto, helper
+
+    def tensor(name: str, dims: list) -> object:
+        return helper.make_tensor_value_info(name, TensorProto.INT32, dims)
+
+    nodes = [
+        helper.make_node("Concat", ["HIST_IN", "INPUT"], ["HIST_OUT"], axis=1),
+        helper.make_node("ReduceSum", ["HIST_OUT", "axis1"], ["OUTPUT"], keepdims=1),
+    ]
+    axis = helper.make_tensor("axis1", TensorProto.INT64, [1], [1])
+    inputs = [tensor("INPUT", ["batch", 1]), tensor("START", ["batch", 1]), tensor("HIST_IN", ["batch", "n"])]
+    outputs = [tensor("OUTPUT", ["batch", 1]), tensor("HIST_OUT", ["batch", "m"])]
+    return _model(nodes, "history", inputs, outputs, [axis])
+
+
+HISTORY_CONFIG = """
+name: "history"
+backend: "onnxruntime"
+max_batch_size: 2
+input [ { name: "INPUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+output [ { name: "OUTPUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+instance_group [ { count: 1, kind: KIND_CPU } ]
+sequence_batching {
+  control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]
+  state [ { input_name: "HIST_IN" output_name: "HIST_OUT" data_type: TYPE_INT32 dims: [ -1 ]
+            initial_state: { data_type: TYPE_INT32 dims: [ 1 ] zero_data: true name: "zero" } } ]
+}
+"""
 
 
 def _controls(*entries: tuple[str, str, str]) -> str:
