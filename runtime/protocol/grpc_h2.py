@@ -112,6 +112,10 @@ CONTROL_REPLIES_PER_WRITE = 256
 KEEPALIVE_PING = b"sluiceka"
 """Payload of our keepalive PINGs, to tell their ACKs from those of other PINGs."""
 RESET_LIMIT = 1024
+MAX_CONTINUATIONS = 64
+"""CONTINUATION frames one header block may take (empty ones would never reach the size limit)."""
+ECHOED_CHARS = 200
+"""Of a client's own text (a method path, an encoding) at most this much goes back in an error."""
 """Client resets of open streams a connection may have beyond the streams it let us finish; one
 more is a rapid-reset attack (CVE-2023-44487): reset streams leave the concurrency cap at once, so
 they bound nothing. Answered with GOAWAY(ENHANCE_YOUR_CALM)."""
@@ -234,6 +238,12 @@ class _Head:
         self.reject = reject  # ("rst", h2 code) | ("http", status, text) | ("grpc", StatusCode, message)
         self.caller = caller  # the sluice-caller metadata, checked (callers.py); "" when absent
         self.traceparent = traceparent  # the W3C traceparent metadata, unparsed (tracing.py)
+
+
+def _echo(text: bytes) -> str:
+    """A client's own text as it goes back in an error: at most ``ECHOED_CHARS`` of it."""
+    shown = text[:ECHOED_CHARS].decode(errors="replace")
+    return shown if len(text) <= ECHOED_CHARS else f"{shown}... ({len(text)} bytes)"
 
 
 def _malformed(why: str) -> _Head:
@@ -452,6 +462,8 @@ class GrpcConnection(asyncio.Protocol):
         self._write_paused = False
         self._reset_debt = 0  # client resets of open streams, less the streams answered since
         self._keepalive_sent: float | None = None  # loop time of our unacknowledged keepalive PING
+        self._closed_at: float | None = None  # when we closed it (the transport may still be flushing)
+        self._block_started = 0.0  # when the header block waiting for CONTINUATION began
         self.last_activity = self._loop.time()
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
@@ -587,17 +599,19 @@ class GrpcConnection(asyncio.Protocol):
 
     # -- output ----------------------------------------------------------------------------------
     def _emit(self, data: bytes | memoryview) -> None:
-        self._out.append(data)
-        if not self._flush_scheduled:
+        """Queue ``data`` for the next write. A read full of frames that are answered at once (PINGs,
+        calls refused from their headers alone, resets) is written out as it goes, every
+        ``CONTROL_REPLIES_PER_WRITE`` pieces, so that a peer that does not read pauses us
+        (``pause_writing``) within a bounded amount of replies, not a whole read's worth of them."""
+        out = self._out
+        out.append(data)
+        if len(out) >= CONTROL_REPLIES_PER_WRITE:
+            self._flush()
+        elif not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
-    def _control(self, data: bytes) -> None:
-        """A reply to a control frame. A read full of them (a PING flood) is written out as it goes, so
-        that a peer that does not read pauses us (``pause_writing``) within a bounded number of replies."""
-        self._emit(data)
-        if len(self._out) >= CONTROL_REPLIES_PER_WRITE:
-            self._flush()
+    _control = _emit
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -615,7 +629,13 @@ class GrpcConnection(asyncio.Protocol):
     def _close(self) -> None:
         if self._transport is not None and not self._closed:
             self._closed = True
+            self._closed_at = self._loop.time()
             self._transport.close()
+
+    def abort(self) -> None:
+        """Drop the connection and whatever it still had to send (a peer that stopped reading)."""
+        if self._transport is not None:
+            self._transport.abort()
 
     def _fail(self, code: int, debug: str) -> None:
         """Connection error: GOAWAY with ``code``, drop every stream, close."""
@@ -665,6 +685,15 @@ class GrpcConnection(asyncio.Protocol):
         if that is not acknowledged within ``--keepalive-timeout-s`` (a half-open connection, or a
         peer that stopped reading), which cancels its calls."""
         limits = self._limits
+        if self._closed:
+            # closed by us, but the peer does not read what is left to send (the transport waits to
+            # flush it before it lets go): drop it, its buffer and its connection slot
+            if self._closed_at is not None and now - self._closed_at > limits.idle_timeout_s:
+                self.abort()
+            return
+        if self._continuation is not None and now - self._block_started > limits.header_timeout_s:
+            self._fail(ENHANCE_YOUR_CALM, "header block not finished in time (--header-timeout-s)")
+            return
         if not self._streams:
             self._keepalive_sent = None
             if now - self.last_activity > limits.idle_timeout_s:
@@ -758,18 +787,13 @@ class GrpcConnection(asyncio.Protocol):
                 self._preface_timer.cancel()
                 self._preface_timer = None
         opened = False
+        window: int | None = None
         for offset in range(start, stop, 6):
             ident, value = _SETTING.unpack_from(data, offset)
             if ident == SETTINGS_INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise _H2Error(FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE over 2^31-1")
-                delta = value - self._peer_initial_window
-                self._peer_initial_window = value
-                for stream in self._streams.values():
-                    stream.send_window += delta
-                    if stream.send_window > MAX_WINDOW:
-                        raise _H2Error(FLOW_CONTROL_ERROR, "a stream window grew over 2^31-1")
-                opened = opened or delta > 0
+                window = value  # applied once, below: a frame may repeat it (thousands of times)
             elif ident == SETTINGS_MAX_FRAME_SIZE:
                 if not DEFAULT_MAX_FRAME <= value <= 2**24 - 1:
                     raise _H2Error(PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value} is outside 16384..2^24-1")
@@ -782,6 +806,14 @@ class GrpcConnection(asyncio.Protocol):
                 # Our encoder uses no dynamic table; say so once, as the peer's decoder may expect
                 # a size update at the start of our next header block.
                 self._table_reset_pending = True
+        if window is not None:
+            delta = window - self._peer_initial_window
+            self._peer_initial_window = window
+            for stream in self._streams.values():
+                stream.send_window += delta
+                if stream.send_window > MAX_WINDOW:
+                    raise _H2Error(FLOW_CONTROL_ERROR, "a stream window grew over 2^31-1")
+            opened = delta > 0
         self._control(frame(SETTINGS, ACK, 0))
         if opened:
             for stream in list(self._streams.values()):
@@ -800,6 +832,8 @@ class GrpcConnection(asyncio.Protocol):
                 raise _H2Error(FLOW_CONTROL_ERROR, "connection window grew over 2^31-1")
             if self._blocked:
                 for blocked in list(self._blocked.values()):
+                    if self._send_window <= 0:
+                        break  # the rest stay blocked: one tiny update must not walk them all
                     self._pump(blocked)
             return
         stream = self._streams.get(sid)
@@ -984,6 +1018,7 @@ class GrpcConnection(asyncio.Protocol):
             self._header_block(sid, fragment, bool(flags & END_STREAM))
         else:
             self._continuation = (sid, [fragment], len(fragment), bool(flags & END_STREAM))
+            self._block_started = self._loop.time()
 
     def _on_continuation(self, data: bytes, start: int, stop: int, flags: int, sid: int) -> None:
         pending = self._continuation
@@ -994,6 +1029,8 @@ class GrpcConnection(asyncio.Protocol):
         size += stop - start
         if size > self._max_block:
             raise _H2Error(ENHANCE_YOUR_CALM, "header block far over SETTINGS_MAX_HEADER_LIST_SIZE")
+        if len(fragments) > MAX_CONTINUATIONS:
+            raise _H2Error(ENHANCE_YOUR_CALM, f"header block in over {MAX_CONTINUATIONS} CONTINUATION frames")
         if flags & END_HEADERS:
             self._continuation = None
             self._header_block(sid, b"".join(fragments), end_stream)
@@ -1016,7 +1053,10 @@ class GrpcConnection(asyncio.Protocol):
         if not sid & 1:
             raise _H2Error(PROTOCOL_ERROR, f"client opened even-numbered stream {sid}")
         if sid <= self._last_sid:
-            return  # a stream already closed (answered or reset): ignored
+            # a stream closed (answered, reset, or skipped over: opening a higher one closed it,
+            # RFC 9113 §5.1.1); its call would wait for ever: refused with STREAM_CLOSED (§5.1)
+            self._control(frame(RST_STREAM, 0, sid, _U32.pack(STREAM_CLOSED)))
+            return
         self._last_sid = sid
         if (self._goaway_sid is not None and sid > self._goaway_sid) or self._peer_goaway:
             return  # after GOAWAY: not taken; the client retries it elsewhere
@@ -1525,17 +1565,17 @@ class GrpcServer(Listener):
         if method is None or path is None or b":scheme" not in pseudo:
             return _malformed("a request needs :method, :scheme and :path")
         if method != b"POST":
-            return _Head(reject=("http", 405, f"gRPC calls use POST, not {method.decode(errors='replace')}"))
+            return _Head(reject=("http", 405, f"gRPC calls use POST, not {_echo(method)}"))
         if (
             content_type is None
             or not content_type.startswith(b"application/grpc")
             or content_type[16:17] not in (b"", b"+", b";")
         ):
-            shown = "none" if content_type is None else repr(content_type.decode(errors="replace"))
+            shown = "none" if content_type is None else repr(_echo(content_type))
             return _Head(reject=("http", 415, f"content-type must be application/grpc, got {shown}"))
         route = self.routes.get(path)
         if route is None:
-            return _grpc_reject(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path.decode(errors='replace')}")
+            return _grpc_reject(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {_echo(path)}")
         if route.kind == _UNIMPLEMENTED:
             return _grpc_reject(grpc.StatusCode.UNIMPLEMENTED, grpc_service.unimplemented_message(route.name))
         timeout = None
@@ -1544,7 +1584,7 @@ class GrpcServer(Listener):
             if timeout is None:
                 return _grpc_reject(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"grpc-timeout {timeout_value.decode(errors='replace')!r} is malformed; "
+                    f"grpc-timeout {_echo(timeout_value)!r} is malformed; "
                     "expected up to 8 digits and a unit H, M, S, m, u or n",
                 )
         wbits = 0
@@ -1553,8 +1593,7 @@ class GrpcServer(Listener):
             if not wbits:
                 return _grpc_reject(
                     grpc.StatusCode.UNIMPLEMENTED,
-                    f"grpc-encoding {encoding.decode(errors='replace')!r} is not supported; "
-                    "use identity, gzip or deflate",
+                    f"grpc-encoding {_echo(encoding)!r} is not supported; use identity, gzip or deflate",
                 )
         if caller:
             try:

@@ -95,7 +95,6 @@ def json_response(value: Any, status: int = 200) -> Response:
     return Response(status, json.dumps(value, separators=(",", ":")).encode())
 
 
-
 async def answer_of(request: Request, pending: Awaitable[Response]) -> Response | None:
     """The response ``pending`` resolves to: a SluiceError as its status, any other exception as a
     500 (logged with the path); None when it was cancelled (the client went away: nothing to send)."""
@@ -108,6 +107,7 @@ async def answer_of(request: Request, pending: Awaitable[Response]) -> Response 
     except Exception:
         log.exception("unhandled error on %s", request.path)
         return json_response({"error": "internal server error (see server log)"}, 500)
+
 
 def error_response(exc: SluiceError) -> Response:
     return json_response({"error": exc.message}, exc.http_status)
@@ -516,6 +516,11 @@ class Connection(asyncio.Protocol):
             self._closed = True
             self.since = self._loop.time()
             self._transport.close()
+
+    def abort(self) -> None:
+        """Drop the connection and whatever it still had to send (a peer that stopped reading)."""
+        if self._transport is not None:
+            self._transport.abort()
 
     @property
     def busy(self) -> bool:

@@ -92,6 +92,12 @@ class SweptConnection(Protocol):
 
     def close(self) -> None: ...
 
+    def abort(self) -> None: ...
+
+
+ABORT_AFTER_S = 1.0
+"""How long a shutdown waits for closed connections to flush before it drops them."""
+
 
 class Listener:
     SWEEP_INTERVAL_S = 0.5
@@ -160,6 +166,13 @@ class Listener:
             await asyncio.sleep(0.02)
         for conn in list(self.connections):
             conn.close()
+        # A peer that does not read keeps its transport open while the answers wait to be flushed:
+        # a moment for the writes, then what is left is dropped, so a shutdown cannot hang on it.
+        until = time.monotonic() + ABORT_AFTER_S
+        while self.connections and time.monotonic() < until:
+            await asyncio.sleep(0.02)
+        for conn in list(self.connections):
+            conn.abort()
         if self._sweeper is not None:
             self._sweeper.cancel()
         for server in self._servers:

@@ -17,7 +17,14 @@ import hpack
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, PingFrame, RstStreamFrame, WindowUpdateFrame
+from hyperframe.frame import (
+    ContinuationFrame,
+    DataFrame,
+    HeadersFrame,
+    PingFrame,
+    RstStreamFrame,
+    WindowUpdateFrame,
+)
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
@@ -36,7 +43,7 @@ from .test_grpc_h2 import (  # type: ignore[import-not-found]
 
 OK, RESOURCE_EXHAUSTED = 0, 8
 INITIAL_WINDOW_SIZE = 0x4
-NO_ERROR, CANCEL, ENHANCE_YOUR_CALM = 0x0, 0x8, 0xB
+NO_ERROR, STREAM_CLOSED, CANCEL, ENHANCE_YOUR_CALM = 0x0, 0x5, 0x8, 0xB
 
 
 @pytest.fixture
@@ -417,3 +424,128 @@ def test_a_stream_whose_answers_are_not_read_stops_taking_requests(tmp_path, ser
     response = client.response(1, timeout=60)
     assert response.status == OK, response.message
     assert len(response.messages()) == (sent + len(data) - 1) // len(data) + 1
+
+
+# -- 7. peers that stop reading, floods that cost the server more than the peer ---------------------
+
+
+def _connections(server: Any) -> int:
+    async def count() -> int:
+        return len(server.server._grpc_h2.connections)
+
+    return server.call(count())
+
+
+def test_a_connection_closed_on_a_peer_that_does_not_read_is_dropped(serve, repo):
+    """The server closes an idle connection whose peer stopped reading after flooding PINGs; the
+    transport would wait for ever to flush the acks (holding their memory and a connection slot):
+    after another idle timeout it is dropped."""
+    server = serve(repo, limits=Limits(idle_timeout_s=0.5))
+    host, port = server.grpc.rsplit(":", 1)
+    hog = socket.socket()
+    hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    hog.connect((host, int(port)))
+    try:
+        hog.sendall(PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        push_until_blocked(hog, PingFrame(0, b"floodflo").serialize() * 4096, 48 << 20)
+        assert _connections(server) == 1
+        deadline = time.monotonic() + 15  # idle timeout, close, then the second timeout (sweeps at 0.5 s)
+        while _connections(server):
+            assert time.monotonic() < deadline, "a closed connection whose peer does not read was kept"
+            time.sleep(0.1)
+    finally:
+        hog.close()
+
+
+def test_calls_refused_from_their_headers_alone_do_not_pile_up_for_a_peer_that_does_not_read(serve, repo):
+    """A 3.9 KB method path sent once, then named by its HPACK index in 14-byte HEADERS frames: each call
+    is answered UNIMPLEMENTED from its headers alone. Written out as they are made, so the server stops
+    reading when its peer does; the echoed path is cut to 200 characters."""
+    server = serve(repo)
+    host, port = server.grpc.rsplit(":", 1)
+    hog = socket.socket()
+    hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    hog.connect((host, int(port)))
+    encoder = hpack.Encoder()
+    path = "/" + "p" * 3900  # with the other headers, within the 4 KiB HPACK table
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "t")]
+    headers.append(("content-type", "application/grpc"))
+    frames = [HeadersFrame(sid, encoder.encode(headers), flags=["END_HEADERS", "END_STREAM"]) for sid in (1, 3)]
+    assert len(frames[1].data) < 10  # indexed: a few bytes of input for each answer
+    frames += [HeadersFrame(sid, frames[1].data, flags=["END_HEADERS", "END_STREAM"]) for sid in range(5, 80_000, 2)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        hog.sendall(PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        hog.setblocking(False)
+        data = memoryview(b"".join(f.serialize() for f in frames))
+        sent = 0
+        while sent < len(data):
+            _, writable, _ = select.select([], [hog], [], 1.0)
+            if not writable:
+                break  # the server stopped reading
+            with contextlib.suppress(BlockingIOError):
+                sent += hog.send(data[sent : sent + 65_536])
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak >> 20} MiB of answers held at once for a peer that does not read"
+    hog.setblocking(True)
+    hog.settimeout(5)
+    first = b""
+    while len(first) < 8192:
+        first += hog.recv(65_536)
+    hog.close()
+    assert b"Method not found: /ppp" in first and b"p" * 250 not in first and b"(3901 bytes)" in first
+
+
+def test_an_initial_window_repeated_in_one_settings_frame_takes_the_last(serve, repo, connect):
+    client = connect(serve(repo).grpc, settings={INITIAL_WINDOW_SIZE: 1 << 20}, auto_window=False)
+    client.request(1, SERVICE + "ModelInfer", add_sub_request())
+    assert_add_sub_ok(client.response(1))
+    # 20,000 entries (one SETTINGS frame of 120 KB), the last one 10 bytes
+    entries = b"".join(INITIAL_WINDOW_SIZE.to_bytes(2, "big") + (n % 7).to_bytes(4, "big") for n in range(19_999))
+    entries += INITIAL_WINDOW_SIZE.to_bytes(2, "big") + (10).to_bytes(4, "big")
+    client.sock.sendall(len(entries).to_bytes(3, "big") + b"\x04\x00" + b"\x00\x00\x00\x00" + entries)
+    client.request(3, SERVICE + "ModelInfer", add_sub_request())
+    client.read_until(lambda: 3 in client.responses and len(client.responses[3].data) >= 10)
+    client.drain(0.2)
+    assert len(client.responses[3].data) == 10 and not client.responses[3].ended
+
+
+def test_a_header_block_in_endless_empty_continuation_frames_gets_goaway(serve, repo, connect):
+    client = connect(serve(repo).grpc)
+    block = client.block(SERVICE + "ModelInfer")
+    frames = [HeadersFrame(1, block[:3])] + [ContinuationFrame(1, b"") for _ in range(5000)]
+    with contextlib.suppress(OSError):
+        client.send(*frames)
+    client.drain(5.0)
+    assert client.goaway is not None and client.goaway.error_code == ENHANCE_YOUR_CALM
+    assert b"CONTINUATION" in client.goaway.additional_data
+
+
+def test_a_header_block_left_unfinished_gets_goaway_after_the_header_timeout(serve, repo, connect):
+    client = connect(serve(repo, limits=Limits(header_timeout_s=0.5)).grpc)
+    block = client.block(SERVICE + "ModelInfer")
+    client.send(HeadersFrame(1, block[:3]), ContinuationFrame(1, block[3:5]))
+    client.drain(15.0)  # ends when the server closes: the sweeper runs every 0.5 s
+    assert client.goaway is not None and client.goaway.error_code == ENHANCE_YOUR_CALM
+    assert b"--header-timeout-s" in client.goaway.additional_data
+
+
+def test_headers_on_a_stream_that_is_closed_or_was_skipped_get_stream_closed(serve, repo, connect):
+    """A client opening stream 5 implicitly closes 3 (RFC 9113 §5.1.1); a call on 3 or again on 5 would
+    otherwise wait for ever: each gets RST_STREAM STREAM_CLOSED, and the connection serves on."""
+    client = connect(serve(repo).grpc)
+    client.request(5, SERVICE + "ModelInfer", add_sub_request())
+    assert_add_sub_ok(client.response(5))
+    for sid in (3, 5):
+        client.request(sid, SERVICE + "ModelInfer", add_sub_request())
+        client.read_until(
+            lambda sid=sid: any(isinstance(f, RstStreamFrame) and f.stream_id == sid for f in client.received)
+        )
+        reset = next(f for f in client.received if isinstance(f, RstStreamFrame) and f.stream_id == sid)
+        assert reset.error_code == STREAM_CLOSED
+    client.request(7, SERVICE + "ModelInfer", add_sub_request())
+    assert_add_sub_ok(client.response(7))
+    assert client.goaway is None
