@@ -40,6 +40,8 @@ _REASONS[499] = "Client Closed Request"
 _JSON = b"application/json"
 _OCTETS = b"application/octet-stream"
 _IDLE, _HEAD, _BODY, _BUSY = 0, 1, 2, 3
+_MAX_READ = 256 * 1024
+"""The most one read returns (uvloop's and asyncio's read buffer): a head counts at most this past its limit."""
 _BURST = 64  # pipelined requests answered per read or turn before other connections get the loop
 
 
@@ -113,6 +115,16 @@ def error_response(exc: SluiceError) -> Response:
     return json_response({"error": exc.message}, exc.http_status)
 
 
+def _head_too_large(limit: int) -> Response:
+    error = PayloadTooLarge(f"request head is over {limit} bytes (--max-header-bytes)")
+    error.http_status = 431
+    return error_response(error)
+
+
+def _timed_out(part: str, flag: str) -> Response:
+    return json_response({"error": f"request {part} not received in time ({flag})"}, 408)
+
+
 DEFERRED = object()
 """A route returns this when it will answer later through ``Connection.complete``."""
 
@@ -147,6 +159,13 @@ class Connection(asyncio.Protocol):
         self._upgrade_owed = 0  # body bytes of an upgrade request, which the parser leaves to us (-1: none)
         self._upgrade_request: Request | None = None  # that request, until its body is read
         self._upgraded = False  # an upgrade request was read: what follows on the wire is not HTTP/1.1
+        self._in_head = False  # a request head is being read...
+        self._head_raw = 0  # ...and the bytes read since its first read (a field line may not end)
+        self._headers_done = False  # the head is complete: header lines now are chunked trailers
+        self._parsing: int | None = None  # _HEAD or _BODY while a request is being read, since...
+        self._parse_since = 0.0  # ...this time (its timeouts apply even while an earlier one is answered)
+        self._final: Response | None = None  # an error answer owed after the answers before it
+        self._ended = False  # no more requests are read on this connection
         self.phase = _IDLE
         self.since = self._loop.time()
         self.inflight: InferRequest | None = None  # cancelled if the client goes away
@@ -176,6 +195,16 @@ class Connection(asyncio.Protocol):
         self._headers = {}
         self._parser = None  # type: ignore[assignment]
 
+    def eof_received(self) -> bool | None:
+        """The client closed its sending side (``nc -N``, ``shutdown(SHUT_WR)``): the requests it sent
+        are still answered, then the connection closes."""
+        latest = self._pending[-1] if self._pending else self._current_request
+        if latest is None or self._closed:
+            return None  # nothing owed: the transport closes
+        latest.keep_alive = False
+        self._ended = True
+        return True
+
     def pause_writing(self) -> None:
         # the client is not reading its responses: read no more of its requests until it catches up
         self._write_paused = True
@@ -184,16 +213,22 @@ class Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
-        if self._transport is not None and not self._closed and len(self._pending) <= 32:
+        if self._transport is not None and not self._closed and not self._ended and len(self._pending) <= 32:
             self._transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
-        if self._closed:
+        if self._closed or self._ended:
             return
         if self._upgraded:
             if self._upgrade_request is not None:
                 self._take_upgrade_body(data)
             return  # the rest is the other protocol: never parsed as requests
+        if self._in_head:
+            # httptools joins a field line's pieces until it ends, unchecked: count what comes instead
+            self._head_raw += len(data)
+            if self._head_raw > self._max_head + _MAX_READ:
+                self._end_with(_head_too_large(self._limits.max_header_bytes))
+                return
         self._burst = 0
         try:
             self._parser.feed_data(data)
@@ -213,10 +248,16 @@ class Connection(asyncio.Protocol):
                 if self._transport is not None:
                     self._transport.pause_reading()
         except httptools.HttpParserError as exc:
-            if self._refusal is not None:
-                self._write(self._refusal, close=True)
+            refusal, self._refusal = self._refusal, None
+            latest = self._pending[-1] if self._pending else self._current_request
+            if refusal is None and latest is not None and not latest.keep_alive:
+                # bytes after a request that ends the connection (Connection: close) are not read as
+                # requests (RFC 9112 §9.6); the answers owed still go out
+                self._ended = True
+                if self._transport is not None:
+                    self._transport.pause_reading()
             else:
-                self._write_simple(400, f"malformed HTTP request: {exc}".encode(), close=True)
+                self._end_with(refusal or json_response({"error": f"malformed HTTP request: {exc}"}, 400))
         if self._pending and self._current_request is None and not self._closed:
             self._loop.call_soon(self._drain_pending)  # requests held back by the burst limit
 
@@ -227,6 +268,11 @@ class Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._body = []
         self._body_bytes = 0
+        self._in_head = True
+        self._head_raw = 0
+        self._headers_done = False
+        self._parsing = _HEAD
+        self._parse_since = self._loop.time()
         if self.phase == _IDLE:
             self.phase = _HEAD
             self.since = self._loop.time()
@@ -238,6 +284,11 @@ class Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         key = name.lower()
         self._head_bytes += len(name) + len(value) + 4
+        if self._headers_done:  # a chunked body's trailer: counted, never taken as a header (RFC 9110 §6.5.1)
+            if self._head_bytes > self._max_head:
+                self._count_head(0)
+            return
+        value = value.rstrip(b" \t")  # a field value has no trailing whitespace (RFC 9110 §5.5)
         if key == b"transfer-encoding" and key in self._headers:  # codings listed over several lines
             value = self._headers[key] + b", " + value  # bounded: the head limit counts each line once
         self._headers[key] = value
@@ -247,11 +298,13 @@ class Connection(asyncio.Protocol):
     def _count_head(self, n: int) -> None:
         self._head_bytes += n
         if self._head_bytes > self._limits.max_header_bytes:
-            error = PayloadTooLarge(f"request head is over {self._limits.max_header_bytes} bytes (--max-header-bytes)")
-            error.http_status = 431
-            self._refuse(error_response(error))
+            self._refuse(_head_too_large(self._limits.max_header_bytes))
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._headers_done = True
+        self._parsing = _BODY
+        self._parse_since = self._loop.time()
         if self._url[:1] != b"/":
             self._url = origin_form(self._url)
         coding = self._headers.get(b"transfer-encoding")
@@ -360,6 +413,7 @@ class Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._parsing = None
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(self, self._parser.get_method(), self._url, self._headers, body)
         request.keep_alive = self._parser.should_keep_alive()
@@ -439,10 +493,7 @@ class Connection(asyncio.Protocol):
             if not self._in_drain:
                 self._drain_pending()
         else:
-            self.phase = _BODY if self._upgrade_request is not None else _IDLE
-            self.since = self._loop.time()
-            if self._owe_continue:
-                self._write_continue()
+            self._answered_all()
 
     def _drain_pending(self) -> None:
         """Answer pipelined requests in order: a loop, not recursion through ``_respond``, and at
@@ -461,12 +512,43 @@ class Connection(asyncio.Protocol):
         finally:
             self._in_drain = False
         if not self._pending and self._current_request is None:
-            self.phase = _BODY if self._upgrade_request is not None else _IDLE
-            self.since = self._loop.time()
-            if self._owe_continue:
-                self._write_continue()
-        if self._transport is not None and len(self._pending) <= 32 and not self._write_paused and not self._closed:
+            self._answered_all()
+        if (
+            self._transport is not None
+            and len(self._pending) <= 32
+            and not self._write_paused
+            and not self._closed
+            and not self._ended
+        ):
             self._transport.resume_reading()
+
+    def _answered_all(self) -> None:
+        """Every request read so far is answered: an error owed after them goes now; else the
+        connection waits for the next request (or for the rest of one being read, under its timeout)."""
+        if self._final is not None:
+            final, self._final = self._final, None
+            self._write(final, close=True)
+            return
+        if self._upgrade_request is not None:
+            self.phase, self.since = _BODY, self._loop.time()
+        elif self._parsing is not None:
+            self.phase, self.since = self._parsing, self._parse_since
+        else:
+            self.phase, self.since = _IDLE, self._loop.time()
+        if self._owe_continue:
+            self._write_continue()
+
+    def _end_with(self, response: Response) -> None:
+        """Read no more requests; answer ``response`` once the requests before it are answered (in order,
+        RFC 9112 §9.3.2), then close."""
+        self._ended = True
+        if self._transport is not None:
+            self._transport.pause_reading()
+        if self._current_request is None and not self._pending:
+            if self._transport is not None and not self._closed:
+                self._write(response, close=True)
+        else:
+            self._final = response
 
     def _write(self, response: Response, close: bool, head_only: bool = False, announce: bool = False) -> None:
         """Send ``response``; ``head_only`` (a HEAD request) sends its headers, Content-Length
@@ -504,12 +586,20 @@ class Connection(asyncio.Protocol):
             # closed by us, but the client does not read what is left to send: drop it and its buffer
             if now - self.since > limits.idle_timeout_s and self._transport is not None:
                 self._transport.abort()
+        elif self._ended:
+            return  # its last answer waits for the ones before it
         elif self.phase == _IDLE and now - self.since > limits.idle_timeout_s:
             self.close()
         elif self.phase == _HEAD and now - self.since > limits.header_timeout_s:
-            self._write_simple(408, b"request head not received in time (--header-timeout-s)", close=True)
+            self._end_with(_timed_out("head", "--header-timeout-s"))
         elif self.phase == _BODY and now - self.since > limits.body_timeout_s:
-            self._write_simple(408, b"request body not received in time (--body-timeout-s)", close=True)
+            self._end_with(_timed_out("body", "--body-timeout-s"))
+        elif self.phase == _BUSY and self._parsing is not None:
+            # the next request is being read while earlier ones are answered: its own timeouts apply
+            head = self._parsing == _HEAD
+            if now - self._parse_since > (limits.header_timeout_s if head else limits.body_timeout_s):
+                timed_out = _timed_out("head", "--header-timeout-s") if head else _timed_out("body", "--body-timeout-s")
+                self._end_with(timed_out)
 
     def close(self) -> None:
         if self._transport is not None and not self._closed:
@@ -767,13 +857,12 @@ class V2Routes:
         header_length = request.headers.get(b"inference-header-content-length")
         length = None
         if header_length is not None:
-            try:
-                length = int(header_length)
-            except ValueError:
+            if not header_length.isdigit():  # ASCII digits only: not int()'s "1_0", "+5" or "-0"
                 raise InvalidArgument(
-                    "Inference-Header-Content-Length must be an integer, got "
+                    "Inference-Header-Content-Length must be a non-negative integer (ASCII digits), got "
                     f"{header_length[:64].decode(errors='replace')!r}"
-                ) from None
+                )
+            length = int(header_length)
         if length == 0:  # Triton's raw binary request: the body is the only input's tensor
             sig = signature_of(self.dp.model_config(name, version), name)
             infer_request = http_codec.decode_raw(_decode_body(request, self.limits), sig, name, version, self.limits)
