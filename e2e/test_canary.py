@@ -20,7 +20,7 @@ import kmock
 import kopf
 import pytest
 
-from sluice.operator.canary import VersionMetrics
+from sluice.operator.canary import NoBaseline, VersionMetrics
 from sluice.operator.crd import all_crds
 from sluice.operator.settings import Settings
 from sluice.operator.sources import GateClient
@@ -54,7 +54,12 @@ class Metrics:
 
     async def read(self, target: Any, now: float) -> tuple[VersionMetrics | None, VersionMetrics | None]:
         self.targets.append(target)
+        if self.no_baseline_from is not None and now >= self.no_baseline_from:
+            self.no_baseline_from = None  # as the scraping source's first reading, once the operator started
+            raise NoBaseline("first scrape")
         return self.canary, self.stable
+
+    no_baseline_from: float | None = None
 
 
 class Gate:
@@ -320,6 +325,24 @@ async def test_no_data_is_inconclusive_never_a_pass_and_rolls_back_after_the_lim
         assert "fewer than minRequests 100" in status["message"]
 
 
+async def test_a_source_without_a_baseline_restarts_the_interval_instead_of_judging_it():
+    """A scraping operator that restarted mid-interval reads no delta at first: with inconclusiveLimit 0
+    that would roll a healthy canary back; the interval starts again instead, uncounted."""
+    async with environment() as env:
+        env.metrics.canary = HEALTHY
+        await env.cluster.apply(_model(inconclusiveLimit=0))
+        await env.until("the first step", phase="Progressing", weight=5)
+        # the operator restarted after the interval ended: its first reading is the judging one
+        env.metrics.no_baseline_from = env.clock.now.timestamp() + 60
+        await env.tick()
+        status = await env.until("the interval restarted", phase="Progressing", weight=5, inconclusives=0,
+                                 message="analysing at 5%: the metrics source had no baseline (the operator "
+                                         "started since the interval began); the interval starts again")
+        assert status["failures"] == 0 and env.metrics.no_baseline_from is None
+        await env.tick()
+        await env.until("the next step", phase="Progressing", weight=25)
+
+
 async def test_a_gate_that_says_no_holds_the_step_and_a_yes_moves_it():
     async with environment() as env:
         env.metrics.canary = HEALTHY
@@ -334,7 +357,8 @@ async def test_a_gate_that_says_no_holds_the_step_and_a_yes_moves_it():
         assert payload["purpose"] == "step" and payload["name"] == "clf" and payload["namespace"] == NAMESPACE
         assert await env.split() == {"target": f"clf-canary.{NAMESPACE}.svc.cluster.local:8001", "percent": 0}
         env.gate.answer = True
-        await env.until("the first step once approved", phase="Progressing", weight=5)
+        status = await env.until("the first step once approved", phase="Progressing", weight=5)
+        assert "gate" not in status  # the hold's reason goes with the hold (a nested key: written as null)
         env.gate.answer = None  # unreachable: holds too, and says so
         await env.tick()
         status = await env.until("held again", gate="could not be asked")

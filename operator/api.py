@@ -103,7 +103,9 @@ manifest of the prefix (docs/runtime.md, "sluice pull")."""
 MIG_PROFILE_PATTERN = r"^[1-7]g\.[0-9]+gb(\+me)?$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 POOL_NAME_PATTERN = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
-"""A ModelPool's name: it names the pool's Deployment and Service, so a DNS-1035 label."""
+"""A ModelPool's or InferenceModel's name: it names their Deployment and Service, so a DNS-1035 label."""
+MAX_NAME_WITH_CANARY = 63 - len("-canary")
+"""An InferenceModel with ``spec.canary``: its canary objects are ``<name>-canary``."""
 
 _BINARY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL_SUFFIXES = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
@@ -742,6 +744,15 @@ class _Reader:
         return dict(value)
 
 
+def candidate_model(spec: InferenceModelSpec) -> ModelSource:
+    """The model source the candidate serves: spec.model with the canary's files, version and config."""
+    assert spec.canary is not None
+    canary = spec.canary
+    config = canary.config if canary.config is not None else spec.model.config
+    return dataclasses.replace(spec.model, storage_uri=canary.storage_uri, version=canary.version, config=config,
+                               checksum=canary.checksum, size_limit=canary.size_limit or spec.model.size_limit)
+
+
 def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelSpec:
     """Validate an InferenceModel ``spec`` (``name`` is ``metadata.name``) or raise :class:`SpecError`."""
     read = _Reader()
@@ -773,7 +784,7 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
             size_limit=size_limit,
         )
         if uri is not None:
-            # The candidate runs with its own config, else the stable one (builders.candidate_model).
+            # The candidate runs with its own config, else the stable one (candidate_model).
             read.config_needed(dataclasses.replace(model, storage_uri=uri), "spec.canary",
                                canary.config if canary.config is not None else model.config)
         if canary.runtime is not None and model.config is not None and canary.config is None:
@@ -795,6 +806,13 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
         pool=read.string(spec, "pool", "spec", pattern=POOL_NAME_PATTERN),
         mode=read.string(spec, "mode", "spec", choices=MODES) or DEPLOYMENT_MODE,
     )
+    if not re.fullmatch(POOL_NAME_PATTERN, name):
+        read.problem("metadata.name", f"{name!r} names the model's Deployment and Service, so it must be a DNS "
+                     "label: lower-case letters, digits and '-', starting with a letter, at most 63 characters")
+    elif canary is not None and len(name) > MAX_NAME_WITH_CANARY:
+        read.problem("metadata.name", f"{name!r} is {len(name)} characters; with spec.canary it may have at most "
+                     f"{MAX_NAME_WITH_CANARY}, since the canary's Deployment and Service are '<name>-canary' "
+                     "(a DNS label: at most 63)")
     read.graphs_possible(result.runtime, "spec.runtime", model.format, result.resources.gpu)
     if canary is not None:
         read.graphs_possible(canary.runtime, "spec.canary.runtime", model.format, result.resources.gpu)

@@ -895,13 +895,7 @@ class Rollout:
     """The router objects exist (the weight is applied). Off once the rollout is over."""
 
 
-def candidate_model(spec: api.InferenceModelSpec) -> api.ModelSource:
-    """The model source the candidate serves: spec.model with the canary's files, version and config."""
-    assert spec.canary is not None
-    canary = spec.canary
-    config = canary.config if canary.config is not None else spec.model.config
-    return dataclasses.replace(spec.model, storage_uri=canary.storage_uri, version=canary.version, config=config,
-                               checksum=canary.checksum, size_limit=canary.size_limit or spec.model.size_limit)
+candidate_model = api.candidate_model
 
 
 def routes(owner: Owner, model_name: str, router: str, weight: int, settings: Settings) -> list[Obj]:

@@ -120,7 +120,14 @@ class Observation:
     canary: VersionMetrics | None = None
     stable: VersionMetrics | None = None
     canary_ready: bool = False
-    """The candidate's Deployment has ready pods behind its Service."""
+    """The candidate's Deployment runs it on every pod, one of them at least available (its rollout is
+    done): what Initializing waits for."""
+    canary_serving: bool = False
+    """The candidate's Deployment has an available pod, also while a template change rolls its pods
+    (all of them the candidate's: a new candidate restarts the rollout in Initializing)."""
+    no_baseline: bool = False
+    """The metrics source has no earlier reading to count from (a scraping operator that just started):
+    the interval starts again, uncounted."""
     stable_rolled_out: bool = False
     """The stable Deployment runs the candidate on every replica, all ready (after a promotion)."""
     gate: bool | None = None
@@ -141,12 +148,15 @@ class Status:
     failed_candidate: str = ""
     last_result: str = ""
     message: str = ""
+    unready_since: float = 0.0
+    """When the canary lost its last available pod during the analysis or the promotion (0: it has one)."""
 
 
 _STATUS_FIELDS = {
     "phase": "phase", "candidate": "candidate", "step": "step", "weight": "weight",
     "interval_started": "intervalStarted", "failures": "failures", "inconclusives": "inconclusives",
     "failed_candidate": "failedCandidate", "last_result": "lastResult", "message": "message",
+    "unready_since": "unreadySince",
 }
 ACTIVE = (INITIALIZING, PROGRESSING, MANUAL, PROMOTING, FINALISING)
 """Phases in which the candidate's objects exist."""
@@ -221,19 +231,26 @@ class Decision:
     requeue_after_s: float | None = None
 
 
+class NoBaseline(Exception):
+    """Raised by a metrics source that has nothing earlier to count an interval's requests from."""
+
+
 def plan_of(spec: api.InferenceModelSpec) -> Plan | None:
-    """The rollout ``spec.canary`` asks for. The candidate is named by a hash of everything that
-    changes its pods (model source, version, config, and the runtime settings the canary runs with),
-    so a change of analysis thresholds goes on with the same rollout, and any other change restarts it."""
+    """The rollout ``spec.canary`` asks for. The candidate is named by a hash of everything in the spec
+    that changes its pods (the model source it serves, with what it inherits from ``spec.model``; the
+    runtime settings it runs with; resources, storage credentials, shutdown and server settings), so a
+    change of analysis thresholds or of the manual split goes on with the same rollout, and any change
+    to the pods restarts it (Flagger: a new revision), instead of rolling them mid-analysis."""
     canary = spec.canary
     if canary is None:
         return None
     pods = {
-        "storageUri": canary.storage_uri,
-        "version": canary.version,
-        "config": canary.config,
+        "model": dataclasses.asdict(api.candidate_model(spec)),
         "runtime": dataclasses.asdict(canary.runtime or spec.runtime),
         "resources": dataclasses.asdict(spec.resources),
+        "storage": dataclasses.asdict(spec.storage),
+        "shutdown": dataclasses.asdict(spec.shutdown),
+        "server": dataclasses.asdict(spec.server),
     }
     digest = hashlib.sha256(json.dumps(pods, sort_keys=True, default=str).encode()).hexdigest()[:12]
     candidate = f"v{canary.version}-{digest}"
@@ -259,7 +276,7 @@ def plan_of(spec: api.InferenceModelSpec) -> Plan | None:
 def judge(analysis: Analysis, observation: Observation) -> tuple[str, str]:
     """One interval's verdict and why. Missing or too little data is Inconclusive, never Successful."""
     canary = observation.canary
-    if not observation.canary_ready:
+    if not (observation.canary_serving or observation.canary_ready):
         return FAILED, "the canary has no ready pods"
     if canary is None:
         return INCONCLUSIVE, "no canary metrics could be read"
@@ -377,13 +394,23 @@ def _progressing(plan: Plan, status: Status, observation: Observation, now: floa
     analysis = plan.analysis
     if analysis is None:  # the spec switched to manual mid-rollout
         return _initializing(plan, status, observation, now)
+    unready = _hold_while_unready(analysis, status, observation, now, _step_weight(analysis, status))
+    if unready is not None:
+        return unready
     remaining = status.interval_started + analysis.interval_s - now
-    if remaining > 0 and observation.canary_ready:
+    if remaining > 0:
         return Decision(status, requeue_after_s=remaining)
+    if observation.no_baseline and observation.canary is None:
+        restarted = dataclasses.replace(
+            status, interval_started=now,
+            message=f"analysing at {status.weight}%: the metrics source had no baseline (the operator started "
+                    "since the interval began); the interval starts again",
+        )
+        return Decision(restarted, requeue_after_s=analysis.interval_s)
     verdict, why = judge(analysis, observation)
     if verdict == FAILED:
         failures = status.failures + 1
-        if failures > analysis.failure_limit or not observation.canary_ready:
+        if failures > analysis.failure_limit:
             return _roll_back(dataclasses.replace(status, failures=failures), f"failed: {why}")
         counted = dataclasses.replace(
             status, failures=failures, interval_started=now, last_result=FAILED, message=f"interval failed: {why}"
@@ -421,15 +448,60 @@ def _progressing(plan: Plan, status: Status, observation: Observation, now: floa
 def _manual(plan: Plan, status: Status, observation: Observation, now: float) -> Decision:
     if plan.analysis is not None:  # the spec switched to analysis: start it from the first step
         return _enter_step(plan, plan.analysis, status, 0, observation, now)
-    weight = plan.traffic_percent if observation.canary_ready else 0
+    serving = observation.canary_serving or observation.canary_ready
+    weight = plan.traffic_percent if serving else 0
     if weight == status.weight:
         return Decision(status)
-    why = f"manual split: {weight}%" if observation.canary_ready else "the canary has no ready pods: 0%"
+    why = f"manual split: {weight}%" if serving else "the canary has no ready pods: 0%"
     moved = dataclasses.replace(status, weight=weight, message=why)
     return Decision(moved, (SetWeight(weight), Event("CanaryWeight", why)))
 
 
+def _hold_while_unready(
+    analysis: Analysis, status: Status, observation: Observation, now: float, weight: int
+) -> Decision | None:
+    """The canary lost its available pods (evicted, crashed, a node drained): its traffic goes back to
+    stable and the rollout waits, up to ``progressDeadlineSeconds``, then rolls back (Flagger halts the
+    analysis the same way). Once it serves again, its weight comes back and the interval starts over.
+    None: it serves, and was serving (nothing to do here)."""
+    if not (observation.canary_serving or observation.canary_ready):
+        since = status.unready_since or now
+        if now - since >= analysis.progress_deadline_s:
+            return _roll_back(
+                dataclasses.replace(status, unready_since=since),
+                f"the canary had no ready pods for progressDeadlineSeconds {analysis.progress_deadline_s:g}",
+            )
+        held = dataclasses.replace(
+            status, weight=0, unready_since=since,
+            message=f"the canary has no ready pods: its traffic is on stable until they are back (rolled back "
+                    f"{analysis.progress_deadline_s - (now - since):.0f} s from now otherwise)",
+        )
+        actions: list[Action] = []
+        if status.weight:
+            actions += [SetWeight(0), Event("CanaryUnready", "the canary has no ready pods: 0%", warning=True)]
+        return Decision(held, tuple(actions), requeue_after_s=min(analysis.interval_s, 30.0))
+    if not status.unready_since:
+        return None
+    back = dataclasses.replace(status, weight=weight, unready_since=0.0, interval_started=now,
+                               message=f"the canary is ready again: back at {weight}%")
+    return Decision(back, (SetWeight(weight), Event("CanaryWeight", back.message)), requeue_after_s=analysis.interval_s)
+
+
 def _promoting(plan: Plan, status: Status, observation: Observation, now: float) -> Decision:
+    analysis = plan.analysis
+    if analysis is not None and status.step >= 0:
+        # the canary keeps its weight while stable rolls, only while it has pods to take it
+        unready = _hold_while_unready(analysis, status, observation, now, _step_weight(analysis, status))
+        if unready is not None:
+            if unready.status.phase == ROLLED_BACK:  # the candidate is already in stable: finish the promotion
+                unready = Decision(
+                    dataclasses.replace(status, weight=0, unready_since=unready.status.unready_since,
+                                        message="promoting: the canary has no ready pods; traffic on stable "
+                                                "while it rolls out"),
+                    (SetWeight(0),) if status.weight else (), requeue_after_s=_interval(plan))
+            if not observation.stable_rolled_out:
+                return Decision(unready.status, (*unready.actions, Promote(plan.candidate)), unready.requeue_after_s)
+            status = unready.status
     if not observation.stable_rolled_out:
         held = dataclasses.replace(status, message="promoting: waiting for the stable Deployment to roll out")
         return Decision(held, (Promote(plan.candidate),), requeue_after_s=_interval(plan))
@@ -467,6 +539,11 @@ def _stay_rolled_back(plan: Plan, status: Status) -> Decision:
     )
     actions: Sequence[Action] = (SetWeight(0), RemoveCanary()) if status.weight or status.phase else ()
     return Decision(rolled, tuple(actions))
+
+
+def _step_weight(analysis: Analysis, status: Status) -> int:
+    """The weight of the step the rollout is at (the last one, were the steps shortened meanwhile)."""
+    return analysis.step_weights[max(0, min(status.step, len(analysis.step_weights) - 1))]
 
 
 def _interval(plan: Plan) -> float:

@@ -516,6 +516,9 @@ def _canary_status() -> Schema:
         "failedCandidate": _str("A candidate that was rolled back; it is not tried again until spec.canary changes."),
         "lastResult": _str("The last interval's verdict: Successful, Failed or Inconclusive."),
         "message": _str("Why the last decision was made."),
+        "unreadySince": {"type": "number", "description": "When the canary lost its last ready pod during the "
+                         "analysis or promotion (Unix seconds; 0: it has one). Rolled back progressDeadlineSeconds "
+                         "later."},
         "router": _str("Who applies the weight: gateway-api, istio or none (the stable pods forward)."),
         "gate": _str("Why the gate held the rollout, when it did."),
         "help": _str("What to change in spec to promote by hand or to abort."),

@@ -590,6 +590,7 @@ class Reconciler:
         live_canary = await self._kube.get("Deployment", owner.namespace, builders.instance(owner, builders.CANARY))
         observation = canary.Observation(
             canary_ready=_runs(live_canary, before.candidate, fully=False),
+            canary_serving=_canary_serves(live_canary, before.candidate),
             stable_rolled_out=plan is not None and _runs(live, plan.candidate, fully=True),
         )
         metrics: tuple[canary.VersionMetrics | None, canary.VersionMetrics | None] = (None, None)
@@ -604,6 +605,8 @@ class Reconciler:
             if self._metrics is not None:
                 try:
                     metrics = await self._metrics.read(target, now)
+                except canary.NoBaseline:  # a first reading (the operator started): the interval starts again
+                    observation = dataclasses.replace(observation, no_baseline=True)
                 except Exception as exc:  # a broken source is an outage: inconclusive, never a pass
                     log.warning("Canary metrics for %s/%s could not be read: %r", owner.namespace, owner.name, exc)
             stable = metrics[1]
@@ -698,7 +701,7 @@ class Reconciler:
             new["observedGeneration"] = generation
         if dict(old) == new:
             return Outcome(status=new, status_written=False, applied=0, deleted=0)
-        patch: Obj = {**{k: None for k in old if k not in new}, **new}
+        patch = merge_patch(old, new)
         meta = body["metadata"]
         if await self._kube.patch_status(body["kind"], meta["namespace"], meta["name"], patch) is None:
             return Outcome(status=new, status_written=False, applied=0, deleted=0)  # deleted meanwhile
@@ -848,6 +851,32 @@ def _runs(deployment: Mapping[str, Any] | None, candidate: str, *, fully: bool) 
         return False
     wanted = int((deployment.get("spec") or {}).get("replicas", 1))
     return available >= (wanted if fully else 1)
+
+
+def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> Obj:
+    """The JSON merge patch (RFC 7386) that turns ``old`` into ``new``: keys gone at any depth are written
+    as null (a merge patch that only carries ``new`` keeps nested keys ``new`` dropped)."""
+    patch: Obj = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            nested = merge_patch(before, value)
+            if nested:
+                patch[key] = nested
+        elif key not in old or before != value:
+            patch[key] = value
+    return patch
+
+
+def _canary_serves(deployment: Mapping[str, Any] | None, candidate: str) -> bool:
+    """Whether ``deployment`` (annotated with ``candidate``) has an available pod, also while a change of
+    its template rolls them: once the candidate's rollout was ready, every pod it has is the candidate's."""
+    if not deployment or not candidate:
+        return False
+    meta = deployment.get("metadata") or {}
+    if (meta.get("annotations") or {}).get(builders.CANDIDATE_ANNOTATION) != candidate:
+        return False
+    return int((deployment.get("status") or {}).get("availableReplicas", 0)) >= 1
 
 
 def _remembered_p99(stored: Any) -> float | None:

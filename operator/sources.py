@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from sluice.operator import signals
-from sluice.operator.canary import Target, VersionMetrics
+from sluice.operator.canary import NoBaseline, Target, VersionMetrics
 from sluice.operator.reconcile import Api, ApiError
 
 log = logging.getLogger("sluice.operator.sources")
@@ -38,7 +38,8 @@ INFERENCE_MODEL = "sluice.dev/inferencemodel"
 
 class MetricsSource(Protocol):
     async def read(self, target: Target, now: float) -> Metrics:
-        """``(canary, stable)`` over the ``target.window_s`` up to ``now`` (the caller's clock, seconds)."""
+        """``(canary, stable)`` over the ``target.window_s`` up to ``now`` (the caller's clock, seconds).
+        Raises :class:`NoBaseline` when it has nothing earlier to count from (its first reading)."""
         ...
 
 
@@ -188,7 +189,7 @@ class ScrapeSource:
         self._once.ok(key)
         if len(history) < 2:
             log.info("%s: first scrape, no baseline yet: no metrics until the next read", key)
-            return None, None
+            raise NoBaseline(f"{key}: first scrape, nothing earlier to count from")
         results: list[VersionMetrics | None] = []
         for track in tracks:
             counts, span = signals.over_window([scrape[track] for scrape in history], target.window_s)

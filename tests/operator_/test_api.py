@@ -351,3 +351,24 @@ def test_invalid_pools_say_what_to_change(name, spec, expected):
     with pytest.raises(api.SpecError) as info:
         api.parse_model_pool(name, spec)
     assert any(expected in p for p in info.value.problems), info.value.problems
+
+
+@pytest.mark.parametrize(
+    ("name", "canary", "expected"),
+    [
+        ("resnet.v2", False, "must be a DNS label"),
+        ("Resnet", False, "must be a DNS label"),
+        ("a" * 64, False, "must be a DNS label"),
+        ("a" * 57, True, "with spec.canary it may have at most 56"),
+    ],
+)
+def test_an_inference_model_name_must_name_its_deployment_and_service(name, canary, expected):
+    """A real API server refuses a Service named 'resnet.v2' or '<57 characters>-canary'; the children
+    would be half applied (a GPU Deployment behind no Service)."""
+    spec = {"model": {"storageUri": "s3://b/m", "format": "onnx"}}
+    if canary:
+        spec["canary"] = {"storageUri": "s3://b/m2", "version": 2}
+    with pytest.raises(api.SpecError) as caught:
+        api.parse_inference_model(name, spec)
+    assert any(p.startswith("metadata.name") and expected in p for p in caught.value.problems), caught.value.problems
+    api.parse_inference_model("a" * 56 if canary else "a" * 63, spec)  # the longest that fits

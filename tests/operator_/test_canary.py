@@ -174,10 +174,60 @@ def test_a_failed_candidate_is_not_retried_until_the_spec_changes():
     assert back.status.phase == c.ROLLED_BACK and back.actions[0] == c.SetWeight(0)
 
 
-def test_a_canary_losing_its_pods_gets_no_traffic_at_once():
+def test_a_canary_losing_its_pods_gets_no_traffic_at_once_then_waits_out_the_progress_deadline():
+    """Flagger halts the analysis of an unhealthy canary and rolls back at the progress deadline: its
+    weight goes to stable at once (a weight never points at a version without ready pods)."""
+    status, _, _, now = drive(PLAN, [SEEN, SEEN, SEEN])  # at 25 %
+    gone = dataclasses.replace(SEEN, canary_ready=False)
+    lost = c.step(PLAN, status, gone, now - 50)  # mid-interval: an eviction, a crash
+    assert lost.status.phase == c.PROGRESSING and lost.status.weight == 0 and c.SetWeight(0) in lost.actions
+    assert lost.status.unready_since == now - 50 and lost.status.failures == 0
+    still = c.step(PLAN, lost.status, gone, now - 50 + ANALYSIS.progress_deadline_s - 1)
+    assert still.status.phase == c.PROGRESSING and still.actions == ()
+    back = c.step(PLAN, still.status, SEEN, now + 100)  # ready again within the deadline
+    assert back.status.weight == 25 and back.actions[0] == c.SetWeight(25) and back.status.unready_since == 0
+    assert back.status.interval_started == now + 100 and back.status.failed_candidate == ""
+    over = c.step(PLAN, lost.status, gone, now - 50 + ANALYSIS.progress_deadline_s)
+    assert over.status.phase == c.ROLLED_BACK and over.status.failed_candidate == "cand-a"
+    assert "progressDeadlineSeconds" in over.status.message
+
+
+def test_a_canary_whose_pods_roll_keeps_its_analysis():
+    """A template change that keeps the candidate (an operator upgrade rendering the pods anew) rolls the
+    canary's pods: they are all the candidate's and one is available, so nothing is held."""
     status, _, _, now = drive(PLAN, [SEEN, SEEN])
-    decision = c.step(PLAN, status, dataclasses.replace(SEEN, canary_ready=False), now - 50)  # mid-interval
-    assert decision.status.phase == c.ROLLED_BACK and c.SetWeight(0) in decision.actions
+    rolling = dataclasses.replace(SEEN, canary_ready=False, canary_serving=True)
+    mid = c.step(PLAN, status, rolling, now - 50)
+    assert mid.status == status and mid.actions == ()
+    judged = c.step(PLAN, status, rolling, now)
+    assert judged.status.weight == 25 and judged.status.last_result == c.SUCCESSFUL
+
+
+def test_no_baseline_restarts_the_interval_without_counting_it():
+    """A scraping operator that restarted has nothing to count the interval from: the interval starts
+    again, never Inconclusive (with inconclusiveLimit 0 that would roll a healthy canary back)."""
+    plan = c.Plan("cand-a", dataclasses.replace(ANALYSIS, inconclusive_limit=0))
+    status, _, _, now = drive(plan, [SEEN, SEEN])
+    fresh = c.step(plan, status, dataclasses.replace(SEEN, canary=None, stable=None, no_baseline=True), now)
+    assert fresh.status.phase == c.PROGRESSING and fresh.status.inconclusives == 0
+    assert fresh.status.interval_started == now and fresh.status.weight == 5 and fresh.actions == ()
+    none = c.step(plan, status, dataclasses.replace(SEEN, canary=None, stable=None), now)  # a real outage
+    assert none.status.phase == c.ROLLED_BACK
+
+
+def test_promoting_takes_the_weight_off_a_canary_without_pods():
+    status, _, phases, now = drive(PLAN, [SEEN] * 6)
+    assert phases[-1] == c.PROMOTING and status.weight == 100
+    gone = dataclasses.replace(SEEN, canary_ready=False)
+    held = c.step(PLAN, status, gone, now)
+    assert held.status.phase == c.PROMOTING and held.status.weight == 0
+    assert c.SetWeight(0) in held.actions and c.Promote("cand-a") in held.actions
+    late = c.step(PLAN, held.status, gone, now + ANALYSIS.progress_deadline_s + 1)  # the candidate is in stable
+    assert late.status.phase == c.PROMOTING and late.status.failed_candidate == ""
+    back = c.step(PLAN, late.status, SEEN, now + ANALYSIS.progress_deadline_s + 2)
+    assert back.status.weight == 100 and c.SetWeight(100) in back.actions
+    done = c.step(PLAN, back.status, dataclasses.replace(gone, stable_rolled_out=True), now + 900)
+    assert done.status.phase == c.FINALISING and done.status.weight == 0
 
 
 def test_no_weight_before_the_canary_has_ready_pods():
@@ -268,6 +318,46 @@ def test_the_plan_follows_the_spec_and_names_the_candidate_by_what_changes_its_p
     manual = c.plan_of(_spec({"storageUri": "s3://b/m2", "version": 2, "trafficPercent": 30}))
     assert manual is not None and manual.analysis is None and manual.traffic_percent == 30
     assert c.plan_of(api_spec_without_canary()) is None
+
+
+@pytest.mark.parametrize(
+    ("canary_changes", "spec_changes"),
+    [
+        ({"checksum": "sha256:" + "b" * 64}, {}),
+        ({"sizeLimit": "20Gi"}, {}),
+        ({}, {"shutdown": {"graceSeconds": 90}}),
+        ({}, {"storage": {"serviceAccountName": "reader"}}),
+        ({}, {"server": {"protocolWorkers": 2}}),
+        ({}, {"model": {"storageUri": "s3://b/m", "format": "onnx", "sizeLimit": "5Gi"}}),  # inherited
+    ],
+    ids=["canary.checksum", "canary.sizeLimit", "shutdown", "storage", "server", "inherited model.sizeLimit"],
+)
+def test_every_spec_change_that_rolls_the_canary_pods_is_a_new_candidate(canary_changes, spec_changes):
+    """Each of these changes the canary Deployment's pod template: under the same candidate, its pods
+    would roll mid-analysis (Flagger: any change of the pod spec is a new revision)."""
+    from sluice.operator import builders
+    from sluice.operator.settings import Settings
+
+    base = {"storageUri": "s3://b/m2", "version": 2, "checksum": "sha256:" + "a" * 64, "analysis": {}}
+
+    def parsed(canary: dict, **extra: object):
+        body = {"model": {"storageUri": "s3://b/m", "format": "onnx"}, "canary": canary, **extra}
+        return c.plan_of(_spec(canary, **extra)), body
+
+    def template(body: dict, candidate: str) -> dict:
+        from sluice.operator import api
+
+        spec = api.parse_inference_model("m", body)
+        rollout = builders.Rollout(candidate=candidate, canary=True, promoted=False, weight=5, router="none",
+                                   routed=True)
+        owner = builders.Owner("InferenceModel", "m", "ns", "uid")
+        objects = builders.inference_model(owner, spec, Settings(), rollout=rollout).objects
+        return next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "m-canary")
+
+    before, body = parsed(base)
+    after, changed = parsed({**base, **canary_changes}, **spec_changes)
+    assert template(changed, "same")["spec"]["template"] != template(body, "same")["spec"]["template"]
+    assert after.candidate != before.candidate
 
 
 def api_spec_without_canary():

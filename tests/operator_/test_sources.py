@@ -231,7 +231,8 @@ async def test_scrape_source_needs_a_baseline_then_answers_the_delta_per_track(f
     caplog.set_level(logging.INFO, logger="sluice.operator.sources")
     source = sources.ScrapeSource(pods, port)
     try:
-        assert await source.read(TARGET, now=100.0) == (None, None)  # nothing to subtract from yet
+        with pytest.raises(c.NoBaseline):  # nothing to subtract from yet: the caller restarts its interval
+            await source.read(TARGET, now=100.0)
         assert "no baseline yet" in logged(caplog)[-1]
         texts.update({
             "127.0.0.2": exposition(1100, 2, 1100), "127.0.0.3": exposition(600, 0, 600),
@@ -260,7 +261,8 @@ async def test_scrape_source_restarted_vanished_and_unreadable_pods(fleet, caplo
     caplog.set_level(logging.INFO, logger="sluice.operator.sources")
     source = sources.ScrapeSource(pods, port, timeout_s=1)
     try:
-        await source.read(TARGET, now=0.0)
+        with pytest.raises(c.NoBaseline):  # a first reading: nothing to count from
+            await source.read(TARGET, now=0.0)
         # a restarted (counters back near 0), b gone, c now readable (unknown baseline: left out), d new
         texts.update({"127.0.0.2": exposition(40, 1, 40), "127.0.0.4": exposition(10**6, 0, 10**6),
                       "127.0.0.6": exposition(25, 2, 25)})  # fmt: skip
@@ -287,7 +289,8 @@ async def test_scrape_source_answers_over_a_short_history_and_says_so(fleet, cap
     caplog.set_level(logging.INFO, logger="sluice.operator.sources")
     source = sources.ScrapeSource(pods, port)
     try:
-        await source.read(TARGET, now=0.0)
+        with pytest.raises(c.NoBaseline):  # a first reading: nothing to count from
+            await source.read(TARGET, now=0.0)
         texts["127.0.0.2"] = exposition(30, 0, 30)
         canary, stable = await source.read(TARGET, now=20.0)  # an operator that started 20 s ago
         assert canary.requests == 30 and stable is None  # no stable pods at all: no stable data
@@ -309,7 +312,8 @@ async def test_scrape_source_without_a_pod_list_has_no_data(fleet, error):
     texts["127.0.0.2"] = exposition(0, 0, 0)
     source = sources.ScrapeSource(pods, port)
     try:
-        await source.read(TARGET, now=0.0)
+        with pytest.raises(c.NoBaseline):  # a first reading: nothing to count from
+            await source.read(TARGET, now=0.0)
         pods.error = error
         assert await source.read(TARGET, now=60.0) == (None, None)
     finally:
