@@ -51,6 +51,7 @@ class Metrics:
         self.canary: VersionMetrics | None = None
         self.stable: VersionMetrics | None = STABLE
         self.targets: list[Any] = []
+        self.forgotten: list[tuple[str, str]] = []
 
     async def read(self, target: Any, now: float) -> tuple[VersionMetrics | None, VersionMetrics | None]:
         self.targets.append(target)
@@ -60,6 +61,9 @@ class Metrics:
         return self.canary, self.stable
 
     no_baseline_from: float | None = None
+
+    def forget(self, namespace: str, name: str) -> None:  # as ScrapeSource: readings of a deleted model go
+        self.forgotten.append((namespace, name))
 
 
 class Gate:
@@ -341,6 +345,19 @@ async def test_a_source_without_a_baseline_restarts_the_interval_instead_of_judg
         assert status["failures"] == 0 and env.metrics.no_baseline_from is None
         await env.tick()
         await env.until("the next step", phase="Progressing", weight=25)
+
+
+async def test_a_deleted_model_s_metrics_readings_are_forgotten():
+    async with environment() as env:
+        env.metrics.canary = HEALTHY
+        await env.cluster.apply(MODEL)
+        await env.until("the first step", phase="Progressing", weight=5)
+        await env.cluster.delete("InferenceModel", "clf")
+
+        async def forgotten() -> bool | None:
+            return (NAMESPACE, "clf") in env.metrics.forgotten or None
+
+        await env.cluster.wait(forgotten, "the source told to forget the model")
 
 
 async def test_a_gate_that_says_no_holds_the_step_and_a_yes_moves_it():

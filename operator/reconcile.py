@@ -245,8 +245,11 @@ class Reconciler:
         return self._locks.setdefault(key, asyncio.Lock())
 
     def forget(self, kind: str, namespace: str, name: str) -> None:
-        """Drop per-object state once the object is gone."""
+        """Drop per-object state once the object is gone (a scraping metrics source's readings too)."""
         self._locks.pop((kind, namespace, name), None)
+        forget = getattr(self._metrics, "forget", None)
+        if forget is not None and kind == api.INFERENCE_MODEL_KIND:
+            forget(namespace, name)
 
     async def reconcile(self, body: Mapping[str, Any]) -> Outcome | None:
         """Reconcile the object ``body`` names; ``None`` if it is gone or being deleted."""
