@@ -195,16 +195,6 @@ class Connection(asyncio.Protocol):
         self._headers = {}
         self._parser = None  # type: ignore[assignment]
 
-    def eof_received(self) -> bool | None:
-        """The client closed its sending side (``nc -N``, ``shutdown(SHUT_WR)``): the requests it sent
-        are still answered, then the connection closes."""
-        latest = self._pending[-1] if self._pending else self._current_request
-        if latest is None or self._closed:
-            return None  # nothing owed: the transport closes
-        latest.keep_alive = False
-        self._ended = True
-        return True
-
     def pause_writing(self) -> None:
         # the client is not reading its responses: read no more of its requests until it catches up
         self._write_paused = True
