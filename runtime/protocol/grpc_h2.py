@@ -100,6 +100,12 @@ so a large frame is never buffered whole."""
 STREAM_WINDOW = 8 << 20
 """Our SETTINGS_INITIAL_WINDOW_SIZE: what a client may send on one stream before we replenish it."""
 CONNECTION_WINDOW = 64 << 20
+EARLY_CREDIT = CONNECTION_WINDOW // 2
+"""ModelStreamInfer bytes not yet taken by their call that are credited back to the connection window
+at once, so that calls stuck behind a busy model do not close it for every other call on the
+connection (their own stream windows still hold them back); past this, they count against it."""
+CREDIT_BATCH = CONNECTION_WINDOW // 8
+"""Consumed bytes are given back to the connection window in WINDOW_UPDATEs of at least this much."""
 """Receive window of the whole connection, advertised at start and replenished at half."""
 KEPT_SLACK = 1 << 20
 """Bytes of the reads a stream's partial message may keep alive beyond twice its own size."""
@@ -367,6 +373,7 @@ class _Stream:
         "drained",
         "finished",
         "headers_sent",
+        "credited",
         "held",
         "message",
         "owed",
@@ -396,6 +403,7 @@ class _Stream:
         self.unacked = 0  # bytes consumed, not yet given back with a WINDOW_UPDATE
         self.held = 0  # ModelStreamInfer: bytes received since the last message was queued
         self.owed = 0  # ModelStreamInfer: bytes received, not yet consumed (held + queued messages)
+        self.credited = 0  # of ``owed``, bytes already given back to the connection window (EARLY_CREDIT)
         self.wbits = wbits
         self.remote_closed = False
         self.finished = False  # answered, reset or abandoned: nothing more is sent
@@ -459,6 +467,7 @@ class GrpcConnection(asyncio.Protocol):
         self._peer_max_frame = DEFAULT_MAX_FRAME
         self._recv_window = CONNECTION_WINDOW
         self._recv_consumed = 0
+        self._early = 0  # bytes of the streams' ``credited``, all together
         self._write_paused = False
         self._reset_debt = 0  # client resets of open streams, less the streams answered since
         self._keepalive_sent: float | None = None  # loop time of our unacknowledged keepalive PING
@@ -917,6 +926,10 @@ class GrpcConnection(asyncio.Protocol):
         if queue is not None and answering:
             stream.held += length
             stream.owed += length
+            if self._early + length <= EARLY_CREDIT:
+                self._early += length
+                stream.credited += length
+                self._credit(length)
             if stop > start:
                 self._feed(stream, data, start, stop)
             if stream.held and queue.empty():  # the handler waits for this message: it needs the bytes
@@ -960,14 +973,19 @@ class GrpcConnection(asyncio.Protocol):
     def _credit(self, n: int) -> None:
         """``n`` bytes of the connection window were consumed: give them back, in large updates."""
         self._recv_consumed += n
-        if self._recv_consumed >= CONNECTION_WINDOW // 2:
+        if self._recv_consumed >= CREDIT_BATCH:
             self._emit(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv_consumed)))
             self._recv_window += self._recv_consumed
             self._recv_consumed = 0
 
     def _consumed(self, stream: _Stream, n: int) -> None:
-        """``n`` bytes of ``stream``'s DATA were consumed: credit the connection and the stream."""
-        self._credit(n)
+        """``n`` bytes of ``stream``'s DATA were consumed: credit the connection (what it was not given
+        early) and the stream."""
+        early = min(stream.credited, n)
+        if early:
+            stream.credited -= early
+            self._early -= early
+        self._credit(n - early)
         if stream.remote_closed or stream.finished:
             return
         stream.unacked += n
@@ -993,8 +1011,9 @@ class GrpcConnection(asyncio.Protocol):
     def _release(self, stream: _Stream) -> None:
         """A closed stream's unconsumed bytes go back to the connection window."""
         if stream.owed:
-            self._credit(stream.owed)
-            stream.owed = stream.held = 0
+            self._credit(stream.owed - stream.credited)
+            self._early -= stream.credited
+            stream.owed = stream.held = stream.credited = 0
 
     def _on_headers(self, data: bytes, start: int, stop: int, flags: int, sid: int) -> None:
         if not sid:

@@ -549,3 +549,43 @@ def test_headers_on_a_stream_that_is_closed_or_was_skipped_get_stream_closed(ser
     client.request(7, SERVICE + "ModelInfer", add_sub_request())
     assert_add_sub_ok(client.response(7))
     assert client.goaway is None
+
+
+def test_streams_stuck_behind_a_busy_model_leave_the_connection_open_for_other_calls(tmp_path, serve, connect):
+    """Nine ModelStreamInfer calls to a model that does not move, each sent as much as its own window
+    allows (72 MiB in all): their untaken bytes are credited back to the connection window up to a
+    bound, so a unary call on the same connection (a gRPC channel shares it) still gets through; they
+    used to close the 64 MiB connection window for every call on it."""
+    repo = tmp_path / "repo"
+    write_model(repo, "gated", GATED_CONFIG, {"model.py": GATED_PY})
+    server = serve(repo, scheduling=NO_SHEDDING)
+    client = connect(server.grpc)
+    message = pb.ModelInferRequest(model_name="gated")
+    message.inputs.add(name="INPUT0", datatype="FP32", shape=[32 * 1024])
+    message.raw_input_contents.append(np.ones(32 * 1024, np.float32).tobytes())
+    data = grpc_frame(message.SerializeToString())  # 128 KiB
+    streams = list(range(1, 19, 2))
+    for sid in streams:
+        client.send(HeadersFrame(sid, client.block(SERVICE + "ModelStreamInfer"), flags=["END_HEADERS"]))
+        client.stream_windows[sid] = client.peer_initial
+    sent = dict.fromkeys(streams, 0)
+    while True:
+        moved = False
+        for sid in streams:
+            room = min(client.send_window, client.stream_windows[sid], 16_384)
+            if room > 0:
+                offset = sent[sid] % len(data)
+                chunk = data[offset : offset + room]
+                client.send(DataFrame(sid, chunk))
+                client.send_window -= len(chunk)
+                client.stream_windows[sid] -= len(chunk)
+                sent[sid] += len(chunk)
+                moved = True
+        if not moved and client.read_frame(timeout=1.0) is None:
+            break  # no window came back for a second: every stream is full
+    assert all(client.stream_windows[sid] <= 0 for sid in streams), "a stream was held back by the connection"
+    assert sum(sent.values()) > 64 << 20
+    client.request(101, SERVICE + "ServerLive", pb.ServerLiveRequest().SerializeToString())
+    response = client.response(101)
+    assert response.status == OK and pb.ServerLiveResponse.FromString(response.messages()[0]).live
+    (repo / "gated" / "1" / "open").touch()  # let the model go: the stuck calls drain
