@@ -23,8 +23,9 @@ import kmock
 import kopf
 import pytest
 
-from sluice.operator import builders, certificates
+from sluice.operator import builders, certificates, webhook
 from sluice.operator.crd import all_crds
+from sluice.operator.kube import Kube
 from sluice.operator.settings import Settings, Webhook
 from sluice_testing import ApiServer, Cluster, OperatorHarness
 
@@ -198,6 +199,27 @@ async def test_unknown_or_deployment_mode_model_is_denied_with_the_reason(env):
 
     answer = await cluster.wait(denied_for_mode, "the index has the Deployment-mode model")
     assert answer["allowed"] is False
+
+
+async def test_a_model_the_index_lacks_is_read_from_the_api_before_a_pod_is_refused(env):
+    """A replica that has not listed the InferenceModels yet (starting, or standing by for the leader)
+    answers the webhook's Service too: with an empty index it reads the model instead of refusing the pod."""
+    cluster, _, server, _ = env
+    assert (await cluster.create(copy.deepcopy(MODEL)))[0] == 201
+    kube = Kube(kopf.ConnectionInfo(server=str(server.url).rstrip("/"), insecure=True))
+    try:
+        injector = webhook.Injector(Settings(), kube)
+        injector.native = True
+        pod = app_pod()
+        pod["metadata"]["namespace"] = NAMESPACE  # as InjectorServer puts it (from the admission request)
+        ops = await injector.review(pod, {})  # an empty index
+        assert any(op["path"].startswith("/spec/initContainers") for op in ops)
+        missing = copy.deepcopy(pod)
+        missing["metadata"]["annotations"]["sluice.dev/inject"] = "nope"
+        with pytest.raises(webhook.sidecar.Denied, match="InferenceModel 'nope' does not exist"):
+            await injector.review(missing, {})
+    finally:
+        await kube.aclose()
 
 
 async def test_pods_not_asking_or_opting_out_are_left_alone(env):

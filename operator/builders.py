@@ -201,6 +201,13 @@ def _meta(owner: Owner, name: str, labels: Mapping[str, str], annotations: Mappi
     return meta
 
 
+def dns_label(name: str, limit: int = 63) -> str:
+    """``name`` as a DNS-1123 label (a container's name): lower case, '_' and '.' as '-', cut to
+    ``limit`` characters, with no '-' at either end (a model name may end in one, or a cut leave one)."""
+    label = name.lower().replace("_", "-").replace(".", "-")[:limit].strip("-")
+    return label or "model"
+
+
 def instance(owner: Owner, track: str = STABLE) -> str:
     """The ``app.kubernetes.io/instance`` of a track's pods, also the name of its Deployment and Service."""
     return owner.name if track == STABLE else f"{owner.name}-{track}"
@@ -394,7 +401,7 @@ def _fetch(
     mounts: list[Obj] = [{"name": "model-repository", "mountPath": MODEL_REPOSITORY},
                          {"name": "tmp", "mountPath": "/tmp"}]
     init: Obj = {
-        "name": f"fetch-{index}-{model.name}".lower().replace("_", "-").replace(".", "-")[:63],
+        "name": dns_label(f"fetch-{index}-{model.name}"),
         "image": image or settings.runtime_image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["sluice"],

@@ -267,9 +267,9 @@ def _register_injection(registry: kopf.OperatorRegistry, injector: webhook.Injec
     kopf.index(api.GROUP, api.VERSION, api.INFERENCE_MODEL_PLURAL, registry=registry,
                id="sidecar_models")(sidecar_models)
 
-    def inject(body: kopf.Body, patch: kopf.Patch, **kwargs: Any) -> None:
+    async def inject(body: kopf.Body, patch: kopf.Patch, **kwargs: Any) -> None:
         try:
-            ops = injector.review(body, kwargs["sidecar_models"])  # the index above, by its id
+            ops = await injector.review(body, kwargs["sidecar_models"])  # the index above, by its id
         except sidecar.Denied as exc:
             raise kopf.AdmissionError(str(exc), code=403) from exc
         if ops:

@@ -127,7 +127,10 @@ def format_mib(value: int) -> str:
 
 def capacity(pool: str, gpu: api.Gpu, *, gpu_memory_mib: int | None = None) -> Capacity:
     """The capacity of one replica of ``pool`` whose device is ``gpu``; ``gpu_memory_mib`` is the memory
-    of one whole GPU where the caller knows it (placement), used for ``gpu.count``."""
+    of one whole GPU where the caller knows it (placement), used for ``gpu.count``. A member's config
+    asks for ``KIND_GPU`` without ``gpus``, so the runtime (as Triton) loads it on every GPU of the pod:
+    each GPU holds every member, and a ``gpu.count`` pool has one GPU's memory and compute to share
+    (more GPUs add instances of each member, not room for more members)."""
     if gpu.memory is not None:
         return Capacity(pool, mib(gpu.memory, round_up=False))
     if gpu.mig_profile is not None:
@@ -139,8 +142,8 @@ def capacity(pool: str, gpu: api.Gpu, *, gpu_memory_mib: int | None = None) -> C
                         "memory is unknown: members are admitted on gpu.computePercent alone")
     count = gpu.count or 1
     if gpu_memory_mib is not None:
-        return Capacity(pool, count * gpu_memory_mib, count * COMPUTE_PER_DEVICE)
-    return Capacity(pool, None, count * COMPUTE_PER_DEVICE,
+        return Capacity(pool, gpu_memory_mib, COMPUTE_PER_DEVICE)
+    return Capacity(pool, None, COMPUTE_PER_DEVICE,
                     note=f"gpu.count {count}: the GPUs' memory is not known before they are placed, so members "
                     "are admitted on gpu.computePercent alone; give the pool gpu.memory to admit by memory")
 

@@ -191,7 +191,7 @@ def _escape(key: str) -> str:
 
 
 def _prefixed(name: str) -> str:
-    return name if name.startswith(PREFIX) else (PREFIX + name)[:63]
+    return name if name.startswith(PREFIX) else builders.dns_label(PREFIX + name)
 
 
 def _sum(values: Sequence[str], unit: str) -> str:
@@ -322,6 +322,15 @@ def inject(
             if mount.get("mountPath", "").rstrip("/") in (SHM, SOCKET_DIRECTORY):
                 problems.append(f"container {container.get('name')!r} already mounts {mount['mountPath']} (volume "
                                 f"{mount.get('name')!r}); the runtime shares its own {SHM} and {SOCKET_DIRECTORY}")
+    if spec.get("hostNetwork"):
+        problems.append(f"the pod uses hostNetwork, so the runtime's ports {http}, {grpc} and {metrics} would be the "
+                        "node's (reachable by anything on the node, and taken by a second such pod there)")
+    serving: dict[str, str] = {}  # model name -> the InferenceModel serving it
+    for name, model in models:
+        other = serving.setdefault(model.model.name, name)
+        if other != name:
+            problems.append(f"InferenceModels {other!r} and {name!r} both serve model {model.model.name!r} "
+                            "(spec.model.name); one runtime holds each model name once: give one another name")
     pod_account = spec.get("serviceAccountName") or spec.get("serviceAccount") or "default"
     for name, model in models:
         wanted = model.storage.service_account_name

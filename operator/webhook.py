@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import kopf
 
-from sluice.operator import certificates, sidecar
+from sluice.operator import api, certificates, sidecar
 from sluice.operator.kube import Kube
 from sluice.operator.reconcile import ApiError
 from sluice.operator.settings import Settings
@@ -68,13 +68,24 @@ class Injector:
         if self.settings.webhook.tls == "self-managed":
             await self.ensure_certificates(publish=publish)
 
-    def review(self, pod: Mapping[str, Any], index: Mapping[Any, Any]) -> list[Obj]:
-        """The JSON patch for ``pod``, its models looked up in the kopf index ((namespace, name) -> models)."""
+    async def review(self, pod: Mapping[str, Any], index: Mapping[Any, Any]) -> list[Obj]:
+        """The JSON patch for ``pod``, its models looked up in the kopf index ((namespace, name) -> models).
+        A model the index lacks is read from the API before the pod is refused: the index is empty until
+        kopf has listed the InferenceModels (a replica starting, or one standing by for the leader, also
+        answers the webhook's Service)."""
         namespace = str((pod.get("metadata") or {}).get("namespace") or "")
         known = {}
         for name in sidecar.requested(pod):
             for model in index.get((namespace, name), ()):
                 known[name] = model
+            if name not in known and namespace:
+                try:
+                    found = await self.kube.get(api.INFERENCE_MODEL_KIND, namespace, name)
+                except (ApiError, OSError) as exc:
+                    log.warning("InferenceModel %s/%s is not indexed and could not be read: %s", namespace, name, exc)
+                    found = None
+                if found is not None:
+                    known[name] = sidecar.indexed(name, found.get("spec") or {})
         return sidecar.admit(pod, known, self.settings, native=bool(self.native))
 
     # ------------------------------------------------------------ self-managed TLS

@@ -370,10 +370,10 @@ class _Stream:
     __slots__ = (
         "caller",
         "conn",
+        "credited",
         "drained",
         "finished",
         "headers_sent",
-        "credited",
         "held",
         "message",
         "owed",

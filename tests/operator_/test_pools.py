@@ -40,8 +40,9 @@ def reasons(admission: pools.Admission) -> dict[str, str]:
     (api.Gpu(mig_profile="3g.40gb"), None, 38912, 100),
     (api.Gpu(mig_profile="1g.10gb"), None, 9728, 100),
     (api.Gpu(mig_profile="7g.99gb"), None, None, 100),  # not in the catalogue: unknown
-    (api.Gpu(count=2), 81559, 2 * 81559, 200),  # the caller knows the GPUs' memory (placement)
-    (api.Gpu(count=2), None, None, 200),
+    # every member runs on every GPU of the pod (KIND_GPU without gpus): one GPU's room to share
+    (api.Gpu(count=2), 81559, 81559, 100),  # the caller knows the GPUs' memory (placement)
+    (api.Gpu(count=2), None, None, 100),
 ], ids=["memory", "decimal-memory", "mig-3g", "mig-1g", "mig-unknown", "count-known", "count-unknown"])
 def test_capacity_of_each_device_form(gpu, known, memory, compute):
     capacity = pools.capacity("small", gpu, gpu_memory_mib=known)

@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import pathlib
+import re
 from typing import Any
 
 import jsonpatch
@@ -172,6 +173,27 @@ def test_a_clash_with_the_app_is_denied_naming_it(change, message):
         sidecar.admit(original, KNOWN, SETTINGS, native=True)
     assert message in str(caught.value)
     assert 'sluice.dev/inject: "false"' in str(caught.value)
+
+
+def test_a_host_network_pod_is_denied():
+    with pytest.raises(sidecar.Denied, match=r"hostNetwork, so the runtime's ports 8000, 8001 and 8002 would be"):
+        sidecar.admit(pod(hostNetwork=True), KNOWN, SETTINGS, native=True)
+
+
+def test_two_models_serving_one_model_name_are_denied():
+    known = {**KNOWN, "mnist-b": model("mnist-b", model={"storageUri": "s3://models/b", "format": "onnx",
+                                                          "name": "mnist"})}
+    with pytest.raises(sidecar.Denied, match=r"'mnist' and 'mnist-b' both serve model 'mnist'"):
+        sidecar.admit(pod(inject="mnist,mnist-b"), known, SETTINGS, native=True)
+
+
+@pytest.mark.parametrize("served", ["resnet_", "resnet.", "r" * 50 + "-x", "a" * 63])
+def test_fetch_container_names_are_dns_labels_whatever_the_model_name(served):
+    known = {"m": model("m", model={"storageUri": "s3://models/m", "format": "onnx", "name": served})}
+    ops = sidecar.admit(pod(inject="m"), known, SETTINGS, native=True)
+    names = [c["name"] for op in ops for c in (op["value"] if isinstance(op["value"], list) else [op["value"]])
+             if isinstance(c, dict) and "image" in c]
+    assert names and all(re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", n) for n in names), names
 
 
 def test_a_model_fetching_as_another_service_account_is_denied():
