@@ -657,11 +657,15 @@ class Repository:
         await _unless_cancelled(self._unload(name, grace_s))
 
     async def _unload(self, name: str, grace_s: float | None) -> None:
-        self._expected.discard(name)
         model = self._models.get(name)
         if model is None:
+            self._expected.discard(name)
             return  # Triton answers success for an unknown model
         async with model.lock:
+            # Under the lock, as a load marks the model expected under it: calls on one model take
+            # effect in the order they came, so an unload sent during a load leaves it unloaded and
+            # not awaited by readiness (discarded before the lock, the load marked it again).
+            self._expected.discard(name)
             old, model.versions, model.waiting = {**model.waiting, **model.versions}, {}, {}
             model.state = UNAVAILABLE
             model.reason = "unloaded"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -398,3 +399,63 @@ def test_zero_drop_reload_under_load_through_the_load_api(repo, serve):
     assert set(load.answers) == {2.0, 11.0, 21.0}, load.answers
     print(f"\nreload under load (API): {sum(load.answers.values())} requests, {len(load.failures)} failures, "
           f"answers by version: {{1: {load.answers[2.0]}, 2: {load.answers[11.0]}, 3: {load.answers[21.0]}}}")
+
+
+SLOW_INIT_PY = """
+import sys
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        gate = sys.modules["sluice_slow_init_gate"]
+        gate.entered.set()
+        gate.release.wait(30)
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "INPUT0")]) for r in requests]
+"""
+
+SLOW_INIT_CONFIG = """
+name: "slow"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+output [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+"""
+
+
+def test_an_unload_sent_during_a_load_takes_effect_after_it_and_readiness_does_not_wait(repo, serve):
+    """Calls on one model take effect in order: the unload waits for the load, then unloads, and the
+    server is ready (it used to stay 503 for good: the load marked the model expected after the unload
+    had dropped it)."""
+    from .conftest import gate  # type: ignore[import-not-found]
+
+    write_model(repo, "slow", SLOW_INIT_CONFIG, {"model.py": SLOW_INIT_PY})
+    server = serve(repo, model_control_mode="explicit", load_models=("plus",))
+    def load() -> None:  # a client per thread: tritonclient's HTTP client is not thread-safe
+        other = httpclient.InferenceServerClient(server.http, network_timeout=60)
+        other.load_model("slow")
+        other.close()
+
+    with gate("sluice_slow_init_gate") as g:
+        loading = threading.Thread(target=load)
+        loading.start()
+        assert g.entered.wait(30)  # the load holds the model's lock in initialize
+
+        async def waiters() -> int:
+            model = server.server.repository._models["slow"]
+            return len(getattr(model.lock, "_waiters", None) or ())
+
+        unloaded = threading.Thread(target=lambda: server.call(server.server.repository.unload("slow")))
+        unloaded.start()
+        deadline = time.monotonic() + 10
+        while server.call(waiters()) == 0:  # the unload is queued behind the load
+            assert time.monotonic() < deadline, "the unload never waited for the model's lock"
+        g.release.set()
+        loading.join(30)
+        unloaded.join(30)
+    client = httpclient.InferenceServerClient(server.http)
+    assert not client.is_model_ready("slow")
+    assert client.is_server_ready()
+    client.close()
