@@ -16,7 +16,9 @@ Where Sluice differs from Triton, on purpose:
 
 * inputs/outputs missing from a config that lists some are added from the model (Triton's ONNX
   backend completes a section only when it is empty, then fails on the missing tensor);
-* ``instance_group.count`` below 0 is an error (Triton silently uses its default);
+* ``instance_group.count`` below 0 is an error (Triton silently uses its default), and so are more
+  than 256 instances in a group or more than 1024 ``priority_levels`` (Triton takes any number, and
+  a value near 2^64 would stall the loader building its queues);
 * ``dynamic_batching`` with ``max_batch_size: 0`` is an error (Triton accepts and never batches).
 """
 
@@ -841,8 +843,10 @@ def validate(config: mc.ModelConfig, *, source: str) -> list[str]:
         _check_sequence_batching(config, fail)
     for index, group in enumerate(config.instance_group):
         where = f"instance_group[{index}]"
-        if group.count < 0:
-            raise fail(f"count is {group.count}; allowed: 1 or more (0 means 1)", f"{where}.count")
+        if not 0 <= group.count <= MAX_INSTANCES_PER_GROUP:
+            raise fail(
+                f"count is {group.count}; allowed: 1 to {MAX_INSTANCES_PER_GROUP} (0 means 1)", f"{where}.count"
+            )
         for gpu in group.gpus:
             if gpu < 0:
                 raise fail(f"GPU id {gpu} is negative; allowed: 0 or more", f"{where}.gpus")
@@ -1051,6 +1055,11 @@ def _check_dynamic_batching(config: mc.ModelConfig, fail: _Fail) -> None:
                 "dynamic_batching.preferred_batch_size",
             )
     levels = batching.priority_levels
+    if levels > MAX_PRIORITY_LEVELS:
+        raise fail(
+            f"priority_levels is {levels}; allowed: 0 (none) to {MAX_PRIORITY_LEVELS}",
+            "dynamic_batching.priority_levels",
+        )
     level_range = f"1 to priority_levels ({levels})" if levels else "none while priority_levels is 0"
     if levels and not 1 <= batching.default_priority_level <= levels:
         raise fail(
@@ -1063,6 +1072,12 @@ def _check_dynamic_batching(config: mc.ModelConfig, fail: _Fail) -> None:
                 f"priority level {level} is out of range; allowed: {level_range}",
                 f"dynamic_batching.priority_queue_policy[{level}]",
             )
+
+
+MAX_PRIORITY_LEVELS = 1024
+"""Each level is a queue the scheduler keeps (built at load); a value near 2^64 would stall the loader."""
+MAX_INSTANCES_PER_GROUP = 256
+"""Instances of one instance_group (per device): each is a thread and a session of the model."""
 
 
 # Control kinds -> the false/true fields each may use (CORRID takes data_type instead).

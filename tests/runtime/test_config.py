@@ -600,8 +600,18 @@ VALIDATION_ERRORS = [
     ),
     pytest.param(
         _IO + "instance_group [ {\n count: -2 } ]",
-        [":4:2", "instance_group[0].count", "allowed: 1 or more (0 means 1)"],
+        [":4:2", "instance_group[0].count", "allowed: 1 to 256 (0 means 1)"],
         id="negative-count",
+    ),
+    pytest.param(
+        _IO + "instance_group [ {\n count: 2147483647 } ]",
+        [":4:2", "instance_group[0].count", "is 2147483647", "allowed: 1 to 256 (0 means 1)"],
+        id="huge-count",
+    ),
+    pytest.param(
+        _IO + "dynamic_batching {\n  priority_levels: 18446744073709551615\n  default_priority_level: 1\n}\n",
+        [":4:3", "dynamic_batching.priority_levels", "allowed: 0 (none) to 1024"],
+        id="huge-priority-levels",
     ),
     pytest.param(
         _IO + "instance_group [ { kind: KIND_GPU\n gpus: [ -1 ] } ]",
