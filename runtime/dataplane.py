@@ -245,8 +245,14 @@ class DataPlane:
             raise Unavailable("server is shutting down")
         await self.control.load(name, config_override)
 
-    async def unload(self, name: str) -> None:
+    async def unload(self, name: str, dependents: bool = False) -> None:
+        """Unload ``name``; with ``dependents`` (Triton's ``unload_dependents``), an ensemble's composing
+        models too, after it, each unless another loaded ensemble still uses it (and theirs in turn)."""
+        composing = self.repository.composing_models(name) if dependents else []
         await self.control.unload(name)
+        for step in composing:
+            if step != name and not self.repository.used_by_ensembles(step):
+                await self.unload(step, dependents=True)
 
     def state_of(self, name: str) -> str:
         return self.repository.state_of(name)[0]

@@ -688,6 +688,22 @@ class Repository:
             return False
         return not version or int(version) in model.versions
 
+    def composing_models(self, name: str) -> list[str]:
+        """The local step models of ensemble ``name`` (loaded or waiting), in step order; empty for a
+        model that is not an ensemble."""
+        model = self._models.get(name)
+        if model is None or model.plan is None:
+            return []
+        return list(dict.fromkeys(step.model for step in model.plan.steps if step.remote is None))
+
+    def used_by_ensembles(self, name: str) -> list[str]:
+        """The ensembles with versions (serving or waiting for their steps) that have ``name`` as a local step."""
+        return [
+            other
+            for other, model in self._models.items()
+            if model.plan is not None and (model.versions or model.waiting) and name in self.composing_models(other)
+        ]
+
     def _follow_steps(self) -> None:
         """Ensembles follow their steps (Triton): one whose local step model has no ready version
         waits, unserved and not ready, and serves again when the step is back, without a reload.

@@ -393,7 +393,13 @@ class Service:
     async def repository_model_unload(
         self, request: pb.RepositoryModelUnloadRequest, call: Call
     ) -> pb.RepositoryModelUnloadResponse:
-        await self.dp.unload(request.model_name)
+        dependents = False
+        if "unload_dependents" in request.parameters:
+            parameter = request.parameters["unload_dependents"]
+            if parameter.WhichOneof("parameter_choice") != "bool_param":
+                raise InvalidArgument("unload parameter 'unload_dependents' must be a bool_param")
+            dependents = parameter.bool_param
+        await self.dp.unload(request.model_name, dependents)
         return pb.RepositoryModelUnloadResponse()
 
     # -- logging (Triton's extension) ---------------------------------------------------------------

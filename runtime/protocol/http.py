@@ -992,7 +992,7 @@ class V2Routes:
             name = unquote(rest[1].decode("utf-8", "replace"))
             if rest[2] == b"load":
                 return self._load(request, name)
-            return self._unload(name)
+            return self._unload(request, name)
         raise NotFound(f"no route for {request.path.decode(errors='replace')}")
 
     async def _load(self, request: Request, name: str) -> Response:
@@ -1017,8 +1017,20 @@ class V2Routes:
         await self.dp.load(name, override)
         return Response(200)
 
-    async def _unload(self, name: str) -> Response:
-        await self.dp.unload(name)
+    async def _unload(self, request: Request, name: str) -> Response:
+        dependents = False
+        if request.body:
+            body = http_codec.parse_json(request.body, "unload request body")
+            if not isinstance(body, dict):
+                raise InvalidArgument("unload request body must be a JSON object")
+            params = body.get("parameters") or {}
+            if not isinstance(params, dict):
+                raise InvalidArgument("unload request 'parameters' must be an object")
+            value = params.get("unload_dependents", False)
+            if not isinstance(value, bool):
+                raise InvalidArgument(f"unload parameter 'unload_dependents' must be true or false, got {value!r}")
+            dependents = value
+        await self.dp.unload(name, dependents)
         return Response(200)
 
     def _shared_memory(self, request: Request, rest: list[bytes], kind: str) -> Response:

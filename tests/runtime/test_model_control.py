@@ -7,10 +7,13 @@ answer says which version computed it. The change detection itself is a table of
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -459,3 +462,46 @@ def test_an_unload_sent_during_a_load_takes_effect_after_it_and_readiness_does_n
     assert not client.is_model_ready("slow")
     assert client.is_server_ready()
     client.close()
+
+
+def ensemble_over_plus(name: str) -> str:
+    return f"""
+name: "{name}"
+platform: "ensemble"
+max_batch_size: 8
+input [ {{ name: "IN", data_type: TYPE_FP32, dims: [ 1 ] }} ]
+output [ {{ name: "OUT", data_type: TYPE_FP32, dims: [ 1 ] }} ]
+ensemble_scheduling {{ step [ {{ model_name: "plus" model_version: -1
+  input_map {{ key: "X" value: "IN" }} output_map {{ key: "Y" value: "OUT" }} }} ] }}
+"""
+
+
+def test_unload_dependents_unloads_an_ensemble_s_steps_unless_another_ensemble_uses_them(repo, serve):
+    """Triton's repository extension: unload_dependents also unloads the composing models (tritonclient's
+    unload_model(..., unload_dependents=True), over HTTP and gRPC), here only once no loaded ensemble uses them."""
+    for name in ("ens_a", "ens_b"):
+        write_model(repo, name, ensemble_over_plus(name), {})
+    server = serve(repo, model_control_mode="explicit", load_models=("*",))
+    http = httpclient.InferenceServerClient(server.http)
+    grpc = grpcclient.InferenceServerClient(server.grpc)
+    try:
+        assert all(http.is_model_ready(m) for m in ("plus", "ens_a", "ens_b"))
+        http.unload_model("ens_a", unload_dependents=True)
+        assert not http.is_model_ready("ens_a") and http.is_model_ready("plus")  # ens_b still uses it
+        grpc.unload_model("ens_b", unload_dependents=True)
+        assert not http.is_model_ready("ens_b") and not http.is_model_ready("plus")
+        http.load_model("plus")
+        http.load_model("ens_a")
+        http.unload_model("ens_a")  # without the parameter: the step stays
+        assert http.is_model_ready("plus")
+        request = urllib.request.Request(
+            f"http://{server.http}/v2/repository/models/plus/unload",
+            data=json.dumps({"parameters": {"unload_dependents": "yes"}}).encode(), method="POST",
+        )
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request)
+        assert caught.value.code == 400 and b"'unload_dependents' must be true or false" in caught.value.read()
+        assert http.is_model_ready("plus")
+    finally:
+        grpc.close()
+        http.close()
