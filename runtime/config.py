@@ -753,7 +753,7 @@ def _infer_backend(model_dir: Path, files: dict[str, str], default_filename: str
         if suffix in by_suffix:
             return by_suffix[suffix]
     try:
-        version_dirs = sorted(p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+        version_dirs = sorted(p for p in model_dir.iterdir() if p.is_dir() and names.version_number(p.name) is not None)
     except OSError:
         return None
     for version_dir in version_dirs:

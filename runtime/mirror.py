@@ -69,8 +69,8 @@ def layout(listing: Collection[RemoteFile]) -> Layout:
             skipped.append(file.relative)
             continue
         model = parts[0]
-        if len(parts) >= 3 and parts[1].isdigit() and int(parts[1]) > 0:
-            versions.setdefault((model, int(parts[1])), []).append(file)
+        if len(parts) >= 3 and (version := names.version_number(parts[1])) is not None:
+            versions.setdefault((model, version), []).append(file)
         else:
             files[file.relative] = file
     return Layout({key: tuple(group) for key, group in versions.items()}, files, tuple(skipped))

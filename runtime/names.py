@@ -68,3 +68,12 @@ def model_directory(root: Path, name: str) -> Path | None:
     if resolved == resolved_root or not resolved.is_relative_to(resolved_root):
         return None
     return path
+
+
+def version_number(name: str) -> int | None:
+    """The version a model's subdirectory named ``name`` holds, or None when it is not a version
+    directory: Triton takes only names of ASCII digits that do not start with 0 ("01" and "0" are
+    ignored, as are digits of other scripts, which ``str.isdigit`` would accept)."""
+    if not name.isascii() or not name.isdigit() or name.startswith("0"):
+        return None
+    return int(name)

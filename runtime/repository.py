@@ -191,7 +191,8 @@ def _backend_loader(backend: str) -> Callable[[mc.ModelConfig, LoadContext], Mod
 
 
 def _available_versions(model_dir: Path) -> list[int]:
-    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
+    found = ((names.version_number(p.name), p) for p in model_dir.iterdir())
+    return sorted(version for version, p in found if version is not None and p.is_dir())
 
 
 @dataclasses.dataclass

@@ -71,8 +71,8 @@ def scan_model(model_dir: Path) -> ModelFiles:
                 found_config = True
             except OSError:
                 continue
-        elif entry.name.isdigit() and int(entry.name) > 0 and entry.is_dir():
-            versions[int(entry.name)] = _stamps(entry)
+        elif (version := names.version_number(entry.name)) is not None and entry.is_dir():
+            versions[version] = _stamps(entry)
         elif entry.is_dir():
             files |= {(f"{entry.name}/{rel}", size, mtime) for rel, size, mtime in _stamps(entry) if rel != "."}
         else:

@@ -505,3 +505,14 @@ def test_unload_dependents_unloads_an_ensemble_s_steps_unless_another_ensemble_u
     finally:
         grpc.close()
         http.close()
+
+
+@pytest.mark.parametrize("odd", ["01", "0", "\u0662", "1a"])
+def test_only_triton_s_version_directory_names_are_versions(repo, serve, odd):
+    """Triton ignores subdirectories that are not numeric or start with 0; 'str.isdigit' took '01'
+    as version 1 (then failed to find its files) and Arabic-Indic digits as a number."""
+    (repo / "plus" / odd).mkdir()
+    (repo / "plus" / odd / "model.onnx").write_bytes(b"not a model")
+    server = serve(repo)
+    assert infer_http(server.http) == 2.0
+    assert [(m["name"], m["version"], m["state"]) for m in index(server.http)] == [("plus", "1", "READY")]
