@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Hashable
+from typing import Any
 
 from sluice.runtime.types import InferRequest, InferResponse, Tensor
 
@@ -37,6 +38,12 @@ def _size(key: Hashable, response: InferResponse) -> int:
     return size
 
 
+def _frozen_copy(data: Any) -> Any:
+    copy = data.copy()
+    copy.flags.writeable = False
+    return copy
+
+
 class ResponseCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -53,7 +60,7 @@ class ResponseCache:
         self._entries.move_to_end(key)
         stored = entry[0]
         outputs = stored.outputs
-        if request.outputs is not None:
+        if request.outputs:  # none listed (absent, or an empty list): every output, as on a miss
             wanted = {o.name for o in request.outputs}
             outputs = [t for t in outputs if t.name in wanted]
         return InferResponse(
@@ -70,10 +77,12 @@ class ResponseCache:
         if size > self.max_bytes:
             return
         # An output that is a view keeps what it views alive and shared: a slice of a whole batch's
-        # output, or an input the model handed back, which may be a client's shared-memory region.
-        # The entry owns copies, so what it holds is what was answered and what it counts.
+        # output, or an input the model handed back, which may be a client's shared-memory region; one
+        # that is writable may be written again (a model refilling its buffer, the next step of an
+        # ensemble). The entry owns read-only copies: what it holds is what was answered, and stays so.
         response = dataclasses.replace(response, outputs=[
-            t if t.data.flags.owndata else Tensor(t.name, t.datatype, t.data.copy(), dict(t.parameters))
+            t if t.data.flags.owndata and not t.data.flags.writeable
+            else Tensor(t.name, t.datatype, _frozen_copy(t.data), dict(t.parameters))
             for t in response.outputs
         ])
         self._entries[key] = (response, size)

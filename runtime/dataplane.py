@@ -396,10 +396,13 @@ class DataPlane:
                 hit = cache.get(key, request)
                 lookup_ns = time.monotonic_ns() - start
                 if hit is not None:
+                    answer = _classified(_named(hit, mv, request), mv, request)
+                    if isinstance(answer, SluiceError):  # a bad classification request: not a hit served
+                        raise answer
                     stats.on_cache_hit(lookup_ns)
                     counts.success += 1
                     counts.cache_hits += 1
-                    done(_classified(_named(hit, mv, request), mv, request))
+                    done(answer)
                     return
             mv.scheduler.enqueue_callback(request, finished, priority, timeout_us)
         except SluiceError as exc:

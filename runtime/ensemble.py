@@ -173,6 +173,9 @@ def step_request(
             shape = reshape_dims(wanted[name], batching, batches.get(tensor, 0), data.shape)
             if shape != data.shape:
                 data = data.reshape(shape)
+        if data.flags.writeable:  # a step gets its inputs read-only, as a client's: one that writes into
+            data = data.view()  # its input must not change the tensor other steps, the answer or the
+            data.flags.writeable = False  # response cache see
         inputs.append(Tensor(name, source.datatype, data))
     return InferRequest(
         step.model,
@@ -324,7 +327,7 @@ class _Run:
         self.advance()
 
     def complete(self) -> None:
-        requested = None if self.request.outputs is None else [o.name for o in self.request.outputs]
+        requested = [o.name for o in self.request.outputs] if self.request.outputs else None  # none: all
         try:
             outputs = ensemble_outputs_reshaped(
                 self.plan, ensemble_outputs(self.plan, self.tensors, requested), self.batches
@@ -349,7 +352,12 @@ class _Run:
             inner.cancel.cancel()
         for task in self.tasks.values():
             task.cancel()
+        # no cycle (token -> its callback -> this run -> the request -> token) keeps the request and
+        # every step's tensors alive until the next full collection
+        self.request.cancel.clear()
         self.done(outcome)
+        self.tensors = {}
+        self.pending = {}
 
 
 class EnsembleScheduler:

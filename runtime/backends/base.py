@@ -24,6 +24,40 @@ from sluice.runtime.types import InferRequest, InferResponse
 Result = InferResponse | SluiceError
 
 
+def client_shape(
+    produced: Sequence[int], dims: Sequence[int], reshape: Sequence[int], batched: bool
+) -> tuple[int, ...] | None:
+    """An output's shape as clients see it, Triton's output ``reshape``: the model produced ``produced``
+    in the ``reshape`` form (after the batch dim when ``batched``); clients see ``dims``. Each -1 of
+    ``dims`` takes, in order, the size the model gave a -1 of ``reshape``. None when ``produced`` does
+    not fit ``reshape`` or the element counts differ."""
+    lead = tuple(produced[:1]) if batched else ()
+    body = tuple(produced[1:]) if batched else tuple(produced)
+    if len(body) != len(reshape) or any(r != -1 and r != b for r, b in zip(reshape, body, strict=True)):
+        return None
+    fills = iter([b for r, b in zip(reshape, body, strict=True) if r == -1])
+    shown = [next(fills, -1) if d == -1 else d for d in dims]
+    count = 1
+    for size in body:
+        count *= size
+    known = 1
+    for size in shown:
+        known *= size if size != -1 else 1
+    if shown.count(-1) == 1 and known:
+        shown[shown.index(-1)] = count // known
+    total = 1
+    for size in shown:
+        total *= size
+    if -1 in shown or total != count:
+        return None
+    return lead + tuple(shown)
+
+
+def reshape_problem(model: str, name: str, produced: Sequence[int], dims: Sequence[int], reshape: Sequence[int]) -> str:
+    return (f"model '{model}' produced output '{name}' of shape {list(produced)}, which does not fit its config's "
+            f"reshape {list(reshape)} (clients see dims {list(dims)})")
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     """An input or output as the model file declares it (used to complete the config)."""

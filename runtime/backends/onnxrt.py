@@ -24,7 +24,15 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result, TensorSpec
+from sluice.runtime.backends.base import (
+    LoadContext,
+    ModelBackend,
+    ModelInstance,
+    Result,
+    TensorSpec,
+    client_shape,
+    reshape_problem,
+)
 from sluice.runtime.backends.tensor import merge_inputs, split_timed
 from sluice.runtime.errors import ConfigError, InvalidArgument, ModelError, SluiceError, Unavailable, Unsupported
 from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, InferRequest
@@ -381,7 +389,7 @@ class OnnxInstance(ModelInstance):
         self._datatypes = {o.name: DATATYPE_BY_CONFIG_TYPE[mc.DataType.Name(o.data_type)] for o in config.output}
         # ``reshape`` names the shape the model produces; clients see ``dims`` (plus the batch dim).
         self._reshape = {
-            o.name: (-1, *o.dims) if self._batched else tuple(o.dims) for o in config.output if o.HasField("reshape")
+            o.name: (tuple(o.dims), tuple(o.reshape.shape)) for o in config.output if o.HasField("reshape")
         }
         self._string_inputs = {i.name for i in config.input if i.data_type == mc.TYPE_STRING}
         # Sequence batching: the scheduler feeds control and state inputs and takes the state outputs.
@@ -435,7 +443,12 @@ class OnnxInstance(ModelInstance):
         outputs = {}
         for name, array in zip(self._outputs, arrays, strict=True):
             if name in self._reshape:
-                array = array.reshape(self._reshape[name])
+                dims, model_shape = self._reshape[name]
+                shape = client_shape(array.shape, dims, model_shape, self._batched)
+                if shape is None:
+                    problem = reshape_problem(self._label, name, array.shape, dims, model_shape)
+                    return [ModelError(problem)] * len(requests)
+                array = array.reshape(shape)
             if array.dtype == np.object_ or array.dtype.kind == "U":
                 items = [s.encode() if isinstance(s, str) else s for s in array.ravel()]
                 array = np.array(items, dtype=object).reshape(array.shape)

@@ -38,7 +38,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime.backends import bls
 from sluice.runtime.backends import triton_python_backend_utils as pb_utils
-from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result
+from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result, client_shape, reshape_problem
 from sluice.runtime.config_json import config_to_json
 from sluice.runtime.errors import (
     Cancelled,
@@ -277,6 +277,12 @@ class PythonBackend(ModelBackend):
             if mc.DataType.Name(output.data_type) in DATATYPE_BY_CONFIG_TYPE
         }
         self._all_output_names = [output.name for output in config.output]
+        self._reshaped_outputs = {
+            output.name: (tuple(output.dims), tuple(output.reshape.shape))
+            for output in config.output
+            if output.HasField("reshape")
+        }
+        self._batched = config.max_batch_size > 0
         self.decoupled = config.model_transaction_policy.decoupled
         self.host = bls.BlsHost(ctx.services, ctx.model_name)
         self.metrics_owner = f"{ctx.model_name}:{ctx.version}"
@@ -526,6 +532,17 @@ class PythonInstance(ModelInstance):
                 f"(declared outputs: {allowed})"
             )
         datatype, data = convert_output(name, np.asarray(tensor.as_numpy()), declared.get(name))
+        if data.flags.writeable:
+            # Triton copies a Python model's outputs out (into shared memory): a model may refill one
+            # buffer on every execute while this answer waits to be written or sits in the cache.
+            data = data.copy()
+        reshaped = self._backend._reshaped_outputs.get(name)
+        if reshaped is not None:  # Triton applies an output's reshape in the core, for every backend
+            dims, model_shape = reshaped
+            shape = client_shape(data.shape, dims, model_shape, self._backend._batched)
+            if shape is None:
+                raise ModelError(reshape_problem(model_name, name, data.shape, dims, model_shape))
+            data = data.reshape(shape)
         return Tensor(name, datatype, data)
 
 

@@ -32,7 +32,15 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime.backends import torch_plan
-from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result, TensorSpec
+from sluice.runtime.backends.base import (
+    LoadContext,
+    ModelBackend,
+    ModelInstance,
+    Result,
+    TensorSpec,
+    client_shape,
+    reshape_problem,
+)
 from sluice.runtime.backends.tensor import input_parts, merge_inputs, merged_shape, split_timed
 from sluice.runtime.errors import ConfigError, ModelError, SluiceError, Unavailable, Unsupported
 from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, InferRequest
@@ -628,7 +636,10 @@ class TorchInstance(ModelInstance):
         if problem is not None:
             raise ModelError(f"model '{self._label}': {problem}")
         if spec.HasField("reshape"):
-            array = array.reshape((rows, *spec.dims) if self._batched else tuple(spec.dims))
+            shape = client_shape(array.shape, spec.dims, spec.reshape.shape, self._batched)
+            if shape is None:
+                raise ModelError(reshape_problem(self._label, spec.name, array.shape, spec.dims, spec.reshape.shape))
+            array = array.reshape(shape)
         return array
 
     def execute(self, requests: Sequence[InferRequest]) -> list[Result]:

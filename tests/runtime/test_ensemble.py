@@ -265,10 +265,10 @@ def test_plan_step_request_renames_tensors_and_passes_parameters() -> None:
     inner = ensemble.step_request(add_sub, {t.name: t for t in outer.inputs}, outer)
     assert (inner.model_name, inner.model_version, inner.id) == ("add_sub", "1", "r1")
     assert inner.parameters == {"priority": 2} and inner.parameters is not outer.parameters
-    assert [(t.name, t.data is src) for t, src in zip(inner.inputs, (A, B), strict=True)] == [
-        ("INPUT0", True),
-        ("INPUT1", True),
-    ]
+    # no copy: a read-only view of the ensemble's tensor, so a step that writes into its input fails
+    # instead of changing what other steps, the answer and the response cache see
+    assert [(t.name, np.shares_memory(t.data, src), t.data.flags.writeable) for t, src in
+            zip(inner.inputs, (A, B), strict=True)] == [("INPUT0", True, False), ("INPUT1", True, False)]
     assert [o.name for o in inner.outputs or ()] == ["OUTPUT0", "OUTPUT1"]
 
 
