@@ -21,7 +21,7 @@ import concurrent.futures
 import contextvars
 import json
 import queue
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -226,13 +226,20 @@ class BlsHost(pb_utils.ModelHost):
             return call.iterate()
         return to_model_response(call.single.result())
 
-    async def async_exec(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Any:
+    def async_exec(self, request: pb_utils.InferenceRequest, decoupled: bool) -> Awaitable[Any]:
+        """Send at once (not when awaited: a call never awaited still runs, as in Triton); the task
+        returned resolves to the answer on the model's loop."""
+        loop = asyncio.get_running_loop()
         call = self._begin(request, decoupled)
         if not decoupled:
-            return to_model_response(await asyncio.wrap_future(call.single))
+            single = asyncio.wrap_future(call.single, loop=loop)
+            return loop.create_task(_converted(single))
         # A decoupled call is awaited whole: the iterator the model gets then never blocks its loop.
-        responses = await asyncio.get_running_loop().run_in_executor(None, lambda: list(call.iterate()))
-        return iter(responses)
+        return loop.run_in_executor(None, lambda: iter(list(call.iterate())))
+
+
+async def _converted(single: Awaitable[Any]) -> Any:
+    return to_model_response(await single)
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import importlib.util
 import inspect
 import itertools
@@ -346,7 +347,7 @@ class PythonInstance(ModelInstance):
         self._backend = backend
         self._instance_name = instance_name
         self._model: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop: _InstanceLoop | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -375,40 +376,24 @@ class PythonInstance(ModelInstance):
             self.close_loop()
 
     def close_loop(self) -> None:
-        """Close the instance's loop as ``asyncio.run`` would: tasks the model left behind are
+        """Stop the instance's loop as ``asyncio.run`` would end: tasks the model left behind are
         cancelled and async generators closed first, so nothing warns about a destroyed task."""
         loop, self._loop = self._loop, None
-        if loop is None:
-            return
-        try:
-            if not _loop_running_here():
-                leftover = asyncio.all_tasks(loop)
-                for task in leftover:
-                    task.cancel()
-                if leftover:
-                    loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
-                loop.run_until_complete(loop.shutdown_asyncgens())
-        except Exception:
-            _log.exception("closing the event loop of model instance '%s' failed", self._instance_name)
-        finally:
-            loop.close()
+        if loop is not None:
+            loop.close(self._instance_name)
+
+    def _async_loop(self) -> _InstanceLoop:
+        if self._loop is None:
+            self._loop = _InstanceLoop(f"sluice-{self._instance_name}-asyncio")
+        return self._loop
 
     def _resolve(self, result: Any) -> Any:
-        """Run a coroutine (``async def execute``/``initialize``/``finalize``) to completion on
-        this instance's loop."""
+        """Run a coroutine (``async def execute``/``initialize``/``finalize``) to completion on this
+        instance's loop, which keeps running between calls (Triton 24.04+): tasks the model starts
+        go on after the call that started them returned."""
         if not inspect.isawaitable(result):
             return result
-        if _loop_running_here():
-            # A loop cannot be run inside a thread whose own loop is running; drive the
-            # coroutine from a helper thread instead of leaving it never awaited.
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-python-model") as helper:
-                return helper.submit(self._run_until_complete, result).result()
-        return self._run_until_complete(result)
-
-    def _run_until_complete(self, awaitable: Any) -> Any:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(awaitable)
+        return self._async_loop().submit(result).result()
 
     # -- execution ------------------------------------------------------------------------------
 
@@ -420,7 +405,14 @@ class PythonInstance(ModelInstance):
         outer = bls.outer_requests.set(requests)
         try:
             with self._backend.model_code():
-                returned = self._resolve(self._model.execute(wrapped))
+                returned = self._model.execute(wrapped)
+                if inspect.isawaitable(returned):
+                    if self._backend.decoupled:  # as in Triton: not awaited here, so requests run at once
+                        self._async_loop().submit(returned).add_done_callback(
+                            functools.partial(self._decoupled_done, wrapped, model_name)
+                        )
+                        return [_accepted(request) for request in requests]
+                    returned = self._resolve(returned)
         except BaseException as exc:  # SystemExit from model code too: the instance must keep serving
             message = f"Failed to process the request(s) for model '{model_name}', message: {type(exc).__name__}: {exc}"
             _log.debug("execute() of model instance '%s' raised", self._instance_name, exc_info=True)
@@ -477,6 +469,22 @@ class PythonInstance(ModelInstance):
             flags=flags,
             parameters={k: v for k, v in parameters.items() if k not in _RESERVED_PARAMETERS},
         )
+
+    def _decoupled_done(
+        self, wrapped: Sequence[ServedRequest], model_name: str, future: concurrent.futures.Future
+    ) -> None:
+        """An ``async def execute`` of a decoupled model ended (on the instance's loop): an exception
+        ends each stream it had not ended with the error, as a synchronous execute's would."""
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if exc is None:
+            return
+        message = f"Failed to process the request(s) for model '{model_name}', message: {type(exc).__name__}: {exc}"
+        _log.debug("execute() of model instance '%s' raised", self._instance_name, exc_info=exc)
+        for request in wrapped:
+            if request._stream is not None:
+                request._stream.fail(ModelError(message))
 
     def _decoupled_failure(self, request: ServedRequest, message: str) -> Result:
         """``execute`` of a decoupled model raised: the error ends each stream it had not ended."""
@@ -546,6 +554,49 @@ class PythonInstance(ModelInstance):
         return Tensor(name, datatype, data)
 
 
+class _InstanceLoop:
+    """An event loop on a thread of its own for one model instance's coroutines: ``async def
+    execute`` (and ``initialize``/``finalize``) and every task they start run there, and the loop
+    keeps running between calls, as Triton's Python backend does since 24.04."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, awaitable: Any) -> concurrent.futures.Future:
+        """Run ``awaitable`` on the loop, in the caller's context (the BLS host and metrics owner it bound)."""
+        return asyncio.run_coroutine_threadsafe(_awaited(awaitable), self.loop)
+
+    def close(self, instance_name: str) -> None:
+        async def shut_down() -> None:
+            leftover = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in leftover:
+                task.cancel()
+            await asyncio.gather(*leftover, return_exceptions=True)
+            await self.loop.shutdown_asyncgens()
+
+        if threading.current_thread() is self._thread:  # from the model's own loop: cannot wait on it
+            self.loop.call_soon(self.loop.stop)
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(shut_down(), self.loop).result(timeout=30)
+        except Exception:
+            _log.exception("closing the event loop of model instance '%s' failed", instance_name)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
 def _loop_running_here() -> bool:
     try:
         asyncio.get_running_loop()
@@ -603,6 +654,13 @@ class _DecoupledStream:
                 return False
             self._closed = True
             return True
+
+    def fail(self, error: SluiceError) -> None:
+        """End the stream with ``error`` unless it has ended (an ``async def execute`` that raised)."""
+        responder = self._request.responder
+        if self.close_for_error() and responder is not None:
+            with contextlib.suppress(Exception):  # the client's stream is gone: nothing to deliver to
+                responder(error, True)
 
     def send(self, response: Any, flags: int) -> None:
         final = bool(flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -24,7 +24,7 @@ import math
 import re
 import struct
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -275,6 +275,13 @@ class Tensor:
             array = np.array(array, order="C", copy=True)
         return array.__dlpack__()
 
+    def __dlpack__(self, stream: Any = None) -> Any:
+        """The DLPack protocol (``torch.from_dlpack(tensor)``), as Triton's Tensor has it."""
+        return self.to_dlpack()
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU, device 0: Sluice's tensors are in host memory
+
     @staticmethod
     def from_dlpack(name: str, dlpack_tensor: Any) -> Tensor:
         """From an object with ``__dlpack__`` (e.g. a CPU torch tensor) or a bare DLPack capsule."""
@@ -315,8 +322,8 @@ class ModelHost(abc.ABC):
         iterator of them."""
 
     @abc.abstractmethod
-    async def async_exec(self, request: InferenceRequest, decoupled: bool) -> Any:
-        """The same, awaited on the model's own event loop."""
+    def async_exec(self, request: InferenceRequest, decoupled: bool) -> Awaitable[Any]:
+        """The same, sent at once; an awaitable of the answer on the model's own event loop."""
 
 
 _host: contextvars.ContextVar[ModelHost | None] = contextvars.ContextVar("sluice_pb_utils_host", default=None)
@@ -418,9 +425,11 @@ class InferenceRequest:
         error is inside it, ``has_error()``), or with ``decoupled=True`` an iterator of them."""
         return _current_host().exec(self, decoupled)
 
-    async def async_exec(self, decoupled: bool = False) -> Any:
-        """BLS from ``async def execute``: the same as :meth:`exec`, awaited."""
-        return await _current_host().async_exec(self, decoupled)
+    def async_exec(self, decoupled: bool = False) -> Awaitable[Any]:
+        """BLS from ``async def execute``: the request is sent at once (as in Triton, several may be in
+        flight: ``await asyncio.gather(*(r.async_exec() for r in requests))``); await what it returns
+        for the answer (or, with ``decoupled=True``, the iterator of them)."""
+        return _current_host().async_exec(self, decoupled)
 
     def stream_exec(self) -> Any:
         """The name older Triton releases gave ``exec(decoupled=True)``."""
@@ -638,12 +647,22 @@ _LOGGING_LEVEL = {
 }
 
 
+_Level = LogLevel
+
+
 class Logger:
-    """Triton's model logger, writing to the ``sluice.python_model`` logger of :mod:`logging`."""
+    """Triton's model logger, writing to the ``sluice.python_model`` logger of :mod:`logging`.
+    ``Logger.LogLevel`` and ``Logger.INFO`` etc. as in Triton (``logger.log("msg", logger.INFO)``)."""
+
+    LogLevel = LogLevel
+    INFO = LogLevel.INFO
+    WARNING = LogLevel.WARNING
+    ERROR = LogLevel.ERROR
+    VERBOSE = LogLevel.VERBOSE
 
     @staticmethod
-    def log(message: str, level: LogLevel = LogLevel.INFO) -> None:
-        logging.getLogger(_LOGGER_NAME).log(_LOGGING_LEVEL[LogLevel(level)], "%s", message, stacklevel=2)
+    def log(message: str, level: _Level = _Level.INFO) -> None:
+        logging.getLogger(_LOGGER_NAME).log(_LOGGING_LEVEL[_Level(level)], "%s", message, stacklevel=2)
 
     @staticmethod
     def log_info(message: str) -> None:

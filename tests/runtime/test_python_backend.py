@@ -785,6 +785,9 @@ def test_tensor_dlpack_round_trip_and_lookups():
 
     assert copy.is_cpu()
     np.testing.assert_array_equal(copy.as_numpy(), tensor.as_numpy())
+    # the DLPack protocol on the Tensor itself (torch.from_dlpack(tensor) in Triton's examples)
+    assert tensor.__dlpack_device__() == (1, 0)
+    np.testing.assert_array_equal(np.from_dlpack(tensor), tensor.as_numpy())
     assert pb_utils.get_output_tensor_by_name(response, "Y") is copy
     assert pb_utils.get_output_tensor_by_name(response, "Z") is None
     assert not response.has_error()
@@ -800,10 +803,15 @@ def test_triton_error_codes_and_logger(caplog):
         pb_utils.Logger.log_warn("warn line")
         pb_utils.Logger.log_error("error line")
         pb_utils.Logger.log_verbose("verbose line")
+        logger = pb_utils.Logger  # Triton's README form
+        logger.log("level line", logger.WARNING)
+        logger.log("enum line", pb_utils.Logger.LogLevel.ERROR)
 
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("INFO", "info line"),
         ("WARNING", "warn line"),
         ("ERROR", "error line"),
         ("DEBUG", "verbose line"),
+        ("WARNING", "level line"),
+        ("ERROR", "enum line"),
     ]
