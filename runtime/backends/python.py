@@ -28,6 +28,7 @@ import re
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -197,7 +198,7 @@ def _import_model_file(path: Path, ctx: LoadContext) -> ModuleType:
             sys.modules.pop(module_name, None)
             raise ModelError(
                 f"failed to load '{ctx.model_name}' version {ctx.version}: importing {_shown(path, ctx)} raised "
-                f"{type(exc).__name__}: {_without_repository(str(exc), ctx)}"
+                f"{type(exc).__name__}: {_without_repository(str(exc), ctx)}{_where(exc, ctx)}"
             ) from exc
         finally:
             with contextlib.suppress(ValueError):
@@ -220,6 +221,26 @@ def _without_repository(text: str, ctx: LoadContext) -> str:
     for root in {str(ctx.repository), str(ctx.repository.resolve())}:
         text = text.replace(root + os.sep, "")
     return text
+
+
+def _where(exc: BaseException, ctx: LoadContext) -> str:
+    """Where in the model's own files ``exc`` was raised, innermost last, as Triton's load errors
+    say it (``At: 1/model.py(12): initialize``), paths relative to the repository; "" when none of
+    the traceback is the model's (the error came from a library it called directly)."""
+    try:
+        root = ctx.model_dir.resolve()
+    except OSError:
+        return ""
+    frames = []
+    for frame in traceback.extract_tb(exc.__traceback__):
+        path = Path(frame.filename)
+        try:
+            inside = path.resolve().is_relative_to(root)
+        except OSError:
+            inside = False
+        if inside:
+            frames.append(f"{_shown(path, ctx)}({frame.lineno}): {frame.name}")
+    return f"; At: {', '.join(frames[-5:])}" if frames else ""
 
 
 def _forget_siblings(directory: Path, names: set[str]) -> None:
@@ -314,6 +335,7 @@ class PythonBackend(ModelBackend):
             raise ModelError(
                 f"failed to initialize model instance '{instance_name}' of model '{name}' "
                 f"version {self._ctx.version}: {type(exc).__name__}: {_without_repository(str(exc), self._ctx)}"
+                f"{_where(exc, self._ctx)}"
             ) from exc
         return instance
 

@@ -684,8 +684,25 @@ def test_initialize_error_fails_new_instance(tmp_path):
     ctx = write_model(tmp_path, "noinit", source, config_text)
     backend = python_backend.load(parse_config(config_text), ctx)
 
-    with pytest.raises(SluiceError, match=r"model instance 'noinit_0_0' .* RuntimeError: weights missing"):
+    with pytest.raises(SluiceError, match=r"model instance 'noinit_0_0' .* RuntimeError: weights missing") as caught:
         backend.new_instance(0, mc.ModelInstanceGroup.KIND_CPU, 0)
+    # where in the model's file, as Triton's "At:" trace, relative to the repository
+    assert re.search(r"; At: noinit/1/model\.py\(4\): initialize$", str(caught.value)), str(caught.value)
+    assert str(tmp_path) not in str(caught.value)
+
+
+def test_an_import_error_says_where_in_the_model_file(tmp_path):
+    source = """
+    def helper():
+        raise ValueError("bad weights path")
+
+    helper()
+    """
+    config_text = ECHO_CONFIG_TEMPLATE.format(name="badimport", dtype="TYPE_FP32")
+    ctx = write_model(tmp_path, "badimport", source, config_text)
+    with pytest.raises(SluiceError, match=r"ValueError: bad weights path") as caught:
+        python_backend.load(parse_config(config_text), ctx)
+    assert "At: badimport/1/model.py(5): <module>, badimport/1/model.py(3): helper" in str(caught.value)
 
 
 # ---------------------------------------------------------------------------------------------
