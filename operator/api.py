@@ -806,7 +806,9 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
         pool=read.string(spec, "pool", "spec", pattern=POOL_NAME_PATTERN),
         mode=read.string(spec, "mode", "spec", choices=MODES) or DEPLOYMENT_MODE,
     )
-    if not re.fullmatch(POOL_NAME_PATTERN, name):
+    if result.mode == SIDECAR_MODE:
+        pass  # no Deployment or Service of its own: only '<name>-config', which any object name fits
+    elif not re.fullmatch(POOL_NAME_PATTERN, name):
         read.problem("metadata.name", f"{name!r} names the model's Deployment and Service, so it must be a DNS "
                      "label: lower-case letters, digits and '-', starting with a letter, at most 63 characters")
     elif canary is not None and len(name) > MAX_NAME_WITH_CANARY:

@@ -83,6 +83,10 @@ class Plan:
     candidate: str
     analysis: Analysis | None = Analysis()
     traffic_percent: int = 0
+    legacy: str = ""
+    """The same candidate as operators before 2026-11-27 named it (a hash of fewer fields): a status
+    written by one is read as this candidate, so an upgrade neither restarts a finished rollout nor
+    retries a rolled-back candidate."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +233,8 @@ class Decision:
     status: Status
     actions: tuple[Action, ...] = ()
     requeue_after_s: float | None = None
+    judged: bool = False
+    """An interval was judged from the observation's metrics (the reconciler shows them as lastMetrics)."""
 
 
 class NoBaseline(Exception):
@@ -244,19 +250,26 @@ def plan_of(spec: api.InferenceModelSpec) -> Plan | None:
     canary = spec.canary
     if canary is None:
         return None
-    pods = {
+    served = {
         "model": dataclasses.asdict(api.candidate_model(spec)),
         "runtime": dataclasses.asdict(canary.runtime or spec.runtime),
+    }
+    around = {
         "resources": dataclasses.asdict(spec.resources),
         "storage": dataclasses.asdict(spec.storage),
         "shutdown": dataclasses.asdict(spec.shutdown),
         "server": dataclasses.asdict(spec.server),
     }
-    digest = hashlib.sha256(json.dumps(pods, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    candidate = f"v{canary.version}-{digest}"
+    # what it serves (8 hex digits), then the pods around it (4): a change of only the latter after the
+    # rollout ended is not a new candidate (see same_model)
+    candidate = f"v{canary.version}-{_digest(served)[:8]}{_digest(around)[:4]}"
+    legacy = "v{}-{}".format(canary.version, _digest({
+        "storageUri": canary.storage_uri, "version": canary.version, "config": canary.config,
+        "runtime": dataclasses.asdict(canary.runtime or spec.runtime), "resources": dataclasses.asdict(spec.resources),
+    })[:12])
     wanted = canary.analysis
     if wanted is None:
-        return Plan(candidate, None, canary.traffic_percent)
+        return Plan(candidate, None, canary.traffic_percent, legacy)
     analysis = Analysis(
         step_weights=wanted.step_weights,
         interval_s=float(wanted.interval_seconds),
@@ -270,7 +283,17 @@ def plan_of(spec: api.InferenceModelSpec) -> Plan | None:
         step_gate=wanted.gate_before_step,
         promotion_gate=wanted.gate_before_promotion,
     )
-    return Plan(candidate, analysis, canary.traffic_percent)
+    return Plan(candidate, analysis, canary.traffic_percent, legacy)
+
+
+def _digest(value: object) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether candidates ``a`` and ``b`` serve the same model (version, files, config, runtime) and
+    differ at most in the pods around it (resources, storage, shutdown, server settings)."""
+    return a.rpartition("-")[0] == b.rpartition("-")[0] and a[-12:-4] == b[-12:-4] and len(a) == len(b)
 
 
 def judge(analysis: Analysis, observation: Observation) -> tuple[str, str]:
@@ -314,8 +337,19 @@ def step(plan: Plan | None, status: Status, observation: Observation, now: float
             actions.append(SetWeight(0))
         actions += [RemoveCanary(), Event("CanaryRemoved", "spec.canary was removed: the canary is taken down")]
         return Decision(Status(failed_candidate=status.failed_candidate), tuple(actions))
+    if plan.legacy and plan.legacy in (status.candidate, status.failed_candidate):  # written by an older operator
+        status = dataclasses.replace(
+            status,
+            candidate=plan.candidate if status.candidate == plan.legacy else status.candidate,
+            failed_candidate=plan.candidate if status.failed_candidate == plan.legacy else status.failed_candidate,
+        )
     if plan.candidate == status.failed_candidate:
         return _stay_rolled_back(plan, status)
+    adopt = status.phase == SUCCEEDED and same_model(plan.candidate, status.candidate)
+    if plan.candidate != status.candidate and adopt:
+        # promoted, and only the pods around the model changed (resources, shutdown, ...): the stable
+        # Deployment takes the change as it runs the candidate; no new rollout of the same model
+        status = dataclasses.replace(status, candidate=plan.candidate)
     if plan.candidate != status.candidate:
         return _restart(plan, status, now)
     handler = {
@@ -363,7 +397,8 @@ def _initializing(plan: Plan, status: Status, observation: Observation, now: flo
         return Decision(held, (EnsureCanary(plan.candidate),), requeue_after_s=_interval(plan))
     if plan.analysis is None:
         weight = plan.traffic_percent
-        manual = dataclasses.replace(status, phase=MANUAL, weight=weight, message=f"manual split: {weight}%")
+        manual = dataclasses.replace(status, phase=MANUAL, weight=weight, unready_since=0.0,
+                                     message=f"manual split: {weight}%")
         return Decision(manual, (SetWeight(weight), Event("CanaryWeight", f"manual split: {weight}% to the canary")))
     return _enter_step(plan, plan.analysis, status, 0, observation, now)
 
@@ -381,7 +416,8 @@ def _enter_step(
         )
         return Decision(held, (AskGate("step"),), requeue_after_s=_gate_poll(analysis))
     moved = dataclasses.replace(
-        status, phase=PROGRESSING, step=index, weight=weight, interval_started=now, message=f"analysing at {weight}%"
+        status, phase=PROGRESSING, step=index, weight=weight, interval_started=now, unready_since=0.0,
+        message=f"analysing at {weight}%",
     )
     return Decision(
         moved,
@@ -408,6 +444,13 @@ def _progressing(plan: Plan, status: Status, observation: Observation, now: floa
         )
         return Decision(restarted, requeue_after_s=analysis.interval_s)
     verdict, why = judge(analysis, observation)
+    decision = _judged(plan, analysis, status, observation, now, verdict, why)
+    return dataclasses.replace(decision, judged=True)
+
+
+def _judged(
+    plan: Plan, analysis: Analysis, status: Status, observation: Observation, now: float, verdict: str, why: str
+) -> Decision:
     if verdict == FAILED:
         failures = status.failures + 1
         if failures > analysis.failure_limit:
@@ -431,7 +474,7 @@ def _progressing(plan: Plan, status: Status, observation: Observation, now: floa
             message=f"interval inconclusive ({why}); holding at {status.weight}%",
         )
         return Decision(counted, (Event("CanaryIntervalInconclusive", why, warning=True),), analysis.interval_s)
-    passed = dataclasses.replace(status, last_result=SUCCESSFUL)
+    passed = dataclasses.replace(status, last_result=SUCCESSFUL, unready_since=0.0)  # an outage is over once judged
     if status.step + 1 < len(analysis.step_weights):
         return _enter_step(plan, analysis, passed, status.step + 1, observation, now)
     if analysis.promotion_gate and observation.gate is not True:
@@ -465,11 +508,14 @@ def _hold_while_unready(
     analysis the same way). Once it serves again, its weight comes back and the interval starts over.
     None: it serves, and was serving (nothing to do here)."""
     if not (observation.canary_serving or observation.canary_ready):
+        # counted from its first outage since the last interval that passed: a canary that keeps
+        # losing its pods (crashing under its traffic) is not given it back for ever
         since = status.unready_since or now
         if now - since >= analysis.progress_deadline_s:
             return _roll_back(
-                dataclasses.replace(status, unready_since=since),
-                f"the canary had no ready pods for progressDeadlineSeconds {analysis.progress_deadline_s:g}",
+                status,
+                f"the canary had no ready pods again and again for progressDeadlineSeconds "
+                f"{analysis.progress_deadline_s:g} without an interval passing",
             )
         held = dataclasses.replace(
             status, weight=0, unready_since=since,
@@ -480,9 +526,9 @@ def _hold_while_unready(
         if status.weight:
             actions += [SetWeight(0), Event("CanaryUnready", "the canary has no ready pods: 0%", warning=True)]
         return Decision(held, tuple(actions), requeue_after_s=min(analysis.interval_s, 30.0))
-    if not status.unready_since:
-        return None
-    back = dataclasses.replace(status, weight=weight, unready_since=0.0, interval_started=now,
+    if status.weight or not status.unready_since:
+        return None  # serving, and not held
+    back = dataclasses.replace(status, weight=weight, interval_started=now,  # unready_since kept: see above
                                message=f"the canary is ready again: back at {weight}%")
     return Decision(back, (SetWeight(weight), Event("CanaryWeight", back.message)), requeue_after_s=analysis.interval_s)
 
@@ -495,7 +541,7 @@ def _promoting(plan: Plan, status: Status, observation: Observation, now: float)
         if unready is not None:
             if unready.status.phase == ROLLED_BACK:  # the candidate is already in stable: finish the promotion
                 unready = Decision(
-                    dataclasses.replace(status, weight=0, unready_since=unready.status.unready_since,
+                    dataclasses.replace(status, weight=0, unready_since=status.unready_since or now,
                                         message="promoting: the canary has no ready pods; traffic on stable "
                                                 "while it rolls out"),
                     (SetWeight(0),) if status.weight else (), requeue_after_s=_interval(plan))
@@ -505,7 +551,8 @@ def _promoting(plan: Plan, status: Status, observation: Observation, now: float)
     if not observation.stable_rolled_out:
         held = dataclasses.replace(status, message="promoting: waiting for the stable Deployment to roll out")
         return Decision(held, (Promote(plan.candidate),), requeue_after_s=_interval(plan))
-    done = dataclasses.replace(status, phase=FINALISING, weight=0, message="promoted: traffic back on stable")
+    done = dataclasses.replace(status, phase=FINALISING, weight=0, unready_since=0.0,
+                               message="promoted: traffic back on stable")
     return Decision(done, (SetWeight(0),), requeue_after_s=0.0)
 
 
@@ -519,6 +566,7 @@ def _roll_back(status: Status, why: str) -> Decision:
         status,
         phase=ROLLED_BACK,
         weight=0,
+        unready_since=0.0,
         failed_candidate=status.candidate,
         last_result=FAILED,
         message=f"rolled back: {why}; change spec.canary to try another candidate, or remove it",

@@ -641,9 +641,7 @@ class Reconciler:
             routed=after.phase in canary.ACTIVE)
         status: Obj = {**canary.status_to(after), "router": router}
         old_metrics = stored.get("lastMetrics") if isinstance(stored, dict) else None
-        judged = before.phase == canary.PROGRESSING and (
-            after.interval_started != before.interval_started or after.phase != before.phase)
-        if judged and analysis is not None:
+        if decision.judged and analysis is not None:  # not when a hold ended or an interval restarted
             status["lastMetrics"] = {"canary": _metrics_status(observation.canary),
                                      "stable": _metrics_status(observation.stable)}
         elif old_metrics and after.phase != canary.INITIALIZING:

@@ -39,6 +39,10 @@ PREPARE_RETRY_SECONDS = 10.0
 log = logging.getLogger("sluice.operator.webhook")
 
 
+LOOKUP_TIMEOUT_S = 3.0
+"""How long admission waits to read an InferenceModel its index lacks."""
+
+
 class Injector:
     """The webhook's state: settings, whether sidecars are native here, and the admission decision."""
 
@@ -79,12 +83,15 @@ class Injector:
             for model in index.get((namespace, name), ()):
                 known[name] = model
             if name not in known and namespace:
-                try:
-                    found = await self.kube.get(api.INFERENCE_MODEL_KIND, namespace, name)
-                except (ApiError, OSError) as exc:
-                    log.warning("InferenceModel %s/%s is not indexed and could not be read: %s", namespace, name, exc)
-                    found = None
-                if found is not None:
+                try:  # well inside the webhook's own timeout (10 s): a slow API gets a clear denial
+                    found = await asyncio.wait_for(self.kube.get(api.INFERENCE_MODEL_KIND, namespace, name),
+                                                   LOOKUP_TIMEOUT_S)
+                except Exception as exc:
+                    log.warning("InferenceModel %s/%s is not indexed and could not be read: %r", namespace, name, exc)
+                    raise sidecar.Denied(
+                        f"{sidecar.INJECT_ANNOTATION}: InferenceModel {name!r} could not be read from the API "
+                        "(the operator is starting or the API is slow); the pod's controller retries") from None
+                if found is not None and not (found.get("metadata") or {}).get("deletionTimestamp"):
                     known[name] = sidecar.indexed(name, found.get("spec") or {})
         return sidecar.admit(pod, known, self.settings, native=bool(self.native))
 

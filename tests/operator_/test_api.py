@@ -372,3 +372,11 @@ def test_an_inference_model_name_must_name_its_deployment_and_service(name, cana
         api.parse_inference_model(name, spec)
     assert any(p.startswith("metadata.name") and expected in p for p in caught.value.problems), caught.value.problems
     api.parse_inference_model("a" * 56 if canary else "a" * 63, spec)  # the longest that fits
+
+
+def test_a_sidecar_model_keeps_any_object_name():
+    """A Sidecar-mode model owns no Deployment or Service (only '<name>-config'): dots and a leading
+    digit, which Kubernetes allows in object names, stay allowed."""
+    spec = {"mode": "Sidecar", "model": {"storageUri": "s3://b/m", "format": "onnx"}}
+    for name in ("resnet.v2", "3d-unet"):
+        assert api.parse_inference_model(name, spec).mode == "Sidecar"

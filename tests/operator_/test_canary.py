@@ -185,11 +185,30 @@ def test_a_canary_losing_its_pods_gets_no_traffic_at_once_then_waits_out_the_pro
     still = c.step(PLAN, lost.status, gone, now - 50 + ANALYSIS.progress_deadline_s - 1)
     assert still.status.phase == c.PROGRESSING and still.actions == ()
     back = c.step(PLAN, still.status, SEEN, now + 100)  # ready again within the deadline
-    assert back.status.weight == 25 and back.actions[0] == c.SetWeight(25) and back.status.unready_since == 0
+    assert back.status.weight == 25 and back.actions[0] == c.SetWeight(25)
     assert back.status.interval_started == now + 100 and back.status.failed_candidate == ""
+    assert back.status.unready_since == now - 50  # kept until an interval passes
     over = c.step(PLAN, lost.status, gone, now - 50 + ANALYSIS.progress_deadline_s)
     assert over.status.phase == c.ROLLED_BACK and over.status.failed_candidate == "cand-a"
     assert "progressDeadlineSeconds" in over.status.message
+    passed = c.step(PLAN, back.status, SEEN, now + 100 + ANALYSIS.interval_s)  # a whole interval served
+    assert passed.judged and passed.status.weight == 50 and passed.status.unready_since == 0
+
+
+def test_a_canary_that_keeps_losing_its_pods_is_rolled_back_at_the_deadline():
+    """Up less than an interval, down again, many times (crashing under its traffic): the deadline runs
+    from its first outage until an interval passes, so it does not get its traffic back for ever."""
+    status, _, _, now = drive(PLAN, [SEEN, SEEN])
+    gone = dataclasses.replace(SEEN, canary_ready=False)
+    first_outage = now - 50
+    for cycle in range(100):
+        at = first_outage + cycle * 45
+        decision = c.step(PLAN, status, gone if cycle % 2 == 0 else SEEN, at)
+        status = decision.status
+        if status.phase == c.ROLLED_BACK:
+            break
+    assert status.phase == c.ROLLED_BACK and at - first_outage >= ANALYSIS.progress_deadline_s
+    assert at - first_outage < ANALYSIS.progress_deadline_s + 2 * 45
 
 
 def test_a_canary_whose_pods_roll_keeps_its_analysis():
@@ -364,3 +383,45 @@ def api_spec_without_canary():
     from sluice.operator import api
 
     return api.parse_inference_model("m", {"model": {"storageUri": "s3://b/m", "format": "onnx"}})
+
+
+def test_a_promoted_model_whose_pods_change_around_it_stays_promoted():
+    """After Succeeded (spec.canary not yet folded into spec.model), a change of resources, storage,
+    shutdown or server settings is not a new rollout of the same model: it would put the stable pods
+    back on spec.model's version and analyse the promoted one again."""
+    def spec(**extra):
+        return _spec({"storageUri": "s3://b/m2", "version": 2, "analysis": {}}, **extra)
+
+    before, after = c.plan_of(spec()), c.plan_of(spec(shutdown={"graceSeconds": 90}))
+    assert before.candidate != after.candidate and c.same_model(before.candidate, after.candidate)
+    done = c.Status(phase=c.SUCCEEDED, candidate=before.candidate)
+    decision = c.step(after, done, SEEN, 5000.0)
+    assert decision.status.phase == c.SUCCEEDED and decision.status.candidate == after.candidate
+    assert decision.actions == ()
+    other = c.plan_of(_spec({"storageUri": "s3://b/m3", "version": 2, "analysis": {}}))
+    assert not c.same_model(before.candidate, other.candidate)
+    assert c.step(other, done, SEEN, 5000.0).status.phase == c.INITIALIZING  # another model: a rollout
+
+
+def test_a_status_written_by_an_older_operator_keeps_its_rollout():
+    """Operators before 2026-11-27 hashed fewer fields: their candidate names are read as today's, so
+    an upgrade neither restarts a finished rollout nor retries a rolled-back candidate."""
+    plan = c.plan_of(_spec({"storageUri": "s3://b/m2", "version": 2, "analysis": {}}))
+    assert plan.legacy and plan.legacy != plan.candidate
+    done = c.step(plan, c.Status(phase=c.SUCCEEDED, candidate=plan.legacy), SEEN, 1.0)
+    assert done.status.phase == c.SUCCEEDED and done.status.candidate == plan.candidate and done.actions == ()
+    failed = c.Status(phase=c.ROLLED_BACK, candidate=plan.legacy, failed_candidate=plan.legacy)
+    again = c.step(plan, failed, SEEN, 1.0)
+    assert again.status.phase == c.ROLLED_BACK and again.status.failed_candidate == plan.candidate
+    assert not any(isinstance(a, c.EnsureCanary) for a in again.actions)
+
+
+def test_an_outage_remembered_in_progressing_does_not_follow_into_a_new_analysis():
+    status, _, _, now = drive(PLAN, [SEEN, SEEN])
+    held = c.step(PLAN, status, dataclasses.replace(SEEN, canary_ready=False), now).status
+    assert held.unready_since == now
+    manual = c.step(c.Plan("cand-a", None, 30), held, SEEN, now + 10).status  # switched to a manual split
+    restarted = c.step(PLAN, manual, SEEN, now + 5000)  # analysis back on, hours later
+    assert restarted.status.phase == c.PROGRESSING and restarted.status.unready_since == 0
+    brief = c.step(PLAN, restarted.status, dataclasses.replace(SEEN, canary_ready=False), now + 5001)
+    assert brief.status.phase == c.PROGRESSING  # held, not rolled back for the old outage

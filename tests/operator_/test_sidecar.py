@@ -287,3 +287,20 @@ def test_certificates_are_kept_renewed_with_the_same_ca_and_replaced_near_the_ca
     assert certificates.decide(renewed, names, near_ca_end) == certificates.NEW_CA
     broken = certificates.Bundle("not a certificate", "x", "y", "z")
     assert certificates.decide(broken, names, start) == certificates.NEW_CA
+
+
+async def test_a_model_the_index_lacks_and_the_api_does_not_answer_is_denied_in_time(monkeypatch):
+    """The webhook's own timeout is 10 s: an API that does not answer gets a clear denial well before."""
+    import asyncio
+
+    from sluice.operator import webhook
+
+    class Silent:
+        async def get(self, kind: str, namespace: str, name: str) -> None:
+            await asyncio.Event().wait()
+
+    monkeypatch.setattr(webhook, "LOOKUP_TIMEOUT_S", 0.05)
+    injector = webhook.Injector(SETTINGS, Silent())  # type: ignore[arg-type]
+    injector.native = True
+    with pytest.raises(sidecar.Denied, match=r"'mnist' could not be read from the API"):
+        await asyncio.wait_for(injector.review(pod(), {}), 5)
