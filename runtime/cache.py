@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Hashable
-from typing import Any
 
 from sluice.runtime.types import InferRequest, InferResponse, Tensor
 
@@ -38,10 +37,16 @@ def _size(key: Hashable, response: InferResponse) -> int:
     return size
 
 
-def _frozen_copy(data: Any) -> Any:
+def _kept(tensor: Tensor) -> Tensor:
+    """``tensor`` as the cache keeps it: its own array made read-only in place (a backend's fresh
+    output, nobody else writes it), anything else (a view) as a read-only copy."""
+    data = tensor.data
+    if data.flags.owndata:
+        data.flags.writeable = False
+        return tensor
     copy = data.copy()
     copy.flags.writeable = False
-    return copy
+    return Tensor(tensor.name, tensor.datatype, copy, dict(tensor.parameters))
 
 
 class ResponseCache:
@@ -80,11 +85,7 @@ class ResponseCache:
         # output, or an input the model handed back, which may be a client's shared-memory region; one
         # that is writable may be written again (a model refilling its buffer, the next step of an
         # ensemble). The entry owns read-only copies: what it holds is what was answered, and stays so.
-        response = dataclasses.replace(response, outputs=[
-            t if t.data.flags.owndata and not t.data.flags.writeable
-            else Tensor(t.name, t.datatype, _frozen_copy(t.data), dict(t.parameters))
-            for t in response.outputs
-        ])
+        response = dataclasses.replace(response, outputs=[_kept(t) for t in response.outputs])
         self._entries[key] = (response, size)
         self.bytes += size
         while self.bytes > self.max_bytes:

@@ -402,13 +402,17 @@ class SequenceBook:
         run = job.sequence
         if run is None or job not in run.jobs:
             return None
-        run.jobs.remove(job)
-        dropped = list(run.jobs)
-        run.jobs.clear()
-        if self._active.get(run.cid) is run:
-            del self._active[run.cid]
-        run.ended = True
-        self._maybe_release(run)
+        queued = list(run.jobs)
+        index = queued.index(job)
+        # the sequence's later requests go, up to a START that begins the next sequence of this id
+        restart = next((i for i in range(index + 1, len(queued)) if queued[i].start), len(queued))
+        dropped = queued[index + 1 : restart]
+        run.jobs = collections.deque(queued[:index] + queued[restart:])
+        if restart == len(queued):  # no later sequence queued: this one ends here
+            if self._active.get(run.cid) is run:
+                del self._active[run.cid]
+            run.ended = True
+            self._maybe_release(run)
         return dropped
 
     def next_batch(self, instance: int, now: int) -> Batch | batching.Wait:
@@ -739,6 +743,8 @@ class SequenceScheduler:
         self._timer = self._loop.call_later(max(at_ns - self._clock(), 0) / 1e9, self._on_timer)
 
     def _pump(self) -> None:
+        if not self._workers:
+            return  # closed: the instances are retired, what was queued was answered
         now = self._clock()
         for run in self._book.expire(now):
             log.info("sequence %s of model '%s' released after being idle", run.cid, self._config.model_label)

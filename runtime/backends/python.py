@@ -370,6 +370,7 @@ class PythonInstance(ModelInstance):
         self._instance_name = instance_name
         self._model: Any = None
         self._loop: _InstanceLoop | None = None
+        self._in_flight: set[concurrent.futures.Future] = set()  # decoupled async executes still running
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -386,6 +387,10 @@ class PythonInstance(ModelInstance):
         The repository calls this on a worker thread, so a slow ``finalize`` blocks only that
         thread; :meth:`_resolve` still copes with a caller that has a loop running.
         """
+        if self._in_flight:  # a decoupled async execute answers after the scheduler saw it return
+            _, running = concurrent.futures.wait(set(self._in_flight), timeout=IN_FLIGHT_GRACE_S)
+            for future in running:
+                future.cancel()  # its streams end with UNAVAILABLE (_decoupled_done)
         finalize = getattr(self._model, "finalize", None)
         try:
             if callable(finalize):
@@ -430,9 +435,9 @@ class PythonInstance(ModelInstance):
                 returned = self._model.execute(wrapped)
                 if inspect.isawaitable(returned):
                     if self._backend.decoupled:  # as in Triton: not awaited here, so requests run at once
-                        self._async_loop().submit(returned).add_done_callback(
-                            functools.partial(self._decoupled_done, wrapped, model_name)
-                        )
+                        future = self._async_loop().submit(returned)
+                        self._in_flight.add(future)
+                        future.add_done_callback(functools.partial(self._decoupled_done, wrapped, model_name))
                         return [_accepted(request) for request in requests]
                     returned = self._resolve(returned)
         except BaseException as exc:  # SystemExit from model code too: the instance must keep serving
@@ -497,7 +502,11 @@ class PythonInstance(ModelInstance):
     ) -> None:
         """An ``async def execute`` of a decoupled model ended (on the instance's loop): an exception
         ends each stream it had not ended with the error, as a synchronous execute's would."""
-        if future.cancelled():
+        self._in_flight.discard(future)
+        if future.cancelled():  # the instance closed before it finished
+            for request in wrapped:
+                if request._stream is not None:
+                    request._stream.fail(Unavailable(f"model '{model_name}' was unloaded before it answered"))
             return
         exc = future.exception()
         if exc is None:
@@ -562,10 +571,6 @@ class PythonInstance(ModelInstance):
                 f"(declared outputs: {allowed})"
             )
         datatype, data = convert_output(name, np.asarray(tensor.as_numpy()), declared.get(name))
-        if data.flags.writeable:
-            # Triton copies a Python model's outputs out (into shared memory): a model may refill one
-            # buffer on every execute while this answer waits to be written or sits in the cache.
-            data = data.copy()
         reshaped = self._backend._reshaped_outputs.get(name)
         if reshaped is not None:  # Triton applies an output's reshape in the core, for every backend
             dims, model_shape = reshaped
@@ -573,7 +578,16 @@ class PythonInstance(ModelInstance):
             if shape is None:
                 raise ModelError(reshape_problem(model_name, name, data.shape, dims, model_shape))
             data = data.reshape(shape)
+        if data.flags.writeable:
+            # Triton copies a Python model's outputs out (into shared memory): a model may refill one
+            # buffer on every execute while this answer waits to be written or sits in the cache.
+            data = data.copy()
+            data.flags.writeable = False  # ours alone: the response cache keeps it as it is
         return Tensor(name, datatype, data)
+
+
+IN_FLIGHT_GRACE_S = 30.0
+"""How long closing an instance waits for its decoupled ``async def execute`` calls still running."""
 
 
 class _InstanceLoop:

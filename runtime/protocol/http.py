@@ -388,6 +388,7 @@ class Connection(asyncio.Protocol):
         self._owe_continue = False
         if self._transport is not None and not self._closed:
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.since = self._parse_since = self._loop.time()  # the body's timeout starts now
 
     def _refuse(self, response: Response) -> NoReturn:
         """Stop parsing; ``data_received`` answers ``response`` and closes the connection."""
@@ -584,7 +585,8 @@ class Connection(asyncio.Protocol):
             self._end_with(_timed_out("head", "--header-timeout-s"))
         elif self.phase == _BODY and now - self.since > limits.body_timeout_s:
             self._end_with(_timed_out("body", "--body-timeout-s"))
-        elif self.phase == _BUSY and self._parsing is not None:
+        elif self.phase == _BUSY and self._parsing is not None and not self._owe_continue:
+            # (a body owed a 100 Continue is not sent before it: its timeout starts with the 100)
             # the next request is being read while earlier ones are answered: its own timeouts apply
             head = self._parsing == _HEAD
             if now - self._parse_since > (limits.header_timeout_s if head else limits.body_timeout_s):
@@ -847,7 +849,7 @@ class V2Routes:
         header_length = request.headers.get(b"inference-header-content-length")
         length = None
         if header_length is not None:
-            if not header_length.isdigit():  # ASCII digits only: not int()'s "1_0", "+5" or "-0"
+            if not header_length.isdigit() or len(header_length) > 19:  # ASCII digits: not "1_0", "+5", "-0"
                 raise InvalidArgument(
                     "Inference-Header-Content-Length must be a non-negative integer (ASCII digits), got "
                     f"{header_length[:64].decode(errors='replace')!r}"

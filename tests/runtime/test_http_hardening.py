@@ -6,6 +6,7 @@ while another is answered, and header values with trailing whitespace."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -97,7 +98,7 @@ def test_header_values_lose_trailing_whitespace(shared_server):
         assert status == 200 and sums(body) == [2.0] * 16
 
 
-@pytest.mark.parametrize("value", [b"1_0", b"+5", b"-0", b" 7x"])
+@pytest.mark.parametrize("value", [b"1_0", b"+5", b"-0", b" 7x", b"9" * 5000])
 def test_inference_header_content_length_takes_digits_only(shared_server, value):
     with Wire(shared_server.http) as wire:
         wire.send(post("/v2/models/add_sub/infer", GOOD, b"Inference-Header-Content-Length: " + value + b"\r\n") + GOOD)
@@ -139,3 +140,21 @@ def test_a_request_read_while_another_is_answered_has_its_own_timeout(serve, gat
         status, _, body = wire.response()
         assert status == 408 and words in body
         assert wire.closed()
+
+
+def test_a_pipelined_expect_100_behind_a_slow_request_times_its_body_from_the_100(serve, gated_repo):
+    """Its client sends the body only after the 100 Continue, which comes after the earlier answer: the
+    body timeout must not run from the head (a 408 for a client that did everything right)."""
+    limits = Limits(header_timeout_s=0.5, body_timeout_s=0.5, idle_timeout_s=300)
+    server = serve(gated_repo, limits=limits)
+    with gate("sluice_http_hardening_gate") as g, Wire(server.http) as wire:
+        wire.send(GATED + post("/v2/models/add_sub/infer", GOOD, b"Expect: 100-continue\r\n"))
+        assert g.entered.wait(10)
+        wire.sock.settimeout(15)
+        time.sleep(1.2)  # the model holds the first request past the body timeout (two sweeps)
+        g.release.set()
+        assert wire.response()[0] == 200
+        assert wire.head()[0] == 100
+        wire.send(GOOD)
+        status, _, body = wire.response()
+        assert status == 200 and sums(body) == [2.0] * 16

@@ -199,3 +199,62 @@ def test_async_exec_sends_its_request_when_called(serve, repo):
         assert time.monotonic() < deadline, f"target ran {stats['success']['count']} of 3 calls"
         time.sleep(0.01)
     client.close()
+
+
+HELD_PY = """
+import asyncio
+import sys
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        gate = sys.modules["sluice_async_unload_gate"]
+        for r in requests:
+            gate.entered.set()
+            await asyncio.get_running_loop().run_in_executor(None, gate.release.wait, 30)
+            gate.order.append("answered")
+            r.get_response_sender().send(
+                pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([7], np.int32))]),
+                pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
+    def finalize(self):
+        gate = sys.modules["sluice_async_unload_gate"]
+        gate.order.append("finalized")
+        gate.finalized.set()
+"""
+
+
+def test_unloading_waits_for_a_decoupled_async_execute_still_running(serve, tmp_path):
+    """The scheduler sees a decoupled async execute return at once; the instance's close waits for it
+    before finalize, so its client gets its answer (it used to be cancelled at once)."""
+    import sys
+    import threading
+    import types
+
+    root = tmp_path / "repo"
+    write_model(root, "held", DECOUPLED.format(name="held"), {"model.py": HELD_PY})
+    gate = types.ModuleType("sluice_async_unload_gate")
+    gate.entered, gate.release, gate.finalized = threading.Event(), threading.Event(), threading.Event()
+    gate.order = []
+    sys.modules[gate.__name__] = gate
+    try:
+        server = serve(root, model_control_mode="explicit", load_models=("*",))
+        client, answers = _stream(server.grpc)
+        _send(client, "held", 1)
+        assert gate.entered.wait(10)
+        unloading = threading.Thread(target=lambda: server.call(server.server.repository.unload("held")))
+        unloading.start()
+        # bounded wait for what must not happen: finalize before the running execute answered
+        assert not gate.finalized.wait(1.0), "the instance was closed under a running execute"
+        gate.release.set()
+        unloading.join(30)
+        assert int(answers.get(timeout=10).as_numpy("OUT")[0]) == 7
+        assert gate.order == ["answered", "finalized"]
+        client.stop_stream()
+        client.close()
+    finally:
+        gate.release.set()
+        del sys.modules[gate.__name__]

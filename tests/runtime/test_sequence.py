@@ -389,9 +389,29 @@ def test_requests_of_one_sequence_run_in_order_and_never_concurrently(operations
                     dropped = b.cancel(job)
                     if dropped is not None:  # the sequence ends: its later queued requests go too
                         cancelled.update(id(other) for other in [job, *dropped])
-                        assert all(other.sequence is job.sequence for other in dropped) and not job.sequence.jobs
+                        assert all(other.sequence is job.sequence and not other.start for other in dropped)
                         break
     for key, jobs in admitted.items():
         order = [job for job in started if id(job.sequence) == key]
         expected = [job for job in jobs if id(job) not in cancelled]
         assert order == expected[: len(order)], "a sequence's requests ran out of order"
+
+
+def test_a_cancelled_request_drops_only_the_later_requests_of_its_own_sequence():
+    b, _ = book(mbs=1)
+    b.admit(1, True, False, 0, "a1")
+    running = b.next_batch(0, 0)
+    _, a3, a4 = (b.admit(1, False, False, t, f"a{t + 1}") for t in (1, 2, 3))
+    assert b.cancel(a3) == [a4]  # a2, earlier, still runs
+    b.finished(running.rows, 4)
+    assert ids(b.next_batch(0, 4)) == ["a2"]
+    # a new sequence of the same id queued behind: cancelling the old tail leaves it alone
+    c, _ = book(mbs=1)
+    c.admit(7, True, False, 0, "x1")
+    busy = c.next_batch(0, 0)
+    old_tail = c.admit(7, False, False, 1, "x2")
+    restart = c.admit(7, True, False, 2, "y1")
+    c.admit(7, False, False, 3, "y2")
+    assert c.cancel(old_tail) == [] and c.active(7)
+    c.finished(busy.rows, 4)
+    assert ids(c.next_batch(0, 4)) == ["y1"] and restart.start
