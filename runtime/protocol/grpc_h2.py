@@ -100,13 +100,13 @@ so a large frame is never buffered whole."""
 STREAM_WINDOW = 8 << 20
 """Our SETTINGS_INITIAL_WINDOW_SIZE: what a client may send on one stream before we replenish it."""
 CONNECTION_WINDOW = 64 << 20
+"""Receive window of the whole connection, advertised at start and replenished as it is consumed."""
 EARLY_CREDIT = CONNECTION_WINDOW // 2
 """ModelStreamInfer bytes not yet taken by their call that are credited back to the connection window
 at once, so that calls stuck behind a busy model do not close it for every other call on the
 connection (their own stream windows still hold them back); past this, they count against it."""
 CREDIT_BATCH = CONNECTION_WINDOW // 8
 """Consumed bytes are given back to the connection window in WINDOW_UPDATEs of at least this much."""
-"""Receive window of the whole connection, advertised at start and replenished at half."""
 KEPT_SLACK = 1 << 20
 """Bytes of the reads a stream's partial message may keep alive beyond twice its own size."""
 MAX_CONCURRENT_STREAMS = 1024
@@ -118,13 +118,13 @@ CONTROL_REPLIES_PER_WRITE = 256
 KEEPALIVE_PING = b"sluiceka"
 """Payload of our keepalive PINGs, to tell their ACKs from those of other PINGs."""
 RESET_LIMIT = 1024
+"""Client resets of open streams a connection may have beyond the streams it let us finish; one
+more is a rapid-reset attack (CVE-2023-44487): reset streams leave the concurrency cap at once, so
+they bound nothing. Answered with GOAWAY(ENHANCE_YOUR_CALM)."""
 MAX_CONTINUATIONS = 64
 """CONTINUATION frames one header block may take (empty ones would never reach the size limit)."""
 ECHOED_CHARS = 200
 """Of a client's own text (a method path, an encoding) at most this much goes back in an error."""
-"""Client resets of open streams a connection may have beyond the streams it let us finish; one
-more is a rapid-reset attack (CVE-2023-44487): reset streams leave the concurrency cap at once, so
-they bound nothing. Answered with GOAWAY(ENHANCE_YOUR_CALM)."""
 HEAD_CACHE_SIZE = 512
 """Distinct request header blocks remembered per connection..."""
 HEAD_CACHE_BYTES = 256 << 10
@@ -1048,7 +1048,7 @@ class GrpcConnection(asyncio.Protocol):
         size += stop - start
         if size > self._max_block:
             raise _H2Error(ENHANCE_YOUR_CALM, "header block far over SETTINGS_MAX_HEADER_LIST_SIZE")
-        if len(fragments) > MAX_CONTINUATIONS:
+        if len(fragments) > MAX_CONTINUATIONS + 1:  # the HEADERS frame's fragment, then the CONTINUATIONs
             raise _H2Error(ENHANCE_YOUR_CALM, f"header block in over {MAX_CONTINUATIONS} CONTINUATION frames")
         if flags & END_HEADERS:
             self._continuation = None
