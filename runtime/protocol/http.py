@@ -998,40 +998,22 @@ class V2Routes:
         raise NotFound(f"no route for {request.path.decode(errors='replace')}")
 
     async def _load(self, request: Request, name: str) -> Response:
-        override = None
-        if request.body:
-            body = http_codec.parse_json(request.body, "load request body")
-            if not isinstance(body, dict):
-                raise InvalidArgument("load request body must be a JSON object")
-            params = body.get("parameters") or {}
-            if not isinstance(params, dict):
-                raise InvalidArgument("load request 'parameters' must be an object")
-            for key in params:
-                if key.startswith("file:"):
-                    raise InvalidArgument(
-                        f"load parameter '{key}': file overrides are not supported; put files in the repository"
-                    )
-            config = params.get("config")
-            if config is not None:
-                if not isinstance(config, str):
-                    raise InvalidArgument("load parameter 'config' must be a string holding the model config as JSON")
-                override = config
+        params = _repository_parameters(request, "load")
+        for key in params:
+            if key.startswith("file:"):
+                raise InvalidArgument(
+                    f"load parameter '{key}': file overrides are not supported; put files in the repository"
+                )
+        override = params.get("config")
+        if override is not None and not isinstance(override, str):
+            raise InvalidArgument("load parameter 'config' must be a string holding the model config as JSON")
         await self.dp.load(name, override)
         return Response(200)
 
     async def _unload(self, request: Request, name: str) -> Response:
-        dependents = False
-        if request.body:
-            body = http_codec.parse_json(request.body, "unload request body")
-            if not isinstance(body, dict):
-                raise InvalidArgument("unload request body must be a JSON object")
-            params = body.get("parameters") or {}
-            if not isinstance(params, dict):
-                raise InvalidArgument("unload request 'parameters' must be an object")
-            value = params.get("unload_dependents", False)
-            if not isinstance(value, bool):
-                raise InvalidArgument(f"unload parameter 'unload_dependents' must be true or false, got {value!r}")
-            dependents = value
+        dependents = _repository_parameters(request, "unload").get("unload_dependents", False)
+        if not isinstance(dependents, bool):
+            raise InvalidArgument(f"unload parameter 'unload_dependents' must be true or false, got {dependents!r}")
         await self.dp.unload(name, dependents)
         return Response(200)
 
@@ -1071,6 +1053,19 @@ class V2Routes:
             registry.register(name, body["key"], body.get("offset", 0), body["byte_size"])
             return Response(200)
         raise NotFound(f"no route for {request.path.decode(errors='replace')}")
+
+
+def _repository_parameters(request: Request, action: str) -> dict[str, Any]:
+    """The ``parameters`` object of a repository load or unload request body (none: empty)."""
+    if not request.body:
+        return {}
+    body = http_codec.parse_json(request.body, f"{action} request body")
+    if not isinstance(body, dict):
+        raise InvalidArgument(f"{action} request body must be a JSON object")
+    params = body.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidArgument(f"{action} request 'parameters' must be an object")
+    return params
 
 
 def _model_path(rest: list[bytes]) -> tuple[str, str, list[bytes]]:
