@@ -23,6 +23,9 @@ RENEW_CA_BEFORE = datetime.timedelta(days=400)
 """A CA with less left than this is replaced: more than a serving certificate's life, so no serving
 certificate outlives the CA that signed it."""
 CA_CERT, CA_KEY, TLS_CERT, TLS_KEY = "ca.crt", "ca.key", "tls.crt", "tls.key"
+PREVIOUS_CA_CERT = "ca.previous.crt"
+"""The CA a new one replaced, still trusted (published beside it) until it expires: a replica still
+serving a certificate it signed is not refused while it picks the new one up."""
 """Keys of the Secret (``tls.crt``/``tls.key`` as in a ``kubernetes.io/tls`` Secret)."""
 
 KEEP, RENEW_SERVING, NEW_CA = "keep", "renew-serving", "new-ca"
@@ -36,15 +39,30 @@ class Bundle:
     ca_key: str
     cert: str
     key: str
+    previous_ca_cert: str = ""
 
     def as_data(self) -> dict[str, str]:
-        return {CA_CERT: self.ca_cert, CA_KEY: self.ca_key, TLS_CERT: self.cert, TLS_KEY: self.key}
+        data = {CA_CERT: self.ca_cert, CA_KEY: self.ca_key, TLS_CERT: self.cert, TLS_KEY: self.key}
+        if self.previous_ca_cert:
+            data[PREVIOUS_CA_CERT] = self.previous_ca_cert
+        return data
 
     @classmethod
     def from_data(cls, data: Mapping[str, str]) -> Bundle | None:
         if not all(data.get(k) for k in (CA_CERT, CA_KEY, TLS_CERT, TLS_KEY)):
             return None
-        return cls(data[CA_CERT], data[CA_KEY], data[TLS_CERT], data[TLS_KEY])
+        return cls(data[CA_CERT], data[CA_KEY], data[TLS_CERT], data[TLS_KEY], data.get(PREVIOUS_CA_CERT, ""))
+
+    def trusted(self, now: datetime.datetime) -> str:
+        """The caBundle: the CA, and the one it replaced while that is still valid."""
+        previous = self.previous_ca_cert
+        if previous:
+            try:
+                if _load(previous).not_valid_after_utc <= now:
+                    previous = ""
+            except ValueError:
+                previous = ""
+        return self.ca_cert + (previous if previous.startswith("-----") else "")
 
 
 def dns_names(service: str, namespace: str, cluster_domain: str) -> list[str]:
@@ -77,7 +95,10 @@ def issue(bundle: Bundle | None, action: str, names: Sequence[str], now: datetim
 
     if action == KEEP and bundle is not None:
         return bundle
+    previous = bundle.previous_ca_cert if bundle is not None else ""
     if action == NEW_CA or bundle is None:
+        if bundle is not None:
+            previous = bundle.ca_cert  # still trusted until it expires (Bundle.trusted)
         ca_key = _key()
         ca_cert = _certificate("sluice-webhook-ca", ca_key.public_key(), ca_key, None, now, CA_DAYS, names=(),
                                ca=True)
@@ -89,7 +110,8 @@ def issue(bundle: Bundle | None, action: str, names: Sequence[str], now: datetim
     key = _key()
     cert = _certificate(names[0], key.public_key(), ca_key, _load(ca_cert_pem), now, SERVING_DAYS, names=names,
                         ca=False)
-    return Bundle(ca_cert_pem, ca_key_pem, cert.public_bytes(serialization.Encoding.PEM).decode(), _pem(key))
+    return Bundle(ca_cert_pem, ca_key_pem, cert.public_bytes(serialization.Encoding.PEM).decode(), _pem(key),
+                  previous)
 
 
 def _load(pem: str) -> Any:  # cryptography's Certificate (imported lazily, hence Any)

@@ -144,9 +144,9 @@ class Injector:
                 partial.write_text(text)
                 partial.chmod(0o600)
                 partial.replace(target)  # atomic: kopf never loads a half-written file
-        self.ca_pem = bundle.ca_cert
+        self.ca_pem = bundle.trusted(self.clock())
         if publish:
-            await self.publish_ca(bundle.ca_cert)
+            await self.publish_ca(self.ca_pem)
 
     async def publish_ca(self, ca_pem: str) -> None:
         """Set every webhook's ``clientConfig.caBundle`` of the configuration to ``ca_pem``."""

@@ -285,6 +285,14 @@ def test_certificates_are_kept_renewed_with_the_same_ca_and_replaced_near_the_ca
     assert certificates.decide(renewed, names, later) == certificates.KEEP
     near_ca_end = start + datetime.timedelta(days=certificates.CA_DAYS - 100)
     assert certificates.decide(renewed, names, near_ca_end) == certificates.NEW_CA
+    assert bundle.trusted(start) == bundle.ca_cert  # one CA: one certificate in the caBundle
+    rotated = certificates.issue(renewed, certificates.NEW_CA, names, near_ca_end)
+    assert rotated.ca_cert != renewed.ca_cert and rotated.previous_ca_cert == renewed.ca_cert
+    # both trusted while replicas still serving a certificate of the old CA pick the new one up
+    assert rotated.trusted(near_ca_end) == rotated.ca_cert + renewed.ca_cert
+    assert certificates.Bundle.from_data(rotated.as_data()) == rotated  # kept in the Secret
+    after_old_ca = start + datetime.timedelta(days=certificates.CA_DAYS + 1)
+    assert rotated.trusted(after_old_ca) == rotated.ca_cert
     broken = certificates.Bundle("not a certificate", "x", "y", "z")
     assert certificates.decide(broken, names, start) == certificates.NEW_CA
 
