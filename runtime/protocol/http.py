@@ -630,9 +630,11 @@ def _decode_body(request: Request, limits: Limits) -> bytes:
     encoding = request.headers.get(b"content-encoding", b"identity").lower()
     if encoding in (b"identity", b""):
         return request.body
+    if encoding == b"x-gzip":  # RFC 9110 §8.4.1.3: the same as gzip
+        encoding = b"gzip"
     if encoding not in (b"gzip", b"deflate"):
         raise InvalidArgument(
-            f"unsupported Content-Encoding {encoding.decode(errors='replace')!r}; allowed: gzip, deflate"
+            f"unsupported Content-Encoding {encoding[:64].decode(errors='replace')!r}; allowed: gzip, deflate"
         )
     wbits = 31 if encoding == b"gzip" else 15
     decompressor = zlib.decompressobj(wbits)

@@ -158,3 +158,14 @@ def test_a_pipelined_expect_100_behind_a_slow_request_times_its_body_from_the_10
         wire.send(GOOD)
         status, _, body = wire.response()
         assert status == 200 and sums(body) == [2.0] * 16
+
+
+def test_x_gzip_request_bodies_are_gzip(shared_server):
+    """RFC 9110 §8.4.1.3: a recipient SHOULD treat x-gzip as gzip (Accept-Encoding already did)."""
+    import gzip
+
+    packed = gzip.compress(GOOD)
+    with Wire(shared_server.http) as wire:
+        wire.send(post("/v2/models/add_sub/infer", packed, b"Content-Encoding: x-gzip\r\n") + packed)
+        status, _, body = wire.response()
+    assert status == 200 and sums(body) == [2.0] * 16
