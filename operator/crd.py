@@ -540,7 +540,7 @@ def _placement_status() -> Schema:
         "device": _str("The device each replica gets, e.g. MIG 1g.10gb (mixed strategy)."),
         "kind": _str("mixed, single, shared, whole or dra."),
         "resource": _str("The extended resource asked for (dra: gpu or mig)."),
-        "count": {"type": "integer", "format": "int32", "description": "Devices per replica."},
+        "count": {"type": "integer", "format": "int32", "minimum": 1, "description": "Devices per replica."},
         "profile": _str("The MIG profile, when it is a slice."),
         "memoryMiB": {"type": "integer", "format": "int64", "description": "Least memory of the device."},
         "products": {**strings, "description": "nvidia.com/gpu.product values the pods are pinned to."},

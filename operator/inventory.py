@@ -124,8 +124,14 @@ class Inventory:
 
 
 def _int(value: Any, default: int = 0) -> int:
+    """A count label or an allocatable quantity as an integer: the API server writes an allocatable of
+    1000 as ``1k``."""
     try:
         return int(str(value))
+    except (TypeError, ValueError):
+        pass
+    try:
+        return int(api.quantity_to_float(str(value)))
     except (TypeError, ValueError):
         return default
 

@@ -769,6 +769,8 @@ def _request(
                 tolerations=tuple(dict(t) for t in stored.get("tolerations", ()) if isinstance(t, dict)))
         except (KeyError, TypeError, ValueError):
             return request
+        if shape.count < 1:  # a hand-edited status: no pin (a count of 0 divided by zero in the planner)
+            return request
         request = dataclasses.replace(request, pinned=shape, pinned_for=str(stored.get("need", "")))
     return request
 

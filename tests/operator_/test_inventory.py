@@ -389,3 +389,11 @@ def test_dra_memory_in_bytes_and_without_capacity():
     (node,) = inventory.from_resource_slices([_slice("dra-h", devices)]).nodes
     assert node.model == "H100-80GB"
     assert [d.memory_mib for d in node.devices] == [81920, 81559]  # the catalogue's when not published
+
+
+def test_an_allocatable_of_a_thousand_written_as_1k_counts():
+    """The API server serializes quantities canonically: 1000 time-sliced replicas are "1k"."""
+    labels = {"nvidia.com/gpu.product": "NVIDIA-L4-SHARED", "nvidia.com/gpu.count": "8",
+              "nvidia.com/gpu.replicas": "125", "nvidia.com/gpu.memory": "23034"}
+    found = inventory.from_nodes([_node("l4-ts", labels, {"nvidia.com/gpu": "1k"})])
+    assert len(found.nodes[0].devices) == 1000

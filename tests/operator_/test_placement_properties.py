@@ -24,6 +24,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -408,3 +409,24 @@ def test_properties_run_on_varied_clusters():
     collect()
     assert {kind for model, kind in seen if model == "kind"} >= {"whole", "single", "mixed", "shared"}
     assert {model for model, _ in seen} >= set(KINDS)
+
+
+@pytest.mark.parametrize("count", [0, -1])
+def test_a_hand_edited_pin_with_no_devices_is_no_pin(count):
+    """status.placement.count below 1 (edited by hand; the schema says minimum 1) must not crash the
+    planner for every GPU model (a division by zero) or book devices for another model."""
+    from sluice.operator import api, inventory, placement, reconcile
+
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "a", "labels": {
+        "nvidia.com/gpu.product": "NVIDIA-L4", "nvidia.com/gpu.count": "2"}},
+        "spec": {}, "status": {"allocatable": {"nvidia.com/gpu": "2"},
+                               "conditions": [{"type": "Ready", "status": "True"}]}}
+    found = inventory.from_nodes([node])
+    status = {"placement": {"state": "Placed", "held": True, "need": "gpus=1", "kind": "whole",
+                            "resource": "nvidia.com/gpu", "count": count, "products": ["NVIDIA-L4"]}}
+    meta = {"namespace": "d", "name": "bad", "creationTimestamp": "1"}
+    bad = reconcile._request("InferenceModel", meta, status, api.Gpu(count=1), 1, False)
+    assert bad.pinned is None
+    mine = placement.Request(key="InferenceModel/d/mine", replicas=1, count=1, created="2")
+    result = placement.plan(found, [bad, mine])
+    assert all(v.state == placement.PLACED for v in result.verdicts.values())
