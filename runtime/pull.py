@@ -373,6 +373,37 @@ def member_problem(name: str, *, kind: str = "file", link_target: str | None = N
     return None
 
 
+def through_symlink_problem(members: list[tuple[str, str, str | None]]) -> str | None:
+    """Why a set of archive members ((name, kind, link target)) would write outside the model
+    directory through one of its own symlinks, or ``None``. :func:`member_problem` checks each member
+    alone; a member under a symlink member (``sub/x -> ..`` then ``sub/x/f``), or a link whose target
+    passes through one (``esc -> sub/x/..``), escapes however its own path reads."""
+    symlinks = {"/".join(_parts(name)) for name, kind, _ in members if kind == "symlink"}
+    if not symlinks:
+        return None
+    for name, kind, target in members:
+        parts = _parts(name)
+        for end in range(1, len(parts)):
+            if "/".join(parts[:end]) in symlinks:
+                return f"member {name!r} lies under the symlink member {'/'.join(parts[:end])!r}"
+        if kind in ("symlink", "hardlink") and target:
+            path = parts[:-1] if kind == "symlink" else []
+            for part in target.split("/"):
+                if part == "..":
+                    if "/".join(path) in symlinks:
+                        return f"member {name!r} links through the symlink member {'/'.join(path)!r}"
+                    path = path[:-1]
+                elif part not in ("", "."):
+                    path = [*path, part]
+                    if "/".join(path) in symlinks and path != parts:
+                        return f"member {name!r} links through the symlink member {'/'.join(path)!r}"
+    return None
+
+
+def _parts(name: str) -> list[str]:
+    return [p for p in name.split("/") if p not in ("", ".")]
+
+
 def archive_format(name: str) -> str | None:
     """``tar`` or ``zip`` for an archive's file name, else ``None`` (the file is placed as it is)."""
     lowered = name.lower()

@@ -390,6 +390,9 @@ def unpack(archive: Path, into: Path, *, limit: int | None, free: int | None) ->
             for member in tar_members:
                 if problem := pull.member_problem(member.name, kind=_tar_kind(member), link_target=member.linkname):
                     raise pull.ArchiveError(f"{archive.name}: member {member.name!r} {problem}")
+            listed = [(m.name, _tar_kind(m), m.linkname or None) for m in tar_members]
+            if problem := pull.through_symlink_problem(listed):
+                raise pull.ArchiveError(f"{archive.name}: {problem}, outside the model directory; refusing it")
             unpacked = sum(m.size for m in tar_members if m.isfile())
             if problem := pull.size_problem(unpacked, limit=limit, free=free):
                 raise pull.DestinationError(f"{archive.name} unpacked: {problem}")

@@ -626,3 +626,40 @@ def test_progress_is_logged_periodically_without_a_terminal(caplog):
 def test_folder_markers_are_dropped_from_a_listing(listed, kept):
     files = [puller.RemoteFile(f"bucket/{path}", path, size) for path, size in listed]
     assert [f.relative for f in puller.without_folder_markers(files)] == kept
+
+
+@pytest.mark.parametrize(("members", "problem"), [
+    ([("sub/x", "symlink", ".."), ("esc", "symlink", "sub/x/..")], "links through the symlink member 'sub/x'"),
+    ([("a", "symlink", "d"), ("a/f", "file", None)], "lies under the symlink member 'a'"),
+    ([("d", "dir", None), ("model.onnx", "symlink", "d/model.onnx"), ("d/model.onnx", "file", None)], None),
+    ([("link", "symlink", "target"), ("other", "hardlink", "target")], None),
+])
+def test_members_that_escape_through_another_member_s_symlink_are_refused(members, problem):
+    """Each member alone stays inside; together a symlink member makes another leave (CVE-2025-4517's
+    shape, which tarfile's own data filter misses before Python 3.12.11 / 3.11.13)."""
+    found = pull.through_symlink_problem(members)
+    assert (found is None) if problem is None else (found is not None and problem in found), found
+
+
+def test_a_tar_escaping_through_its_own_symlinks_writes_nothing(tmp_path):
+    import io
+    import os
+    import subprocess
+    import sys
+
+    archive = tmp_path / "evil.tar"
+    with tarfile.open(archive, "w") as tar:
+        for name, target in (("sub/x", ".."), ("esc", "sub/x/..")):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tar.addfile(info)
+        body = b"outside\n"
+        info = tarfile.TarInfo("esc/PWNED.txt")
+        info.size = len(body)
+        tar.addfile(info, io.BytesIO(body))
+    destination = tmp_path / "models" / "m" / "1"
+    done = subprocess.run([sys.executable, "-P", "-m", "sluice.runtime", "pull", str(archive), str(destination)],
+                          env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 6, done.stderr
+    assert "symlink member" in done.stderr
+    assert not list((tmp_path / "models").rglob("PWNED.txt")) if (tmp_path / "models").exists() else True
