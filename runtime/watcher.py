@@ -196,8 +196,11 @@ class ModelControl:
     def _tick(self) -> None:
         if self._loop is None:
             return
-        if self._clock() >= self._due and (self._task is None or self._task.done()):
-            self._task = self._loop.create_task(self.poll_now())
+        if self._clock() >= self._due:
+            if self._task is None or self._task.done():
+                self._task = self._loop.create_task(self.poll_now())
+            # due again a period from now, also when the last poll still runs (a large version syncing, a
+            # slow reload): re-armed for the past deadline, the timer fired again at once, for ever
             self._due = self._clock() + self._poll_ns
         self._arm()
 

@@ -516,3 +516,26 @@ def test_only_triton_s_version_directory_names_are_versions(repo, serve, odd):
     server = serve(repo)
     assert infer_http(server.http) == 2.0
     assert [(m["name"], m["version"], m["state"]) for m in index(server.http)] == [("plus", "1", "READY")]
+
+
+def test_a_poll_still_running_when_the_next_is_due_does_not_spin_the_timer(repo, serve):
+    """A poll that outlasts the interval (a large version syncing, a slow reload): the timer used to be
+    re-armed for the past deadline and fire again at once, for ever (100 % of the event loop)."""
+    clock = ManualClock()
+    server = serve(repo, model_control_mode="poll", repository_poll_s=15, clock=clock)
+    control = server.server.dataplane.control
+
+    async def hold() -> None:
+        await control._lock.acquire()  # the next poll waits here, as behind a long one
+
+    async def release() -> None:
+        control._lock.release()
+
+    server.call(hold())
+    clock.advance(15)  # due: a poll starts and waits for the lock
+    server.settle()
+    clock.advance(15)  # due again while it still waits
+    server.settle()
+    assert control._due > clock(), "the next poll is due in the past: the timer fires again at once"
+    server.call(release())
+    server.settle()
