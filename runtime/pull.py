@@ -153,9 +153,12 @@ def redact(uri: str) -> str:
         return "<unparseable URI>"
     if not parts.scheme or len(parts.scheme) == 1:  # a plain (or Windows) path
         return uri
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
+    try:
+        host = parts.hostname or ""
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+    except ValueError:  # e.g. a password with '/' in it read as a port: show no part of the authority
+        return f"{parts.scheme}://<redacted>"
     return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 

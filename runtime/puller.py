@@ -233,9 +233,13 @@ class _NoDowngrade(urllib.request.HTTPRedirectHandler):
         self._allow_http = allow_http
 
     def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> Any:
-        if newurl.lower().startswith("http://") and not self._allow_http:
+        scheme = newurl.split(":", 1)[0].lower()
+        if scheme == "http" and not self._allow_http:
             raise pull.SourceError(f"{pull.redact(req.full_url)} redirects to plain http "
                                    f"({pull.redact(newurl)}); refused without --allow-insecure-http")
+        if scheme not in ("http", "https"):
+            raise pull.SourceError(f"{pull.redact(req.full_url)} redirects to {scheme}:// "
+                                   f"({pull.redact(newurl)}); only https (http with --allow-insecure-http) is followed")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 

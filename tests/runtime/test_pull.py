@@ -525,6 +525,7 @@ def test_the_manifest_digest_is_independent_of_listing_order():
     ("https://user:pw@host.example/m.onnx?X-Amz-Signature=abc", "https://host.example/m.onnx"),
     ("s3://bucket/path", "s3://bucket/path"),
     ("/local/path", "/local/path"),
+    ("https://user:s3cr3t/x@host.example/m.onnx", "https://<redacted>"),  # the password read as a port
 ])
 def test_secrets_in_uris_are_never_shown(uri, shown):
     assert pull.redact(uri) == shown
@@ -663,3 +664,24 @@ def test_a_tar_escaping_through_its_own_symlinks_writes_nothing(tmp_path):
     assert done.returncode == 6, done.stderr
     assert "symlink member" in done.stderr
     assert not list((tmp_path / "models").rglob("PWNED.txt")) if (tmp_path / "models").exists() else True
+
+
+@pytest.mark.parametrize(("target", "allow_http", "refused"), [
+    ("ftp://host.example/m.onnx", True, "redirects to ftp://"),
+    ("file:///etc/passwd", True, "redirects to file://"),
+    ("http://host.example/m.onnx", False, "redirects to plain http"),
+    ("http://host.example/m.onnx", True, None),
+    ("https://other.example/m.onnx", False, None),
+])
+def test_https_redirects_are_followed_to_https_only(target, allow_http, refused):
+    import urllib.request
+
+    from sluice.runtime import puller
+
+    handler = puller._NoDowngrade(allow_http)
+    request = urllib.request.Request("https://host.example/m.onnx")
+    if refused is None:
+        assert handler.redirect_request(request, None, 302, "Found", {}, target) is not None
+    else:
+        with pytest.raises(pull.SourceError, match=refused):
+            handler.redirect_request(request, None, 302, "Found", {}, target)
