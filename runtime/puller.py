@@ -335,8 +335,12 @@ class Retrier:
         raise AssertionError("unreachable")
 
 
-def download(store: Store, file: RemoteFile, target: Path, observer: Observer, what: str) -> str:
-    """One attempt: the file's bytes into ``target`` (truncated first); its SHA-256."""
+def download(
+    store: Store, file: RemoteFile, target: Path, observer: Observer, what: str, budget: int | None = None
+) -> str:
+    """One attempt: the file's bytes into ``target`` (truncated first); its SHA-256. More than ``budget``
+    bytes (what ``--size-limit`` leaves for this file) stop it: a source that lists no size (https) or
+    announces none is bounded as it streams."""
     digest = hashlib.sha256()
     got = 0
     with _local(f"cannot create {target.name}"):
@@ -350,6 +354,11 @@ def download(store: Store, file: RemoteFile, target: Path, observer: Observer, w
                 digest.update(chunk)
                 got += len(chunk)
                 observer.chunk(len(chunk))
+                if budget is not None and got > budget:
+                    raise pull.DestinationError(
+                        f"{what}: more than {pull.human_bytes(budget)} came, over --size-limit; "
+                        "raise the model's sizeLimit"
+                    )
         pull.check_length(announced if announced is not None else file.size, got, what)
     finally:
         with _local(f"cannot write {target.name}"):
@@ -487,14 +496,21 @@ def pull_model(
                  f", {pull.human_bytes(listed)}" if all(f.size is not None for f in files) else "", destination)
         observer.started(files)
         digests = []
+        limit = settings.size_limit
+        if limit is not None and archive:  # the archive, not yet unpacked: its headers on top (the unpacked
+            limit = limit + limit // 10 + (1 << 20)  # size is checked against the limit itself)
+        used = 0
         for file in files:
             what = source.display if whole else f"{source.display.rstrip('/')}/{file.relative}"
             target = download_root / file.relative
+            budget = None if limit is None else limit - used
 
-            def attempt(file: RemoteFile = file, target: Path = target, what: str = what) -> str:
-                return download(store, file, target, observer, what)
+            def attempt(file: RemoteFile = file, target: Path = target, what: str = what,
+                        budget: int | None = budget) -> str:
+                return download(store, file, target, observer, what, budget)
 
             digests.append((file.relative, retry(what, attempt)))
+            used += target.stat().st_size
             observer.file_done(file)
         observer.finished()
         # A single file or archive: its own sha256, as sha256sum prints it; a prefix: its manifest's.

@@ -685,3 +685,36 @@ def test_https_redirects_are_followed_to_https_only(target, allow_http, refused)
     else:
         with pytest.raises(pull.SourceError, match=refused):
             handler.redirect_request(request, None, 302, "Found", {}, target)
+
+
+def test_size_limit_bounds_an_http_download_as_it_streams(tmp_path):
+    """An https/http file lists no size, and may announce none: the limit stops the download itself
+    (exit 7), instead of filling the pod's volume and placing it."""
+    import http.server
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    body = b"x" * (3 << 20)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()  # no Content-Length: the body ends when the connection closes
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-P", "-m", "sluice.runtime", "pull", f"http://127.0.0.1:{server.server_address[1]}/m.onnx",
+             str(tmp_path / "m" / "1"), "--allow-insecure-http", "--size-limit", "1Mi"],
+            env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd=tmp_path, capture_output=True, text=True)
+    finally:
+        server.shutdown()
+    assert done.returncode == 7, done.stderr
+    assert "over --size-limit" in done.stderr and not (tmp_path / "m" / "1").exists()
