@@ -466,8 +466,10 @@ def repartition(
         model = gpus.CATALOGUE_BY_KEY.get(node.model)
         if model is None or not model.mig_capable or node.dra or any(d.kind == SHARED for d in node.devices):
             continue  # time-sliced nodes are shared as a whole: not partitioned
-        if node.strategy == SINGLE and len(book.free[n]) < len(node.devices):
-            continue  # one profile for the whole node: only an idle node can change it
+        if node.strategy == SINGLE:
+            # One profile for every GPU of the node (GPU Feature Discovery labels a node with two
+            # -MIG-INVALID, and it then offers nothing): a layout grown GPU by GPU cannot serve there.
+            continue
         by_model.setdefault(node.model, []).append(n)
     layouts: dict[int, list[gpus.Layout]] = {}
     keep: dict[int, list[gpus.Layout]] = {}

@@ -430,3 +430,19 @@ def test_a_hand_edited_pin_with_no_devices_is_no_pin(count):
     mine = placement.Request(key="InferenceModel/d/mine", replicas=1, count=1, created="2")
     result = placement.plan(found, [bad, mine])
     assert all(v.state == placement.PLACED for v in result.verdicts.values())
+
+
+def test_no_mig_advice_for_a_node_under_the_single_strategy():
+    """Under mig.strategy=single every GPU of a node must have one profile (GFD labels a node with two
+    -MIG-INVALID, and it then offers nothing): a layout grown GPU by GPU is never advised there."""
+    from sluice.operator import inventory, placement
+
+    labels = {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb", "nvidia.com/gpu.count": "14",
+              "nvidia.com/gpu.memory": "4864", "nvidia.com/mig.capable": "true", "nvidia.com/mig.strategy": "single",
+              "nvidia.com/mig.config": "all-1g.5gb"}
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "a100-single", "labels": labels}, "spec": {},
+            "status": {"allocatable": {"nvidia.com/gpu": "14"}, "conditions": [{"type": "Ready", "status": "True"}]}}
+    request = placement.Request(key="InferenceModel/d/big", replicas=1, profile="3g.20gb")
+    result = placement.plan(inventory.from_nodes([node]), [request])
+    assert result.verdicts[request.key].state != placement.PLACED
+    assert result.advice == ()
