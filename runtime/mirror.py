@@ -28,6 +28,7 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -127,12 +128,19 @@ class RepositoryMirror:
         self._retry = puller.Retrier(settings, sleep, random.random)
         self._file_tags: dict[str, str] = {}  # <model>/<file> -> file_tag of the copy in the mirror
         self._links: dict[tuple[str, int], str] = {}  # (model, version) -> store directory it points at
+        # One sync at a time (a poll and load API calls run them on worker threads): two would write
+        # the same temporary names and rename onto each other's directories.
+        self._syncing = threading.Lock()
 
     # -- sync ----------------------------------------------------------------------------------
     def sync(self, only: Collection[str] | None = None) -> list[str]:
         """Bring the mirror up to date with the store (only the models in ``only``, when given); the
         names of the models whose local copy changed. Raises :class:`pull.PullError` when the store
         cannot be listed or a file cannot be fetched; what was placed before stays consistent."""
+        with self._syncing:
+            return self._sync(only)
+
+    def _sync(self, only: Collection[str] | None) -> list[str]:
         self._store.invalidate()
         listing = self._retry(self.display, self._store.list)
         found = layout(listing)

@@ -137,3 +137,30 @@ def test_explicit_mode_fetches_a_model_before_the_load_api_loads_it(s3, moto, tm
     assert infer_http(server.http) == 2.0  # nothing polls in explicit mode
     httpclient.InferenceServerClient(server.http).load_model("plus")
     assert infer_http(server.http) == 11.0
+
+
+def test_two_syncs_at_once_do_not_write_over_each_other(s3, moto, tmp_path):
+    """Two explicit-mode loads (or a load during a poll) sync the mirror on two worker threads: they
+    wrote the same temporary names and renamed onto each other's directories (Directory not empty)."""
+    import threading
+
+    s3.put_object(Bucket="models", Key="repo/plus/1/model.onnx", Body=plus_model(1.0) + b"\0" * (4 << 20))
+    settings = cloud(moto, tmp_path)
+    copy = mirror.RepositoryMirror(settings["repository_url"], settings["model_repository"],
+                                   env=settings["storage_env"], retries=0)
+    errors: list[str] = []
+
+    def sync() -> None:
+        try:
+            copy.sync(only=["plus"])
+        except Exception as exc:  # the test reports any failure
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=sync) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == []
+    placed = settings["model_repository"] / "plus" / "1" / "model.onnx"
+    assert placed.stat().st_size == len(plus_model(1.0)) + (4 << 20)
