@@ -467,6 +467,9 @@ def pull_model(
         if recorded is not None:
             log.info("%s is already at %s (sha256:%s): nothing to do", source.display, destination, recorded)
             return Result(destination, recorded, 0, 0, skipped=True)
+    if (destination.exists() or destination.is_symlink()) and not destination.is_dir():
+        raise pull.DestinationError(f"{destination} exists and is not a directory; remove it or pull somewhere else "
+                                    "(DESTINATION is the model's directory)")
     if destination.is_dir() and not marker.is_file() and any(destination.iterdir()):
         raise pull.DestinationError(f"{destination} exists and was not placed by sluice pull; remove it or pull "
                                     "somewhere else (a directory sluice pull placed is replaced when the source "

@@ -718,3 +718,18 @@ def test_size_limit_bounds_an_http_download_as_it_streams(tmp_path):
         server.shutdown()
     assert done.returncode == 7, done.stderr
     assert "over --size-limit" in done.stderr and not (tmp_path / "m" / "1").exists()
+
+
+def test_a_destination_that_is_a_file_is_refused(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "source.onnx").write_bytes(b"model")
+    (tmp_path / "dest").write_text("someone's file")
+    done = subprocess.run([sys.executable, "-P", "-m", "sluice.runtime", "pull", str(tmp_path / "source.onnx"),
+                           str(tmp_path / "dest")], env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert done.returncode == 7 and "is not a directory" in done.stderr, done.stderr
+    assert (tmp_path / "dest").read_text() == "someone's file"
+    assert not list(tmp_path.glob(".dest.*"))
