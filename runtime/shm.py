@@ -53,11 +53,19 @@ import numpy as np
 from sluice.runtime import cudart
 from sluice.runtime.errors import AlreadyExists, Internal, InvalidArgument, NotFound, SluiceError
 from sluice.runtime.tensor_bytes import bytes_elements, encode_bytes_elements
-from sluice.runtime.types import ELEMENT_SIZE, WIRE_DTYPE, InferResponse, Tensor, numpy_dtype
+from sluice.runtime.types import (
+    ELEMENT_SIZE,
+    SHM_BYTE_SIZE,
+    SHM_OFFSET,
+    SHM_REGION,
+    WIRE_DTYPE,
+    InferResponse,
+    Tensor,
+)
+from sluice.runtime.types import names_region as names_region  # the codecs call shm.names_region
+from sluice.runtime.types import placeholder as placeholder
 
-REGION = "shared_memory_region"
-BYTE_SIZE = "shared_memory_byte_size"
-OFFSET = "shared_memory_offset"
+REGION, BYTE_SIZE, OFFSET = SHM_REGION, SHM_BYTE_SIZE, SHM_OFFSET
 PARAMETERS = (REGION, BYTE_SIZE, OFFSET)
 """Tensor parameters of Triton's shared-memory extension (inputs and requested outputs)."""
 
@@ -74,17 +82,6 @@ CUDA_BODY = (
     '"byte_size": <bytes>}'
 )
 """The body of ``POST /v2/cudasharedmemory/region/<name>/register`` (what tritonclient sends)."""
-
-
-def placeholder(datatype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """A read-only array of ``shape`` that allocates nothing: stands for an input whose data is in a
-    shared-memory region until ``bind`` reads it (the checks in between look at shapes only)."""
-    return np.broadcast_to(np.zeros((), dtype=numpy_dtype(datatype)), shape)
-
-
-def names_region(parameters: dict[str, Any]) -> bool:
-    """Whether a tensor's parameters use the shared-memory extension (cheap; for the hot path)."""
-    return bool(parameters) and (REGION in parameters or BYTE_SIZE in parameters or OFFSET in parameters)
 
 
 # -- pure checks ----------------------------------------------------------------------------------

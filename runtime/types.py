@@ -208,3 +208,20 @@ GRPC_CONTENTS_FIELD: dict[str, str] = {
     "BYTES": "bytes_contents",
 }
 """The typed ``InferTensorContents`` field of each datatype in KServe V2 gRPC (FP16/BF16 have none)."""
+
+
+SHM_REGION = "shared_memory_region"
+SHM_BYTE_SIZE = "shared_memory_byte_size"
+SHM_OFFSET = "shared_memory_offset"
+"""Tensor parameters of Triton's shared-memory extension (shm.py reads the regions)."""
+
+
+def names_region(parameters: dict[str, Any]) -> bool:
+    """Whether a tensor's parameters use the shared-memory extension (cheap; for the hot path)."""
+    return bool(parameters) and (SHM_REGION in parameters or SHM_BYTE_SIZE in parameters or SHM_OFFSET in parameters)
+
+
+def placeholder(datatype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A read-only array of ``shape`` that allocates nothing: stands for a tensor whose data is in a
+    shared-memory region until ``shm.bind`` reads it (the checks in between look at shapes only)."""
+    return np.broadcast_to(np.zeros((), dtype=numpy_dtype(datatype)), shape)

@@ -45,7 +45,7 @@ import numpy as np
 from sluice.runtime import errors
 from sluice.runtime.errors import SluiceError
 from sluice.runtime.tensor_bytes import bytes_elements
-from sluice.runtime.types import InferRequest, InferResponse, RequestedOutput, Tensor
+from sluice.runtime.types import InferRequest, InferResponse, RequestedOutput, Tensor, names_region, placeholder
 
 _HEAD = struct.Struct("<II")
 _PADS = tuple(bytes(n) for n in range(8))
@@ -112,6 +112,9 @@ def _bytes_payload(array: np.ndarray) -> bytes | None:
 def _tensor(tensor: Tensor, raw: list[Any], arena: Arena | None, refs: list[int] | None, pickled_ok: bool) -> tuple:
     data = tensor.data
     dtype = data.dtype
+    if tensor.parameters and names_region(tensor.parameters):
+        # its data is in a shared-memory region (a placeholder here): only its description crosses
+        return (tensor.name, tensor.datatype, dtype.str, data.shape, tensor.parameters, None)
     if arena is not None and data.nbytes >= arena.min_bytes:
         ref = arena.put(data)
         if ref is not None:
@@ -442,6 +445,8 @@ class Framer:
                     array = take(self._peer, (where[0], dtype, shape))
                     if taken is not None:
                         taken.append(where[0])
+            elif where is None and names_region(parameters):  # in a shared-memory region: bound later
+                array = placeholder(datatype, tuple(shape))
             elif self._trusted and kind is np.ndarray:
                 array = where
             else:

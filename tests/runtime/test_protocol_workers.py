@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, serialize_byte_tensor, serialized_byte_size
 
 from sluice.runtime import worker_wire
 from sluice.runtime.frontend_workers import (
@@ -146,6 +146,8 @@ def _repo(root: Path) -> Path:
     write_model(repo, "mlp", MLP_CONFIG, {"model.onnx": BUILDERS.mlp_model()})
     write_model(repo, "gated", BATCHED_GATED_CONFIG, {"model.py": gated_py(GATE)})
     write_model(repo, "identity", IDENTITY_CONFIG, {"model.py": IDENTITY_PY})
+    bytes_config = IDENTITY_CONFIG.replace('"identity"', '"identity_bytes"').replace("TYPE_FP32", "TYPE_STRING")
+    write_model(repo, "identity_bytes", bytes_config, {"model.py": IDENTITY_PY})
     write_model(repo, "remember", REMEMBER_CONFIG, {"model.py": REMEMBER_PY})
     return repo
 
@@ -665,3 +667,43 @@ def test_auto_chooses_from_the_usable_cpus_and_says_how(tmp_path: Path, extra: l
         watchdog.cancel()
         proc.terminate()
         proc.wait(30)
+
+
+def test_inputs_and_outputs_in_system_shared_memory_as_in_single_process(servers) -> None:
+    """A tensor in a client's shared-memory region crosses to the engine as its description only (it
+    used to be a 500 for BYTES, and a full array of zeros copied through the link for others)."""
+    import tritonclient.utils.shared_memory as shm
+
+    workers, single, _ = servers
+    words = np.array([b"hello", b"world", b"!"], dtype=np.object_)
+    packed = serialize_byte_tensor(words)
+    text_size = serialized_byte_size(packed)
+    floats = np.random.default_rng(3).random(600_000, dtype=np.float32)
+    key = f"/sluice-workers-{os.getpid()}"
+    handle = shm.create_shared_memory_region("workers_test", key, text_size + 2 * floats.nbytes)
+    try:
+        shm.set_shared_memory_region(handle, [packed])
+        shm.set_shared_memory_region(handle, [floats], offset=text_size)
+        for server in (workers, single):
+            for module in (httpclient, grpcclient):
+                client = module.InferenceServerClient(server.http if module is httpclient else server.grpc)
+                client.register_system_shared_memory("workers_test", key, text_size + 2 * floats.nbytes)
+                try:
+                    text = module.InferInput("INPUT0", [3], "BYTES")
+                    text.set_shared_memory("workers_test", text_size)
+                    got = client.infer("identity_bytes", [text]).as_numpy("OUTPUT0")
+                    assert [bytes(x) for x in got.ravel()] == list(words)
+                    big = module.InferInput("INPUT0", [floats.size], "FP32")
+                    big.set_shared_memory("workers_test", floats.nbytes, offset=text_size)
+                    out = module.InferRequestedOutput("OUTPUT0")
+                    out.set_shared_memory("workers_test", floats.nbytes, offset=text_size + floats.nbytes)
+                    client.infer("identity", [big], outputs=[out])
+                    written = shm.get_contents_as_numpy(
+                        handle, np.float32, [floats.size], offset=text_size + floats.nbytes
+                    )
+                    np.testing.assert_array_equal(written, floats)
+                finally:
+                    client.unregister_system_shared_memory("workers_test")
+                    client.close()
+    finally:
+        shm.destroy_shared_memory_region(handle)
