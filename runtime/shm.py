@@ -96,11 +96,17 @@ def key_problem(key: object) -> str | None:
         return "is empty"
     if "/" in name:
         return "holds a '/' after the leading one"
-    if name in (".", "..") or ".." in name:
+    if name == ".":
+        return "is '.'"
+    if ".." in name:
         return "holds '..'"
     if any(ord(c) < 0x20 or c == "\x7f" for c in name):
         return "holds control characters"
-    if len(name.encode("utf-8", "surrogatepass")) > 255:
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid UTF-8 (it holds a lone surrogate)"
+    if len(encoded) > 255:
         return "is longer than 255 bytes"
     return None
 

@@ -502,6 +502,7 @@ def test_bad_registrations(server: Running, regions: Regions, protocol: str) -> 
         ("/sluice_no_such_object", "no shared memory object with key '/sluice_no_such_object'"),
         ("/a/b", "holds a '/' after the leading one"),
         ("/..", "holds '..'"),
+        ("/.", "is '.'"),
         ("", "is empty"),
     ]:
         error = _error(lambda bad_key=bad_key: client.register_system_shared_memory("r", bad_key, 8))
@@ -662,3 +663,17 @@ def test_sweep_offsets_and_sizes_never_read_outside(
 def test_span_check_is_exact(offset: int, byte_size: int, size: int) -> None:
     problem = sluice_shm.span_problem(sluice_shm.Ref("r", byte_size, offset), size)
     assert (problem is None) == (offset + byte_size <= size)
+
+
+def test_a_key_with_a_lone_surrogate_is_a_400(server: Running) -> None:
+    """JSON can carry a lone surrogate (\\ud800); the key is refused, not a 500 from os.open."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"key": "/\ud800", "offset": 0, "byte_size": 8}).encode()
+    request = urllib.request.Request(f"http://{server.http}/v2/systemsharedmemory/region/r/register", data=body,
+                                     method="POST")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request)
+    assert caught.value.code == 400 and b"lone surrogate" in caught.value.read()
