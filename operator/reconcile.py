@@ -489,7 +489,9 @@ class Reconciler:
             nodes, pods = [], []
             problem = ("the operator may not list Nodes and Pods cluster-wide (403): grant it the chart's "
                        "discovery ClusterRole")
-        planned = {(m["metadata"]["namespace"], m["kind"], m["metadata"]["name"]) for m in models}
+        # Only the workloads the plan books itself: the pods of one whose spec turned invalid, that is being
+        # deleted or lost its GPU still hold their devices (its Deployment keeps running), so they count.
+        planned = {(m["metadata"]["namespace"], m["kind"], m["metadata"]["name"]) for m in models if _books_gpu(m)}
 
         def ours(obj: Mapping[str, Any]) -> bool:
             """A runtime pod (or DRA claim) of a workload the plan books itself."""
@@ -854,6 +856,21 @@ def _runs(deployment: Mapping[str, Any] | None, candidate: str, *, fully: bool) 
         return False
     wanted = int((deployment.get("spec") or {}).get("replicas", 1))
     return available >= (wanted if fully else 1)
+
+
+def _books_gpu(obj: Mapping[str, Any]) -> bool:
+    """Whether the plan books a GPU for this InferenceModel or ModelPool (as ``_place`` builds its requests)."""
+    meta = obj.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return False
+    try:
+        if obj.get("kind") == api.MODEL_POOL_KIND:
+            api.parse_model_pool(meta.get("name", ""), obj.get("spec") or {})
+            return True
+        parsed = api.parse_inference_model(meta.get("name", ""), obj.get("spec") or {})
+    except api.SpecError:
+        return False
+    return parsed.pool is None and parsed.resources.gpu is not None and parsed.mode != api.SIDECAR_MODE
 
 
 def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> Obj:

@@ -446,3 +446,45 @@ def test_no_mig_advice_for_a_node_under_the_single_strategy():
     result = placement.plan(inventory.from_nodes([node]), [request])
     assert result.verdicts[request.key].state != placement.PLACED
     assert result.advice == ()
+
+
+async def test_the_gpus_of_a_model_whose_spec_turned_invalid_stay_held():
+    """An InvalidSpec keeps the model's Deployment and pods running: the GPUs they hold are not free
+    for another model (they were, while the plan skipped its pods as its own and then dropped its request)."""
+    import datetime
+
+    from sluice.operator import api, builders, placement, reconcile
+    from sluice.operator.settings import Settings
+
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "l4", "labels": {
+        "nvidia.com/gpu.product": "NVIDIA-L4", "nvidia.com/gpu.count": "2", "nvidia.com/gpu.memory": "23034"}},
+        "spec": {}, "status": {"allocatable": {"nvidia.com/gpu": "2"},
+                               "conditions": [{"type": "Ready", "status": "True"}]}}
+    labels = {"app.kubernetes.io/managed-by": builders.MANAGED_BY, "sluice.dev/inferencemodel": "old"}
+    pods = [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"old-{i}", "namespace": "d", "labels": labels},
+             "spec": {"nodeName": "l4", "containers": [{"name": "runtime",
+                                                         "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
+             "status": {"phase": "Running"}} for i in range(2)]
+
+    def model(name: str, count: int, **extra: object) -> dict:
+        spec = {"model": {"storageUri": f"s3://m/{name}", "format": "onnx"}, "resources": {"gpu": {"count": count}},
+                **extra}
+        return {"apiVersion": "sluice.dev/v1alpha1", "kind": "InferenceModel",
+                "metadata": {"name": name, "namespace": "d", "creationTimestamp": "2024-01-01T00:00:00Z"},
+                "spec": spec, "status": {}}
+
+    old = model("old", 2, runtime={"maxBatchSize": "x"})  # InvalidSpec now; its two pods still run
+    new = model("new", 1)
+
+    class Kube:
+        async def list(self, kind: str, namespace: str) -> list:
+            return {"Node": [node], "Pod": pods, "InferenceModel": [old, new]}.get(kind, [])
+
+        async def get(self, *args: object) -> None:
+            return None
+
+    reconciler = reconcile.Reconciler(kube=Kube(), settings=Settings(),  # type: ignore[arg-type]
+                                      clock=lambda: datetime.datetime.now(datetime.UTC), events=lambda *a, **k: None)
+    owner = builders.Owner(kind="InferenceModel", namespace="d", name="new", uid="u")
+    placed = await reconciler._place(owner, new, api.Gpu(count=1), 1, False)
+    assert placed.verdict.state == placement.PENDING and "0 free of 2" in placed.verdict.reason
