@@ -305,6 +305,13 @@ class EngineSide:
             self.stopped.set_result(None)
         if not self.ready.done():
             self.ready.set_exception(ConnectionError("the protocol worker exited before it was ready"))
+        # No cycle (this side -> its handlers / link -> this side) may keep it, and with it the worker's
+        # two arena mappings, alive: the engine freezes its startup objects and collects cycles rarely,
+        # so a crash-looping worker would grow the engine's shared memory by two arenas each time. The
+        # worker's arena goes once the last request lent a range of it (Lease) is answered.
+        self._handlers = {}
+        self._streams.clear()
+        self.link = None
 
     def _send(self, message: tuple) -> None:
         if self.link is not None:

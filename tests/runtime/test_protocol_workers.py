@@ -550,6 +550,7 @@ def test_killed_worker_is_restarted_and_workers_die_with_the_engine(cli: tuple[C
         "sluice_protocol_workers": 2.0, "sluice_protocol_workers_serving": 2.0,
         "sluice_protocol_worker_restarts_total": 0.0,
     }
+    arenas = _engine_arenas(server.proc.pid)
     os.kill(server.pids[0], signal.SIGKILL)
     # A new worker takes a Python start (and a second's back-off: it died young) to serve again.
     _wait_for(lambda: _worker_metrics(server.metrics)["sluice_protocol_workers_serving"] == 1,
@@ -567,10 +568,18 @@ def test_killed_worker_is_restarted_and_workers_die_with_the_engine(cli: tuple[C
         conn.close()
     for _ in range(4):
         _infer_add_sub(server.http)
+    # the dead worker's two arena mappings went (a cycle kept them, and the engine rarely collects cycles)
+    assert _engine_arenas(server.proc.pid) == arenas
     workers = [server.pids[1], new_pid]
     server.proc.kill()  # the engine dies without a word: its workers must not outlive it
     server.proc.wait(30)
     _wait_for(lambda: not any(_alive(pid) for pid in workers), "the workers exit with the engine")
+
+
+def _engine_arenas(pid: int) -> int:
+    """The protocol workers' arena mappings in the engine process."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return sum("memfd:sluice" in line for line in maps)
 
 
 def test_sigterm_drains_in_flight_requests_then_stops(cli: tuple[Cli, Path]) -> None:
