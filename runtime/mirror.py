@@ -234,7 +234,27 @@ class RepositoryMirror:
                     entry.unlink()
                     self._file_tags.pop(f"{model}/{entry.name}", None)
                     changed.add(model)
+                elif entry.is_dir() and not entry.is_symlink() and self._prune(entry, f"{model}/{entry.name}", found):
+                    changed.add(model)  # a directory beside the versions (labels/, tokenizer/): its files
         return changed
+
+    def _prune(self, directory: Path, relative: str, found: Layout) -> bool:
+        """Remove the files under ``directory`` (``relative`` to the mirror) the store no longer holds,
+        and the directories that leaves empty; whether anything went."""
+        removed = False
+        for entry in sorted(directory.iterdir()):
+            name = f"{relative}/{entry.name}"
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                removed = self._prune(entry, name, found) or removed
+            elif name not in found.files:
+                entry.unlink()
+                self._file_tags.pop(name, None)
+                removed = True
+        if removed and not any(directory.iterdir()):
+            directory.rmdir()
+        return removed
 
     # -- cleanup -------------------------------------------------------------------------------
     def collect(self, keep: Collection[str] = (), only: Collection[str] | None = None) -> None:

@@ -164,3 +164,22 @@ def test_two_syncs_at_once_do_not_write_over_each_other(s3, moto, tmp_path):
     assert errors == []
     placed = settings["model_repository"] / "plus" / "1" / "model.onnx"
     assert placed.stat().st_size == len(plus_model(1.0)) + (4 << 20)
+
+
+def test_a_file_deleted_from_a_model_s_subdirectory_leaves_the_mirror(s3, moto, tmp_path):
+    """Files beside the versions in a subdirectory (labels/, tokenizer/) deleted in the store were kept
+    in the mirror for ever (only top-level files and version links were compared)."""
+    s3.put_object(Bucket="models", Key="repo/plus/tokenizer/vocab.json", Body=b"{}")
+    s3.put_object(Bucket="models", Key="repo/plus/tokenizer/merges.txt", Body=b"a b")
+    settings = cloud(moto, tmp_path)
+    root = settings["model_repository"]
+    copy = mirror.RepositoryMirror(settings["repository_url"], root, env=settings["storage_env"], retries=0)
+    copy.sync()
+    assert (root / "plus" / "tokenizer" / "vocab.json").is_file()
+    s3.delete_object(Bucket="models", Key="repo/plus/tokenizer/vocab.json")
+    assert copy.sync() == ["plus"]
+    assert not (root / "plus" / "tokenizer" / "vocab.json").exists()
+    assert (root / "plus" / "tokenizer" / "merges.txt").is_file()
+    s3.delete_object(Bucket="models", Key="repo/plus/tokenizer/merges.txt")
+    copy.sync()
+    assert not (root / "plus" / "tokenizer").exists()  # left empty: gone too
