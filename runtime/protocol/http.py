@@ -159,9 +159,7 @@ class Connection(asyncio.Protocol):
         self._upgrade_owed = 0  # body bytes of an upgrade request, which the parser leaves to us (-1: none)
         self._upgrade_request: Request | None = None  # that request, until its body is read
         self._upgraded = False  # an upgrade request was read: what follows on the wire is not HTTP/1.1
-        self._in_head = False  # a request head is being read...
-        self._head_raw = 0  # ...and the bytes read since its first read (a field line may not end)
-        self._headers_done = False  # the head is complete: header lines now are chunked trailers
+        self._head_raw = 0  # bytes read since a request head's first read (a field line may not end)
         self._parsing: int | None = None  # _HEAD or _BODY while a request is being read, since...
         self._parse_since = 0.0  # ...this time (its timeouts apply even while an earlier one is answered)
         self._final: Response | None = None  # an error answer owed after the answers before it
@@ -213,7 +211,7 @@ class Connection(asyncio.Protocol):
             if self._upgrade_request is not None:
                 self._take_upgrade_body(data)
             return  # the rest is the other protocol: never parsed as requests
-        if self._in_head:
+        if self._parsing == _HEAD:
             # httptools joins a field line's pieces until it ends, unchecked: count what comes instead
             self._head_raw += len(data)
             if self._head_raw > self._max_head + _MAX_READ:
@@ -258,9 +256,7 @@ class Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._body = []
         self._body_bytes = 0
-        self._in_head = True
         self._head_raw = 0
-        self._headers_done = False
         self._parsing = _HEAD
         self._parse_since = self._loop.time()
         if self.phase == _IDLE:
@@ -274,7 +270,7 @@ class Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         key = name.lower()
         self._head_bytes += len(name) + len(value) + 4
-        if self._headers_done:  # a chunked body's trailer: counted, never taken as a header (RFC 9110 §6.5.1)
+        if self._parsing != _HEAD:  # a chunked body's trailer: counted, never a header (RFC 9110 §6.5.1)
             if self._head_bytes > self._max_head:
                 self._count_head(0)
             return
@@ -291,8 +287,6 @@ class Connection(asyncio.Protocol):
             self._refuse(_head_too_large(self._limits.max_header_bytes))
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
-        self._headers_done = True
         self._parsing = _BODY
         self._parse_since = self._loop.time()
         if self._url[:1] != b"/":
