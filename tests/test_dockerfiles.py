@@ -106,7 +106,7 @@ def test_every_stage_runs_a_python_the_package_supports(dockerfile):
 
 
 @pytest.mark.parametrize(("image", "run", "expected"), [
-    ("python:3.12.8-slim-bookworm", "", "3.12"),
+    ("python:3.12.12-slim-bookworm", "", "3.12"),
     ("nvidia/cuda:12.4.1-cudnn-runtime-ubuntu22.04", "apt-get install -y python3 python3-venv", "3.10"),
     ("nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04", "apt-get install -y python3 python3-venv", "3.12"),
     ("ubuntu:22.04", "apt-get install -y --no-install-recommends python3.11 python3.11-venv", "3.11"),
@@ -119,3 +119,22 @@ def test_the_python_of_a_stage_is_read_from_its_base_and_install_line(image, run
 def test_an_unknown_base_image_asks_to_be_added():
     with pytest.raises(pytest.fail.Exception, match="add it with its Python version"):
         stage_python("alpine:3.20", "RUN apk add python3", set())
+
+
+# The first patch release of each minor whose tarfile filters refuse links out of the destination
+# (CVE-2025-4517 and its siblings); `sluice pull` unpacks archives and refuses them itself as well.
+TARFILE_FIXED = {"3.9": "3.9.23", "3.10": "3.10.18", "3.11": "3.11.13", "3.12": "3.12.11", "3.13": "3.13.4"}
+PINNED_PYTHON = re.compile(r"^(?:docker\.io/)?(?:library/)?python:(?P<version>3\.\d+\.\d+)")
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_pinned_python_images_have_the_tarfile_fixes(dockerfile):
+    pinned = [(image, PINNED_PYTHON.match(image)) for image, _ in stages(dockerfile.read_text())]
+    for image, match in pinned:
+        if match is None:
+            continue
+        version = Version(match["version"])
+        fixed = TARFILE_FIXED.get(f"{version.major}.{version.minor}")
+        assert fixed is not None and version >= Version(fixed), (
+            f"{dockerfile.name}: FROM {image} predates the tarfile security fixes; use at least {fixed}")
+    assert any(match for _, match in pinned) or "python:" not in dockerfile.read_text()
