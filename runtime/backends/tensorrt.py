@@ -27,6 +27,8 @@ failed; the buffers are dropped so the next batch allocates afresh, and the inst
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -39,6 +41,8 @@ from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstanc
 from sluice.runtime.backends.tensor import concat_rows, merge_inputs, split_timed
 from sluice.runtime.errors import ConfigError, InvalidArgument, ModelError, SluiceError, Unavailable, Unsupported
 from sluice.runtime.types import CONFIG_TYPE_BY_DATATYPE, DATATYPE_BY_CONFIG_TYPE, InferRequest, numpy_dtype
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_FILENAME = "model.plan"
 
@@ -72,6 +76,8 @@ class EngineTensor:
     """The full engine shape (explicit batch: the batch dim is part of it); -1 where dynamic."""
     shape_tensor: bool = False
     """A shape tensor (``is_shape_inference_io``): its values, not its data, feed shape inference."""
+    format: str = "LINEAR"
+    """``tensorrt.TensorFormat`` name; only LINEAR (row-major, as numpy lays arrays out) is served."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,14 +129,20 @@ class Chunk:
 # -- pure: config ------------------------------------------------------------------------------------
 
 
-def _instance_groups(config: mc.ModelConfig) -> list[tuple[int, mc.ModelInstanceGroup]]:
-    """(group index, group) for every instance, in the order ``repository._instance_plan`` numbers them."""
+def _instance_groups(config: mc.ModelConfig, gpu_count: int) -> list[tuple[int, mc.ModelInstanceGroup]]:
+    """(group index, group) for every instance, in the order ``repository.instance_plan`` numbers them:
+    per group, ``count`` instances on each of its GPUs (``gpus``, else every visible one)."""
     groups = list(config.instance_group) or [mc.ModelInstanceGroup(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)]
-    return [(index, group) for index, group in enumerate(groups) for _ in range(max(group.count, 1))]
+    numbered = []
+    for index, group in enumerate(groups):
+        devices = len(group.gpus) or gpu_count or 1
+        numbered.extend((index, group) for _ in range(devices * max(group.count, 1)))
+    return numbered
 
 
-def instance_profiles(config: mc.ModelConfig, num_profiles: int) -> list[tuple[int, ...]]:
-    """The optimization profiles each instance may use, by instance index (pure).
+def instance_profiles(config: mc.ModelConfig, num_profiles: int, gpu_count: int = 1) -> list[tuple[int, ...]]:
+    """The optimization profiles each instance may use, by instance index (pure); ``gpu_count``: the
+    GPUs this server sees (a group without ``gpus`` has ``count`` instances on each).
 
     Triton's semantics: ``instance_group { profile: ["1", "2"] }`` restricts the group's instances to
     those profiles; a group that lists none uses profile 0 only."""
@@ -148,7 +160,7 @@ def instance_profiles(config: mc.ModelConfig, num_profiles: int) -> list[tuple[i
             if int(name) not in chosen:
                 chosen.append(int(name))
         per_group[index] = tuple(chosen) or (0,)
-    return [per_group.get(index, (0,)) for index, _ in _instance_groups(config)]
+    return [per_group.get(index, (0,)) for index, _ in _instance_groups(config, gpu_count)]
 
 
 def _shown_dtype(trt_dtype: str) -> str:
@@ -167,6 +179,12 @@ def _check_engine(info: EngineInfo) -> None:
             raise Unsupported(
                 f"the engine's tensor '{tensor.name}' is a shape tensor; Sluice's tensorrt backend serves "
                 "execution tensors only (build the engine without shape-tensor inputs)"
+            )
+        if tensor.format != "LINEAR":
+            raise Unsupported(
+                f"the engine's {'input' if tensor.is_input else 'output'} '{tensor.name}' has the vectorized IO "
+                f"format {tensor.format}; Sluice's tensorrt backend serves LINEAR IO tensors only (build the engine "
+                "without --inputIOFormats/--outputIOFormats, or with ':chw' for them)"
             )
         if tensor.dtype not in V2_BY_TRT:
             raise ConfigError(
@@ -406,31 +424,51 @@ def model_path(config: mc.ModelConfig, ctx: LoadContext) -> Path:
     return path
 
 
+_logger_lock = threading.Lock()
+_shared_logger: Any = None
+
+
 def _logger(trt: Any) -> Any:
-    """A TensorRT logger that keeps the last error (TensorRT says why something failed through it)."""
+    """The process's one TensorRT logger: TensorRT keeps a single logger pointer for the process (a
+    second runtime's logger is ignored while the first's objects live), so one is made, never freed.
+    It forwards TensorRT's warnings and errors to Sluice's log and keeps the last error (TensorRT
+    says why a deserialization failed through it: read under :data:`_deserialize_lock`)."""
+    global _shared_logger
+    with _logger_lock:
+        if _shared_logger is None:
 
-    class Logger(trt.ILogger):  # type: ignore[misc, name-defined]
-        def __init__(self) -> None:
-            trt.ILogger.__init__(self)
-            self.last_error = ""
+            class Logger(trt.ILogger):  # type: ignore[misc, name-defined]
+                def __init__(self) -> None:
+                    trt.ILogger.__init__(self)
+                    self.last_error = ""
 
-        def log(self, severity: Any, msg: str) -> None:
-            if severity in (trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR):
-                self.last_error = msg
+                def log(self, severity: Any, msg: str) -> None:
+                    if severity in (trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR):
+                        self.last_error = msg
+                        _log.error("TensorRT: %s", msg)
+                    elif severity == trt.ILogger.Severity.WARNING:
+                        _log.warning("TensorRT: %s", msg)
 
-    return Logger()
+            _shared_logger = Logger()
+        return _shared_logger
+
+
+_deserialize_lock = threading.Lock()
 
 
 def _deserialize(trt: Any, path: Path, cuda: Any, device_id: int) -> tuple[Any, Any, Any]:
-    """(runtime, engine, logger) on ``device_id``; the caller keeps all three alive while it uses the
-    engine (TensorRT holds the logger and wants the runtime to outlive its engines)."""
-    cuda.use(device_id)
+    """(runtime, engine, logger) on ``device_id``; the caller keeps the runtime alive while it uses the
+    engine (TensorRT wants the runtime to outlive its engines)."""
     logger = _logger(trt)
-    runtime = trt.Runtime(logger)
-    engine = runtime.deserialize_cuda_engine(path.read_bytes())
+    with _deserialize_lock:
+        cuda.use(device_id)
+        logger.last_error = ""
+        runtime = trt.Runtime(logger)
+        engine = runtime.deserialize_cuda_engine(path.read_bytes())
+        error = logger.last_error
     if engine is None:
         raise ConfigError(
-            f"TensorRT cannot deserialize the engine: {logger.last_error or 'no reason given'} (an engine runs only "
+            f"TensorRT cannot deserialize the engine: {error or 'no reason given'} (an engine runs only "
             "with the TensorRT version and GPU architecture it was built for)",
             file=str(path),
         )
@@ -449,6 +487,7 @@ def engine_info(trt: Any, engine: Any) -> EngineInfo:
                 dtype=engine.get_tensor_dtype(name).name,
                 shape=tuple(int(d) for d in engine.get_tensor_shape(name)),
                 shape_tensor=bool(engine.is_shape_inference_io(name)),
+                format=engine.get_tensor_format(name).name,
             )
         )
     profiles = []
@@ -506,6 +545,8 @@ class TrtInstance(ModelInstance):
         self._reshape = {
             o.name: (-1, *o.dims) if self._batched else tuple(o.dims) for o in config.output if o.HasField("reshape")
         }
+        # an input's reshape is the engine's shape (Triton's): e.g. dims [1] reshape [] for a 0-d item
+        self._input_reshape = {i.name: tuple(i.reshape.shape) for i in config.input if i.HasField("reshape")}
 
     def _buffer(self, name: str, byte_size: int) -> int:
         buffer = self._buffers.get(name)
@@ -528,7 +569,13 @@ class TrtInstance(ModelInstance):
     def _run(self, feeds: Mapping[str, np.ndarray], chunk: Chunk) -> dict[str, np.ndarray]:
         context, cuda, stream = self._context, self._cuda, self._stream
         if chunk.profile != self._profile:
-            if not context.set_optimization_profile_async(chunk.profile, stream):
+            try:  # TensorRT's Python binding raises where the C++ call returns false
+                switched = context.set_optimization_profile_async(chunk.profile, stream)
+            except RuntimeError as exc:
+                raise ModelError(
+                    f"TensorRT refused optimization profile {chunk.profile} for model '{self._label}': {exc}"
+                ) from None
+            if not switched:
                 raise ModelError(f"TensorRT refused optimization profile {chunk.profile} for model '{self._label}'")
             self._profile = chunk.profile
         keep = []  # host arrays must live until the stream is synchronized
@@ -566,6 +613,10 @@ class TrtInstance(ModelInstance):
     def execute(self, requests: Sequence[InferRequest]) -> list[Result]:
         start = time.monotonic_ns()
         feeds = merge_inputs(requests)
+        for name, shape in self._input_reshape.items():
+            if name in feeds:
+                array = feeds[name]
+                feeds[name] = array.reshape((array.shape[0], *shape) if self._batched else shape)
         shapes = {name: tuple(array.shape) for name, array in feeds.items()}
         try:
             chunks = plan_batches(self._info.profiles, self._allowed, shapes, batched=self._batched)
@@ -635,13 +686,18 @@ class TrtBackend(ModelBackend):
             self._engines[device_id] = (runtime, engine, logger, engine_info(self._trt, engine))
         _runtime, engine, _logger, info = self._engines[device_id]
         if self._profiles is None:
-            self._profiles = instance_profiles(self.config, max(len(info.profiles), 1))
+            self._profiles = instance_profiles(self.config, max(len(info.profiles), 1), self._cuda.device_count())
         return TrtInstance(engine, info, self.config, self._profiles[index], self._cuda, device_id)
 
     def close(self) -> None:
-        for _runtime, engine, _logger, _info in self._engines.values():
+        while self._engines:
+            device, (runtime, engine, _logger, _info) = self._engines.popitem()
+            try:
+                self._cuda.use(device)  # an engine's memory belongs to its device
+            except Exception:  # a broken context: release what Python holds anyway
+                _log.debug("cannot select GPU %d to release model '%s'", device, self.config.name, exc_info=True)
             del engine  # engines before their runtimes
-        self._engines.clear()
+            del runtime
 
 
 def load(config: mc.ModelConfig, ctx: LoadContext) -> TrtBackend:

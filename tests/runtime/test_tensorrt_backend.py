@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import itertools
 import shutil
@@ -176,6 +177,39 @@ def test_instance_profiles_follow_the_groups_in_instance_order():
     config = cfg('instance_group [ { count: 2 profile: [ "1", "0", "1" ] }, { count: 1 } ]')
     assert trt_backend.instance_profiles(config, 2) == [(1, 0), (1, 0), (0,)]
     assert trt_backend.instance_profiles(cfg(), 3) == [(0,)]
+
+
+@pytest.mark.parametrize(("is_input", "section"), [(True, "input"), (False, "output")])
+def test_a_vectorized_io_format_is_refused_naming_the_tensor(is_input, section):
+    """Buffers are sized and read as numpy's row-major layout; CHW16/HWC8 IO would be overrun."""
+    tensors = [EngineTensor("x", True, "HALF", (-1, 3, 8, 8)), EngineTensor("y", False, "HALF", (-1, 3, 8, 8))]
+    tensors[0 if is_input else 1] = dataclasses.replace(tensors[0 if is_input else 1], format="CHW16")
+    info = EngineInfo(tuple(tensors), ({"x": Range((1, 3, 8, 8), (4, 3, 8, 8), (8, 3, 8, 8))},))
+    name = "x" if is_input else "y"
+    with pytest.raises(Unsupported, match=rf"{section} '{name}' has the vectorized IO format CHW16.*LINEAR IO"):
+        trt_backend.complete_config(cfg(), info)
+
+
+@pytest.mark.parametrize("gpu_count", [1, 2, 4])
+@pytest.mark.parametrize("groups", [
+    "",
+    'instance_group [ { kind: KIND_GPU count: 2 } ]',
+    'instance_group [ { kind: KIND_GPU gpus: [ 0 ] count: 1 profile: [ "1" ] }, { kind: KIND_GPU count: 2 } ]',
+    'instance_group [ { count: 1 profile: [ "0" ] }, { kind: KIND_GPU gpus: [ 0 ] count: 3 profile: [ "1" ] } ]',
+])
+def test_instance_profiles_are_numbered_as_the_repository_numbers_instances(groups, gpu_count):
+    """The repository makes ``count`` instances on every GPU of a group; the profiles must line up."""
+    from sluice.runtime.repository import instance_plan
+
+    config = cfg(groups)
+    plan = instance_plan(config, gpu_count)
+    profiles = trt_backend.instance_profiles(config, 2, gpu_count)
+    assert len(profiles) == len(plan)
+    expected = []
+    for group in config.instance_group or [K(count=1)]:
+        per_instance = tuple(int(p) for p in group.profile) or (0,)
+        expected += [per_instance] * ((len(group.gpus) or gpu_count) * max(group.count, 1))
+    assert profiles == expected
 
 
 @pytest.mark.parametrize("name", ["2", "-1", "one", ""])
@@ -359,12 +393,14 @@ class AffineContext:
     """An execution context computing y = 2x + 1 on [batch, 4] FP32 that holds to its profile's ranges."""
 
     def __init__(self, info: EngineInfo) -> None:
-        self.info, self.profile, self.fail = info, 0, False
+        self.info, self.profile, self.fail, self.refuse_profiles = info, 0, False, False
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.addresses: dict[str, int] = {}
         self.runs: list[tuple[int, tuple[int, ...]]] = []
 
     def set_optimization_profile_async(self, index, stream):
+        if self.refuse_profiles:  # TensorRT's binding raises where the C++ call returns false
+            raise RuntimeError("Error in set optimization profile async.")
         self.profile = index
         return True
 
@@ -430,6 +466,43 @@ def test_the_instance_switches_profiles_between_batches():
         batch, arrays = requests(rows)
         np.testing.assert_array_equal(instance.execute(batch)[0].outputs[0].data, 2 * arrays[0] + 1)
     assert context.runs == [(0, (3, 4)), (1, (20, 4)), (0, (2, 4))]
+
+
+def test_a_refused_profile_switch_answers_the_batch_and_the_instance_goes_on_serving():
+    instance, context = instance_for([SMALL, LARGE], (0, 1), HostCuda())
+    context.refuse_profiles = True
+    batch, _ = requests(20)
+    refused = instance.execute(batch)[0]
+    assert isinstance(refused, ModelError)
+    assert "refused optimization profile 1" in refused.message
+    assert "Error in set optimization profile" in refused.message
+    context.refuse_profiles = False
+    batch, arrays = requests(20)
+    np.testing.assert_array_equal(instance.execute(batch)[0].outputs[0].data, 2 * arrays[0] + 1)
+    assert context.runs == [(1, (20, 4))]
+
+
+def test_an_engine_with_a_scalar_per_item_takes_the_configs_dims_1_reshaped_to_it():
+    """Auto-complete gives a 0-d item ``dims: [1]`` with an empty ``reshape`` (Triton's convention): the
+    client sends [rows, 1], the engine gets [rows] (the reshape is the engine's shape), and the output
+    goes back as [rows, 1]."""
+    info = EngineInfo(
+        (EngineTensor("x", True, "FLOAT", (-1,)), EngineTensor("y", False, "FLOAT", (-1,))),
+        ({"x": Range((1,), (4,), (8,))},),
+    )
+    config = cfg()
+    trt_backend.complete_config(config, info)
+    assert list(config.input[0].dims) == [1] and config.input[0].HasField("reshape")
+    context = AffineContext(info)
+    instance = trt_backend.TrtInstance(OneContext(context), info, config, (0,), HostCuda(), 0)
+    arrays = [np.array([[1.0], [2.0], [3.0]], np.float32), np.array([[5.0]], np.float32)]
+    batch = [InferRequest("m", "1", [Tensor("x", "FP32", a)], batch_size=len(a)) for a in arrays]
+    results = instance.execute(batch)
+    assert context.runs == [(0, (4,))]
+    for result, x in zip(results, arrays, strict=True):
+        assert isinstance(result, InferResponse), result
+        assert result.outputs[0].data.shape == x.shape
+        np.testing.assert_array_equal(result.outputs[0].data, 2 * x + 1)
 
 
 def test_out_of_gpu_memory_answers_the_batch_and_the_instance_goes_on_serving():
