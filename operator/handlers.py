@@ -23,6 +23,7 @@ Deletion needs no handler: children carry ownerReferences, so the garbage collec
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -59,6 +60,18 @@ def kopf_event(body: Mapping[str, Any], *, type: str, reason: str, message: str)
         logging.getLogger("sluice.operator").info("%s %s: %s", type, reason, message)
 
 
+STATUS_CHURNING_KINDS = ("HorizontalPodAutoscaler", "PodDisruptionBudget")
+"""Children whose status its controller rewrites often and the reconcile never reads."""
+
+
+def _without_status(body: Mapping[str, Any]) -> str:
+    """A child as the reconcile sees it: all but its status and the server's bookkeeping."""
+    meta = body.get("metadata", {}) or {}
+    kept = {key: value for key, value in body.items() if key not in ("status", "metadata")}
+    kept["metadata"] = {key: meta.get(key) for key in ("labels", "annotations", "ownerReferences", "deletionTimestamp")}
+    return json.dumps(kept, sort_keys=True, default=str)
+
+
 def _split(api_version: str) -> tuple[str, str]:
     group, _, version = api_version.rpartition("/")
     return group, version
@@ -81,9 +94,9 @@ def register(
             prefix=prefix, key="last-handled-configuration",
         )
         settings.posting.level = logging.WARNING  # our own Events are explicit; no "handler succeeded" spam
-        for kind in CHILD_KINDS:
+        for kind in CHILD_KINDS:  # (group, version, plural): kopf reads a "group/version/plural" string as a name
             api_version, plural = RESOURCES[kind]
-            settings.watching.label_selectors[f"{api_version}/{plural}"] = MANAGED_SELECTOR
+            settings.watching.label_selectors[(*_split(api_version), plural)] = MANAGED_SELECTOR
         if injector is not None:
             # The chart (or manifests/) installs the MutatingWebhookConfiguration: kopf manages none.
             settings.admission.server = webhook.server(injector)
@@ -192,7 +205,20 @@ def register(
         kopf.timer(*where, registry=registry, id="resync", interval=settings.resync_seconds,
                    initial_delay=settings.resync_seconds)(on_timer)
 
-    async def on_child(body: kopf.Body, **_: Any) -> None:
+    children_seen: dict[str, str] = {}  # uid -> what of a status-churning child the reconcile acts on
+
+    async def on_child(body: kopf.Body, type: str | None = None, **_: Any) -> None:
+        if body.get("kind") in STATUS_CHURNING_KINDS:
+            # the HPA controller rewrites its status every sync (15 s) and the disruption controller a
+            # PDB's on every pod change: neither is read by the reconcile, so a status-only change is skipped
+            uid = str(body.get("metadata", {}).get("uid", ""))
+            if type == "DELETED":
+                children_seen.pop(uid, None)
+            else:
+                seen = _without_status(body)
+                if children_seen.get(uid) == seen:
+                    return
+                children_seen[uid] = seen
         refs = body.get("metadata", {}).get("ownerReferences", []) or []
         ref = next((r for r in refs if r.get("controller") and r.get("apiVersion") == api.API_VERSION), None)
         if ref is None or ref.get("kind") not in (api.INFERENCE_MODEL_KIND, api.ENSEMBLE_KIND, api.MODEL_POOL_KIND):

@@ -5,6 +5,7 @@ Each test drives the cluster through the HTTP API as kubectl would and asserts o
 
 from __future__ import annotations
 
+import json
 import re
 
 from sluice.operator.crd import inference_model_crd
@@ -43,6 +44,18 @@ async def test_create_makes_children_with_owner_refs_and_status(client, operator
     assert client.condition(client.read(client.IM, "resnet"), "Ready")["status"] == "False"
     assert client.condition(client.read(client.IM, "resnet"), "Progressing")["status"] == "True"
     assert client.condition(client.read(client.IM, "resnet"), "Degraded")["status"] == "False"
+
+
+async def test_children_are_listed_and_watched_by_the_operators_label_only(client, operator, apiserver):
+    """The API server filters the child kinds for the operator: it does not receive every Deployment,
+    Service, ConfigMap, PDB and HPA of the cluster (a large cluster's would fill its memory)."""
+    await client.create(client.IM, client.model())
+    await client.wait(lambda: client.read(DEPLOY, "resnet"))
+    await client.settle()
+    children = {"deployments", "services", "configmaps", "poddisruptionbudgets", "horizontalpodautoscalers"}
+    seen = {(verb, plural): selector for verb, plural, selector in apiserver.reads if plural in children}
+    assert {plural for _, plural in seen} == children
+    assert set(seen.values()) == {"app.kubernetes.io/managed-by=sluice-operator"}, seen
 
 
 async def test_ready_follows_the_deployment(client, operator, apiserver, clock):
@@ -166,6 +179,27 @@ async def test_an_edited_child_is_restored(client, operator, apiserver):
         == "sluice-runtime:test" and d)
     assert restored["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == \
         "/v2/health/ready"
+
+
+async def test_a_status_write_to_the_hpa_does_not_reconcile_the_model_but_an_edit_does(client, operator, apiserver):
+    """The HPA controller writes its status every sync: that is no reason to reconcile (the reconcile
+    does not read it); an edit of its spec is, and is put back."""
+    hpas = "/apis/autoscaling/v2/namespaces/models/horizontalpodautoscalers/resnet"
+    await client.create(client.IM, client.model())
+    await client.wait(lambda: client.read(HPA, "resnet"))
+    await client.settle()
+    reconciles = operator.metrics.reconciles.labels("InferenceModel", "ok")
+    before = reconciles._value.get()
+    for replicas in (2, 3, 4):
+        await client._call("PATCH", f"{hpas}/status", data=json.dumps({"status": {
+            "currentReplicas": replicas, "desiredReplicas": replicas}}),
+            headers={"Content-Type": "application/merge-patch+json"})
+        await client.settle()
+    assert client.read(HPA, "resnet")["status"]["currentReplicas"] == 4
+    assert reconciles._value.get() == before
+    await client.patch(HPA, "resnet", {"spec": {"maxReplicas": 40}})
+    await client.wait(lambda: client.read(HPA, "resnet")["spec"]["maxReplicas"] == 4)
+    assert reconciles._value.get() > before
 
 
 async def test_invalid_spec_is_degraded_and_the_operator_keeps_working(client, operator, apiserver):

@@ -306,6 +306,8 @@ class ApiServer(kmock.KubernetesEmulator):
     _last_version: int = attrs.field(default=0, init=False)
     _rejections: dict[Any, kmock.KubernetesError] = attrs.field(factory=dict, init=False)
     _dirty: bool = attrs.field(default=False, init=False)
+    reads: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
+    """Every list and watch served: (verb, plural, labelSelector), so tests can check what a client asks for."""
     simulate_rollouts: bool = attrs.field(default=False)
     """Act as the Deployment controller: every new Deployment generation becomes fully ready at once."""
     simulate_scheduling: bool = attrs.field(default=False)
@@ -446,6 +448,7 @@ class ApiServer(kmock.KubernetesEmulator):
 
     async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
         assert request.resource is not None
+        self.reads.append(("list", str(request.resource.plural), request.params.get("labelSelector", "")))
         _field_terms(str(request.resource.plural), request.params.get("fieldSelector", ""))  # 400 before anything
         payload = await super()._serve_list(request)
         if isinstance(payload, dict):
@@ -457,6 +460,7 @@ class ApiServer(kmock.KubernetesEmulator):
         # A watch from a resourceVersion gets the events after it (from the log), not a replay of
         # every object: kopf lists first and then watches from the list's version, as with a real server.
         assert request.resource is not None
+        self.reads.append(("watch", str(request.resource.plural), request.params.get("labelSelector", "")))
         _field_terms(str(request.resource.plural), request.params.get("fieldSelector", ""))  # 400 before streaming
         yield b""
         bus = self._buses[request.resource]
