@@ -298,7 +298,12 @@ class DataPlane:
         splits = self._splits
         if splits and not request.model_version and self._forwarder is not None and self._accepting:
             split = splits.get(request.model_name)
-            if split is not None and split.to_canary():
+            if (
+                split is not None
+                # a decoupled model's stream of responses is not forwarded (the forward is one ModelInfer call)
+                and (request.responder is None or not self.decoupled(request.model_name))
+                and split.routes_to_canary(params.get("sequence_id") if params else None)
+            ):
                 self._forwarder.forward(split.target, request, done, self._infer_local)
                 return
         self._infer_local(request, done)

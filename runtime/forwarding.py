@@ -111,12 +111,17 @@ class Forwarder:
         outcome: InferResponse | SluiceError
         try:
             outcome = await self._clients.infer(target, model, "", request, traceparent)
-        except remote.Unreachable as exc:
+        except (remote.Unreachable, remote.Unforwardable) as exc:
             if local is not None and not request.cancel.cancelled:
-                self.counts.add(model, target, False, fallback=True)
+                unsent = isinstance(exc, remote.Unforwardable)  # the request's doing, not the canary's
+                if not unsent:
+                    self.counts.add(model, target, False, fallback=True)
                 if end is not None:  # the span says why it is served here
                     end(exc)
-                local(request, done)
+                try:
+                    local(request, done)
+                except SluiceError as refused:  # refused at once here (bad input, queue full): still answered
+                    done(refused)
                 return
             outcome = canary_error(model, target, exc)
         except SluiceError as exc:

@@ -82,6 +82,11 @@ class Unreachable(Unavailable):
     request never got there, so running it elsewhere runs it once."""
 
 
+class Unforwardable(InvalidArgument):
+    """The request cannot be put on the wire to the target (a parameter out of gRPC's integer
+    range): it was not sent, so it can be served elsewhere."""
+
+
 def remote_error(status: str | None, message: str, target: str) -> SluiceError:
     """A remote gRPC status (``UNAVAILABLE`` or ``StatusCode.UNAVAILABLE``) as a SluiceError of the same code."""
     code = (status or "").rsplit(".", 1)[-1]
@@ -102,10 +107,15 @@ def _set_parameters(values: Mapping[str, Any], target: Any) -> None:
         if isinstance(value, bool):
             param.bool_param = value
         elif isinstance(value, int):
-            if key == "priority" and value >= 0:
+            if 0 <= value < 2**64 and (key == "priority" or value >= 2**63):
                 param.uint64_param = value
-            else:
+            elif -(2**63) <= value < 2**63:
                 param.int64_param = value
+            else:
+                raise Unforwardable(
+                    f"parameter '{key}': {value} does not fit a KServe V2 gRPC integer parameter; allowed: "
+                    f"-2^63 to 2^64-1"
+                )
         elif isinstance(value, float):
             param.double_param = value
         else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zlib
 
 from sluice.runtime import names
 
@@ -144,9 +145,24 @@ class ModelSplit:
     def to_canary(self) -> bool:
         return self.weights.to_canary()
 
+    def routes_to_canary(self, sequence_id: object) -> bool:
+        """Whether a request goes to the canary. A request of a sequence (a non-zero ``sequence_id``)
+        goes where its sequence's bucket says (:func:`sequence_bucket`), so all of a sequence's
+        requests reach the same server, and every stable replica routes it alike; other requests by
+        the credit counter."""
+        if sequence_id is not None and sequence_id != 0 and sequence_id != "":
+            return sequence_bucket(sequence_id) < self.weights.percent
+        return self.weights.to_canary()
+
     @property
     def percent(self) -> int:
         return self.weights.percent
+
+
+def sequence_bucket(sequence_id: object) -> int:
+    """0..99 for a sequence's correlation id (int or string), the same in every process (not
+    Python's salted ``hash``): a split at P percent sends the sequences of buckets below P to the canary."""
+    return zlib.crc32(str(sequence_id).encode("utf-8", "surrogatepass")) % 100
 
 
 class SplitTable:

@@ -474,3 +474,124 @@ def test_an_invalid_file_names_the_file_and_the_field(document, field, says):
     if field is not None:
         assert f"field '{field}': " in message
     assert says in message, message
+
+
+# --- requests the split must keep together or here ------------------------------------------------
+
+STREAM_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.version = int(args["model_version"])
+
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            sender = request.get_response_sender()
+            for _ in range(n):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([self.version], np.int32))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+STREAM_CONFIG = """
+name: "stream"
+backend: "python"
+model_transaction_policy { decoupled: true }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+
+def test_every_request_of_a_sequence_goes_to_the_same_server(tmp_path: Path, serve, split_file, clock):
+    """A sequence's state lives in one server: its requests are routed by the sequence's bucket, the
+    same way by every stable replica, so half the sequences run whole on the canary, half here."""
+    from sluice.runtime.split import sequence_bucket
+    from sluice_testing import sequence_models as sm
+
+    repos = {}
+    for version in (1, 2):
+        repos[version] = tmp_path / f"acc-v{version}"
+        write_model(repos[version], "acc", sm.accumulator_config("acc"), {"model.onnx": sm.accumulator_onnx()},
+                    version=version)
+    canary = serve(repos[2])
+    split_file.parent.mkdir()
+    write_split(split_file, canary.grpc, 50, model="acc")
+    stable = serve(repos[1], split_file=split_file, clock=clock)
+
+    client = grpcclient.InferenceServerClient(stable.grpc)
+    where = {}
+    for sequence in range(1, 21):
+        totals, versions = [], set()
+        for step, value in enumerate((1, 2, 3, 4)):
+            tensor = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+            tensor.set_data_from_numpy(np.array([[value]], np.int32))
+            result = client.infer("acc", [tensor], sequence_id=sequence, sequence_start=step == 0,
+                                  sequence_end=step == 3)
+            totals.append(int(result.as_numpy("OUTPUT")[0][0]))
+            versions.add(result.get_response().model_version)
+        assert totals == [1, 3, 6, 10], (sequence, totals)
+        [where[sequence]] = versions
+        assert where[sequence] == ("2" if sequence_bucket(sequence) < 50 else "1")
+    assert set(where.values()) == {"1", "2"}
+
+
+def test_a_decoupled_models_stream_is_served_here_not_forwarded(tmp_path: Path, serve, split_file, clock):
+    """The forward is one ModelInfer call, which a decoupled model refuses: its streams stay here."""
+    repos = {}
+    for version in (1, 2):
+        repos[version] = tmp_path / f"stream-v{version}"
+        write_model(repos[version], "stream", STREAM_CONFIG, {"model.py": STREAM_PY}, version=version)
+    canary = serve(repos[2])
+    split_file.parent.mkdir()
+    write_split(split_file, canary.grpc, 100, model="stream")
+    stable = serve(repos[1], split_file=split_file, clock=clock)
+
+    import queue
+
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(stable.grpc)
+    client.start_stream(callback=lambda result, error: answers.put(error or result))
+    try:
+        tensor = grpcclient.InferInput("IN", [1], "INT32")
+        tensor.set_data_from_numpy(np.array([3], np.int32))
+        client.async_stream_infer("stream", [tensor])
+        got = [answers.get(timeout=30) for _ in range(3)]
+    finally:
+        client.stop_stream()
+    assert all(not isinstance(item, InferenceServerException) for item in got), got
+    assert [int(item.as_numpy("OUT")[0]) for item in got] == [1, 1, 1]
+    assert samples(stable).get(forwarded(canary.grpc, "success", model="stream"), 0) == 0
+
+
+def test_a_request_refused_here_after_an_unreachable_canary_is_still_answered(
+        stable_repo, serve, split_file, clock):
+    """The fallback to this server can refuse at once (a wrong shape): the client gets that answer."""
+    split_file.parent.mkdir()
+    write_split(split_file, f"127.0.0.1:{closed_port()}", 100)
+    stable = serve(stable_repo, split_file=split_file, clock=clock)
+    inputs = [grpcclient.InferInput("INPUT0", [2], "FP32"), grpcclient.InferInput("INPUT1", [2], "FP32")]
+    for tensor in inputs:
+        tensor.set_data_from_numpy(np.zeros(2, np.float32))
+    with pytest.raises(InferenceServerException) as caught:
+        grpcclient.InferenceServerClient(stable.grpc).infer("add_sub", inputs, client_timeout=20)
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT", caught.value
+    assert "[16]" in caught.value.message()
+
+
+def test_an_integer_parameter_grpc_cannot_carry_is_served_here(stable_repo, canary, serve, split_file, clock):
+    """JSON integers are unbounded; gRPC's are 64-bit: such a request is not sent to the canary (it
+    would be the canary's failure), it is served here as an unsplit server serves it."""
+    split_file.parent.mkdir()
+    write_split(split_file, canary.grpc, 100)
+    stable = serve(stable_repo, split_file=split_file, clock=clock)
+    body = {"inputs": [{"name": "INPUT0", "shape": [16], "datatype": "FP32", "data": A.tolist()},
+                       {"name": "INPUT1", "shape": [16], "datatype": "FP32", "data": B.tolist()}],
+            "parameters": {"custom": 2**64}}
+    request = urllib.request.Request(f"http://{stable.http}/v2/models/add_sub/infer", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=20) as response:
+        answer = json.loads(response.read())
+    assert answer["model_version"] == "1"
+    assert not any(key[0] == "sluice_forwarded_requests_total" and value for key, value in samples(stable).items())
