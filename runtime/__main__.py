@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import math
 import os
 import signal
 import sys
@@ -49,12 +50,25 @@ def _bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"{value!r} is not a boolean; allowed: true, false")
 
 
+def _finite(value: str) -> float:
+    """A float flag: nan and inf are refused (a nan deadline never passes; an inf one overflows)."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number; allowed: a finite number") from None
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{value!r} is not finite; allowed: a finite number")
+    return number
+
+
 def _non_negative(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     def parse(value: str) -> int | float:
         try:
             number = kind(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{value!r} is not a number; allowed: {kind.__name__} >= 0") from None
+        if not math.isfinite(number):
+            raise argparse.ArgumentTypeError(f"{value!r} is not finite; allowed: {kind.__name__} >= 0")
         if number < 0:
             raise argparse.ArgumentTypeError(f"{value!r} is negative; allowed: {kind.__name__} >= 0")
         return number
@@ -113,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--repository-poll-secs",
-        type=float,
+        type=_finite,
         default=defaults.repository_poll_s,
         help="poll mode: seconds between two scans of the model repository",
     )
@@ -181,14 +195,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--drain-period-s",
-        type=float,
+        type=_finite,
         default=defaults.drain_period_s,
         help="on SIGTERM, report not-ready but keep serving this long before closing the listeners (Ctrl-C and a "
         "second signal skip it)",
     )
     serve.add_argument(
         "--shutdown-grace-s",
-        type=float,
+        type=_finite,
         default=defaults.shutdown_grace_s,
         help="time in-flight requests get to finish once the listeners are closed",
     )
@@ -306,13 +320,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--overload-interval-ms",
-        type=float,
+        type=_finite,
         default=sched.overload_interval_ms,
         help="how long the queue must stay non-empty before it counts as overloaded",
     )
     serve.add_argument(
         "--overload-target-ms",
-        type=float,
+        type=_finite,
         default=sched.overload_target_ms,
         help="least queue wait that is shed while overloaded (at least 2x the recent execution time)",
     )
@@ -496,11 +510,11 @@ def _pull_parser(sub: argparse._SubParsersAction) -> None:
                       "after every pull")
     pull.add_argument("--retries", type=int, default=defaults.retries,
                       help="retries of each request on transient errors (throttling, 5xx, timeouts, resets)")
-    pull.add_argument("--backoff-base-s", type=float, default=defaults.backoff_base_s,
+    pull.add_argument("--backoff-base-s", type=_finite, default=defaults.backoff_base_s,
                       help="first retry waits about this long; each next one twice as long (with jitter)")
-    pull.add_argument("--backoff-cap-s", type=float, default=defaults.backoff_cap_s,
+    pull.add_argument("--backoff-cap-s", type=_finite, default=defaults.backoff_cap_s,
                       help="longest wait between two attempts")
-    pull.add_argument("--timeout-s", type=float, default=defaults.timeout_s,
+    pull.add_argument("--timeout-s", type=_finite, default=defaults.timeout_s,
                       help="connect and read timeout of each request")
     pull.add_argument("--size-limit", default=None, metavar="QUANTITY",
                       help="refuse a model larger than this (bytes or a quantity such as 20Gi), before writing it")
@@ -508,7 +522,7 @@ def _pull_parser(sub: argparse._SubParsersAction) -> None:
                       help="allow http:// sources and redirects (trusted local servers only)")
     pull.add_argument("--pvc-root", type=Path, default=defaults.pvc_root,
                       help="pvc://claim/path is read from PVC_ROOT/claim/path")
-    pull.add_argument("--progress-interval-s", type=float, default=defaults.progress_interval_s,
+    pull.add_argument("--progress-interval-s", type=_finite, default=defaults.progress_interval_s,
                       help="progress log line period when stderr is not a terminal")
     pull.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log verbosity"

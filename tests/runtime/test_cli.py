@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 
 import numpy as np
+import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
@@ -153,6 +154,16 @@ def test_a_missing_repository_is_one_line(tmp_path):
     assert out.returncode == 1
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().startswith("sluice: error: --model-repository") and "not a directory" in out.stderr
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--duplicate-window-s", "inf"), ("--drain-period-s", "nan"), ("--shutdown-grace-s", "inf"),
+    ("--overload-target-ms", "nan"), ("--repository-poll-secs", "-inf"),
+])
+def test_a_number_flag_that_is_not_finite_is_one_line(tmp_path, flag, value):
+    out = sluice("serve", "--model-repository", str(tmp_path), f"{flag}={value}", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"{flag}: {value!r} is not finite" in out.stderr, out.stderr
 
 
 def test_help_documents_every_flag_and_its_default(tmp_path):

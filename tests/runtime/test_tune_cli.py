@@ -139,6 +139,9 @@ def test_a_time_budget_too_small_is_refused_at_once(tmp_path, capsys):
     ("--latency-budget-ms", "-3", "is negative"),
     ("--protocol", "udp", "invalid choice"),
     ("--max-instances", "0", "allowed: int > 0"),
+    ("--point-s", "nan", "is not finite"),
+    ("--latency-budget-ms", "nan", "is not finite"),
+    ("--cost-s", "inf", "is not finite"),
 ])
 def test_bad_arguments_exit_2_naming_what_is_allowed(tmp_path, capsys, flag, value, message):
     with pytest.raises(SystemExit) as caught:
