@@ -763,7 +763,10 @@ class Scheduler:
                 trace.executed(entry.enqueued, waited, start_ns, compute_ns, rows, len(batch))
             self._finish(entry, result)
         self._exec_ewma_ns = compute_ns if not self._exec_ewma_ns else 0.8 * self._exec_ewma_ns + 0.2 * compute_ns
-        self._observer.on_batch(requests, queue_ns, compute_ns, results, phases_ns=phases_ns)
+        # as Triton counts it, a request's queue time runs until its compute starts (the hand-off to
+        # the instance's thread included); the trace above shows the hand-off as its own span
+        waited_ns = [start_ns - entry.enqueued for entry in batch] if start_ns else queue_ns
+        self._observer.on_batch(requests, waited_ns, compute_ns, results, phases_ns=phases_ns)
         self._maybe_idle()
         if self._pending:
             self._pump(freed=True)

@@ -864,7 +864,7 @@ class SequenceScheduler:
             outcome = self._take_state(row.job, row.entry.request, result)
             jobs.append(row.job)
             requests.append(row.entry.request)
-            waits.append(waited)
+            waits.append(start_ns - row.entry.enqueued if start_ns else waited)  # queue time until compute starts
             answers.append(outcome)
             self._finish(row.entry, outcome)
         self._book.finished(jobs, now)

@@ -199,6 +199,8 @@ class ModelStats(Observer):
             succeeded += 1
             self.inference_count += request.batch_size
             self.queue.add(waited)
+        if not succeeded:  # as Triton's backends report: an execution whose every request failed is
+            return  # no execution in the statistics (``execution_count`` counts successful ones)
         self.execution_count += 1
         self.compute_input.add(input_ns * succeeded, succeeded)
         self.compute_infer.add(infer_ns * succeeded, succeeded)

@@ -193,6 +193,7 @@ class Recorder(Observer):
 
     def on_batch(self, requests, queue_ns, compute_ns, results, phases_ns=(0, 0)) -> None:
         self.batch_sizes.append(len(requests))
+        self.queue_ns = getattr(self, "queue_ns", []) + list(queue_ns)
 
 
 def request(rid: str, value: int = 0, batch_size: int = 1, shape_key: tuple = ()) -> InferRequest:
@@ -330,6 +331,29 @@ async def test_requests_merge_while_the_instance_is_busy_and_results_split_back(
     assert [r.id for r in results] == [f"r{i}" for i in range(5)]
     assert h.batches == [["busy"], ["r0", "r1", "r2", "r3", "r4"]]
     assert h.observer.batch_sizes == [1, 5]
+
+
+class HandOffClock(FakeClock):
+    """The hand-off to an instance's thread takes 3 ms: read from a worker thread, the clock is that late."""
+
+    def __call__(self) -> int:
+        late = threading.current_thread() is not threading.main_thread()
+        return self.now + (3 * MS if late else 0)
+
+
+async def test_queue_time_runs_until_compute_starts_as_triton_counts_it(harness):
+    h = harness(config(8))
+    h.scheduler._clock = h.clock = clock = HandOffClock()
+    for worker in h.scheduler._workers:
+        worker._clock = clock
+    await h.busy()
+    task = await h.put("a", 1)
+    clock.advance(5 * MS)
+    h.gate.set()
+    await asyncio.wait_for(task, 2)
+    await eventually(lambda: len(h.observer.queue_ns) == 2)
+    # "busy" waited for nothing but the hand-off; "a" 5 ms in the queue, then the hand-off
+    assert h.observer.queue_ns == [3 * MS, 8 * MS]
 
 
 async def test_max_batch_size_and_row_counts_split_the_queue(harness):
