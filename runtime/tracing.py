@@ -300,10 +300,8 @@ class Tracer:
         return dataclasses.replace(self._global, **explicit) if explicit else self._global
 
     def _sampler(self, model: str) -> Sampler:
-        explicit = self._models.get(model)
-        if explicit and ("rate" in explicit or "count" in explicit):
-            return self._samplers[model]
-        return self._samplers[""]
+        # a model with settings of its own samples on its own (Triton gives it its own copy of the count)
+        return self._samplers[model] if model in self._models else self._samplers[""]
 
     def setting(self, model: str = "") -> dict[str, str | list[str]]:
         return as_triton(self.levels(model), self._sampler(model).remaining)
@@ -311,15 +309,16 @@ class Tracer:
     def update(self, model: str, changes: Mapping[str, Sequence[str] | None]) -> dict[str, str | list[str]]:
         """Apply Triton's trace-setting update to the server (``model`` "") or to one model; an empty
         update of a model removes its settings (it follows the server's again). Raises
-        InvalidArgument for a bad setting (nothing changes) or when the SDK is missing."""
+        InvalidArgument for a bad setting or Unsupported when the SDK is missing (nothing changes)."""
+        before = (self._global, dict(self._models), dict(self._samplers))
         if model:
             explicit = updated(self._models.get(model, {}), changes) if changes else {}
             if explicit:
                 self._models[model] = explicit
+                self._samplers[model] = Sampler(self.levels(model).count)
             else:
                 self._models.pop(model, None)
-            if "trace_rate" in changes or "trace_count" in changes or not explicit:
-                self._samplers[model] = Sampler(self.levels(model).count)
+                self._samplers.pop(model, None)
         else:
             checked = updated({}, changes)  # every change checked first; cleared fields are absent
             fields = {field: getattr(self._global, field) for field in _FIELD.values()}
@@ -330,9 +329,14 @@ class Tracer:
             self._global = TraceLevels(**fields)
             if "trace_rate" in changes or "trace_count" in changes:
                 self._samplers[""] = Sampler(self._global.count)
+                # as in Triton, a model's fields it does not set follow the server's: its count too
+                for name, explicit in self._models.items():
+                    if "count" not in explicit:
+                        self._samplers[name] = Sampler(self.levels(name).count)
         try:
             self._refresh()
         except RuntimeError as exc:
+            self._global, self._models, self._samplers = before
             raise Unsupported(str(exc)) from None
         return self.setting(model)
 

@@ -484,6 +484,43 @@ def test_settings_round_trip_over_http_and_grpc_per_model(serve, repo):
     assert http.update_trace_settings(settings={"trace_rate": None})["trace_rate"] == "1000"  # the start-up value
 
 
+def test_a_models_count_it_does_not_set_follows_the_servers(serve, repo):
+    """Triton: a model's settings it does not set are the server's, re-derived when the server's change."""
+    exporter = Exporter()
+    server = serve(repo, span_exporter=exporter)
+    http = httpclient.InferenceServerClient(server.http)
+    http.update_trace_settings("mlp", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
+    assert http.get_trace_settings("mlp")["trace_count"] == "-1"
+    assert http.update_trace_settings(settings={"trace_count": "2"})["trace_count"] == "2"
+    assert http.get_trace_settings("mlp")["trace_count"] == "2"
+    for _ in range(5):
+        http.infer("mlp", mlp_inputs(httpclient))
+    assert len(exporter.request_spans(2)) == 2
+    assert http.get_trace_settings("mlp")["trace_count"] == "0"
+    http.update_trace_settings(settings={"trace_count": "0"})
+    http.update_trace_settings(settings={"trace_count": "1"})
+    http.infer("mlp", mlp_inputs(httpclient))
+    assert len(exporter.request_spans(3)) == 3
+    # a model that sets its own count keeps it
+    http.update_trace_settings("mlp", {"trace_count": "7"})
+    http.update_trace_settings(settings={"trace_count": "3"})
+    assert http.get_trace_settings("mlp")["trace_count"] == "7"
+
+
+def test_an_update_refused_for_a_missing_sdk_changes_nothing(monkeypatch):
+    tracer = tracing.Tracer(TracingSettings())
+
+    def no_sdk() -> None:
+        raise RuntimeError("tracing needs the opentelemetry-sdk package")
+
+    monkeypatch.setattr(tracer, "_open", no_sdk)
+    before = (tracer.setting(), tracer.setting("m"))
+    for model in ("", "m"):
+        with pytest.raises(tracing.Unsupported, match="opentelemetry-sdk"):
+            tracer.update(model, {"trace_level": ["TIMESTAMPS"], "trace_count": ["5"]})
+    assert (tracer.setting(), tracer.setting("m")) == before and not tracer.on
+
+
 @pytest.mark.parametrize(
     ("settings", "words"),
     [
