@@ -29,6 +29,8 @@ ENSEMBLE_KIND = "Ensemble"
 ENSEMBLE_PLURAL = "ensembles"
 MODEL_POOL_KIND = "ModelPool"
 MODEL_POOL_PLURAL = "modelpools"
+OWNER_KINDS = (INFERENCE_MODEL_KIND, ENSEMBLE_KIND, MODEL_POOL_KIND)
+"""The kinds that own runtime objects (Deployments, Services, ConfigMaps...)."""
 
 FORMATS = ("onnx", "torchscript", "tensorrt", "python")
 """Model formats, mapped to the Triton backend the runtime loads them with (see ``BACKEND_BY_FORMAT``)."""

@@ -1069,17 +1069,31 @@ def ensemble(
         raise NotServedError(problems)
     step_models: dict[str, str] = {}
     step_gpus: list[api.Gpu] = []
-    for step in spec.steps:
+    sources: dict[str, tuple[int, object]] = {}  # model name -> (first step, what it serves)
+    for index, step in enumerate(spec.steps):
         if step.model_ref is not None:
             ref = referenced[step.model_ref]
             step_models[step.name] = ref.model.name
             gpu = step.resources.gpu or ref.resources.gpu
+            served: object = ("modelRef", step.model_ref)
         else:
             assert step.model is not None
             step_models[step.name] = step.model.name
             gpu = step.resources.gpu
+            served = step.model
         if gpu is not None:
             step_gpus.append(gpu)
+        model_name = step_models[step.name]
+        where = f"spec.steps[{index}]" + (f" (InferenceModel {step.model_ref!r})" if step.model_ref else ".model")
+        if model_name == owner.name:
+            problems.append(f"{where}: serves a model named {model_name!r}, the ensemble's own name; the runtime "
+                            "serves both under one name: rename the model (model.name) or the Ensemble")
+        elif model_name in sources and sources[model_name][1] != served:
+            problems.append(f"{where}: serves a model named {model_name!r} like spec.steps[{sources[model_name][0]}] "
+                            "but from another source; one runtime serves one model per name: rename one")
+        sources.setdefault(model_name, (index, served))
+    if problems:
+        raise UnsatisfiableError(problems)
     fits = _fits_one_pod(step_gpus, settings)
     inline = [i for i, step in enumerate(spec.steps) if step.model is not None]
     if spec.placement == "Remote" and inline:

@@ -22,7 +22,7 @@ import dataclasses
 import datetime
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from sluice.operator import api, builders, canary, conditions, gpus, inventory, placement, pools, sidecar
@@ -244,6 +244,34 @@ class Reconciler:
         key = (body["kind"], meta["namespace"], meta["name"])
         return self._locks.setdefault(key, asyncio.Lock())
 
+    async def _name_clash(self, owner: builders.Owner, objects: Sequence[Obj]) -> str | None:
+        """What stops ``owner`` from taking its objects: one of them is controlled by another live
+        object (an Ensemble and an InferenceModel of the same name want the same Deployment). Applying
+        would hand it from one to the other on every pass (one field manager), and deleting either
+        would take the other's pods with it. An orphan (its owner gone) is adopted."""
+        for obj in objects:
+            meta = obj["metadata"]
+            live = await self._kube.get(obj["kind"], meta.get("namespace") or owner.namespace, meta["name"])
+            if live is None:
+                continue
+            refs = live.get("metadata", {}).get("ownerReferences") or []
+            ref = next((r for r in refs if r.get("controller")), None)
+            if ref is None or ((ref.get("uid") or "") == owner.uid and ref.get("kind") == owner.kind):
+                continue
+            other = None
+            if ref.get("apiVersion") == api.API_VERSION and ref.get("kind") in api.OWNER_KINDS:
+                other = await self._kube.get(ref["kind"], owner.namespace, ref.get("name", ""))
+            elif ref.get("kind") and ref.get("name"):  # another controller's object: never taken
+                return (f"{obj['kind']} {meta['name']!r} belongs to {ref['kind']} {ref['name']!r} "
+                        f"({ref.get('apiVersion', '')}); rename this {owner.kind} or remove that object")
+            if other is None or (other["metadata"].get("uid") or "") != (ref.get("uid") or ""):
+                continue  # an orphan of an earlier object: the garbage collector's, or ours to adopt
+            if other["metadata"].get("deletionTimestamp"):
+                continue
+            return (f"{obj['kind']} {meta['name']!r} belongs to {ref['kind']} {ref['name']!r} in this namespace; "
+                    f"an {owner.kind} and {ref['kind']} of one name would take each other's objects: rename one")
+        return None
+
     def forget(self, kind: str, namespace: str, name: str) -> None:
         """Drop per-object state once the object is gone (a scraping metrics source's readings too)."""
         self._locks.pop((kind, namespace, name), None)
@@ -273,6 +301,9 @@ class Reconciler:
                           else "NotImplemented" if isinstance(exc, builders.NotServedError) else "Unsatisfiable")
                 return await self._report_problem(owner, body, reason, exc.problems)
             desired, rollout, placed = plan.desired, plan.canary, plan.placed
+            clash = await self._name_clash(owner, desired.objects)
+            if clash is not None:
+                return await self._report_problem(owner, body, "NameConflict", (clash,))
             applied = deleted = 0
             deployment: Obj | None = None
             for obj in desired.objects:

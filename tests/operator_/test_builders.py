@@ -274,6 +274,32 @@ def test_ensemble_with_a_missing_reference_names_the_step():
                           SETTINGS)
 
 
+def test_an_ensemble_step_named_like_the_ensemble_is_unsatisfiable():
+    """The runtime serves the ensemble and its steps' models by name in one repository."""
+    referenced = {"resnet": api.parse_inference_model("resnet", MODELS["gpu-autoscaled"])}
+    steps = [{**ENSEMBLE["steps"][0], "model": {"storageUri": "s3://bucket/pre", "format": "python",
+                                                "name": "classifier"}}, ENSEMBLE["steps"][1]]
+    with pytest.raises(builders.UnsatisfiableError, match=r"spec.steps\[0\].model: serves a model named "
+                       r"'classifier', the ensemble's own name"):
+        builders.ensemble(owner("Ensemble", "classifier"),
+                          api.parse_ensemble("classifier", {**ENSEMBLE, "steps": steps}), referenced, SETTINGS)
+
+
+def test_two_steps_serving_one_model_name_from_two_sources_are_unsatisfiable():
+    referenced = {"resnet": api.parse_inference_model("resnet", MODELS["gpu-autoscaled"])}
+    second = {"name": "again", "model": {"storageUri": "s3://bucket/other", "format": "python", "name": "preprocess"},
+              "inputMap": {"RAW": "IMAGE"}, "outputMap": {"TENSOR": "more"}}
+    spec = api.parse_ensemble("classifier", {**ENSEMBLE, "steps": [*ENSEMBLE["steps"], second]})
+    with pytest.raises(builders.UnsatisfiableError, match=r"spec.steps\[2\].model: serves a model named "
+                       r"'preprocess' like spec.steps\[0\] but from another source"):
+        builders.ensemble(owner("Ensemble", "classifier"), spec, referenced, SETTINGS)
+    # the same model twice (one source) is fine: it is served once
+    same = {**second, "model": {**ENSEMBLE["steps"][0]["model"], "name": "preprocess"}}
+    spec = api.parse_ensemble("classifier", {**ENSEMBLE, "steps": [*ENSEMBLE["steps"], same]})
+    desired = builders.ensemble(owner("Ensemble", "classifier"), spec, referenced, SETTINGS)
+    assert desired.placement == "Colocated"
+
+
 # ---------------------------------------------------------------- model pools
 
 POOL = {"gpu": {"migProfile": "3g.40gb"}, "resources": {"cpu": "4", "memory": "16Gi"},

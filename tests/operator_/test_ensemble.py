@@ -62,3 +62,26 @@ async def test_an_ensemble_step_in_a_format_without_a_backend_is_not_deployed(cl
     assert "InferenceModel 'resnet' spec.model.format: tensorrt models are not served" in degraded["message"]
     await client.settle()
     assert client.read("apps/v1/deployments", "classifier") is None
+
+
+async def test_an_ensemble_named_like_a_model_does_not_take_its_objects(client, operator, apiserver):
+    """Children are named after their owner: an Ensemble 'resnet' beside InferenceModel 'resnet' would
+    take its Deployment (one field manager applies both), and deleting either would take the other's
+    pods. The second one reports the clash and touches nothing (once the first is gone, its next pass
+    takes the names)."""
+    model = await client.create(client.IM, client.model())
+    await client.wait(lambda: client.read("apps/v1/deployments", "resnet"))
+    await client.settle()
+    clashing = json.loads(json.dumps(ENSEMBLE))
+    clashing["metadata"]["name"] = "resnet"
+    clashing["spec"]["steps"][1]["model"] = {"storageUri": "s3://models/other", "format": "onnx"}
+    del clashing["spec"]["steps"][1]["modelRef"]
+    await client.create(client.ENS, clashing)
+    degraded = await client.wait(
+        lambda: (c := client.condition(client.read(client.ENS, "resnet"), "Degraded")) and c["status"] == "True" and c)
+    assert degraded["reason"] == "NameConflict"
+    assert "belongs to InferenceModel 'resnet'" in degraded["message"] and "rename one" in degraded["message"]
+    await client.settle()
+    for resource in ("apps/v1/deployments", "v1/services"):
+        [ref] = client.read(resource, "resnet")["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["uid"]) == ("InferenceModel", model["metadata"]["uid"]), resource
