@@ -138,3 +138,27 @@ def test_pinned_python_images_have_the_tarfile_fixes(dockerfile):
         assert fixed is not None and version >= Version(fixed), (
             f"{dockerfile.name}: FROM {image} predates the tarfile security fixes; use at least {fixed}")
     assert any(match for _, match in pinned) or "python:" not in dockerfile.read_text()
+
+
+def test_the_operator_image_installs_the_operator_extra():
+    """The operator image installs its dependencies by hand (not the runtime's): every requirement of
+    pyproject's ``operator`` extra must be on that line (cryptography was missing: the sidecar webhook's
+    self-managed certificates could not be issued, and no pod of an injected namespace was admitted)."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["operator"]
+    wanted = {re.split(r"[<>=!~\[ ;]", requirement, maxsplit=1)[0].lower() for requirement in extra}
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile.operator").read_text())
+    installed = {match.lower() for line in re.findall(r"pip install ([^&\n]*)", text)
+                 for match in re.findall(r'"([A-Za-z0-9_.-]+)[<>=!~]', line)}
+    assert wanted <= installed, f"Dockerfile.operator does not install {sorted(wanted - installed)}"
+
+
+def test_an_image_with_the_gpu_extra_keeps_only_onnxruntime_gpu():
+    """onnxruntime and onnxruntime-gpu install into one package directory; with both, the CUDA provider
+    may be missing (the CPU wheel unpacked last) and GPU models would run on the CPU or fail to place."""
+    for dockerfile in DOCKERFILES:
+        text = re.sub(r"\\\n", " ", dockerfile.read_text())
+        if "gpu" not in " ".join(re.findall(r"EXTRAS=\"?\[([^\]]*)\]", text)):
+            continue
+        assert re.search(r"pip uninstall -y onnxruntime\b", text), f"{dockerfile.name}: onnxruntime stays installed"
+        assert re.search(r'pip install --no-deps "onnxruntime-gpu', text), f"{dockerfile.name}: no onnxruntime-gpu"
+        assert "'CUDAExecutionProvider' in p" in text, f"{dockerfile.name}: the build does not check the provider"
