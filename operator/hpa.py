@@ -77,6 +77,9 @@ class History:
 
     recommendations: list[tuple[float, int]] = dataclasses.field(default_factory=list)
     events: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (time, replica change)
+    seen: bool = False
+    """Whether the HPA was synced before: at first sight the controller records the current count
+    as a recommendation (``recordInitialRecommendation``), so a new HPA does not scale down at once."""
 
 
 def raw_recommendation(current: int, average: float, target: float) -> int:
@@ -89,32 +92,39 @@ def raw_recommendation(current: int, average: float, target: float) -> int:
     return math.ceil(ratio * current)
 
 
+def _period_start(current: int, history: History, period_s: float, now: float) -> int:
+    """The replica count at the start of a policy's period: ``current`` less what was added in it, plus
+    what was removed (``periodStartReplicas``: both directions count)."""
+    changed = sum(change for at, change in history.events if at > now - period_s)
+    return current - changed
+
+
 def _scale_up_limit(current: int, rules: Rules, history: History, now: float) -> int:
+    if rules.select == "Disabled" or not rules.policies:
+        return current
     limits = []
     for policy in rules.policies:
-        added = sum(change for at, change in history.events if change > 0 and at > now - policy.period_s)
-        start = current - added
+        start = _period_start(current, history, policy.period_s, now)
         if policy.kind == "Pods":
             limits.append(start + policy.value)
         else:
             limits.append(math.ceil(start * (1 + policy.value / 100)))
-    if not limits or rules.select == "Disabled":
-        return current
-    return max(limits) if rules.select == "Max" else min(limits)
+    limit = max(limits) if rules.select == "Max" else min(limits)
+    return max(limit, current)  # never a scale down: wait for the period's events to age out
 
 
 def _scale_down_limit(current: int, rules: Rules, history: History, now: float) -> int:
+    if rules.select == "Disabled" or not rules.policies:
+        return current
     limits = []
     for policy in rules.policies:
-        removed = -sum(change for at, change in history.events if change < 0 and at > now - policy.period_s)
-        start = current + removed
+        start = _period_start(current, history, policy.period_s, now)
         if policy.kind == "Pods":
             limits.append(start - policy.value)
         else:
             limits.append(math.floor(start * (1 - policy.value / 100)))
-    if not limits or rules.select == "Disabled":
-        return current
-    return min(limits) if rules.select == "Max" else max(limits)
+    limit = min(limits) if rules.select == "Max" else max(limits)
+    return min(limit, current)  # never a scale up
 
 
 def decide(
@@ -128,6 +138,15 @@ def decide(
     now: float,
 ) -> int:
     """One sync: the replica count the HPA sets; records the recommendation and the change."""
+    if current == 0 and min_replicas != 0:
+        return 0  # scaled to zero by hand: the controller leaves autoscaling off (ScalingDisabled)
+    if not history.seen:
+        history.seen = True
+        history.recommendations.append((now, current))
+    if current > max_replicas or current < min_replicas:  # the controller first brings it into range
+        result = min(max(current, min_replicas), max_replicas)
+        history.events.append((now, result - current))
+        return result
     desired = raw_recommendation(current, average, target)
     window = max(behavior.scale_up.stabilization_s, behavior.scale_down.stabilization_s)
     history.recommendations = [(at, r) for at, r in history.recommendations if at > now - window]
@@ -140,10 +159,10 @@ def decide(
     history.recommendations.append((now, desired))
     stabilized = min(max(current, up), down)
     if stabilized > current:
-        stabilized = min(stabilized, _scale_up_limit(current, behavior.scale_up, history, now))
+        stabilized = min(stabilized, _scale_up_limit(current, behavior.scale_up, history, now), max_replicas)
     elif stabilized < current:
-        stabilized = max(stabilized, _scale_down_limit(current, behavior.scale_down, history, now))
-    result = min(max(stabilized, min_replicas), max_replicas)
+        stabilized = max(stabilized, _scale_down_limit(current, behavior.scale_down, history, now), min_replicas)
+    result = stabilized
     if result != current:
         history.events.append((now, result - current))
     history.events = [(at, c) for at, c in history.events if at > now - 3600]

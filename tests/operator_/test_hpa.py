@@ -121,3 +121,32 @@ def test_the_simulation_backs_the_rendered_defaults(metric, trace):
     theirs = sim.simulate(arrivals, sim.BEHAVIOURS["kubernetes default"], args)
     assert ours.rejected < 0.02 * sum(arrivals) < 0.15 * sum(arrivals) < theirs.rejected
     assert ours.replica_seconds < theirs.replica_seconds
+
+
+# -- against pkg/controller/podautoscaler/horizontal.go, beyond the documentation's examples --------
+
+
+def test_a_policy_period_counts_the_changes_of_both_directions():
+    """``periodStartReplicas = current - added + deleted``: right after 4 -> 8, a scale down starts from 4."""
+    behavior = hpa.Behavior(scale_down=hpa.Rules(0.0, (hpa.Policy("Percent", 10, 60.0),)))
+    history = hpa.History(events=[(0.0, +4)], seen=True)
+    assert hpa.decide(8, 1.0, 8, 1, 50, behavior, history, now=30.0) == 3  # floor(4 * 0.9), not floor(8 * 0.9)
+
+
+def test_a_new_hpa_holds_the_current_count_for_the_scale_down_window():
+    """``recordInitialRecommendation``: an HPA created over 10 idle pods does not drop them at once."""
+    history = hpa.History()
+    assert hpa.decide(10, 0.0, 8, 1, 50, hpa.Behavior(), history, now=0.0) == 10
+    assert hpa.decide(10, 0.0, 8, 1, 50, hpa.Behavior(), history, now=299.0) == 10
+    assert hpa.decide(10, 0.0, 8, 1, 50, hpa.Behavior(), history, now=301.0) == 1
+
+
+def test_a_target_scaled_to_zero_by_hand_is_left_alone():
+    assert hpa.decide(0, 100.0, 8, 1, 5, hpa.Behavior(), hpa.History(), now=0.0) == 0
+
+
+def test_a_scale_up_limit_below_the_current_count_holds_it_rather_than_scaling_down():
+    behavior = hpa.Behavior(scale_up=hpa.Rules(0.0, (hpa.Policy("Pods", 1, 60.0), hpa.Policy("Percent", 100, 15.0)),
+                                               "Min"))
+    history = hpa.History(events=[(0.0, +4)], seen=True)  # 1 -> 5 a moment ago
+    assert hpa.decide(5, 16.0, 8, 1, 50, behavior, history, now=15.0) == 5  # load 2x: up, but not yet allowed
