@@ -133,7 +133,7 @@ def _instance_groups(config: mc.ModelConfig, gpu_count: int) -> list[tuple[int, 
     """(group index, group) for every instance, in the order ``repository.instance_plan`` numbers them:
     per group, ``count`` instances on each of its GPUs (``gpus``, else every visible one)."""
     groups = list(config.instance_group) or [mc.ModelInstanceGroup(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)]
-    numbered = []
+    numbered: list[tuple[int, mc.ModelInstanceGroup]] = []
     for index, group in enumerate(groups):
         devices = len(group.gpus) or gpu_count or 1
         numbered.extend((index, group) for _ in range(devices * max(group.count, 1)))
