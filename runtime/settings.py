@@ -172,7 +172,9 @@ class GpuMetricsSettings:
     """How often NVML is read on a background thread; a scrape reports the last reading."""
     cuda_visible_devices: str | None = None
     """``CUDA_VISIBLE_DEVICES`` as the server saw it: maps the CUDA ordinals of ``instance_group``
-    ``gpus`` to NVML's GPUs and MIG devices (indices or ``GPU-``/``MIG-`` UUIDs). None: unset."""
+    ``gpus`` to NVML's GPUs and MIG devices (indices, ``GPU-``/``MIG-`` UUIDs or the pre-R470
+    ``MIG-GPU-<uuid>/<gi>/<ci>``), and when set, limits the GPU families to the devices it resolves
+    to (as Triton exports CUDA-visible GPUs only). None: unset (every GPU NVML sees is exported)."""
 
 
 @dataclasses.dataclass(frozen=True)

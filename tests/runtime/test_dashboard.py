@@ -175,8 +175,9 @@ def runtime_families(tmp_path_factory: pytest.TempPathFactory, request: pytest.F
 
 @pytest.fixture(scope="module")
 def gpu_metrics(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """/metrics of ``sluice serve`` over the fake NVML library: one whole GPU and an H100 in MIG mode
-    (CUDA device 0 the whole GPU, 1 the first MIG slice), a KIND_GPU model with an instance on each."""
+    """/metrics of ``sluice serve`` over the fake NVML library: one whole GPU and an H100 in MIG mode,
+    a KIND_GPU model with an instance on each of the fake CUDA runtime's two devices (CUDA enumerates
+    one MIG device alone when one is visible: device 0 is the first slice, device 1 maps to none)."""
     if shutil.which("gcc") is None:
         pytest.skip("the fake NVML library is compiled with gcc")
     tmp = tmp_path_factory.mktemp("dashboard_gpu")

@@ -3,16 +3,18 @@
 On a machine without a GPU the real ``sluice serve`` is started with a fake NVML *C library*
 first on ``LD_LIBRARY_PATH`` (sluice_testing/fake_nvml.py, compiled with gcc here): nvidia-ml-py's
 own ``pynvml`` loads it as it loads the driver's ``libnvidia-ml.so.1`` and calls its C entry
-points, which answer NVML's documented structs and return codes for a fixed inventory. The
+points, which answer NVML's documented structs and return codes for a fixed inventory (and, per
+library, entry points an older or newer driver lacks, an unprivileged caller, a stuck call). The
 scraped text is compared with that inventory. The pure parts (MIG profile names, CUDA ordinals,
-readings to families) are tested without I/O. ``test_real_gpu_memory_matches_nvidia_smi`` runs
-where ``nvidia-smi`` is, against the real driver.
+what is exported, energy counting, readings to families) are tested without I/O.
+``test_real_gpu_memory_matches_nvidia_smi`` runs where ``nvidia-smi`` is, against the real driver.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes.util
+import dataclasses
 import os
 import re
 import shutil
@@ -35,18 +37,20 @@ from sluice_testing.fake_nvml import FakeGpu, FakeMig
 from .conftest import write_model  # type: ignore[import-not-found]
 
 H100 = "NVIDIA H100 80GB HBM3"
+MIB = 1024**2
 GIB = 1024**3
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="the fake NVML library is compiled with gcc")
 
-TWO_GPUS = [
+TWO_GPUS = [  # memory_used: allocated; memory_reserved: what the driver keeps (v1's used counts both)
     FakeGpu(
         "GPU-0a1b2c3d-0000-4000-8000-000000000001", H100, 80 * GIB, 3 * GIB, utilization_gpu=37,
         utilization_memory=12, power_mw=123_456, power_limit_mw=700_000, temperature_c=41, energy_mj=5_000_000,
+        memory_reserved=529 * MIB,
     ),
     FakeGpu(
         "GPU-0a1b2c3d-0000-4000-8000-000000000002", H100, 80 * GIB, 7 * GIB, utilization_gpu=90,
         utilization_memory=55, power_mw=650_000, power_limit_mw=700_000, temperature_c=67, energy_mj=9_000_000,
-        not_supported=frozenset({"nvmlDeviceGetPowerUsage", "nvmlDeviceGetTemperature"}),
+        not_supported=frozenset({"nvmlDeviceGetPowerUsage", "nvmlDeviceGetTemperature"}), memory_reserved=531 * MIB,
     ),
 ]  # fmt: skip
 
@@ -165,6 +169,7 @@ def test_two_gpus_report_tritons_families_with_nvmls_values(two_gpus):
     text = two_gpus.scrape()
     first, second = TWO_GPUS
     assert by_gpu(text, "nv_gpu_memory_total_bytes") == {g.uuid: g.memory_total for g in TWO_GPUS}
+    # nvmlMemory_v2's used: allocated only, as nvidia-smi and DCGM show it (v1's would add the reserved memory)
     assert by_gpu(text, "nv_gpu_memory_used_bytes") == {g.uuid: g.memory_used for g in TWO_GPUS}
     assert by_gpu(text, "nv_gpu_utilization") == {g.uuid: g.utilization_gpu / 100 for g in TWO_GPUS}
     assert by_gpu(text, "sluice_gpu_memory_utilization") == {g.uuid: g.utilization_memory / 100 for g in TWO_GPUS}
@@ -200,11 +205,40 @@ def test_model_instances_are_counted_on_the_gpu_they_were_placed_on(two_gpus):
 
 
 @needs_gcc
+def test_a_driver_without_v2_memory_or_temperature_v_is_read_through_the_older_calls(tmp_path):
+    old = frozenset({"nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetTemperatureV"})  # pynvml: FunctionNotFound
+    library = fake_nvml.build(tmp_path / "nvml", TWO_GPUS, missing=old)
+    with sluice(tmp_path, library, "--metrics-interval-ms", "3600000") as server:
+        text = server.scrape()
+    first = TWO_GPUS[0]
+    # v1: what such a driver calls used is reserved + allocated
+    assert by_gpu(text, "nv_gpu_memory_used_bytes") == {g.uuid: g.memory_used + g.memory_reserved for g in TWO_GPUS}
+    assert by_gpu(text, "nv_gpu_memory_total_bytes") == {g.uuid: g.memory_total for g in TWO_GPUS}
+    assert by_gpu(text, "sluice_gpu_temperature_celsius") == {first.uuid: first.temperature_c}
+
+
+@needs_gcc
+def test_a_driver_without_the_deprecated_temperature_call_is_read_through_temperature_v(tmp_path):
+    """nvmlDeviceGetTemperature is deprecated ("will be removed in CUDA 14.0", pynvml): a driver with
+    nvmlDeviceGetTemperatureV only still gives temperatures. A GPU whose v2 memory answers NOT_SUPPORTED
+    is read through v1."""
+    first, second = TWO_GPUS
+    second = dataclasses.replace(second, not_supported=frozenset({"nvmlDeviceGetMemoryInfo_v2"}))
+    library = fake_nvml.build(tmp_path / "nvml", [first, second], missing=frozenset({"nvmlDeviceGetTemperature"}))
+    with sluice(tmp_path, library, "--metrics-interval-ms", "3600000") as server:
+        text = server.scrape()
+    assert by_gpu(text, "sluice_gpu_temperature_celsius") == {g.uuid: g.temperature_c for g in (first, second)}
+    assert by_gpu(text, "nv_gpu_memory_used_bytes") == {
+        first.uuid: first.memory_used,
+        second.uuid: second.memory_used + second.memory_reserved,
+    }
+
+
+@needs_gcc
 def test_an_h100_in_mig_mode_reports_each_slice(tmp_path):
     library = fake_nvml.build(tmp_path / "nvml", [MIG_GPU])
     write_model(tmp_path / "repo", "sliced", gpu_model_config("sliced", 1, [0]), {"model.py": GPU_MODEL_PY})
-    env = {"CUDA_VISIBLE_DEVICES": SLICE_1G.uuid}  # as the device plugin gives a pod one slice
-    with sluice(tmp_path, library, "--metrics-interval-ms", "3600000", env=env) as server:
+    with sluice(tmp_path, library, "--metrics-interval-ms", "3600000") as server:  # no CUDA_VISIBLE_DEVICES: all
         text = server.scrape()
         log = server.log_lines("GPU metrics on")
     mig = MIG_GPU.uuid
@@ -227,11 +261,52 @@ def test_an_h100_in_mig_mode_reports_each_slice(tmp_path):
             assert labels == {"gpu_uuid": mig, "mig_uuid": uuid, "gpu_instance_id": gi,
                               "compute_instance_id": ci, "profile": profile}  # fmt: skip
             assert value == getattr(slice_, field)
-    # CUDA device 0 of this process is the slice CUDA_VISIBLE_DEVICES names
+    # CUDA enumerates one MIG device only, the first: device 0 is the slice in MIG slot 0
     (labels,) = samples(text, "sluice_gpu_model_instances")
-    assert dict(labels)["mig_uuid"] == SLICE_1G.uuid and dict(labels)["gpu_uuid"] == mig
+    assert dict(labels)["mig_uuid"] == SLICE_3G.uuid and dict(labels)["gpu_uuid"] == mig
     (line,) = log
-    assert "GPU metrics on: 1 GPU(s) with 3 MIG device(s)" in line
+    assert line.endswith("GPU metrics on: 1 GPU(s) with 3 MIG device(s) read from NVML every 3600000 ms")
+
+
+@needs_gcc
+def test_cuda_visible_devices_narrows_the_exported_gpus_to_what_it_resolves_to(tmp_path):
+    """As the device plugin gives a pod one slice, here in the pre-R470 form MIG-<GPU UUID>/<gi>/<ci>,
+    with a whole GPU after it that CUDA does not enumerate beside a MIG device: only the slice and its
+    GPU are exported (Triton exports only CUDA-visible GPUs), and CUDA device 0 is the slice."""
+    whole = TWO_GPUS[0]
+    library = fake_nvml.build(tmp_path / "nvml", [whole, MIG_GPU])
+    write_model(tmp_path / "repo", "sliced", gpu_model_config("sliced", 1, [0]), {"model.py": GPU_MODEL_PY})
+    legacy = f"MIG-{MIG_GPU.uuid}/{SLICE_1G.gpu_instance_id}/{SLICE_1G.compute_instance_id}"
+    env = {"CUDA_VISIBLE_DEVICES": f"{legacy},{whole.uuid}"}
+    with sluice(tmp_path, library, "--metrics-interval-ms", "3600000", env=env) as server:
+        text = server.scrape()
+        (line,) = server.log_lines("GPU metrics on")
+    for family in ("nv_gpu_memory_total_bytes", "nv_gpu_power_limit", "nv_energy_consumption", "sluice_gpu_info"):
+        assert set(by_gpu(text, family)) == {MIG_GPU.uuid}, family
+    for family in ("sluice_mig_device_info", "sluice_mig_memory_used_bytes"):
+        assert [dict(labels)["mig_uuid"] for labels in samples(text, family)] == [SLICE_1G.uuid], family
+    (labels,) = samples(text, "sluice_gpu_model_instances")
+    assert dict(labels) | {"model": "", "version": ""} == {
+        "gpu_uuid": MIG_GPU.uuid, "mig_uuid": SLICE_1G.uuid, "device": "0", "model": "", "version": ""
+    }  # fmt: skip
+    assert line.endswith(f"2 GPU(s) with 3 MIG device(s) read from NVML every 3600000 ms; exported: 1 GPU(s) "
+                         f"with 1 MIG device(s) (CUDA_VISIBLE_DEVICES={legacy},{whole.uuid})")  # fmt: skip
+
+
+@needs_gcc
+def test_an_unprivileged_process_in_mig_mode_has_no_gpu_memory_but_its_slices(tmp_path):
+    """NVML answers a GPU in MIG mode's aggregate memory "only if the caller has appropriate privileges":
+    a non-root pod gets NO_PERMISSION. The GPU then has no memory samples; its slices keep theirs, a
+    slice's profile from its name, or from its attributes without the memory part."""
+    library = fake_nvml.build(tmp_path / "nvml", [MIG_GPU], privileged=False)
+    with sluice(tmp_path, library, "--metrics-interval-ms", "3600000") as server:
+        text = server.scrape()
+    assert not samples(text, "nv_gpu_memory_total_bytes") and not samples(text, "nv_gpu_memory_used_bytes")
+    assert by_gpu(text, "nv_gpu_power_usage") == {MIG_GPU.uuid: MIG_GPU.power_mw / 1000}  # the rest is there
+    profiles = {dict(labels)["mig_uuid"]: dict(labels)["profile"] for labels in samples(text, "sluice_mig_device_info")}
+    assert profiles == {SLICE_3G.uuid: "3g", SLICE_1G.uuid: "1g.10gb", SLICE_1G_ME.uuid: "1g.10gb+me"}
+    used = {dict(labels)["mig_uuid"]: value for labels, value in samples(text, "sluice_mig_memory_used_bytes").items()}
+    assert used == {s.uuid: s.memory_used for s in (SLICE_3G, SLICE_1G, SLICE_1G_ME)}
 
 
 @needs_gcc
@@ -263,19 +338,66 @@ def test_allow_gpu_metrics_false_turns_them_off(tmp_path):
 
 
 @needs_gcc
-def test_nvml_is_read_again_every_interval(tmp_path):
-    """Energy grows by 1 J at each NVML reading: the scraped count grows without a scrape asking NVML."""
-    gpu = FakeGpu("GPU-0a1b2c3d-0000-4000-8000-00000000abcd", H100, 80 * GIB, 0, energy_mj=10_000, energy_step_mj=1000)
+def test_nvml_is_read_again_every_interval_and_energy_counts_on_across_a_counter_reset(tmp_path):
+    """Energy grows by 1 J at each NVML reading: the scraped count grows without a scrape asking NVML.
+    At the 4th reading the GPU's counter starts again from 0 (a GPU reset; 1 kJ counted before it):
+    the count neither drops nor stalls, it goes on by each reading's increase."""
+    gpu = FakeGpu("GPU-0a1b2c3d-0000-4000-8000-00000000abcd", H100, 80 * GIB, 0, energy_mj=1_000_000,
+                  energy_step_mj=1000, energy_reset_at_call=4)  # fmt: skip
     library = fake_nvml.build(tmp_path / "nvml", [gpu])
     with sluice(tmp_path, library, "--metrics-interval-ms", "50") as server:
         deadline = time.monotonic() + 20
         seen: list[float] = []
-        while time.monotonic() < deadline and (not seen or seen[-1] < 3):
+        while time.monotonic() < deadline and (not seen or seen[-1] < 6):
             seen.append(by_gpu(server.scrape(), "nv_energy_consumption")[gpu.uuid])
             time.sleep(0.05)
-    assert seen[-1] >= 3, seen
+    assert seen[-1] >= 6, seen
     assert all(value == int(value) for value in seen), seen  # whole readings, 1 J each
     assert seen == sorted(seen)
+
+
+CLOSE_WHILE_STUCK = """
+import logging, sys, threading, time
+from pathlib import Path
+import pynvml
+from sluice.runtime import gpu_telemetry as gt
+from sluice.runtime.settings import GpuMetricsSettings
+
+logging.basicConfig(level=logging.INFO)
+stuck = Path(sys.argv[1])
+telemetry = gt.GpuTelemetry(GpuMetricsSettings(interval_ms=20), stop_timeout_s=0.2)
+telemetry.start()
+(reader,) = [thread for thread in threading.enumerate() if thread.name == "sluice-gpu-telemetry"]
+stuck.touch()
+time.sleep(0.5)  # the reading thread is inside nvmlDeviceGetCount_v2 now, and stays there
+telemetry.close()
+print(f"closed; reader alive: {reader.is_alive()}; families: {telemetry.families()}")
+stuck.unlink()  # the call returns
+reader.join(10)
+print("reader alive:", reader.is_alive())
+try:
+    pynvml.nvmlDeviceGetCount()
+    print("NVML initialised")
+except pynvml.NVMLError_Uninitialized:
+    print("NVML shut down")
+"""
+
+
+@needs_gcc
+def test_close_while_an_nvml_call_is_stuck_leaves_the_shutdown_to_the_reading_thread(tmp_path):
+    """close() waits stop_timeout_s for the reading thread; a call stuck longer (a lost GPU) must not
+    see NVML shut down under it, nor the thread fail when it returns: the thread shuts NVML down then."""
+    stuck = tmp_path / "stuck"
+    library = fake_nvml.build(tmp_path / "nvml", TWO_GPUS[:1], block_while=stuck)
+    env = {**os.environ, "LD_LIBRARY_PATH": str(library), "PYTHONSAFEPATH": "1"}
+    done = subprocess.run([sys.executable, "-c", CLOSE_WHILE_STUCK, str(stuck)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["closed; reader alive: True; families: []", "reader alive: False",
+                                        "NVML shut down"], done.stderr  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "GPU metrics: an NVML call has not returned in 0.2 s; NVML is shut down when it does" in done.stderr
+    assert "GPU metrics: the stuck NVML call returned; NVML shut down" in done.stderr
 
 
 # -- the real GPU ----------------------------------------------------------------------------------
@@ -283,55 +405,115 @@ def test_nvml_is_read_again_every_interval(tmp_path):
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs an NVIDIA GPU and driver: no nvidia-smi here")
 def test_real_gpu_memory_matches_nvidia_smi(tmp_path):
+    """Total memory exactly; used memory (v2: allocated, without the driver's reserve, as nvidia-smi's
+    memory.used) within 64 MiB of what nvidia-smi says just before and after the scrape."""
     pytest.importorskip("pynvml", reason="needs nvidia-ml-py (the gpu extra)")
-    query = subprocess.run(
-        ["nvidia-smi", "--query-gpu=uuid,memory.total", "--format=csv,noheader,nounits"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    expected = {uuid.strip(): int(mib) for uuid, mib in (line.split(",") for line in query.stdout.strip().splitlines())}
+
+    def smi() -> dict[str, tuple[int, int | None]]:
+        query = subprocess.run(
+            ["nvidia-smi", "--query-gpu=uuid,memory.total,memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        rows = (line.split(",") for line in query.stdout.strip().splitlines())
+        return {uuid.strip(): (int(total), int(used) if used.strip().isdigit() else None) for uuid, total, used in rows}
+
+    before = smi()
     with sluice(tmp_path, None, env={"LD_LIBRARY_PATH": os.environ.get("LD_LIBRARY_PATH", "")}) as server:
         text = server.scrape()
-    found = {uuid: int(value) // 2**20 for uuid, value in by_gpu(text, "nv_gpu_memory_total_bytes").items()}
-    assert found == expected
-    assert set(by_gpu(text, "nv_gpu_power_limit")) == set(expected)
+    after = smi()
+    found = {uuid: int(value) // MIB for uuid, value in by_gpu(text, "nv_gpu_memory_total_bytes").items()}
+    assert found == {uuid: total for uuid, (total, _) in before.items()}
+    assert set(by_gpu(text, "nv_gpu_power_limit")) == set(before)
+    for uuid, used in by_gpu(text, "nv_gpu_memory_used_bytes").items():
+        seen = [mib for mib in (before[uuid][1], after[uuid][1]) if mib is not None]
+        if seen:
+            assert min(seen) - 64 <= used // MIB <= max(seen) + 64, (uuid, used // MIB, seen)
 
 
 # -- pure parts ----------------------------------------------------------------------------------
 
 
+# GPU memory as nvidia-smi's memory.total shows it; MIG slice memory (nvmlDeviceGetAttributes' memorySizeMB) as
+# `nvidia-smi mig -lgip` lists the profile (H200's 3g/4g.71gb: a size within their 4/8 of the GPU)
+H100_80GB, A100_40GB, H200, H100_NVL = 81559 * MIB, 40960 * MIB, 143771 * MIB, 95830 * MIB
+
+
 @pytest.mark.parametrize(
-    ("name", "attributes", "expected"),
+    ("gpu_memory", "name", "attributes", "expected"),
     [
-        (f"{H100} MIG 1g.10gb", None, "1g.10gb"),
-        (f"{H100} MIG 1g.10gb+me", None, "1g.10gb+me"),
-        ("NVIDIA A100-SXM4-40GB MIG 3g.20gb", None, "3g.20gb"),
-        ("", (1, 1, 9_856), "1g.10gb"),  # H100 80GB: slice memory rounded up to eighths of the GPU
-        ("", (3, 3, 40_192), "3g.40gb"),
-        ("", (3, 1, 40_192), "1c.3g.40gb"),  # a compute instance smaller than its GPU instance
-        ("", (7, 7, 80_000), "7g.80gb"),
-        ("", None, ""),
-        (H100, None, ""),  # a name without a profile, and no attributes
+        (H100_80GB, f"{H100} MIG 1g.10gb", None, "1g.10gb"),
+        (H100_80GB, f"{H100} MIG 1g.10gb+me", None, "1g.10gb+me"),
+        (A100_40GB, "NVIDIA A100-SXM4-40GB MIG 3g.20gb", None, "3g.20gb"),
+        (None, f"{H100} MIG 1g.10gb", None, "1g.10gb"),  # the name needs no GPU memory
+        # from attributes, as go-nvlib: the share rounded up to eighths of the GPU, times its GiB rounded up
+        (H100_80GB, "", (1, 1, 9_856), "1g.10gb"),
+        (H100_80GB, "", (3, 3, 40_192), "3g.40gb"),
+        (H100_80GB, "", (3, 1, 40_192), "1c.3g.40gb"),  # a compute instance smaller than its GPU instance
+        (H100_80GB, "", (7, 7, 80_000), "7g.80gb"),
+        (A100_40GB, "", (1, 1, 4_864), "1g.5gb"),
+        (A100_40GB, "", (3, 3, 20_096), "3g.20gb"),
+        (A100_40GB, "", (7, 7, 40_448), "7g.40gb"),
+        (H200, "", (1, 1, 16_384), "1g.18gb"),
+        (H200, "", (2, 2, 33_280), "2g.35gb"),
+        (H200, "", (3, 3, 68_096), "3g.71gb"),  # 4/8 of 141 GiB = 70.5: rounded away from zero (round(): 70)
+        (H200, "", (4, 4, 68_096), "4g.71gb"),
+        (H200, "", (7, 7, 143_360), "7g.141gb"),
+        (H100_NVL, "", (1, 1, 10_880), "1g.12gb"),
+        (H100_NVL, "", (1, 1, 22_016), "1g.24gb"),
+        (H100_NVL, "", (2, 2, 22_016), "2g.24gb"),  # 2/8 of 94 GiB (95830 MiB rounded up) = 23.5
+        (H100_NVL, "", (3, 3, 47_232), "3g.47gb"),
+        (H100_NVL, "", (7, 7, 95_232), "7g.94gb"),
+        # no GPU memory (NVML's NO_PERMISSION to an unprivileged caller in MIG mode): the slices only
+        (None, "", (3, 3, 40_192), "3g"),
+        (None, "", (3, 1, 40_192), "1c.3g"),
+        (H100_80GB, "", None, ""),
+        (H100_80GB, H100, None, ""),  # a name without a profile, and no attributes
     ],
 )
-def test_mig_profile(name, attributes, expected):
+def test_mig_profile(gpu_memory, name, attributes, expected):
     attrs = None
     if attributes is not None:
         gi, ci, mb = attributes
         attrs = types.SimpleNamespace(gpuInstanceSliceCount=gi, computeInstanceSliceCount=ci, memorySizeMB=mb)
-    assert gt.mig_profile(name, attrs, 80 * GIB) == expected
+    assert gt.mig_profile(name, attrs, gpu_memory) == expected
+
+
+def test_mig_memory_gb_agrees_with_go_nvlibs_own_table():
+    """go-nvlib's TestGetMigMemorySizeGB: on 24, 40 and 80 GiB GPUs, each slice size in steps of 1/32 GiB
+    is named by the smallest eighth of the GPU that holds it."""
+    for total in (24 * GIB, 40 * GIB, 80 * GIB):
+        eighth = total // 8
+        for size in range(GIB // 32, total + 1, GIB // 32):
+            expected = next(bound for bound in range(eighth, total + 1, eighth) if size <= bound) // GIB
+            assert gt.mig_memory_gb(size // MIB, total) == expected, (total, size)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(70.5, 71), (23.5, 24), (2.5, 3), (-2.5, -3), (0.49999999999999994, 0), (7.4, 7)]
+)
+def test_go_round_takes_halves_away_from_zero(value, expected):
+    assert gt.go_round(value) == expected
 
 
 PLAIN = [gt.GpuReading(0, "GPU-aaaa-1"), gt.GpuReading(1, "GPU-bbbb-2", mig_enabled=False)]
-SLICED = gt.GpuReading(2, "GPU-cccc-3", mig_enabled=True, migs=(gt.MigReading("MIG-x"), gt.MigReading("MIG-y")))
+MIG_X, MIG_Y = gt.MigReading("MIG-x", 1, 0), gt.MigReading("MIG-y", 2, 0)
+SLICED = gt.GpuReading(2, "GPU-cccc-3", mig_enabled=True, migs=(MIG_X, MIG_Y))
 
 
 @pytest.mark.parametrize(
     ("visible", "expected"),
     [
-        (None, {0: ("GPU-aaaa-1", ""), 1: ("GPU-bbbb-2", ""), 2: ("GPU-cccc-3", "MIG-x"), 3: ("GPU-cccc-3", "MIG-y")}),
+        # CUDA enumerates one MIG device, the first one visible, and then no whole GPU beside it
+        (None, {0: ("GPU-cccc-3", "MIG-x")}),
         ("1,0", {0: ("GPU-bbbb-2", ""), 1: ("GPU-aaaa-1", "")}),
         ("GPU-bbbb", {0: ("GPU-bbbb-2", "")}),  # a unique prefix, as CUDA accepts
         ("MIG-y", {0: ("GPU-cccc-3", "MIG-y")}),
+        ("MIG-y,MIG-x", {0: ("GPU-cccc-3", "MIG-y")}),
+        ("0,MIG-y,1", {0: ("GPU-cccc-3", "MIG-y")}),
+        ("2", {0: ("GPU-cccc-3", "MIG-x")}),  # a GPU in MIG mode stands for its MIG devices
+        ("MIG-GPU-cccc-3/2/0", {0: ("GPU-cccc-3", "MIG-y")}),  # before R470: <GPU UUID>/<gi>/<ci>
+        ("MIG-GPU-cccc-3/2/1,0", {}),  # no such compute instance: it names nothing, and ends the list
+        ("MIG-GPU-cccc-3/2", {}),
         ("0,7,1", {0: ("GPU-aaaa-1", "")}),  # CUDA stops at the first entry that names nothing
         ("GPU-", {}),  # ambiguous
         ("", {}),
@@ -341,14 +523,60 @@ def test_cuda_devices(visible, expected):
     assert gt.cuda_devices([*PLAIN, SLICED], visible) == expected
 
 
+def test_without_mig_devices_cuda_enumerates_every_whole_gpu():
+    assert gt.cuda_devices(PLAIN, None) == {0: ("GPU-aaaa-1", ""), 1: ("GPU-bbbb-2", "")}
+
+
 def test_a_gpu_in_mig_mode_without_instances_is_no_cuda_device():
     empty = gt.GpuReading(0, "GPU-mig-no-slices", mig_enabled=True)
     assert gt.cuda_devices([empty, PLAIN[0]], None) == {0: ("GPU-aaaa-1", "")}
 
 
+@pytest.mark.parametrize(
+    ("visible", "gpus", "migs"),
+    [
+        (None, ["GPU-aaaa-1", "GPU-bbbb-2", "GPU-cccc-3"], ["MIG-x", "MIG-y"]),  # unset: all NVML sees
+        ("1", ["GPU-bbbb-2"], []),
+        ("GPU-bbbb,GPU-aaaa", ["GPU-aaaa-1", "GPU-bbbb-2"], []),
+        ("MIG-y", ["GPU-cccc-3"], ["MIG-y"]),  # the slice and its GPU, not the GPU's other slices
+        ("0,MIG-y", ["GPU-cccc-3"], ["MIG-y"]),  # CUDA does not see GPU 0 beside a MIG device
+        ("", [], []),
+    ],
+)
+def test_cuda_visible_devices_picks_the_gpus_and_mig_devices_exported(visible, gpus, migs):
+    found = {f.name: f.samples for f in gt.families(gt.Snapshot((*PLAIN, SLICED)), visible=visible)}
+    assert [dict(s.labels)["gpu_uuid"] for s in found.get("sluice_gpu_info", ())] == gpus
+    assert [dict(s.labels)["mig_uuid"] for s in found.get("sluice_mig_device_info", ())] == migs
+
+
+def test_the_older_nvml_call_is_tried_only_where_it_may_answer():
+    pynvml = pytest.importorskip("pynvml", reason="needs nvidia-ml-py (the gpu extra)")
+    tried = {
+        code: gt.older_call_may_answer(pynvml, pynvml.NVMLError(getattr(pynvml, code)))
+        for code in ("NVML_ERROR_FUNCTION_NOT_FOUND", "NVML_ERROR_NOT_SUPPORTED",
+                     "NVML_ERROR_ARGUMENT_VERSION_MISMATCH", "NVML_ERROR_NO_PERMISSION", "NVML_ERROR_GPU_IS_LOST")
+    }  # fmt: skip
+    assert tried == {
+        "NVML_ERROR_FUNCTION_NOT_FOUND": True,  # a driver older than the call
+        "NVML_ERROR_NOT_SUPPORTED": True,
+        "NVML_ERROR_ARGUMENT_VERSION_MISMATCH": True,  # a driver that does not know the struct's version
+        "NVML_ERROR_NO_PERMISSION": False,  # v1 would be refused the same
+        "NVML_ERROR_GPU_IS_LOST": False,
+    }
+
+
+def test_energy_counts_each_increase_and_a_reset_from_zero():
+    readings = [9_000, 9_500, 9_500, 9_800, 300, 700, 0, 50]  # the counter reset after 9_800, and after 700
+    counted, last, counts = 0, None, []
+    for reading in readings:
+        counted, last = gt.count_energy(counted, last, reading), reading
+        counts.append(counted)
+    assert counts == [0, 500, 500, 800, 1_100, 1_500, 1_500, 1_550]
+
+
 def test_families_convert_units_and_leave_out_what_nvml_did_not_answer():
     gpu = gt.GpuReading(0, "GPU-a", name="G", utilization_percent=50, power_mw=1500, energy_mj=7_500)
-    snapshot = gt.Snapshot((gpu,), {"GPU-a": 2_500})
+    snapshot = gt.Snapshot((gpu,), {"GPU-a": 5_000})  # counted since the server started
     found = {f.name: (f.kind, [(dict(s.labels), s.value) for s in f.samples]) for f in gt.families(snapshot)}
     assert found == {
         "sluice_gpu_info": ("gauge", [({"gpu_uuid": "GPU-a", "gpu_index": "0", "name": "G", "mig_mode": ""}, 1)]),
