@@ -140,6 +140,7 @@ _IMPLEMENTED_FIELDS: frozenset[str] = frozenset({
     "optimization", "optimization.execution_accelerators",
     "model_transaction_policy",
     "optimization.cuda", "optimization.cuda.graphs", "optimization.cuda.graph_spec",
+    "optimization.graph", "optimization.graph.level",
     "sequence_batching", "sequence_batching.direct", "sequence_batching.oldest",
     "sequence_batching.max_sequence_idle_microseconds", "sequence_batching.control_input",
     "sequence_batching.state", "sequence_batching.state[].input_name", "sequence_batching.state[].output_name",
@@ -865,6 +866,11 @@ def validate(config: mc.ModelConfig, *, source: str) -> list[str]:
     if config.optimization.cuda.graphs and backend != "pytorch":
         warnings.append(
             f"optimization.cuda.graphs: only the pytorch backend captures CUDA graphs; ignored for '{backend}'"
+        )
+    if config.optimization.HasField("graph") and backend != "onnxruntime":
+        warnings.append(
+            f"optimization.graph: only the onnxruntime backend applies graph optimization levels; ignored for "
+            f"'{backend}'"
         )
     _collect_unimplemented(config, "", "", warnings)
     return warnings

@@ -5,17 +5,25 @@ TensorRT first when ``parameters { key: "execution_accelerator" value { string_v
 or an ``optimization.execution_accelerators.gpu_execution_accelerator`` named ``tensorrt`` asks for
 it. Provider options come from the config as in Triton's onnxruntime backend (:func:`accelerators`:
 the accelerators' ``parameters``, and the deprecated CUDA keys in the model's ``parameters``), checked
-(an unknown key or a bad value is a ConfigError naming the field and what is allowed);
-``cpu_execution_accelerator`` ``openvino`` asks for the OpenVINO provider. A session on the GPU binds
-its IO (:func:`binding_for`): inputs from host arrays, outputs to device memory, copied back in one
-step. Threads per session come from the config parameters ``intra_op_thread_count`` /
-``inter_op_thread_count`` (Triton's names); Sluice defaults to one intra-op thread per instance
-so instances, not threads, carry the parallelism and nothing spins against the event loop.
+(an unknown TensorRT key or a bad value is a ConfigError naming the field and what is allowed; CUDA
+keys Sluice does not know go to onnxruntime as strings, as Triton passes them);
+``cpu_execution_accelerator`` ``openvino`` asks for the OpenVINO provider. Once a session is made,
+:func:`session_problem` compares the providers it really has (and their ``device_id``) with those
+asked for: onnxruntime's Python API otherwise drops a provider it cannot create with only a log line,
+and its fallback (turned off here, at creation and at run time) retries without the options. A
+session on the GPU binds its IO (:func:`binding_for`): inputs from host arrays, outputs to device
+memory, copied back in one step. Session and run options come from Triton's model-config parameters
+(:func:`session_settings`: threads, ``execution_mode``, the memory arena and pattern, device
+allocation of initializers, arena shrinkage per run) and ``optimization.graph.level``. Sluice
+defaults to one intra-op thread per instance so instances, not threads, carry the parallelism and
+nothing spins against the event loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -36,6 +44,8 @@ from sluice.runtime.backends.base import (
 from sluice.runtime.backends.tensor import merge_inputs, split_timed
 from sluice.runtime.errors import ConfigError, InvalidArgument, ModelError, SluiceError, Unavailable, Unsupported
 from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, InferRequest
+
+_log = logging.getLogger(__name__)
 
 # ORT type strings -> V2 datatypes.
 _V2_BY_ORT = {
@@ -68,10 +78,13 @@ def why_no_gpu() -> str | None:
     available = list(_ort().get_available_providers())
     if "CUDAExecutionProvider" in available:
         return None
-    return (
-        f"this onnxruntime build has no CUDA execution provider (it offers {', '.join(available)}); "
-        "install the 'gpu' extra (onnxruntime-gpu) to run it on a GPU"
-    )
+    return f"this onnxruntime build has no CUDA execution provider (it offers {', '.join(available)}); {_INSTALL_GPU}"
+
+
+_INSTALL_GPU = (
+    "to run on a GPU, 'pip uninstall onnxruntime' and then install the 'gpu' extra (onnxruntime-gpu): both packages "
+    "write the same onnxruntime/ directory, so with both installed what imports is whichever was installed last"
+)
 
 
 def model_path(config: mc.ModelConfig, ctx: LoadContext) -> Path:
@@ -131,6 +144,165 @@ def _int_param(config: mc.ModelConfig, key: str, default: int) -> int:
     return value
 
 
+_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+_BOOLS = '"1"/"true" or "0"/"false"'
+
+
+def _bool_param(config: mc.ModelConfig, key: str) -> bool | None:
+    """A boolean model parameter; None when unset."""
+    raw = _param(config, key)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value not in (*_TRUE, *_FALSE):
+        raise ConfigError(f"{raw!r} is not a boolean; allowed: {_BOOLS}", field=f"parameters[{key}]")
+    return value in _TRUE
+
+
+# -- session and run options (pure) --------------------------------------------------------------------
+
+GRAPH_LEVELS: dict[int, str] = {
+    -1: "ORT_ENABLE_BASIC",
+    0: "ORT_ENABLE_ALL",
+    1: "ORT_ENABLE_EXTENDED",
+    2: "ORT_DISABLE_ALL",
+}
+"""Triton's ``optimization { graph { level } }`` -> ``onnxruntime.GraphOptimizationLevel`` member (0, unset: all)."""
+
+ARENA_SHRINKAGE = "memory.enable_memory_arena_shrinkage"
+"""The run option (and Triton's parameter) naming the memory arenas to shrink after each run."""
+_ARENA_ENTRY = re.compile(r"(cpu|gpu):(\d+)")
+_GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionSettings:
+    """The session and run options a model's config asks for, checked (see :func:`session_settings`)."""
+
+    intra_op_threads: int = 1
+    inter_op_threads: int = 1
+    parallel: bool = False
+    """``ExecutionMode.ORT_PARALLEL`` (Triton's ``execution_mode`` 1); else sequential."""
+    graph_level: str = "ORT_ENABLE_ALL"
+    """A ``GraphOptimizationLevel`` member name."""
+    cpu_mem_arena: bool | None = None
+    """``SessionOptions.enable_cpu_mem_arena``; None: onnxruntime's default (on)."""
+    mem_pattern: bool | None = None
+    """``SessionOptions.enable_mem_pattern``; None: onnxruntime's default (on)."""
+    config_entries: tuple[tuple[str, str], ...] = ()
+    """``SessionOptions.add_session_config_entry`` keys and values."""
+    arena_shrinkage: tuple[str, ...] = ()
+    """Arenas to shrink after each run (``"cpu:0"``, ``"gpu:<id>"``); each instance keeps its own
+    (:func:`run_config`)."""
+    warnings: tuple[str, ...] = ()
+
+
+def _graph_level(config: mc.ModelConfig) -> str:
+    level = config.optimization.graph.level
+    if level not in GRAPH_LEVELS:
+        raise ConfigError(
+            f"level is {level}; allowed: -1 (basic), 0 (all, the default), 1 (basic and extended), 2 (none)",
+            field="optimization.graph.level",
+        )
+    return GRAPH_LEVELS[level]
+
+
+def _arena_shrinkage(config: mc.ModelConfig, cpu_mem_arena: bool | None) -> tuple[str, ...]:
+    raw = _param(config, ARENA_SHRINKAGE)
+    if raw is None:
+        return ()
+    field = f"parameters[{ARENA_SHRINKAGE}]"
+    allowed = 'allowed: "cpu:0" and/or "gpu:<id>" joined by ";", such as "cpu:0;gpu:0"'
+    entries: list[str] = []
+    for entry in (e.strip() for e in raw.split(";")):
+        if not entry:
+            continue
+        match = _ARENA_ENTRY.fullmatch(entry)
+        if match is None or (match[1] == "cpu" and int(match[2]) != 0):
+            raise ConfigError(f"{entry!r} names no memory arena; {allowed}", field=field)
+        entries.append(f"{match[1]}:{int(match[2])}")
+    if "cpu:0" in entries and cpu_mem_arena is False:
+        raise ConfigError(
+            'cpu:0 names the CPU arena, which parameters[enable_mem_arena] "0" turns off; allowed: gpu entries only, '
+            "or the CPU arena on",
+            field=field,
+        )
+    return tuple(dict.fromkeys(entries))
+
+
+def session_settings(config: mc.ModelConfig) -> SessionSettings:
+    """Read and check the session options of Triton's onnxruntime backend from the model config (pure).
+
+    ``parameters``: ``intra_op_thread_count``, ``inter_op_thread_count``, ``execution_mode`` (0 sequential,
+    1 parallel), ``enable_mem_arena``, ``enable_mem_pattern``, ``session.use_device_allocator_for_initializers``,
+    ``memory.enable_memory_arena_shrinkage``; ``optimization.graph.level``. A bad value is a ConfigError naming the
+    field and what is allowed. ``share_session_between_instances`` is not supported: set true, it is a warning."""
+    intra = _int_param(config, "intra_op_thread_count", 1)
+    inter = _int_param(config, "inter_op_thread_count", 1)
+    entries: list[tuple[str, str]] = []
+    # Spinning threads would compete with the event loop and the other instances.
+    if intra != 1:
+        entries.append(("session.intra_op.allow_spinning", "0"))
+    if inter != 1:
+        entries.append(("session.inter_op.allow_spinning", "0"))
+    mode = _param(config, "execution_mode")
+    if mode is not None and mode.strip() not in ("", "0", "1"):
+        raise ConfigError(f"execution_mode is {mode!r}; allowed: \"0\" (sequential, the default) or \"1\" (parallel)",
+                          field="parameters[execution_mode]")  # fmt: skip
+    parallel = mode is not None and mode.strip() == "1"
+    warnings: list[str] = []
+    if parallel and inter == 1:
+        warnings.append(
+            'parameters[execution_mode] is "1" (parallel) but inter_op_thread_count is 1 (Sluice\'s default), so '
+            'the nodes still run one at a time; set inter_op_thread_count ("0": onnxruntime picks)'
+        )
+    on_device = _bool_param(config, "session.use_device_allocator_for_initializers")
+    if on_device is not None:
+        entries.append(("session.use_device_allocator_for_initializers", "1" if on_device else "0"))
+    cpu_mem_arena = _bool_param(config, "enable_mem_arena")
+    if _bool_param(config, "share_session_between_instances"):
+        warnings.append(
+            "parameters[share_session_between_instances]: not supported; each instance has its own onnxruntime "
+            "session (and its own copy of the weights)"
+        )
+    return SessionSettings(
+        intra_op_threads=intra,
+        inter_op_threads=inter,
+        parallel=parallel,
+        graph_level=_graph_level(config),
+        cpu_mem_arena=cpu_mem_arena,
+        mem_pattern=_bool_param(config, "enable_mem_pattern"),
+        config_entries=tuple(entries),
+        arena_shrinkage=_arena_shrinkage(config, cpu_mem_arena),
+        warnings=tuple(warnings),
+    )
+
+
+def run_config(settings: SessionSettings, providers: Sequence[Provider]) -> dict[str, str]:
+    """The ``RunOptions`` config entries of one instance (pure): the arena shrinkage entries that name an
+    arena its session has (``cpu:0``; ``gpu:<id>`` when a GPU provider runs on that device). Entries for
+    other GPUs belong to the instances there; onnxruntime fails every run that names an arena it lacks."""
+    gpus = {f"gpu:{options.get('device_id', '0')}" for name, options in providers if name in _GPU_PROVIDERS}
+    kept = [entry for entry in settings.arena_shrinkage if entry == "cpu:0" or entry in gpus]
+    return {ARENA_SHRINKAGE: ";".join(kept)} if kept else {}
+
+
+def session_options(ort: Any, settings: SessionSettings) -> Any:
+    """An ``onnxruntime.SessionOptions`` holding ``settings`` (thin)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = settings.intra_op_threads
+    options.inter_op_num_threads = settings.inter_op_threads
+    options.execution_mode = ort.ExecutionMode.ORT_PARALLEL if settings.parallel else ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, settings.graph_level)
+    if settings.cpu_mem_arena is not None:
+        options.enable_cpu_mem_arena = settings.cpu_mem_arena
+    if settings.mem_pattern is not None:
+        options.enable_mem_pattern = settings.mem_pattern
+    for key, value in settings.config_entries:
+        options.add_session_config_entry(key, value)
+    return options
+
+
 # -- execution providers and their options (pure) ------------------------------------------------------
 
 ProviderOptions = dict[str, str]
@@ -140,8 +312,6 @@ GPU_ACCELERATORS = ("tensorrt", "cuda")
 """Names of ``optimization.execution_accelerators.gpu_execution_accelerator`` (Triton's onnxruntime backend)."""
 CPU_ACCELERATORS = ("openvino",)
 """Names of ``optimization.execution_accelerators.cpu_execution_accelerator``."""
-
-_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +325,7 @@ class _Option:
 
     def allowed(self) -> str:
         if self.kind == "bool":
-            return '"1"/"true" or "0"/"false"'
+            return _BOOLS
         if self.kind == "choice":
             return ", ".join(repr(c) for c in dict.fromkeys(self.choices))
         return {"int": "an integer", "uint": "an integer >= 0", "string": "a string"}[self.kind]
@@ -180,8 +350,16 @@ def _options(table: Mapping[str, tuple[str, str]]) -> dict[str, _Option]:
     return {key: _Option(ort_key, kind) for key, (ort_key, kind) in table.items()}
 
 
+PRECISION_FLAGS: dict[str, ProviderOptions] = {
+    "FP32": {},
+    "FP16": {"trt_fp16_enable": "1"},
+    "BF16": {"trt_bf16_enable": "1"},
+    "INT8": {"trt_int8_enable": "1"},
+}
+"""Triton's ``precision_mode`` -> the TensorRT execution provider flags it sets."""
+
 TENSORRT_OPTIONS: dict[str, _Option] = {
-    "precision_mode": _Option("precision_mode", "choice", {"FP32": "FP32", "FP16": "FP16", "INT8": "INT8"}),
+    "precision_mode": _Option("precision_mode", "choice", {mode: mode for mode in PRECISION_FLAGS}),
     **_options({
         "max_workspace_size_bytes": ("trt_max_workspace_size", "uint"),
         "trt_max_partition_iterations": ("trt_max_partition_iterations", "uint"),
@@ -246,7 +424,26 @@ CUDA_OPTIONS: dict[str, _Option] = {
         "tunable_op_max_tuning_duration_ms": ("tunable_op_max_tuning_duration_ms", "uint"),
     }),
 }  # fmt: skip
-"""CUDA execution provider options, under their ONNX Runtime names (Triton passes them through)."""
+"""CUDA execution provider options Sluice checks, under their ONNX Runtime names (Triton passes them through).
+Other keys go to onnxruntime as strings, as in Triton; onnxruntime checks them when the session is made."""
+
+CUDA_SERVER_KEYS = (
+    "user_compute_stream",
+    "has_user_compute_stream",
+    "gpu_external_alloc",
+    "gpu_external_free",
+    "gpu_external_empty_cache",
+)
+"""CUDA provider options that take a stream or function address: the server's to set, never a config's."""
+
+CUDA_GRAPH_KEYS = ("enable_cuda_graph", "trt_cuda_graph_enable")
+"""Provider options that capture and replay CUDA graphs, refused (see :func:`accelerators`)."""
+
+_NO_CUDA_GRAPHS = (
+    "CUDA graphs are not supported by Sluice's onnxruntime backend yet: onnxruntime replays the graph it captured "
+    "on the device addresses and shapes of the first run, and Sluice binds freshly allocated inputs and outputs for "
+    "each batch, whose size varies, so replays would compute on stale buffers; allowed: \"0\"/\"false\" or unset"
+)
 
 DEPRECATED_CUDA_PARAMETERS = (
     "cudnn_conv_algo_search",
@@ -254,7 +451,8 @@ DEPRECATED_CUDA_PARAMETERS = (
     "arena_extend_strategy",
     "do_copy_in_default_stream",
 )
-"""CUDA options Triton also reads from the model's ``parameters`` (deprecated there; the accelerator wins)."""
+"""CUDA options Triton also reads from the model's ``parameters`` (deprecated there; in Sluice the accelerator
+wins, in Triton the parameter does: see docs/gpu-backends.md)."""
 
 
 def _parsed(table: Mapping[str, _Option], key: str, raw: str, field: str, what: str) -> tuple[str, str]:
@@ -264,6 +462,8 @@ def _parsed(table: Mapping[str, _Option], key: str, raw: str, field: str, what: 
     value = option.parse(raw)
     if value is None:
         raise ConfigError(f"{key} is {raw!r}; allowed: {option.allowed()}", field=field)
+    if option.ort_key in CUDA_GRAPH_KEYS and value == "1":
+        raise ConfigError(f"{key} is {raw!r}: {_NO_CUDA_GRAPHS}", field=field)
     return option.ort_key, value
 
 
@@ -275,15 +475,33 @@ class Accelerators:
     """TensorRT execution provider options; None: TensorRT not asked for."""
     cuda: ProviderOptions
     openvino: bool
+    warnings: tuple[str, ...] = ()
+
+
+def _cuda_option(key: str, raw: str, field: str) -> tuple[str, str] | None:
+    """One ``cuda`` accelerator parameter for the CUDA provider; None: ignored (with a warning from the caller)."""
+    if key == "device_id":
+        return None
+    if key in CUDA_SERVER_KEYS:
+        raise ConfigError(
+            f"{key} takes a CUDA stream or function address, which the server sets; allowed: any other CUDA "
+            "execution provider option",
+            field=field,
+        )
+    if key not in CUDA_OPTIONS:
+        return key, raw  # as Triton: onnxruntime checks it when the session is made
+    return _parsed(CUDA_OPTIONS, key, raw, field, "CUDA")
 
 
 def accelerators(config: mc.ModelConfig) -> Accelerators:
     """Read and check ``optimization.execution_accelerators`` and the deprecated CUDA ``parameters`` (pure).
 
-    An unknown accelerator or option name, or a value outside what the option takes, is a ConfigError
-    naming the field and what is allowed."""
+    An unknown accelerator, an unknown TensorRT option, or a value outside what a known option takes, is a
+    ConfigError naming the field and what is allowed; so is a CUDA-graph option set on. A CUDA ``device_id``
+    is ignored with a warning (the instance's GPU is used, as in Triton)."""
     where = "optimization.execution_accelerators"
     cuda: ProviderOptions = {}
+    warnings: list[str] = []
     for key in DEPRECATED_CUDA_PARAMETERS:
         raw = _param(config, key)
         if raw is not None:
@@ -299,12 +517,22 @@ def accelerators(config: mc.ModelConfig) -> Accelerators:
                 f"unknown GPU execution accelerator {accelerator.name!r}; allowed: {', '.join(GPU_ACCELERATORS)}",
                 field=f"{field}.name",
             )
-        table, target = (TENSORRT_OPTIONS, "TensorRT") if name == "tensorrt" else (CUDA_OPTIONS, "CUDA")
         options: ProviderOptions = {}
         for key, raw in sorted(accelerator.parameters.items()):
-            ort_key, value = _parsed(table, key, raw, f"{field}.parameters[{key}]", target)
-            if ort_key == "precision_mode":  # Triton's one key for two TensorRT EP flags
-                options.update({"FP16": {"trt_fp16_enable": "1"}, "INT8": {"trt_int8_enable": "1"}}.get(value, {}))
+            key_field = f"{field}.parameters[{key}]"
+            if name == "cuda":
+                parsed = _cuda_option(key, raw, key_field)
+                if parsed is None:
+                    warnings.append(
+                        f"{key_field}: ignored; each instance's CUDA provider runs on the instance's GPU "
+                        "(instance_group.gpus), as in Triton"
+                    )
+                    continue
+                ort_key, value = parsed
+            else:
+                ort_key, value = _parsed(TENSORRT_OPTIONS, key, raw, key_field, "TensorRT")
+            if ort_key == "precision_mode":  # Triton's one key for the TensorRT EP's precision flags
+                options.update(PRECISION_FLAGS[value])
             else:
                 options[ort_key] = value
         if name == "tensorrt":
@@ -319,24 +547,31 @@ def accelerators(config: mc.ModelConfig) -> Accelerators:
                 field=f"{where}.cpu_execution_accelerator[{index}].name",
             )
         openvino = True
-    return Accelerators(tensorrt, cuda, openvino)
+    return Accelerators(tensorrt, cuda, openvino, tuple(warnings))
 
 
 def providers_for(kind: int, device_id: int, config: mc.ModelConfig, available: Sequence[str]) -> list[Provider]:
     """Execution providers, each with its options, for an instance kind given what this onnxruntime
     build offers (pure). The config's accelerators are checked whatever the kind, so a bad option
-    fails its load on a CPU-only machine too."""
+    fails its load on a CPU-only machine too. TensorRT asked for on a GPU instance where the build has
+    no TensorRT provider fails the load (Unavailable), as in Triton, rather than run on CUDA alone."""
     asked = accelerators(config)
     gpu_ok = "CUDAExecutionProvider" in available
     if kind == mc.ModelInstanceGroup.KIND_GPU and not gpu_ok:
         raise Unavailable(
             "instance_group kind KIND_GPU needs onnxruntime with the CUDA execution provider "
-            f"(this build offers {', '.join(available)}); install the 'gpu' extra or use KIND_CPU"
+            f"(this build offers {', '.join(available)}); {_INSTALL_GPU}; or use KIND_CPU"
         )
     if kind in (mc.ModelInstanceGroup.KIND_GPU, mc.ModelInstanceGroup.KIND_AUTO) and gpu_ok:
         device = {"device_id": str(device_id)}
         providers: list[Provider] = []
-        if asked.tensorrt is not None and "TensorrtExecutionProvider" in available:
+        if asked.tensorrt is not None:
+            if "TensorrtExecutionProvider" not in available:
+                raise Unavailable(
+                    "the tensorrt execution accelerator needs onnxruntime with the TensorRT execution provider "
+                    f"(this build offers {', '.join(available)}); as in Triton the load fails rather than run "
+                    "without it: use onnxruntime-gpu with the TensorRT libraries, or remove the accelerator"
+                )
             providers.append(("TensorrtExecutionProvider", {**device, **asked.tensorrt}))
         providers.append(("CUDAExecutionProvider", {**device, **asked.cuda}))
         providers.append(("CPUExecutionProvider", {}))
@@ -349,6 +584,53 @@ def providers_for(kind: int, device_id: int, config: mc.ModelConfig, available: 
             )
         return [("OpenVINOExecutionProvider", {}), ("CPUExecutionProvider", {})]
     return [("CPUExecutionProvider", {})]
+
+
+_WHY_MISSING = {
+    "CUDAExecutionProvider": (
+        "most likely the CUDA and cuDNN libraries onnxruntime-gpu needs (CUDA 12 and cuDNN 9 for 1.19 and later) "
+        "are missing or not on the library path, or the GPU is not usable; onnxruntime's own message "
+        "('Failed to create CUDAExecutionProvider ...') is in the server's log"
+    ),
+    "TensorrtExecutionProvider": (
+        "most likely the TensorRT libraries (libnvinfer) onnxruntime-gpu needs are missing or not on the library "
+        "path; onnxruntime's own message ('Failed to create TensorrtExecutionProvider ...') is in the server's log. "
+        "As in Triton the load fails rather than run without TensorRT; remove the tensorrt accelerator to serve "
+        "on CUDA alone"
+    ),
+    "OpenVINOExecutionProvider": (
+        "most likely the OpenVINO libraries onnxruntime-openvino needs are missing; onnxruntime's own message is in "
+        "the server's log"
+    ),
+}
+
+
+def session_problem(
+    asked: Sequence[Provider], providers: Sequence[str], options: Mapping[str, Mapping[str, str]]
+) -> Unavailable | None:
+    """Whether a session made with the ``asked`` providers got them (pure): ``providers`` and ``options``
+    are what it reports (``get_providers()``, ``get_provider_options()``). onnxruntime's Python API leaves
+    out a provider it cannot create, logging a warning, and its creation fallback retries without the
+    options (so on GPU 0). None: every asked provider is there, on the asked device; else the load's error.
+    A missing CUDA provider is named first: TensorRT needs it too."""
+    names = [name for name, _ in asked]
+    missing = [name for name in names if name != "CPUExecutionProvider" and name not in providers]
+    missing.sort(key=lambda name: name != "CUDAExecutionProvider")
+    has = ", ".join(providers) or "none"
+    if missing:
+        name = missing[0]
+        device = dict(asked)[name].get("device_id")
+        on = f" on GPU {device}" if device is not None else ""
+        why = _WHY_MISSING.get(name, "onnxruntime's own message is in the server's log")
+        return Unavailable(f"onnxruntime could not create the {name}{on} (the session has {has}): {why}")
+    for name, wanted in asked:
+        got = options.get(name, {}).get("device_id")
+        if "device_id" in wanted and got is not None and got != wanted["device_id"]:
+            return Unavailable(
+                f"the session's {name} runs on GPU {got} instead of the instance's GPU {wanted['device_id']}: "
+                "onnxruntime dropped the provider options (its fallback after a provider error)"
+            )
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,10 +661,16 @@ def binding_for(providers: Sequence[Provider], config: mc.ModelConfig, datatypes
 class OnnxInstance(ModelInstance):
     def __init__(
         self, session: Any, config: mc.ModelConfig, model_label: str, providers: Sequence[Provider] = (),
-        binding: Binding | None = None,
+        binding: Binding | None = None, run_config: Mapping[str, str] | None = None,
     ) -> None:
-        """``binding``: where to bind IO (``binding_for`` decides it from ``providers`` when not given)."""
+        """``binding``: where to bind IO (``binding_for`` decides it from ``providers`` when not given);
+        ``run_config``: ``RunOptions`` config entries for every run (:func:`run_config`)."""
         self._session = session
+        self._run_options: Any = None
+        if run_config:
+            self._run_options = _ort().RunOptions()
+            for key, value in run_config.items():
+                self._run_options.add_run_config_entry(key, value)
         self._label = model_label
         self._batched = config.max_batch_size > 0
         self._outputs = [o.name for o in config.output]
@@ -412,13 +700,13 @@ class OnnxInstance(ModelInstance):
 
     def _run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         if self._binding is None:
-            return list(self._session.run(self._outputs, feeds))
+            return list(self._session.run(self._outputs, feeds, self._run_options))
         binding = self._session.io_binding()
         for name, array in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(array))
         for name in self._outputs:
             binding.bind_output(name, self._binding.device, self._binding.device_id)
-        self._session.run_with_iobinding(binding)
+        self._session.run_with_iobinding(binding, self._run_options)
         return list(binding.copy_outputs_to_cpu())
 
     def execute(self, requests: Sequence[InferRequest]) -> list[Result]:
@@ -461,33 +749,41 @@ class OnnxInstance(ModelInstance):
 
 
 class OnnxBackend(ModelBackend):
-    def __init__(self, config: mc.ModelConfig, ctx: LoadContext, path: Path) -> None:
+    def __init__(
+        self, config: mc.ModelConfig, ctx: LoadContext, path: Path, settings: SessionSettings | None = None
+    ) -> None:
         self.config = config
         self._ctx = ctx
         self._path = path
+        self._settings = settings if settings is not None else session_settings(config)
 
     def new_instance(self, index: int, kind: int, device_id: int) -> ModelInstance:
         ort = _ort()
-        options = ort.SessionOptions()
-        intra = _int_param(self.config, "intra_op_thread_count", 1)
-        inter = _int_param(self.config, "inter_op_thread_count", 1)
-        options.intra_op_num_threads = intra
-        options.inter_op_num_threads = inter
-        if intra != 1:
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         providers = providers_for(kind, device_id, self.config, ort.get_available_providers())
+        options = session_options(ort, self._settings)
         try:
-            session = ort.InferenceSession(str(self._path), options, providers=providers)
+            # enable_fallback=0: a provider that fails to start fails the load, instead of onnxruntime
+            # retrying on its fallback providers without their options.
+            session = ort.InferenceSession(str(self._path), options, providers=providers, enable_fallback=0)
         except Exception as exc:
             raise ConfigError(f"ONNX Runtime cannot load the model: {exc}", file=str(self._path)) from exc
-        return OnnxInstance(session, self.config, f"{self._ctx.model_name}:{self._ctx.version}", providers)
+        session.disable_fallback()  # a provider failing in run() is the batch's error, not a rebuild on the CPU
+        problem = session_problem(providers, session.get_providers(), session.get_provider_options())
+        if problem is not None:
+            raise problem
+        label = f"{self._ctx.model_name}:{self._ctx.version}"
+        return OnnxInstance(session, self.config, label, providers, run_config=run_config(self._settings, providers))
 
 
 def load(config: mc.ModelConfig, ctx: LoadContext) -> OnnxBackend:
-    """Open the model file; ``config`` must already be completed (see config.complete_io)."""
+    """Open the model file; ``config`` must already be completed (see config.complete_io). The session
+    options and accelerators are checked here, before any instance, and their warnings logged."""
     if config.model_transaction_policy.decoupled:
         raise Unsupported(
             f"failed to load '{ctx.model_name}' version {ctx.version}: the onnxruntime backend does not support "
             "model_transaction_policy { decoupled: true }; only Python-backend models may be decoupled"
         )
-    return OnnxBackend(config, ctx, model_path(config, ctx))
+    settings = session_settings(config)
+    for warning in (*settings.warnings, *accelerators(config).warnings):
+        _log.warning("model '%s' version %d: %s", ctx.model_name, ctx.version, warning)
+    return OnnxBackend(config, ctx, model_path(config, ctx), settings)

@@ -737,6 +737,8 @@ WARNINGS = [
     ("optimization { cuda { graphs: true busy_wait_events: true } }",
      ["optimization.cuda.graphs: only the pytorch backend captures CUDA graphs; ignored for 'python'",
       "optimization.cuda.busy_wait_events: ignored"]),
+    ("optimization { graph { level: 1 } }",
+     ["optimization.graph: only the onnxruntime backend applies graph optimization levels; ignored for 'python'"]),
     ('input [ { name: "a" data_type: TYPE_FP32 dims: [ 1 ] format: FORMAT_NCHW } ]', ["input[0].format: ignored"]),
     (
         'input [ { name: "a" data_type: TYPE_INT32 dims: [ 1 ] },'

@@ -52,17 +52,31 @@ def cfg(text: str = "") -> mc.ModelConfig:
                 CPU_EP,
             ],
         ),
-        # TensorRT asked for but not in this build: CUDA alone
+        # TensorRT asked for on a CPU instance: ignored, as in Triton
         (
-            K.KIND_GPU,
-            CUDA,
+            K.KIND_CPU,
+            TRT,
             'parameters { key: "execution_accelerator" value { string_value: "tensorrt" } }',
-            [("CUDAExecutionProvider", {"device_id": "1"}), CPU_EP],
+            [CPU_EP],
         ),
     ],
 )
 def test_providers_for_instance_kinds(kind, available, config, expected):
     assert providers_for(kind, 1, cfg(config), available) == expected
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        'parameters { key: "execution_accelerator" value { string_value: "tensorrt" } }',
+        "optimization { execution_accelerators { gpu_execution_accelerator { name: 'tensorrt' } } }",
+    ],
+)
+@pytest.mark.parametrize("kind", [K.KIND_GPU, K.KIND_AUTO])
+def test_tensorrt_asked_for_without_the_tensorrt_provider_fails_the_load_like_triton(config, kind):
+    """It used to run on CUDA alone, silently; Triton fails the load when it cannot add the TensorRT provider."""
+    with pytest.raises(Unavailable, match=r"needs onnxruntime with the TensorRT execution provider.*remove the acc"):
+        providers_for(kind, 1, cfg(config), CUDA)
 
 
 def test_gpu_instance_without_cuda_build_is_a_clear_error():
