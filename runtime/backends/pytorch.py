@@ -6,10 +6,12 @@ Loads, by what the file holds (:func:`torch_plan.model_kind`), a TorchScript arc
 ``model.pt2``. Inputs bind by forward() argument name, ``<name>__<index>`` or the config's order;
 outputs by ``<name>__<index>`` or order (a dict result by name), as in Triton's PyTorch backend.
 
-Instances of kind KIND_GPU run on ``cuda:<device_id>`` with a CUDA stream of their own; inputs go
-host -> device through pinned host buffers kept per instance (:class:`_CudaStaging`), outputs come
-back the same way, and CUDA graphs (``optimization { cuda { graphs: true } }``) come from
-``torch_graphs``, imported only on that path. Every decision sits in ``torch_plan`` (pure); this
+Instances of kind KIND_GPU run on ``cuda:<device_id>`` with a CUDA stream of their own (made through
+``runtime/cudart.py``: torch's pool of 32 per device would give two instances one stream, past 32,
+and a CUDA graph captured on it would record the other's work); inputs go host -> device through
+pinned host buffers kept per instance (:class:`_CudaStaging`), outputs come back the same way, and
+CUDA graphs (``optimization { cuda { graphs: true } }``) come from ``torch_graphs``, imported only
+on that path. Every decision sits in ``torch_plan`` (pure); this
 module is the thin layer around torch, imported lazily by the repository.
 
 Who calls it: the repository (``probe``, ``check_config``, ``load``, ``cuda_device_count``), then the
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
+from sluice.runtime import cudart
 from sluice.runtime.backends import torch_plan
 from sluice.runtime.backends.base import (
     LoadContext,
@@ -52,8 +55,18 @@ _KIND_GPU = mc.ModelInstanceGroup.KIND_GPU
 _CUDA_ALLOCATOR = threading.Lock()
 """Held while an instance captures CUDA graphs and around ``torch.cuda.empty_cache``: a capture
 empties the cache itself and routes allocations into its pool, so two captures at once (two graphed
-models loading together) or an emptying during one (another instance's out-of-memory answer) would
-meet inside PyTorch's allocator. Serving (replays, eager calls) never takes it."""
+models loading together) or an emptying during one (another instance's out-of-memory answer, whose
+``cudaFree`` synchronizes the device) would meet inside PyTorch's allocator. Serving (replays, eager
+calls) never takes it, so nothing outside it may synchronize the whole device (``torch.cuda.synchronize``)
+either: CUDA refuses that while any stream of the device captures, and the capture fails with it. The
+backend synchronizes single streams only (the loading thread's, an instance's)."""
+
+_EXPORT_LOAD = threading.Lock()
+"""Held around ``torch.export.load``: its deserializer is a global of torch's (``_CURRENT_DESERIALIZER``),
+so two programs loading at once (models load in parallel) fail one of them ("already set")."""
+
+_CUDART = cudart.Loader()
+"""Where instances get their own CUDA streams (``cudaStreamCreateWithFlags``, non-blocking)."""
 
 
 def _emptying(torch: Any) -> Callable[[], None]:
@@ -165,7 +178,8 @@ def probe_export(path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Inputs and outputs a ``torch.export`` program declares (for completing the config): inputs
     named after forward()'s arguments, outputs ``OUTPUT__<index>``; symbolic dims are -1."""
     torch = _torch()
-    program = torch.export.load(str(path))
+    with _EXPORT_LOAD:
+        program = torch.export.load(str(path))
     placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
 
     def spec(name: str, value: Any) -> TensorSpec:
@@ -205,12 +219,7 @@ def check_config(config: mc.ModelConfig, ctx: LoadContext, *, source: str) -> li
     try:
         settings, warnings = torch_plan.torch_settings(_parameters(config))
         torch_plan.check_io(config, kind)
-        if settings.precision is not None and kind == torch_plan.AOTI:
-            raise ConfigError(
-                "an AOTInductor package runs at the precision it was compiled with; allowed: no precision "
-                "parameter (compile the package in fp16/bf16 instead)",
-                field="parameters[precision]",
-            )
+        torch_plan.check_kind_settings(settings, kind)
     except ConfigError as exc:
         raise ConfigError(exc.detail, file=exc.file or source, field=exc.field) from None
     return warnings
@@ -242,6 +251,7 @@ def _load_torchscript(torch: Any, path: Path, device: Any, settings: torch_plan.
     module.eval()
     if settings.precision is not None:
         module.to(getattr(torch, settings.precision))
+        _cast_script_attributes(torch, module, settings.precision)
     if settings.channels_last:
         module.to(memory_format=torch.channels_last)
     arguments = list(module.forward.schema.arguments)
@@ -260,9 +270,33 @@ def _load_torchscript(torch: Any, path: Path, device: Any, settings: torch_plan.
     return _Loaded(module, [a.name for a in arguments], dict_input=False)
 
 
+def _cast_script_attributes(torch: Any, module: Any, precision: str) -> None:
+    """Cast the floating tensors a TorchScript module keeps as plain attributes (``self.w =
+    torch.randn(...)`` in ``__init__``) to ``precision``: ``Module.to(dtype)`` casts parameters and
+    buffers only. torch lists a script module's attributes only through a debugging call; without it
+    the check call at load tells whether the model runs anyway. A traced constant (``CONSTANTS.c0``)
+    is part of the code, not an attribute, and stays as it is."""
+    attributes = getattr(torch._C, "_jit_debug_module_iterators", None)
+    if attributes is None:
+        return
+    dtype = getattr(torch, precision)
+    for submodule in module.modules():
+        script = getattr(submodule, "_c", None)
+        if script is None:
+            continue
+        for name, value in attributes(script)["named_attributes"]:
+            if isinstance(value, torch.Tensor) and torch_plan.casts_to_precision(_dtype_name(value), precision):
+                script.setattr(name, value.to(dtype))
+
+
+def _dtype_name(tensor: Any) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
 def _load_export(torch: Any, path: Path, device: Any, settings: torch_plan.TorchSettings) -> _Loaded:
     try:
-        program = torch.export.load(str(path))
+        with _EXPORT_LOAD:
+            program = torch.export.load(str(path))
     except Exception as exc:
         raise ConfigError(
             f"torch.export.load cannot load the program: {torch_plan.first_line(exc)}", file=str(path)
@@ -277,9 +311,18 @@ def _load_export(torch: Any, path: Path, device: Any, settings: torch_plan.Torch
         raise ConfigError(
             f"cannot move the exported program to {device}: {torch_plan.first_line(exc)}", file=str(path)
         ) from exc
+    precision = settings.precision
+    if precision is not None:
+        # tensors the program holds outside its parameters and buffers (a plain tensor attribute of
+        # the exported module, lifted as a constant) are attributes of .module(), which Module.to
+        # leaves alone; cast them here, as the weights are below
+        constants = program.constants
+        for name, value in list(constants.items()):
+            if isinstance(value, torch.Tensor) and torch_plan.casts_to_precision(_dtype_name(value), precision):
+                constants[name] = value.to(getattr(torch, precision))
     module = program.module().to(device)
-    if settings.precision is not None:
-        module.to(getattr(torch, settings.precision))
+    if precision is not None:
+        module.to(getattr(torch, precision))
     args = list(program.module_call_graph[0].signature.forward_arg_names or program.graph_signature.user_inputs)
     return _Loaded(module, args, dict_input=False)
 
@@ -428,6 +471,44 @@ class _CudaStaging:
 # --- instances -----------------------------------------------------------------------------------
 
 
+def _instance_stream(torch: Any, device: Any) -> tuple[Any, Callable[[], None]]:
+    """A CUDA stream for one instance alone, and the call that gives it back (once its work is done).
+
+    ``torch.cuda.Stream`` takes streams round-robin from a pool of 32 per device (pytorch/pytorch#9938):
+    past 32 (instances, or any other user of the pool in the process) two instances share one, and a
+    CUDA graph captured on it records the other instance's work. So the stream is created through the
+    CUDA runtime (``cudaStreamCreateWithFlags``, non-blocking like torch's) and wrapped for torch;
+    where no runtime can be loaded, a pooled stream serves, with a warning."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        runtime = _CUDART.get()
+    except cudart.NoCuda as exc:
+        log.warning(
+            "the CUDA runtime for dedicated instance streams cannot be loaded (%s); instances on %s take torch's "
+            "pooled streams, which two instances share past 32 of them",
+            exc,
+            device,
+        )
+        return torch.cuda.Stream(device=device), lambda: None
+    assert isinstance(runtime, cudart.Runtime)
+    with torch.cuda.device(index):  # stream_create sets the thread's current device: torch restores it
+        handle = runtime.stream_create(index)
+    try:
+        stream = torch.cuda.ExternalStream(handle, device=device)
+    except BaseException:
+        runtime.stream_destroy(handle)
+        raise
+
+    def release() -> None:
+        try:
+            runtime.stream_synchronize(handle)
+        finally:
+            with _CUDA_ALLOCATOR:  # destroying a stream may synchronize the device (pytorch/pytorch#9646)
+                runtime.stream_destroy(handle)
+
+    return stream, release
+
+
 class TorchInstance(ModelInstance):
     """Runs one module. ``module`` is what torch loaded (any callable taking tensors); ``empty_cache``
     frees the CUDA caching allocator after an out-of-memory error (a no-op on CPU instances)."""
@@ -468,13 +549,72 @@ class TorchInstance(ModelInstance):
         self._run_dtypes = {i.name: torch_plan.run_dtype(i.data_type, self._settings.precision) for i in self._inputs}
         self._cuda = self._device.type == "cuda"
         self._stream: Any = None
+        self._release_stream: Callable[[], None] = lambda: None
         self._staging: _CudaStaging | None = None
         self._synced = False  # the stream was synchronized after this batch's last enqueued work
         self._graphed: Any = None
-        if self._cuda:
-            self._stream = self._torch.cuda.Stream(device=self._device)
+        if not self._cuda:
+            self._check_precision()
+            return
+        self._stream, self._release_stream = _instance_stream(self._torch, self._device)
+        try:
             self._staging = _CudaStaging(self._torch, self._device, self._stream)
+            self._check_precision()
             self._graphed = self._capture_graphs(config)
+        except BaseException:
+            self._give_back_stream()
+            raise
+
+    def _give_back_stream(self) -> None:
+        release, self._release_stream = self._release_stream, lambda: None
+        try:
+            release()
+        except Exception as exc:  # a lost CUDA context fails every call: nothing more to give back
+            log.warning("model '%s': giving back the CUDA stream on %s failed: %s", self._label, self._device, exc)
+
+    def _example(self, spec: mc.ModelInput, batch: int) -> Any:
+        """Zeros in ``spec``'s model shape (dynamic dims 1, ``batch`` rows first for a batching model),
+        run dtype and memory format, on the instance's device; empty strings for a TYPE_STRING input."""
+        torch = self._torch
+        shape = torch_plan.example_shape(torch_plan.model_dims(spec), batch if self._batched else None)
+        if spec.data_type == mc.TYPE_STRING:
+            return [""] * int(np.prod(shape, dtype=np.int64))
+        tensor = torch.zeros(shape, dtype=getattr(torch, self._run_dtypes[spec.name] or "float32"), device=self._device)
+        if spec.name in self._channels_last:
+            tensor = tensor.contiguous(memory_format=torch.channels_last)
+        return tensor
+
+    def _check_precision(self) -> None:
+        """With a ``precision`` parameter: one call at load on zeros of the config's shapes (one row) in
+        that dtype. A model that keeps or makes a floating tensor in another type (a constant a trace
+        recorded, a tensor made in forward()) then fails its load naming the parameter, where it would
+        fail every batch; a failure for another reason is logged and left to the batches."""
+        precision = self._settings.precision
+        if precision is None:
+            return
+        examples = [self._example(spec, 1) for spec in self._inputs]
+        try:
+            if self._cuda:
+                try:
+                    with self._torch.cuda.stream(self._stream), self._modes():
+                        self._forward(examples)
+                finally:
+                    with contextlib.suppress(Exception):
+                        self._stream.synchronize()
+            else:
+                with self._modes():
+                    self._forward(examples)
+        except Exception as exc:
+            problem = torch_plan.precision_problem(str(exc), precision)
+            if problem is not None:
+                raise ConfigError(problem, field="parameters[precision]") from None
+            log.warning(
+                "model '%s': the check call in %s at load (zeros of the config's shapes) failed, so whether the "
+                "model runs in that precision is left to its batches: %s",
+                self._label,
+                precision,
+                torch_plan.failure(exc, self._label, str(self._device), 1).message,
+            )
 
     # The CUDA-graph hook: torch_graphs (imported only here) captures ``_forward`` per batch size.
     def _capture_graphs(self, config: mc.ModelConfig) -> Any:
@@ -490,20 +630,7 @@ class TorchInstance(ModelInstance):
             # the static input buffers take these tensors' dtype and memory format: the model's
             # run dtype, and channels_last where the config asks for it (the graph's kernels are
             # then the channels_last ones, and the copy into the buffer converts the layout)
-            examples = []
-            for i in self._inputs:
-                tensor = self._torch.zeros(
-                    torch_plan.example_shape(
-                        torch_plan.model_dims(i),
-                        batch if self._batched else None,
-                    ),
-                    dtype=getattr(self._torch, self._run_dtypes[i.name] or "float32"),
-                    device=self._device,
-                )
-                if i.name in self._channels_last:
-                    tensor = tensor.contiguous(memory_format=self._torch.channels_last)
-                examples.append(tensor)
-            return examples
+            return [self._example(spec, batch) for spec in self._inputs]
 
         with _CUDA_ALLOCATOR, self._torch.cuda.stream(self._stream), self._modes():
             graphed = torch_graphs.GraphedModel(self._forward, plan, example_inputs, self._device, self._stream)
@@ -709,9 +836,14 @@ class TorchInstance(ModelInstance):
         return arrays, inputs_done, outputs_start
 
     def close(self) -> None:
-        self._graphed = None
+        graphed, self._graphed = self._graphed, None
+        if graphed is not None:
+            graphed.close()
         self._module = None  # type: ignore[assignment]
+        self._staging = None
         if self._cuda:
+            self._give_back_stream()  # synchronized first: no work of this instance is left on it
+            self._stream = None
             self._empty_cache()
 
 
@@ -753,9 +885,11 @@ class TorchBackend(ModelBackend):
             else:
                 loaded = self._load(device, device_id)
                 if device.type == "cuda":
-                    # the weights' moves and casts ran on the default stream; the instance runs on
-                    # its own non-blocking one, which does not wait for the default stream
-                    torch.cuda.synchronize(device)
+                    # the weights' moves and casts ran on this thread's current (default) stream; the
+                    # instance runs on its own non-blocking one, which does not wait for it. That
+                    # stream only: a device-wide synchronize while another thread captures a CUDA
+                    # graph (models load in parallel) is refused by CUDA and fails both loads
+                    torch.cuda.current_stream(device).synchronize()
                 if self._settings.enable_weight_sharing:
                     self._shared[key] = loaded
         try:

@@ -341,12 +341,20 @@ class GraphedModel:
     (channels_last) are the static buffers'; their shapes too, unless the plan gives other ones
     (dynamic dims fixed by ``graph_spec``), in which case zeros of the plan's shapes are used.
 
-    Construction warms each shape up on a side stream (lazy initialisation, cuDNN autotuning), then
-    captures the graphs largest first into one shared memory pool (the graphs never run at once,
-    so their intermediate tensors can share memory: the pool is about the largest graph's
-    activations plus every graph's static inputs and outputs). ``memory_bytes`` is what that took:
-    the growth of ``torch.cuda.memory_reserved`` over the construction (PyTorch's cache emptied
-    before and after; approximate when other instances of the process allocate meanwhile).
+    Construction warms each shape up on a side stream (lazy initialisation that must not happen
+    during capture: cuBLAS handles and workspaces, the caching allocator's blocks, kernels loaded;
+    nothing is autotuned: cuDNN picks its algorithms by its heuristics, as ``torch.backends.cudnn.benchmark``
+    is left as the process has it, off by default), then captures the graphs largest first into one
+    shared memory pool (the graphs never run at once, so their intermediate tensors can share memory:
+    the pool is about the largest graph's activations plus every graph's static inputs and outputs).
+    ``memory_bytes`` is what that took: the growth of ``torch.cuda.memory_reserved`` over the
+    construction (PyTorch's cache emptied before and after; approximate when other instances of the
+    process allocate meanwhile).
+
+    Construction synchronizes the whole device and empties PyTorch's cache (so does
+    ``torch.cuda.graph`` itself), which CUDA refuses while another stream of the device captures:
+    callers construct one at a time (the backend holds its ``_CUDA_ALLOCATOR`` lock). ``stream``
+    should be the instance's own, not one of torch's pooled streams another instance may also hold.
 
     One instance belongs to one model instance and is used by one thread at a time.
     """

@@ -9,8 +9,12 @@
   model returned (a tensor, tuple, list or dict) to the config's outputs.
 * :func:`run_dtype`, :func:`channels_last_inputs`, :func:`pinned_capacity` and
   :func:`example_shape` are the CUDA path's decisions, kept here so they are tested on CPU.
+* :func:`check_kind_settings` refuses the parameters a kind of model file cannot honour (an
+  AOTInductor package's ``precision`` and ``memory_format`` are fixed when it is compiled).
+* :func:`casts_to_precision` and :func:`precision_problem` are the ``precision`` parameter's: which
+  tensors are cast, and whether the check call at load failed because the model does not run in it.
 * :func:`failure` turns an exception from the model into the error the batch is answered with
-  (out of GPU memory: Unavailable, the instance keeps serving).
+  (out of GPU memory: Unavailable; a sticky CUDA error: DeviceLost; the instance keeps serving).
 
 Called by ``pytorch.py`` (load and execute) and by the repository (load warnings).
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -175,6 +180,60 @@ def torch_settings(parameters: Mapping[str, str]) -> tuple[TorchSettings, list[s
                 raise ConfigError(f"must be one of {', '.join(MEMORY_FORMATS)}, got {raw!r}", field=field)
             values["channels_last"] = value == "channels_last"
     return TorchSettings(**values), warnings
+
+
+def check_kind_settings(settings: TorchSettings, kind: str) -> None:
+    """Refuse parameters that ``kind`` of model file cannot honour: an AOTInductor package runs at
+    the precision and with the input strides it was compiled for (its kernels do not check the
+    strides they are given: a channels_last input to a package compiled from contiguous examples
+    gives wrong results, not an error)."""
+    if kind != AOTI:
+        return
+    if settings.precision is not None:
+        raise ConfigError(
+            "an AOTInductor package runs at the precision it was compiled with; allowed: no precision "
+            "parameter (compile the package in fp16/bf16 instead)",
+            field="parameters[precision]",
+        )
+    if settings.channels_last:
+        raise ConfigError(
+            "an AOTInductor package's kernels assume the input strides it was compiled with, so channels_last "
+            "inputs would be read with the wrong layout; allowed: no memory_format parameter, or contiguous "
+            "(compile the package from contiguous example inputs: Inductor chooses the layouts inside it)",
+            field="parameters[memory_format]",
+        )
+
+
+_FLOATING_TORCH = frozenset({"float16", "float32", "float64", "bfloat16"})
+_PRECISION_SPELLINGS = {"float16": ("Half", "float16"), "bfloat16": ("BFloat16", "bfloat16")}
+"""How torch's error texts name each precision's dtype (``c10::Half``, ``torch.cuda.HalfTensor``,
+``CPUBFloat16Type``, ``torch.bfloat16``, ``expected scalar type BFloat16``)."""
+
+
+def casts_to_precision(dtype: str, precision: str | None) -> bool:
+    """Whether a tensor of torch dtype ``dtype`` (``float32``, ...) the model holds is cast to the
+    ``precision`` parameter's dtype: floating tensors (as ``Module.to(dtype)`` casts parameters and
+    buffers), not already in it; integer and boolean tensors (indices, masks) keep their type."""
+    return precision is not None and dtype in _FLOATING_TORCH and dtype != precision
+
+
+def precision_problem(text: str, precision: str) -> str | None:
+    """The load error when the check call at load (zeros of the config's shapes, in ``precision``)
+    failed with ``text`` because the model does not run in ``precision``: a tensor it keeps or makes
+    in another floating type meets the cast ones (torch names the two dtypes and a type mismatch).
+    None when ``text`` is another failure, which the check cannot judge (the load goes on)."""
+    spellings = _PRECISION_SPELLINGS.get(precision, (precision,))
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    named = [line for line in lines if "type" in line.lower() and any(s in line for s in spellings)]
+    if not named:
+        return None
+    shown = "bf16" if precision == "bfloat16" else "fp16" if precision == "float16" else precision
+    return (
+        f"the model does not run in {shown}: a check call at load failed with '{named[-1].removeprefix('builtins.')}'; "
+        "precision casts the module's floating parameters, buffers and tensor attributes (and a torch.export "
+        "program's constants), but a tensor the model makes in forward() or a constant a trace recorded keeps its "
+        "dtype; allowed: fp32 (or no precision parameter), or a model that makes such tensors in its input's dtype"
+    )
 
 
 _CONTROL_FIELDS = {"int32_false_true": mc.TYPE_INT32, "fp32_false_true": mc.TYPE_FP32, "bool_false_true": mc.TYPE_BOOL}
@@ -515,22 +574,54 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or any(t in text for t in _OUT_OF_MEMORY_TEXTS)
 
 
-_CONTEXT_LOST_TEXTS = (
-    "an illegal memory access was encountered",
-    "device-side assert triggered",
-    "unspecified launch failure",
-    "misaligned address",
-    "an illegal instruction was encountered",
-    "uncorrectable ECC error",
-    "the launch timed out and was terminated",
+_STICKY_ERRORS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    # (runtime API name, driver API name, cudaGetErrorString / cuGetErrorString texts)
+    ("cudaErrorIllegalAddress", "CUDA_ERROR_ILLEGAL_ADDRESS", ("an illegal memory access was encountered",)),  # 700
+    ("cudaErrorLaunchTimeout", "CUDA_ERROR_LAUNCH_TIMEOUT", ("the launch timed out and was terminated",)),  # 702
+    ("cudaErrorAssert", "CUDA_ERROR_ASSERT", ("device-side assert triggered",)),  # 710
+    ("cudaErrorHardwareStackError", "CUDA_ERROR_HARDWARE_STACK_ERROR", ("hardware stack error",)),  # 714
+    (
+        "cudaErrorIllegalInstruction",
+        "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+        ("an illegal instruction was encountered",),
+    ),  # 715
+    ("cudaErrorMisalignedAddress", "CUDA_ERROR_MISALIGNED_ADDRESS", ("misaligned address",)),  # 716
+    (
+        "cudaErrorInvalidAddressSpace",
+        "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+        ("operation not supported on global/shared address space",),
+    ),  # 717
+    ("cudaErrorInvalidPc", "CUDA_ERROR_INVALID_PC", ("invalid program counter",)),  # 718
+    ("cudaErrorLaunchFailure", "CUDA_ERROR_LAUNCH_FAILED", ("unspecified launch failure",)),  # 719
+    (
+        "cudaErrorExternalDevice",
+        "CUDA_ERROR_EXTERNAL_DEVICE",
+        (  # CUDA's own spelling, and the corrected one should a release fix it
+            "an async error has occured in external entity outside of CUDA",
+            "an async error has occurred in external entity outside of CUDA",
+        ),
+    ),  # 911
+    # 214: the runtime API reference does not call it sticky, but NVIDIA's GPU memory error management
+    # guide has the application that met an uncorrectable error restart
+    ("cudaErrorECCUncorrectable", "CUDA_ERROR_ECC_UNCORRECTABLE", ("uncorrectable ECC error",)),
 )
 """CUDA errors after which the CUDA context of the process is unusable (sticky errors): CUDA returns
-the same error to every later call, so no retry or reload inside the process can serve again."""
+the same error to every later call, so no retry or reload inside the process can serve again. The
+runtime API reference says so of 700, 702, 710, 714-719 (but not 701 "too many resources requested
+for launch" nor 720 "too many blocks in cooperative launch", launch errors that leave the context
+usable) and 911. Each is matched by either name, or by its text where the exception also says
+"CUDA" (torch's ``CUDA error: <text>``, Triton kernels' ``Triton Error [CUDA]: <text>``)."""
+
+_CONTEXT_LOST_NAMES = tuple(name for runtime, driver, _ in _STICKY_ERRORS for name in (runtime, driver))
+_CONTEXT_LOST_TEXTS = tuple(text for _, _, texts in _STICKY_ERRORS for text in texts)
+_CONTEXT_LOST_NAME = re.compile(r"(?<![A-Za-z0-9_])(?:" + "|".join(_CONTEXT_LOST_NAMES) + r")(?![A-Za-z0-9_])")
 
 
 def is_device_lost(exc: BaseException) -> bool:
-    """Whether ``exc`` reports one of the sticky CUDA errors (:data:`_CONTEXT_LOST_TEXTS`)."""
+    """Whether ``exc`` reports one of the sticky CUDA errors (:data:`_STICKY_ERRORS`)."""
     text = str(exc)
+    if _CONTEXT_LOST_NAME.search(text):
+        return True
     return "CUDA" in text and any(t in text for t in _CONTEXT_LOST_TEXTS)
 
 
@@ -562,10 +653,11 @@ def failure(exc: BaseException, label: str, device: str, rows: int) -> SluiceErr
             "the CUDA cache was emptied and the instance goes on serving (retry, or lower max_batch_size)"
         )
     if is_device_lost(exc):
+        line = _line_with(exc, (*_CONTEXT_LOST_TEXTS, *_CONTEXT_LOST_NAMES))
         return DeviceLost(
             f"model '{label}' hit an unrecoverable CUDA error on {device} for a batch of {rows} rows: "
-            f"{_line_with(exc, _CONTEXT_LOST_TEXTS)}; this process's CUDA context is lost, so the server now "
-            "reports not live and not ready to be restarted"
+            f"{line}; this process's CUDA context is lost, so the server now reports not live and not ready "
+            "to be restarted"
         )
     text = str(exc).strip()
     what = f"{type(exc).__name__}: {text}"

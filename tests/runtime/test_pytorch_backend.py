@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import signal
+import threading
 import urllib.error
 import urllib.request
 import warnings
@@ -258,6 +259,64 @@ def test_parameters_are_read_and_bad_values_refused():
         assert info.value.field == f"parameters[{key}]"
 
 
+def test_aoti_packages_refuse_precision_and_memory_format():
+    """An AOTInductor package runs at the precision and with the input strides it was compiled with: its
+    kernels read a channels_last input with the contiguous strides they assume (wrong results, no error)."""
+    aoti, script = torch_plan.AOTI, torch_plan.TORCHSCRIPT
+    for parameters, field, words in [
+        ({"precision": "fp16"}, "parameters[precision]", "runs at the precision it was compiled with"),
+        ({"memory_format": "channels_last"}, "parameters[memory_format]", "assume the input strides it was compiled"),
+    ]:
+        settings, _ = torch_plan.torch_settings(parameters)
+        with pytest.raises(ConfigError, match=re.escape(words)) as info:
+            torch_plan.check_kind_settings(settings, aoti)
+        assert info.value.field == field
+        assert "allowed: no " in info.value.detail
+        torch_plan.check_kind_settings(settings, script)  # TorchScript and export programs take both
+        torch_plan.check_kind_settings(settings, torch_plan.EXPORT)
+    for harmless in ({"precision": "fp32"}, {"memory_format": "contiguous"}, {}):
+        torch_plan.check_kind_settings(torch_plan.torch_settings(harmless)[0], aoti)
+
+
+def test_precision_casts_floating_tensors_and_tells_a_dtype_mismatch_from_other_failures():
+    assert torch_plan.casts_to_precision("float32", "bfloat16")
+    assert torch_plan.casts_to_precision("float64", "float16")
+    assert not torch_plan.casts_to_precision("bfloat16", "bfloat16")  # already
+    assert not torch_plan.casts_to_precision("int64", "float16")  # indices keep their type
+    assert not torch_plan.casts_to_precision("bool", "float16")
+    assert not torch_plan.casts_to_precision("float32", None)
+    # torch's own texts (torch 2.13, CPU and CUDA) for a cast tensor meeting an fp32 one
+    mismatches = {
+        "bfloat16": [
+            "expected m1 and m2 to have the same dtype, but got: c10::BFloat16 != float",
+            "mat1 and mat2 must have the same dtype, but got BFloat16 and Float",
+            "Input type (CPUBFloat16Type) and weight type (torch.FloatTensor) should be the same or input should be a "
+            "MKLDNN tensor and weight is a dense tensor",
+            "expected scalar type BFloat16 but found Float",
+            "RNN input dtype (torch.bfloat16) does not match weight dtype (torch.float32).",
+            # a TorchScript model's: the interpreter's line first, the exception last
+            "The following operation failed in the TorchScript interpreter.\nTraceback of TorchScript (most recent "
+            "call last):\n  File \"m.py\", line 3\nRuntimeError: expected m1 and m2 to have the same dtype, but "
+            "got: c10::BFloat16 != float",
+        ],
+        "float16": [
+            "Input type (torch.cuda.HalfTensor) and weight type (torch.cuda.FloatTensor) should be the same",
+            "expected scalar type Half but found Float",
+        ],
+    }
+    for precision, texts in mismatches.items():
+        for text in texts:
+            problem = torch_plan.precision_problem(text, precision)
+            assert problem is not None, text
+            last = text.splitlines()[-1]
+            assert f"the model does not run in {'bf16' if precision == 'bfloat16' else 'fp16'}: a check call at " \
+                f"load failed with '{last}'" in problem
+            assert "allowed: fp32 (or no precision parameter)" in problem
+    for other in ("index 7 is out of bounds", "input sum too large", "expected scalar type Long but found Int"):
+        assert torch_plan.precision_problem(other, "bfloat16") is None
+    assert torch_plan.precision_problem("expected scalar type BFloat16 but found Float", "float16") is None
+
+
 def test_input_naming_conventions():
     forward = torch_plan.input_binding(["y", "x"], ["x", "y"])
     assert (forward.convention, forward.index) == (torch_plan.FORWARD_ARGUMENT, {"y": 1, "x": 0})
@@ -402,8 +461,24 @@ STICKY = (
         ("CUDA error: device-side assert triggered\nCompile with `TORCH_USE_CUDA_DSA`", True),
         ("CUDA error: unspecified launch failure", True),
         ("CUDA error: misaligned address", True),
+        ("CUDA error: hardware stack error", True),  # 714
+        ("CUDA error: operation not supported on global/shared address space", True),  # 717
+        ("CUDA error: invalid program counter", True),  # 718
+        ("CUDA error: an async error has occured in external entity outside of CUDA", True),  # 911, CUDA's spelling
+        ("CUDA error: uncorrectable ECC error encountered", True),  # 214
+        ("Triton Error [CUDA]: an illegal instruction was encountered", True),  # a Triton kernel's (driver API)
+        # by name, with or without CUDA's text: the CUDA runtime through ctypes (runtime/cudart.py), the driver API
+        ("cudaStreamSynchronize: cudaErrorHardwareStackError: hardware stack error", True),
+        ("cudaErrorInvalidPc", True),
+        ("CUDA_ERROR_LAUNCH_FAILED", True),
+        ("CUDA_ERROR_EXTERNAL_DEVICE: an async error", True),
         ("CUDA error: out of memory", False),  # not sticky: the OOM path, the instance goes on
+        ("CUDA error: too many resources requested for launch", False),  # 701: a launch error, the context lives
+        ("CUDA error: too many blocks in cooperative launch", False),  # 720: likewise
+        ("cudaErrorLaunchOutOfResources", False),
+        ("cudaErrorInvalidPcX", False),  # a longer name is another name
         ("an illegal memory access was encountered", False),  # not CUDA's text: the model's own words
+        ("invalid program counter", False),
         ("index 7 is out of bounds", False),
     ],
 )
@@ -647,6 +722,21 @@ def test_dynamic_batching_forms_batches_of_torch_requests(tmp_path, serve):
     assert [b["batch_size"] for b in stats["batch_stats"]] == [4]
 
 
+def test_export_programs_load_in_parallel(tmp_path, serve):
+    """torch.export.load keeps its deserializer in a global of torch's: programs loading at once (the
+    repository loads models in parallel) failed all but one with '_CURRENT_DESERIALIZER is already set'."""
+    repo = tmp_path / "repo"
+    exported_add_sub(tmp_path / "program.pt2")
+    names = [f"exported_{i}" for i in range(6)]
+    for name in names:
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.pt2").write_bytes((tmp_path / "program.pt2").read_bytes())
+    server = serve(repo)
+    a, b = rows(2, 1), rows(2, 2)
+    for name in names:
+        np.testing.assert_allclose(grpc_infer(server, name, {"a": a, "b": b}).as_numpy("OUTPUT__0"), a + b, rtol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("config", "files", "message"),
     [
@@ -732,6 +822,99 @@ def test_graphs_on_a_cpu_instance_load_with_a_warning_and_run_eagerly(tmp_path, 
     assert any("optimization.cuda.graphs is set but some instances run on the CPU" in r.message for r in caplog.records)
 
 
+class Attributes(torch.nn.Module):
+    """Plain tensor attributes (neither parameters nor buffers), in a submodule too: ``Module.to(dtype)``
+    leaves them alone. TorchScript keeps them as module attributes, torch.export lifts them as constants,
+    and torch.jit.trace bakes them into the code as constants."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.w = torch.randn(4, 4)
+        self.order = torch.tensor([3, 2, 1, 0])  # an integer attribute: it keeps its type
+        self.inner = Offset()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.lin(x) @ self.w)[:, self.order]
+
+
+class Offset(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = torch.randn(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.offset
+
+
+class MakesOnes(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ torch.ones(4, 4)  # made in forward(): float32, whatever the precision
+
+
+class RefusesZeros(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x == 0).all()):
+            raise ValueError("all zeros")
+        return x * 2
+
+
+BF16_CONFIG = """
+platform: "pytorch_libtorch"
+max_batch_size: 4
+input [ { name: "x", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT__0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+parameters { key: "precision" value { string_value: "bf16" } }
+"""
+
+
+def test_precision_casts_tensor_attributes_and_constants_and_refuses_models_that_do_not_run_in_it(
+    tmp_path, serve, caplog
+):
+    """bf16 (which runs on the CPU): a scripted module's plain tensor attributes and an exported program's
+    lifted constants are cast with the weights, so the models serve (they answered every batch 500 with a
+    dtype mismatch before); a traced constant or a tensor made in forward() cannot be cast, and the check
+    call at load fails the load naming the parameter and torch's words, instead of every batch. A check
+    call that fails for another reason (the model refuses zeros) is logged, and the model serves."""
+    torch.manual_seed(0)
+    module = Attributes().eval()
+    batch = torch.export.Dim("batch", min=1, max=4)
+    repo = tmp_path / "repo"
+    write_model(repo, "scripted", BF16_CONFIG, {"model.pt": scripted(module, tmp_path / "s.pt")})
+    (repo / "exported" / "1").mkdir(parents=True)
+    program = torch.export.export(module, (torch.randn(2, 4),), dynamic_shapes=({0: batch},))
+    torch.export.save(program, str(repo / "exported" / "1" / "model.pt2"))
+    (repo / "exported" / "config.pbtxt").write_text(BF16_CONFIG)
+    torch.jit.trace(module, torch.randn(2, 4)).save(str(tmp_path / "t.pt"))
+    write_model(repo, "traced", BF16_CONFIG, {"model.pt": (tmp_path / "t.pt").read_bytes()})
+    (repo / "makes_ones" / "1").mkdir(parents=True)
+    program = torch.export.export(MakesOnes(), (torch.randn(2, 4),), dynamic_shapes=({0: batch},))
+    torch.export.save(program, str(repo / "makes_ones" / "1" / "model.pt2"))
+    (repo / "makes_ones" / "config.pbtxt").write_text(BF16_CONFIG)
+    write_model(repo, "refuses_zeros", BF16_CONFIG, {"model.pt": scripted(RefusesZeros(), tmp_path / "z.pt")})
+    with caplog.at_level("WARNING", logger="sluice"):
+        server = serve(repo, **EXPLICIT)
+    said = [r.getMessage() for r in caplog.records if "refuses_zeros" in r.getMessage()]
+    assert any("the check call in bfloat16 at load" in m and "all zeros" in m for m in said), said
+    np.testing.assert_array_equal(http_infer(server, "refuses_zeros", {"x": np.ones((2, 4), np.float32)})
+                                  .as_numpy("OUTPUT__0"), np.full((2, 4), 2, np.float32))
+    x = rows(3, 4)
+    with torch.no_grad():
+        expected = module(torch.from_numpy(x)).numpy()
+    for model in ("scripted", "exported"):
+        for infer in (http_infer, grpc_infer):
+            got = infer(server, model, {"x": x}).as_numpy("OUTPUT__0")
+            assert got.dtype == np.float32
+            np.testing.assert_allclose(got, expected, rtol=5e-2, atol=1e-1, err_msg=model)
+    mismatch = "expected m1 and m2 to have the same dtype, but got: c10::BFloat16 != float"
+    for model, file in (("traced", "model.pt"), ("makes_ones", "model.pt2")):
+        error = load_error(server, model)
+        assert f"{model}/1/{file}: field 'parameters[precision]': the model does not run in bf16: a check call at " \
+            f"load failed with " in error, error
+        assert mismatch in error and "allowed: fp32 (or no precision parameter)" in error, error
+        assert str(tmp_path) not in error
+
+
 # --- AOTInductor (compiles C++ with gcc: ~25 s on the 2-core machine) -------------------------------
 
 
@@ -769,9 +952,16 @@ def assert_add_sub_served(server: Any, model: str, n: int) -> None:
 def test_aot_inductor_package_is_served(tmp_path, serve, caplog):
     """A package compiled for the CPU: KIND_AUTO serves it on the CPU even where a GPU is visible
     (saying why), and KIND_GPU is refused naming the device it was compiled for (on a machine without
-    CUDA: naming what torch lacks)."""
+    CUDA: naming what torch lacks). The precision and memory_format parameters are refused: the package
+    runs at the precision and with the input strides it was compiled for (a channels_last input gave
+    wrong results, with no error)."""
     repo = tmp_path / "repo"
     aoti_repo(exported_add_sub(tmp_path / "program.pt2"), repo, "cpu", "aoti_gpu", "KIND_GPU")
+    for name, key, value in (("aoti_nhwc", "memory_format", "channels_last"), ("aoti_fp16", "precision", "fp16")):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.pt2").write_bytes((repo / "aoti" / "1" / "model.pt2").read_bytes())
+        parameter = f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}'
+        write_model(repo, name, ADD_SUB_CONFIG + "instance_group [ { kind: KIND_CPU } ]\n" + parameter, {})
     with caplog.at_level("WARNING", logger="sluice"):
         server = serve(repo, **EXPLICIT)
         httpclient.InferenceServerClient(server.http).load_model("aoti")
@@ -786,6 +976,12 @@ def test_aot_inductor_package_is_served(tmp_path, serve, caplog):
     else:
         assert said == []  # no GPU visible: nothing to explain
         assert "KIND_GPU needs torch with CUDA and a visible GPU" in load_error(server, "aoti_gpu")
+    message = load_error(server, "aoti_nhwc")
+    assert "aoti_nhwc/config.pbtxt:13:1: field 'parameters[memory_format]': an AOTInductor package's kernels " \
+        "assume the input strides it was compiled with" in message, message
+    assert "allowed: no memory_format parameter, or contiguous" in message
+    message = load_error(server, "aoti_fp16")
+    assert "field 'parameters[precision]': an AOTInductor package runs at the precision it was compiled with" in message
 
 
 @needs_gpu
@@ -966,6 +1162,111 @@ def test_requests_merged_into_one_batch_come_back_each_with_its_own_rows(tmp_pat
         client.close()
     assert [(b["batch_size"], b["compute_infer"]["count"]) for b in stats["batch_stats"]] == [(4, 3)]
     assert stats["inference_count"] == 12
+
+
+@needs_gpu
+def test_fp16_with_cuda_graphs_casts_attributes_and_refuses_a_traced_constant_before_capture(tmp_path, serve):
+    """On a GPU with graphs: the scripted model's attributes are cast and its graphs serve; the traced one
+    fails its load at the precision check, naming the parameter (its capture's warm-up would have raised
+    torch's bare RuntimeError)."""
+    torch.manual_seed(0)
+    module = Attributes().eval()
+    config = BF16_CONFIG.replace("bf16", "fp16") + (
+        "instance_group [ { kind: KIND_GPU count: 1 } ]\noptimization { cuda { graphs: true } }\n"
+    )
+    repo = tmp_path / "repo"
+    write_model(repo, "scripted", config, {"model.pt": scripted(module, tmp_path / "s.pt")})
+    torch.jit.trace(module, torch.randn(2, 4)).save(str(tmp_path / "t.pt"))
+    write_model(repo, "traced", config, {"model.pt": (tmp_path / "t.pt").read_bytes()})
+    server = serve(repo, **EXPLICIT)
+    x = rows(3, 4)
+    with torch.no_grad():
+        expected = module(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(
+        http_infer(server, "scripted", {"x": x}).as_numpy("OUTPUT__0"), expected, rtol=2e-2, atol=5e-2
+    )
+    error = load_error(server, "traced")
+    assert "traced/1/model.pt: field 'parameters[precision]': the model does not run in fp16" in error, error
+    assert "CUDA graph" not in error
+
+
+@needs_gpu
+def test_a_model_loads_and_serves_while_another_thread_captures_a_cuda_graph(tmp_path, serve):
+    """Models load in parallel, and a graphed one captures while others load and serve. CUDA refuses a
+    device-wide synchronize while any stream of the device captures (and invalidates that capture): a
+    GPU instance's load synchronizes only its own thread's stream, so both the load and the capture
+    (held open here by another thread, in the backend's thread_local mode) succeed."""
+    repo = tmp_path / "repo"
+    write_model(
+        repo,
+        "add_sub",
+        ADD_SUB_CONFIG + "instance_group [ { kind: KIND_GPU count: 2 } ]",
+        {"model.pt": scripted(AddSub(), tmp_path / "a.pt")},
+    )
+    server = serve(repo, model_control_mode="explicit")
+    capturing, loaded = threading.Event(), threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def capture() -> None:
+        x = torch.ones(4, device="cuda:0")
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, stream=torch.cuda.Stream(0), capture_error_mode="thread_local"):
+                y = x * 2
+                capturing.set()
+                loaded.wait(120)
+            graph.replay()
+            torch.cuda.current_stream(0).synchronize()
+            outcome["replayed"] = y.cpu()
+        except Exception as exc:
+            outcome["error"] = exc
+        finally:
+            capturing.set()
+
+    thread = threading.Thread(target=capture, name="capturing")
+    thread.start()
+    try:
+        assert capturing.wait(60)
+        client = httpclient.InferenceServerClient(server.http)
+        try:
+            client.load_model("add_sub")
+        finally:
+            client.close()
+        assert_add_sub_served(server, "add_sub", 3)  # serving on the instances' streams meanwhile
+    finally:
+        loaded.set()
+        thread.join(60)
+    assert "error" not in outcome, outcome
+    torch.testing.assert_close(outcome["replayed"], torch.full((4,), 2.0))
+
+
+@needs_gpu
+def test_every_gpu_instance_has_a_cuda_stream_of_its_own_past_torchs_pool(tmp_path):
+    """torch.cuda.Stream hands out a pool of 32 streams per device round-robin, so 33 instances would have
+    two sharing one (and a graph captured on it would record the other's work); each instance's stream is
+    its own, and each serves its own rows."""
+    from sluice.runtime.backends import pytorch
+    from sluice.runtime.backends.base import LoadContext
+
+    assert len({torch.cuda.Stream(0).cuda_stream for _ in range(33)}) <= 32  # the pool repeats itself
+    version_dir = tmp_path / "m" / "1"
+    version_dir.mkdir(parents=True)
+    scripted(AddSub(), version_dir / "model.pt")
+    backend = pytorch.load(cfg(ADD_SUB_CONFIG), LoadContext("m", 1, tmp_path / "m", version_dir, tmp_path))
+    instances = [backend.new_instance(i, K.KIND_GPU, 0) for i in range(40)]
+    try:
+        assert len({instance._stream.cuda_stream for instance in instances}) == 40
+        for n, instance in enumerate(instances, start=1):
+            a, b = rows(n % 8 + 1, n), rows(n % 8 + 1, 100 + n)
+            request = InferRequest(
+                "m", "1", [Tensor("INPUT__0", "FP32", a), Tensor("INPUT__1", "FP32", b)], batch_size=len(a)
+            )
+            (result,) = instance.execute([request])
+            np.testing.assert_allclose(result.outputs[0].data, a + b, rtol=1e-6)
+    finally:
+        for instance in instances:
+            instance.close()
+        backend.close()
 
 
 class Lookup(torch.nn.Module):

@@ -8,6 +8,7 @@ import logging
 import subprocess
 import sys
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -295,13 +296,23 @@ optimization { cuda { graphs: true } }
 """
 
 
+def cudart_stream(device: torch.device) -> tuple[torch.cuda.Stream, Any]:
+    """A stream made through runtime/cudart.py, as the backend gives each instance (not torch's pool)."""
+    from sluice.runtime import cudart
+
+    runtime: Any = cudart.Loader().get()
+    handle = runtime.stream_create(device.index)
+    return torch.cuda.ExternalStream(handle, device=device), lambda: runtime.stream_destroy(handle)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
-def test_graph_outputs_equal_eager_outputs_for_every_batch_size():
+@pytest.mark.parametrize("made_by", ["torch-pool", "cudart"])
+def test_graph_outputs_equal_eager_outputs_for_every_batch_size(made_by):
     device = torch.device("cuda:0")
     module = Tiny().to(device).eval().to(memory_format=torch.channels_last)
     plan = graph_plan(cfg(TINY_CONFIG))
     assert plan is not None and plan.batch_sizes == (2, 4, 8)
-    stream = torch.cuda.Stream(device)
+    stream, release = (torch.cuda.Stream(device), lambda: None) if made_by == "torch-pool" else cudart_stream(device)
 
     def forward(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return list(module(*inputs))
@@ -329,6 +340,8 @@ def test_graph_outputs_equal_eager_outputs_for_every_batch_size():
     assert graphed.run(too_big) is None  # eager fallback: no graph holds 9 rows
     assert graphed.run([torch.zeros(2, 3, 4, 4, device=device), torch.zeros(2, 1, device=device)]) is None
     graphed.close()
+    stream.synchronize()
+    release()
 
 
 SYNC_CAPTURE = """
