@@ -213,7 +213,7 @@ class Runtime:
 
     def allocation_size(self, pointer: int, device_id: int) -> int | None:
         """Bytes of the allocation starting at ``pointer`` on (``cuMemGetAddressRange``); None when the
-        driver library cannot be opened (the check is then skipped)."""
+        driver library cannot be opened (the region cannot be checked: the caller refuses it)."""
         if self._address_range is _UNSET:
             try:
                 function = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
@@ -243,9 +243,13 @@ class Runtime:
         self._check("cudaMemcpy (device to host)", code)
 
     def to_device(self, pointer: int, host: int, byte_size: int, device_id: int) -> None:
+        """Copy host memory into device memory and wait until it is there: from pageable memory
+        ``cudaMemcpy`` returns once the bytes are staged, before the DMA lands, and the client reads
+        its region once it has the response (on its own stream, in another process)."""
         self._use(device_id)
         code = self._lib.cudaMemcpy(pointer, host, byte_size, _MEMCPY_HOST_TO_DEVICE)
         self._check("cudaMemcpy (host to device)", code)
+        self._check("cudaStreamSynchronize", self._lib.cudaStreamSynchronize(ctypes.c_void_p(0)))
 
     # -- device buffers and streams (the TensorRT backend) -----------------------------------------
 
@@ -306,15 +310,16 @@ class Loader:
                 self._outcome = self._load()
             outcome = self._outcome
         if isinstance(outcome, NoCuda):
-            raise outcome
+            # a new exception each time: re-raising the remembered one would chain every caller's frames
+            # onto its traceback (a CPU server asks on each metadata request: memory grew without bound)
+            raise NoCuda(str(outcome)) from None
         return outcome
 
     def usable(self) -> bool:
-        try:
-            self.get()
-        except NoCuda:
-            return False
-        return True
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = self._load()
+            return not isinstance(self._outcome, NoCuda)
 
     def _candidates(self) -> list[str]:
         names = list(self._names)

@@ -424,9 +424,19 @@ class Registry:
             ) from None
         try:
             size = device.allocation_size(pointer, device_id)
-        except cudart.CudaError:
-            size = None
-        if size is not None and registration.byte_size > size:
+        except cudart.CudaError as exc:
+            device.close_ipc(pointer, device_id)
+            raise InvalidArgument(
+                f"{fail}: cannot size the CUDA allocation behind the handle ({exc}), so byte_size "
+                f"{registration.byte_size} cannot be checked against it"
+            ) from None
+        if size is None:  # no driver library to ask: a region that cannot be checked is not taken (Triton)
+            device.close_ipc(pointer, device_id)
+            raise InvalidArgument(
+                f"{fail}: the CUDA driver library (libcuda.so.1) cannot be loaded to size the allocation behind "
+                "the handle, so byte_size cannot be checked against it"
+            )
+        if registration.byte_size > size:
             device.close_ipc(pointer, device_id)
             raise InvalidArgument(
                 f"{fail}: byte_size {registration.byte_size} is larger than the CUDA allocation behind the "

@@ -21,6 +21,7 @@ import http.client
 import json
 import shutil
 import threading
+import traceback
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -154,6 +155,19 @@ def test_loader_without_a_runtime(tmp_path: Path) -> None:
         loader.get()
     assert str(caught.value).startswith("no CUDA runtime found")
     assert str(tmp_path) not in str(caught.value)
+
+
+def test_asking_a_loader_without_a_runtime_again_and_again_holds_no_more_memory(tmp_path: Path) -> None:
+    """A CPU server asks on every metadata request: the remembered answer must not pile up tracebacks."""
+    loader = cudart.Loader(names=(), directories=[tmp_path])
+    depths = []
+    for _ in range(5):
+        with pytest.raises(cudart.NoCuda) as caught:
+            loader.get()
+        depths.append(len(traceback.extract_tb(caught.value.__traceback__)))
+        assert caught.value.__context__ is None and caught.value.__cause__ is None
+    assert len(set(depths)) == 1, depths
+    assert not loader.usable()
 
 
 def gpu_visible() -> bool:
@@ -333,6 +347,36 @@ class HostGpu:
         self._inside(pointer, byte_size, device_id)
         ctypes.memmove(pointer, host, byte_size)
         self.copies += 1
+
+
+class UnsizableGpu(HostGpu):
+    """A GPU whose allocations cannot be sized: the driver call fails, or there is no driver library."""
+
+    def __init__(self, failing: bool) -> None:
+        super().__init__()
+        self.failing = failing
+
+    def allocation_size(self, pointer: int, device_id: int) -> int | None:
+        if self.failing:
+            raise cudart.CudaError("cuMemGetAddressRange", 1, "CUresult 1", "cannot size the allocation")
+        return None
+
+
+@pytest.mark.parametrize("failing", [True, False], ids=["sizing-fails", "no-driver-library"])
+def test_a_region_whose_size_cannot_be_checked_is_refused(tmp_path: Path, failing: bool) -> None:
+    """Triton refuses a region it cannot size: a byte_size past the allocation would let requests read or
+    write past the client's memory."""
+    gpu = UnsizableGpu(failing)
+    handle = start_server(make_repo(tmp_path / "repo"), cuda=gpu)
+    try:
+        memory, _ = gpu.allocate(256)
+        client = httpclient.InferenceServerClient(handle.http)
+        refused = _error(lambda: client.register_cuda_shared_memory("r", raw(memory), 0, 2**40))
+        assert refused.status() == "400" and "cannot be checked" in refused.message()
+        assert gpu.opened == {} and gpu.closed == [memory]  # the handle opened to size it was closed again
+        assert cuda_regions(client) == {}
+    finally:
+        handle.stop()
 
 
 @pytest.fixture(scope="module")
