@@ -251,7 +251,9 @@ class DataPlane:
         composing = self.repository.composing_models(name) if dependents else []
         await self.control.unload(name)
         for step in composing:
-            if step != name and not self.repository.used_by_ensembles(step):
+            # only models loaded along with an ensemble (Triton: "not explicitly loaded and now
+            # without downstreams"); one a user loaded stays
+            if step != name and step in self.repository.implicit and not self.repository.used_by_ensembles(step):
                 await self.unload(step, dependents=True)
 
     def state_of(self, name: str) -> str:

@@ -480,6 +480,9 @@ class Repository:
         # Models the server is expected to serve (strict readiness): those asked for at start,
         # and those loaded since; an unload removes one.
         self._expected: set[str] = set()
+        self.implicit: set[str] = set()
+        """Models loaded only because an ensemble being loaded needs them (Triton's composing models
+        "loaded along with" it): ``unload_dependents`` unloads these, never a model a user loaded."""
         self.load_failures: dict[str, int] = {}
         """Failed loads and reloads per model since start (``sluice_model_load_failures_total``)."""
 
@@ -667,6 +670,7 @@ class Repository:
             # effect in the order they came, so an unload sent during a load leaves it unloaded and
             # not awaited by readiness (discarded before the lock, the load marked it again).
             self._expected.discard(name)
+            self.implicit.discard(name)
             old, model.versions, model.waiting = {**model.waiting, **model.versions}, {}, {}
             model.state = UNAVAILABLE
             model.reason = "unloaded"
@@ -688,6 +692,27 @@ class Repository:
         if model is None or not model.versions:
             return False
         return not version or int(version) in model.versions
+
+    async def load_steps(self, name: str, _seen: set[str] | None = None) -> None:
+        """Load the composing models of ensemble ``name`` that are not loaded (Triton loads an
+        ensemble's steps with it), theirs in turn; each is marked implicit. Raises an error naming the
+        step when one cannot be loaded (the ensemble then waits for it, unserved)."""
+        seen = _seen if _seen is not None else {name}
+        for step in self.composing_models(name):
+            if step in seen:
+                continue
+            seen.add(step)
+            model = self._models.get(step)
+            if model is None or not (model.versions or model.waiting):
+                self.implicit.add(step)
+                try:
+                    await self.load(step)
+                except SluiceError as exc:
+                    exc.message = (f"failed to load '{name}': its ensemble step model '{step}' cannot be loaded: "
+                                   f"{exc.message}")
+                    exc.args = (exc.message,)
+                    raise
+            await self.load_steps(step, seen)
 
     def composing_models(self, name: str) -> list[str]:
         """The local step models of ensemble ``name`` (loaded or waiting), in step order; empty for a

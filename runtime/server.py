@@ -210,6 +210,13 @@ class Server:
         for name, result in zip(names_, results, strict=True):
             if isinstance(result, BaseException):
                 self.failed_models[name] = result.message if isinstance(result, SluiceError) else repr(result)
+        for name in names_:  # an ensemble's composing models load with it (explicit mode, or --model lists)
+            if name in self.failed_models:
+                continue
+            try:
+                await self.repository.load_steps(name)
+            except SluiceError as exc:
+                self.failed_models[name] = exc.message
         self.dataplane.set_started()
         self.control.start()
         serving = len(names_) - len(self.failed_models)
@@ -245,6 +252,12 @@ class Server:
             raise StartupError(
                 "--load-model needs --model-control-mode explicit (in none and poll mode every model, or those "
                 "named with --model, loads at start)"
+            )
+        if "*" in settings.load_models and len(set(settings.load_models)) > 1:
+            others = ", ".join(sorted(set(settings.load_models) - {"*"}))
+            raise StartupError(
+                f"--load-model '*' loads every model: it cannot be combined with other --load-model names "
+                f"({others}); allowed: '*' alone, or model names (Triton refuses the mix too)"
             )
         if settings.model_control_mode == "poll" and settings.repository_poll_s <= 0:
             raise StartupError(

@@ -142,12 +142,19 @@ class ModelControl:
 
     # -- the repository API --------------------------------------------------------------------
     async def load(self, name: str, override: str | None = None) -> None:
+        """Load ``name`` as asked (no longer implicit), then the ensemble steps it needs that are not
+        loaded (Triton loads an ensemble's composing models with it)."""
         self._refuse()
         if self.mirror is not None and names.name_problem(name) is None:
             await self._sync(only=[name])
+        self.repository.implicit.discard(name)
         await self.repository.load(name, override)
         if self.mirror is not None and names.name_problem(name) is None:
             await self._collect(only=[name])
+        for step in self.repository.composing_models(name):
+            if self.mirror is not None and not self.repository.ready_versions(step):
+                await self._sync(only=[step])
+        await self.repository.load_steps(name)
 
     async def unload(self, name: str) -> None:
         self._refuse()

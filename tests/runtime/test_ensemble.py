@@ -498,15 +498,16 @@ def test_readiness_follows_the_steps(repo: Path, serve) -> None:
     assert stats["success"]["count"] == 2
 
 
-def test_load_order_does_not_matter(tmp_path: Path, serve) -> None:
+def test_an_ensemble_loads_its_steps_and_follows_them(tmp_path: Path, serve) -> None:
     repo = tmp_path / "repo"
     write_ensemble(repo, "pipeline", PIPELINE)
     base_repo(repo)
-    # the ensemble alone: its steps come later
+    # the ensemble alone: its steps load with it (Triton)
     server: Running = serve(repo, models=("pipeline",), model_control_mode="explicit")
     http = httpclient.InferenceServerClient(server.http)
-    assert not http.is_model_ready("pipeline")
-    http.load_model("add_sub")
+    assert http.is_model_ready("pipeline") and http.is_model_ready("add_sub") and http.is_model_ready("identity_fp32")
+    # a step unloaded: the ensemble waits for it, and serves again when it is back, without a reload
+    http.unload_model("identity_fp32")
     assert not http.is_model_ready("pipeline")
     http.load_model("identity_fp32")
     assert http.is_model_ready("pipeline")

@@ -200,6 +200,8 @@ def test_explicit_mode_loads_only_load_model_names_and_allows_the_api(repo, serv
     [
         ({"load_models": ("plus",)}, "--load-model needs --model-control-mode explicit"),
         ({"model_control_mode": "sometimes"}, "allowed values are none, poll, explicit"),
+        ({"model_control_mode": "explicit", "load_models": ("*", "nosuch")},
+         r"--load-model '\*' loads every model: it cannot be combined with other --load-model names \(nosuch\)"),
         ({"model_control_mode": "poll", "repository_poll_s": 0}, "poll mode needs a positive interval"),
     ],
 )
@@ -478,19 +480,23 @@ ensemble_scheduling {{ step [ {{ model_name: "plus" model_version: -1
 
 def test_unload_dependents_unloads_an_ensemble_s_steps_unless_another_ensemble_uses_them(repo, serve):
     """Triton's repository extension: unload_dependents also unloads the composing models (tritonclient's
-    unload_model(..., unload_dependents=True), over HTTP and gRPC), here only once no loaded ensemble uses them."""
+    unload_model(..., unload_dependents=True), over HTTP and gRPC) that were loaded along with an ensemble,
+    once no loaded ensemble uses them; a model a user loaded stays."""
     for name in ("ens_a", "ens_b"):
         write_model(repo, name, ensemble_over_plus(name), {})
-    server = serve(repo, model_control_mode="explicit", load_models=("*",))
+    server = serve(repo, model_control_mode="explicit", load_models=("ens_a", "ens_b"))
     http = httpclient.InferenceServerClient(server.http)
     grpc = grpcclient.InferenceServerClient(server.grpc)
     try:
-        assert all(http.is_model_ready(m) for m in ("plus", "ens_a", "ens_b"))
+        assert all(http.is_model_ready(m) for m in ("plus", "ens_a", "ens_b"))  # plus: loaded along with them
         http.unload_model("ens_a", unload_dependents=True)
         assert not http.is_model_ready("ens_a") and http.is_model_ready("plus")  # ens_b still uses it
         grpc.unload_model("ens_b", unload_dependents=True)
         assert not http.is_model_ready("ens_b") and not http.is_model_ready("plus")
-        http.load_model("plus")
+        http.load_model("plus")  # loaded by a user now
+        http.load_model("ens_a")
+        http.unload_model("ens_a", unload_dependents=True)
+        assert http.is_model_ready("plus")  # Triton: only models "not explicitly loaded" go with it
         http.load_model("ens_a")
         http.unload_model("ens_a")  # without the parameter: the step stays
         assert http.is_model_ready("plus")
@@ -504,6 +510,34 @@ def test_unload_dependents_unloads_an_ensemble_s_steps_unless_another_ensemble_u
         assert http.is_model_ready("plus")
     finally:
         grpc.close()
+        http.close()
+
+
+def test_loading_an_ensemble_loads_its_composing_models(repo, serve):
+    """Triton loads an ensemble's steps with it, at start (--load-model) and through the load API; a
+    step that cannot load fails the ensemble's load naming the step."""
+    write_model(repo, "ens_a", ensemble_over_plus("ens_a"), {})
+    write_model(repo, "ens_b", ensemble_over_plus("ens_b"), {})
+    write_model(repo, "outer", ensemble_over_plus("outer").replace('model_name: "plus"', 'model_name: "ens_b"'), {})
+    write_model(repo, "bad", 'backend: "onnxruntime"\nmax_batch_size: 8\n', {"model.onnx": b"not an onnx model"})
+    write_model(repo, "broken", ensemble_over_plus("broken").replace('model_name: "plus"', 'model_name: "bad"'), {})
+    server = serve(repo, model_control_mode="explicit", load_models=("ens_a",))
+    http = httpclient.InferenceServerClient(server.http)
+    try:
+        assert http.is_server_ready() and http.is_model_ready("ens_a") and http.is_model_ready("plus")
+        tensor = httpclient.InferInput("IN", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.array([[2.0]], np.float32))
+        through = float(http.infer("ens_a", [tensor]).as_numpy("OUT")[0][0])
+        assert through == infer_http(server.http, 2.0, model="plus")
+        http.unload_model("ens_a", unload_dependents=True)
+        assert not http.is_model_ready("plus")
+        http.load_model("outer")  # an ensemble over an ensemble: both levels of steps
+        assert all(http.is_model_ready(m) for m in ("outer", "ens_b", "plus"))
+        with pytest.raises(InferenceServerException) as caught:
+            http.load_model("broken")
+        assert "failed to load 'broken': its ensemble step model 'bad' cannot be loaded" in caught.value.message()
+        assert not http.is_model_ready("broken") and http.is_model_ready("plus")
+    finally:
         http.close()
 
 
