@@ -198,7 +198,7 @@ class CallerCollector(Collector):
 class RepositoryCollector(Collector):
     """Loads and reloads: failures per model, each model's load state, and repository polls."""
 
-    STATES = ("READY", "LOADING", "UNAVAILABLE", "STALE")
+    STATES = ("READY", "LOADING", "UNLOADING", "UNAVAILABLE", "STALE")
 
     def __init__(self, repository: Repository, polls: PollCounts | None) -> None:
         self._repository = repository

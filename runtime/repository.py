@@ -510,8 +510,8 @@ class Repository:
         return {name for name, model in self._models.items() if model.reload_error and model.versions}
 
     def load_states(self) -> dict[str, str]:
-        """Every model this repository knows -> ``READY``, ``LOADING``, ``UNAVAILABLE`` or ``STALE``
-        (serving older versions after a failed reload)."""
+        """Every model this repository knows -> ``READY``, ``LOADING``, ``UNLOADING`` (draining),
+        ``UNAVAILABLE`` or ``STALE`` (serving older versions after a failed reload)."""
         return {
             name: "STALE" if model.reload_error and model.versions else model.state
             for name, model in self._models.items()
@@ -672,13 +672,19 @@ class Repository:
             self._expected.discard(name)
             self.implicit.discard(name)
             old, model.versions, model.waiting = {**model.waiting, **model.versions}, {}, {}
-            model.state = UNAVAILABLE
-            model.reason = "unloaded"
+            # UNLOADING while its requests drain (Triton), UNAVAILABLE "unloaded" once they are done
+            model.state = UNLOADING if old else UNAVAILABLE
+            model.reason = "" if old else "unloaded"
             model.load_error = model.reload_error = ""
             for version in old:
-                model.history[version] = UNAVAILABLE
+                model.history[version] = UNLOADING
             self._follow_steps()
         await self._close_versions(old.values(), grace_s)
+        if model.state == UNLOADING and not model.versions and not model.waiting:  # no load came meanwhile
+            model.state, model.reason = UNAVAILABLE, "unloaded"
+            for version in old:
+                if model.history.get(version) == UNLOADING:
+                    model.history[version] = UNAVAILABLE
 
     def _step_config(self, name: str, version: str) -> mc.ModelConfig | None:
         """The config of a ready step model, for the ensemble's reshaping between steps."""
@@ -820,6 +826,8 @@ class Repository:
                     state = model.state if model else ""
                     entries.append(IndexEntry(name, "", state, model.reason if model else ""))
                 continue
+            if name not in on_disk and not model.versions and not model.waiting and model.state != UNLOADING:
+                continue  # its directory is gone and nothing serves: not in the repository any more (Triton)
             for version, state in sorted(model.history.items()):
                 if version in model.versions:
                     state = READY

@@ -466,6 +466,42 @@ def test_an_unload_sent_during_a_load_takes_effect_after_it_and_readiness_does_n
     client.close()
 
 
+def test_an_unloaded_model_is_unloading_while_its_requests_drain_then_unavailable(repo, serve):
+    """Triton's index: UNLOADING while the model finishes what it runs, then UNAVAILABLE "unloaded"; a
+    model whose directory is gone then leaves the index (Triton lists the repository's models)."""
+    from .conftest import GATED_CONFIG, gate, gated_py  # type: ignore[import-not-found]
+
+    write_model(repo, "gated", GATED_CONFIG, {"model.py": gated_py("sluice_unloading_gate")})
+    server = serve(repo, model_control_mode="explicit", load_models=("gated", "plus"))
+
+    def states() -> list[tuple[str, str, str]]:
+        return [(e["name"], e.get("state", ""), e.get("reason", "")) for e in index(server.http) if e["name"] == "gated"]
+
+    def infer() -> None:
+        client = httpclient.InferenceServerClient(server.http, network_timeout=60)
+        tensor = httpclient.InferInput("INPUT0", [4], "FP32")
+        tensor.set_data_from_numpy(np.ones(4, np.float32))
+        client.infer("gated", [tensor])
+        client.close()
+
+    with gate("sluice_unloading_gate") as g:
+        running = threading.Thread(target=infer)
+        running.start()
+        assert g.entered.wait(30)
+        unloading = threading.Thread(target=lambda: server.call(server.server.repository.unload("gated", 30)))
+        unloading.start()
+        deadline = time.monotonic() + 10
+        while states() != [("gated", "UNLOADING", "")]:
+            assert time.monotonic() < deadline, states()
+            time.sleep(0.01)
+        g.release.set()
+        running.join(30)
+        unloading.join(30)
+    assert states() == [("gated", "UNAVAILABLE", "unloaded")]
+    shutil.rmtree(repo / "gated")
+    assert states() == [] and [e["name"] for e in index(server.http)] == ["plus"]
+
+
 def ensemble_over_plus(name: str) -> str:
     return f"""
 name: "{name}"
