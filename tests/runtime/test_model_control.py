@@ -475,7 +475,8 @@ def test_an_unloaded_model_is_unloading_while_its_requests_drain_then_unavailabl
     server = serve(repo, model_control_mode="explicit", load_models=("gated", "plus"))
 
     def states() -> list[tuple[str, str, str]]:
-        return [(e["name"], e.get("state", ""), e.get("reason", "")) for e in index(server.http) if e["name"] == "gated"]
+        entries = [e for e in index(server.http) if e["name"] == "gated"]
+        return [(e["name"], e.get("state", ""), e.get("reason", "")) for e in entries]
 
     def infer() -> None:
         client = httpclient.InferenceServerClient(server.http, network_timeout=60)
