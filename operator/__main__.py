@@ -153,7 +153,7 @@ async def run(settings: Settings, *, stop_flag: asyncio.Event | None = None) -> 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parser().parse_args(argv)
     try:
-        import kopf  # noqa: F401  (the operator extra; everything that runs below needs it)
+        import kopf  # the operator extra; everything that runs below needs it
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in OPERATOR_EXTRA:
             raise
@@ -168,7 +168,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(f"sluice-operator: {exc}")
     if args.namespace:
         settings = dataclasses.replace(settings, namespaces=tuple(args.namespace))
-    asyncio.run(run(settings))
+    try:
+        asyncio.run(run(settings))
+    except Exception as exc:
+        # A startup handler that failed for good (kopf logged it; e.g. the leader election's peering object
+        # cannot be created): one line with its reason, not kopf's "One or more handlers failed." traceback.
+        if not isinstance(exc.__cause__, kopf.PermanentError):
+            raise
+        sys.exit(f"sluice-operator: cannot start: {exc.__cause__}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,12 @@ With ``Settings.webhook.port``, also the sidecar-injection admission webhook: a 
 InferenceModels (``sidecar.indexed``) and a mutating handler on pod creation that answers with
 ``sidecar.admit``'s patch, served by ``webhook.InjectorServer``.
 
+With ``Settings.peering_name`` (leader election), also a startup handler that creates kopf's peering
+object (a KopfPeering in each watched namespace, or the ClusterKopfPeering) where it is missing, before
+kopf starts its peering: with a mandatory peering name kopf stays paused for as long as the object does
+not exist, and the operator must not depend on anyone else (a Helm hook) to make it. See
+:func:`ensure_peering`.
+
 Deletion needs no handler: children carry ownerReferences, so the garbage collector removes them.
 """
 
@@ -26,15 +32,16 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
 
+import aiohttp
 import kopf
 
 from sluice.operator import api, builders, sidecar, webhook
 from sluice.operator.kube import RESOURCES, Kube
 from sluice.operator.metrics import OperatorMetrics
-from sluice.operator.reconcile import Reconciler
+from sluice.operator.reconcile import ApiError, Reconciler
 from sluice.operator.settings import Settings
 
 LoginFn = Callable[..., Awaitable[kopf.ConnectionInfo | None]]
@@ -118,6 +125,9 @@ def register(
         for task in list(tasks):
             task.cancel()
         await kube.aclose()
+
+    if settings.peering_name is not None:
+        _register_peering(registry, settings.peering_name, settings.namespaces, login)
 
     requeues: dict[tuple[str, str, str], asyncio.TimerHandle] = {}
     stopping = asyncio.Event()
@@ -282,6 +292,112 @@ def register(
         group, version = _split(RESOURCES[kind][0])
         kopf.on.event(group, version, RESOURCES[kind][1], registry=registry, id=f"child-{kind.lower()}",
                       labels={"app.kubernetes.io/managed-by": builders.MANAGED_BY})(on_child)
+
+
+PEERING_API_VERSION = "kopf.dev/v1"
+PEERING_GIVE_UP = frozenset({400, 401, 403, 405, 422})
+"""Answers to a peering object's get/create that no retry changes: credentials, RBAC, an invalid name."""
+PEERING_MAX_DELAY = 30.0
+"""The longest wait between tries to create a peering object (1 s, doubling)."""
+
+
+def is_namespace_pattern(namespace: str) -> bool:
+    """Whether kopf reads a watched namespace as a pattern (globs, exclusions, lists), not one name."""
+    return any(c in namespace for c in "!*?,")
+
+
+def peering_objects(name: str, namespaces: Sequence[str]) -> list[dict[str, Any]]:
+    """kopf's peering objects for leader election: a KopfPeering ``name`` in each watched namespace,
+    or the ClusterKopfPeering ``name`` when all namespaces are watched. Patterns name no namespace."""
+    labels = {"app.kubernetes.io/managed-by": builders.MANAGED_BY}
+    if not namespaces:
+        return [{"apiVersion": PEERING_API_VERSION, "kind": "ClusterKopfPeering",
+                 "metadata": {"name": name, "labels": labels}}]
+    return [{"apiVersion": PEERING_API_VERSION, "kind": "KopfPeering",
+             "metadata": {"name": name, "namespace": namespace, "labels": labels}}
+            for namespace in dict.fromkeys(namespaces) if not is_namespace_pattern(namespace)]
+
+
+def describe_peering(obj: Mapping[str, Any]) -> str:
+    meta = obj["metadata"]
+    where = f"in namespace {meta['namespace']!r}" if meta.get("namespace") else "(cluster-wide)"
+    return f"{obj['kind']} {meta['name']!r} {where}"
+
+
+async def ensure_peering(kube: Kube, obj: Mapping[str, Any]) -> bool:
+    """Create kopf's peering object ``obj`` unless it exists; ``True`` when this call created it.
+
+    An existing one is never replaced or patched: its status holds the live replicas' keepalives, and
+    an empty one (recreated) would let a paused replica resume next to the leader until the leader's
+    next keepalive. A 409 (another replica created it first) is as good as found.
+    """
+    meta = obj["metadata"]
+    if await kube.get(obj["kind"], meta.get("namespace", ""), meta["name"]) is not None:
+        return False
+    try:
+        await kube.create(obj)
+    except ApiError as exc:
+        if exc.status == 409:
+            return False
+        raise
+    return True
+
+
+def _register_peering(registry: kopf.OperatorRegistry, name: str, namespaces: Sequence[str], login: LoginFn) -> None:
+    """A startup handler that makes kopf's peering objects exist before kopf starts its peering.
+
+    kopf runs startup handlers before any of its watchers and keepalives, so the objects exist when
+    kopf first looks (its own first keepalive then lands in them). The handler logs in itself: kopf's
+    login (``authenticate``) runs only after the startup handlers. What a retry can fix (the API server
+    unreachable or busy, the peering CRD not served yet, a watched namespace that does not exist yet) is
+    retried with a growing delay, and kopf starts nothing meanwhile: a replica that started without its
+    peering object would stay paused there. What no retry fixes (no permission to create the object, an
+    invalid name) stops the operator with the reason.
+    """
+    log = logging.getLogger("sluice.operator")
+    pending = peering_objects(name, namespaces)
+    patterns = [namespace for namespace in namespaces if is_namespace_pattern(namespace)]
+
+    @kopf.on.startup(registry=registry, id="peering", errors=kopf.ErrorsMode.PERMANENT)
+    async def ensure_peerings(retry: int = 0, **kwargs: Any) -> None:
+        if patterns and retry == 0:
+            log.warning("Leader election: no KopfPeering %r is created in the namespaces matching %s (a pattern "
+                        "names no namespace in advance); kopf stays paused in each until one exists there",
+                        name, ", ".join(repr(p) for p in patterns))
+        info = await login(**kwargs)
+        if info is None:
+            raise kopf.PermanentError("no credentials to create kopf's peering objects with")
+        kube = Kube(info)
+        try:
+            while pending:
+                obj = pending[0]
+                what = describe_peering(obj)
+                delay = min(2.0 ** retry, PEERING_MAX_DELAY)
+                try:
+                    created = await ensure_peering(kube, obj)
+                except ApiError as exc:
+                    problem = f"{exc.status} {exc.reason}: {exc.message}".rstrip(": ")
+                    if exc.status in PEERING_GIVE_UP:
+                        rbac = (f" (the operator's ServiceAccount needs get and create on "
+                                f"{obj['kind'].lower()}s.kopf.dev; the chart grants them with leaderElection.enabled)"
+                                if exc.status == 403 else "")
+                        raise kopf.PermanentError(
+                            f"leader election needs {what} and cannot read or create it: {problem}{rbac}") from exc
+                    hint = (" (is kopf's peering CRD installed, and does the namespace exist?)"
+                            if exc.status == 404 else "")
+                    raise kopf.TemporaryError(f"leader election needs {what}, not created yet: {problem}{hint}; "
+                                              f"trying again in {delay:g} s", delay=delay) from exc
+                except (aiohttp.ClientError, OSError) as exc:  # OSError: TimeoutError too
+                    raise kopf.TemporaryError(f"leader election needs {what}, not created yet: "
+                                              f"{type(exc).__name__}: {exc}; trying again in {delay:g} s",
+                                              delay=delay) from exc
+                if created:
+                    log.info("Leader election: created %s", what)
+                else:
+                    log.info("Leader election: %s exists; left as it is", what)
+                pending.pop(0)
+        finally:
+            await kube.aclose()
 
 
 def _register_injection(registry: kopf.OperatorRegistry, injector: webhook.Injector) -> None:

@@ -52,10 +52,14 @@ RESOURCES: dict[str, tuple[str, str]] = {
     api.INFERENCE_MODEL_KIND: (api.API_VERSION, api.INFERENCE_MODEL_PLURAL),
     api.ENSEMBLE_KIND: (api.API_VERSION, api.ENSEMBLE_PLURAL),
     api.MODEL_POOL_KIND: (api.API_VERSION, api.MODEL_POOL_PLURAL),
+    # kopf's leader election: the operator creates its peering object where it is missing (get, create);
+    # kopf itself watches it and writes the keepalives into its status.
+    "KopfPeering": ("kopf.dev/v1", "kopfpeerings"),
+    "ClusterKopfPeering": ("kopf.dev/v1", "clusterkopfpeerings"),
 }
 
 
-CLUSTER_SCOPED = frozenset({"Node", "ResourceSlice", "MutatingWebhookConfiguration"})
+CLUSTER_SCOPED = frozenset({"Node", "ResourceSlice", "MutatingWebhookConfiguration", "ClusterKopfPeering"})
 
 
 def path(kind: str, namespace: str, name: str | None = None) -> str:

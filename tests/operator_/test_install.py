@@ -247,9 +247,34 @@ def test_crds_toggle_and_keep():
     peering = [d["metadata"]["name"] for d in template("--set", "leaderElection.enabled=true")
                if d["kind"] == "CustomResourceDefinition"]
     assert "kopfpeerings.kopf.dev" in peering
-    elections = [d for d in template("--set", "leaderElection.enabled=true", "--set", "replicaCount=2")
-                 if d["kind"] == "ClusterKopfPeering"]
-    assert [d["metadata"]["annotations"]["helm.sh/hook"] for d in elections] == ["post-install,post-upgrade"]
+
+
+@pytest.mark.parametrize("values", [[], ["--set", "watchNamespaces={models,research}"]], ids=["cluster", "namespaced"])
+def test_leader_election_peering_objects_are_the_operators_not_the_charts(values):
+    """The chart renders no peering object (a Helm hook would be deleted and recreated, empty, on every
+    upgrade, letting a paused replica resume next to the leader); the operator creates a missing one at
+    start-up, so its ServiceAccount may get and create them where it watches, and kopf list/watch/patch."""
+    from sluice.operator import handlers
+    docs = template("--set", "leaderElection.enabled=true", "--set", "replicaCount=2", *values)
+    assert not [d["kind"] for d in docs if d["apiVersion"].startswith("kopf.dev")]
+    assert not [d["kind"] for d in docs if "helm.sh/hook" in (d["metadata"].get("annotations") or {})]
+    settings = Settings.from_env(_operator_env("--set", "leaderElection.enabled=true", *values))
+    assert settings.peering_name == "sluice"
+    objects = handlers.peering_objects(settings.peering_name, settings.namespaces)
+    assert objects, "the operator ensures at least one peering object"
+    roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole"}
+    for obj in objects:
+        plural = f"{obj['kind'].lower()}s"
+        namespace = obj["metadata"].get("namespace")
+        # the ClusterRoles bound where this object lives: cluster-wide, or by a RoleBinding in its namespace
+        bound = [d["roleRef"]["name"] for d in docs
+                 if d["kind"] == "ClusterRoleBinding" or (d["kind"] == "RoleBinding"
+                                                          and d["metadata"]["namespace"] == namespace)]
+        verbs = {v for name in bound if name in roles for r in roles[name]["rules"]
+                 if "kopf.dev" in r["apiGroups"] and plural in r["resources"] for v in r["verbs"]}
+        assert {"get", "create", "list", "watch", "patch"} <= verbs, (obj["kind"], namespace, sorted(verbs))
+        assert "delete" not in verbs and "update" not in verbs
+    assert {o["metadata"].get("namespace") for o in objects} == ({"models", "research"} if values else {None})
 
 
 def test_namespaced_install_binds_roles_only_in_watched_namespaces():
@@ -286,6 +311,8 @@ def test_rbac_covers_every_kind_the_operator_writes():
         verbs = {v for r in rules if group in r["apiGroups"] and plural in r["resources"] for v in r["verbs"]}
         if kind in ("Secret", "MutatingWebhookConfiguration"):
             continue  # the webhook's, by name only: test_webhook_rbac_is_by_name
+        if group == "kopf.dev":
+            continue  # with leaderElection.enabled only: test_leader_election_peering_objects_are_the_operators_...
         wanted = {"get", "list"} if kind in ("Pod", "Node", "ResourceSlice", "ResourceClaim") else \
             {"get", "patch"} if group == "sluice.dev" else {"get", "create", "patch", "delete"}
         assert wanted <= verbs, f"{kind} ({group}/{plural}): the chart grants {sorted(verbs)}"
