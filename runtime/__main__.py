@@ -310,7 +310,22 @@ def _parser() -> argparse.ArgumentParser:
         "--response-cache-bytes",
         type=int,
         default=sched.response_cache_bytes,
-        help="size bound of each cached model version's response cache",
+        help="size bound of each cached model version's response cache (without --cache-config)",
+    )
+    serve.add_argument(
+        "--cache-config",
+        action="append",
+        type=_cache_entry,
+        default=None,
+        metavar="local,size=BYTES",
+        help="Triton's server response cache: one LRU bound shared by every model with response_cache enabled "
+        "(default: none: each model version has its own --response-cache-bytes cache)",
+    )
+    serve.add_argument(
+        "--response-cache-byte-size",
+        type=_positive(int),
+        default=None,
+        help="Triton's older form of --cache-config local,size=BYTES",
     )
     serve.add_argument(
         "--worker-spin-us",
@@ -544,6 +559,26 @@ def pull_settings_from_args(args: argparse.Namespace, env: dict[str, str]) -> Pu
     )
 
 
+def _cache_entry(value: str) -> int:
+    """One ``--cache-config`` entry (Triton's ``local,size=BYTES``) -> its size."""
+    from sluice.runtime.cache import cache_config_bytes
+
+    try:
+        return cache_config_bytes([value])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _shared_cache_bytes(args: argparse.Namespace) -> int:
+    if args.cache_config and args.response_cache_byte_size is not None:
+        print("sluice: error: --cache-config and --response-cache-byte-size both set the server cache; allowed: "
+              "one of them", file=sys.stderr)
+        raise SystemExit(2)
+    if args.response_cache_byte_size is not None:
+        return int(args.response_cache_byte_size)
+    return int(args.cache_config[-1]) if args.cache_config else 0
+
+
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     scheduling = SchedulingDefaults(
@@ -554,6 +589,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         overload_interval_ms=args.overload_interval_ms,
         overload_target_ms=args.overload_target_ms,
         response_cache_bytes=args.response_cache_bytes,
+        response_cache_shared_bytes=_shared_cache_bytes(args),
         worker_spin_us=args.worker_spin_us,
     )
     from sluice.runtime import mirror

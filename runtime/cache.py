@@ -1,7 +1,10 @@
-"""Response cache: per model version, keyed by the request's input tensors, bounded in bytes (LRU).
+"""Response cache: keyed by the request's input tensors, bounded in bytes (LRU).
 
-Enabled by ``response_cache { enable: true }`` in a model's config (no server-level setup, unlike
-Triton). The key is the inputs (name, datatype, shape and bytes); the requested outputs are not
+Enabled by ``response_cache { enable: true }`` in a model's config. Without server-level setup each
+model version has a cache of its own (``--response-cache-bytes``); with Triton's ``--cache-config
+local,size=N`` (or ``--response-cache-byte-size N``) every such version takes a part of one cache of
+N bytes shared by all (:meth:`ResponseCache.part`), as in Triton. The key is the inputs (name,
+datatype, shape and bytes); the requested outputs are not
 part of it, so a gRPC request hits an entry an HTTP request stored, as in Triton. Only complete
 responses (every output) of successful executions are stored; a hit is cut down to the outputs
 the request asked for. Used by the data plane on the event loop only (no locks).
@@ -11,7 +14,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 from sluice.runtime.types import InferRequest, InferResponse, Tensor
 
@@ -49,6 +53,53 @@ def _kept(tensor: Tensor) -> Tensor:
     return Tensor(tensor.name, tensor.datatype, copy, dict(tensor.parameters))
 
 
+def cache_config_bytes(entries: Sequence[str]) -> int:
+    """The shared cache's size from Triton's ``--cache-config <cache>,<key>=<value>`` entries (pure).
+    Only the ``local`` cache and its ``size`` (bytes) exist here; ValueError names what is wrong."""
+    size: int | None = None
+    for entry in entries:
+        cache, _, setting = entry.partition(",")
+        key, equals, value = setting.partition("=")
+        if cache.strip() != "local":
+            raise ValueError(f"{entry!r}: cache {cache.strip()!r} is not available; allowed: local,size=<bytes>")
+        if not equals or key.strip() != "size":
+            raise ValueError(f"{entry!r}: allowed: local,size=<bytes> (the local cache has no setting {key.strip()!r})")
+        if not value.strip().isdigit() or int(value) <= 0:
+            raise ValueError(f"{entry!r}: size {value.strip()!r} is not a positive number of bytes")
+        size = int(value)
+    if size is None:
+        raise ValueError("no size: allowed: local,size=<bytes>")
+    return size
+
+
+class ModelCache(Protocol):
+    """What the data plane uses of a model version's cache."""
+
+    def get(self, key: Hashable, request: InferRequest) -> InferResponse | None: ...
+
+    def put(self, key: Hashable, response: InferResponse, all_outputs: int) -> None: ...
+
+
+class CachePart:
+    """One model version's part of a shared :class:`ResponseCache`: its keys carry the version's
+    owner token, so versions never read each other's entries."""
+
+    def __init__(self, shared: ResponseCache, owner: Hashable) -> None:
+        self.shared = shared
+        self.owner = owner
+
+    def get(self, key: Hashable, request: InferRequest) -> InferResponse | None:
+        return self.shared.get((self.owner, key), request)
+
+    def put(self, key: Hashable, response: InferResponse, all_outputs: int) -> None:
+        self.shared.put((self.owner, key), response, all_outputs, size_of=key)
+
+    def drop(self) -> None:
+        """Forget this part's entries (its version closed: a reload of the same version number must
+        not answer from the old one's)."""
+        self.shared.drop(self.owner)
+
+
 class ResponseCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -75,10 +126,22 @@ class ResponseCache:
             request.id,
         )
 
-    def put(self, key: Hashable, response: InferResponse, all_outputs: int) -> None:
+    def part(self, owner: Hashable) -> CachePart:
+        return CachePart(self, owner)
+
+    def drop(self, owner: Hashable) -> None:
+        """Remove the entries of a :class:`CachePart` (keys ``(owner, key)``)."""
+        gone = [key for key in self._entries if isinstance(key, tuple) and len(key) == 2 and key[0] == owner]
+        for key in gone:
+            _, size = self._entries.pop(key)
+            self.bytes -= size
+
+    def put(self, key: Hashable, response: InferResponse, all_outputs: int, *, size_of: Hashable = None) -> None:
+        """Store ``response`` under ``key``; ``size_of``: the input key its size is counted from (a
+        part's key wraps it)."""
         if len(response.outputs) != all_outputs or key in self._entries:
             return
-        size = _size(key, response)
+        size = _size(key if size_of is None else size_of, response)
         if size > self.max_bytes:
             return
         # An output that is a view keeps what it views alive and shared: a slice of a whole batch's

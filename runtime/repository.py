@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import logging
 from collections.abc import Callable, Collection, Coroutine, Iterable
 from pathlib import Path
@@ -29,7 +30,7 @@ from sluice.runtime.batching import (
     Scheduler,
     SchedulerConfig,
 )
-from sluice.runtime.cache import ResponseCache
+from sluice.runtime.cache import CachePart, ModelCache, ResponseCache
 from sluice.runtime.errors import ConfigError, InvalidArgument, NotFound, SluiceError, Unavailable, unknown_model
 from sluice.runtime.settings import SchedulingDefaults
 from sluice.runtime.signature import Signature, signature_of
@@ -49,7 +50,7 @@ class ModelVersion:
     backend: ModelBackend
     scheduler: Scheduler | ensemble.EnsembleScheduler | sequence.SequenceScheduler
     stats: ModelStats
-    cache: ResponseCache | None = None
+    cache: ModelCache | None = None
     labels: classification.Labels = dataclasses.field(default_factory=dict)  # output -> label_filename lines
     gpus: tuple[int, ...] = ()
     """CUDA device of each KIND_GPU instance, as placed at load (the GPU telemetry's instances per GPU)."""
@@ -480,6 +481,9 @@ class Repository:
         # Models the server is expected to serve (strict readiness): those asked for at start,
         # and those loaded since; an unload removes one.
         self._expected: set[str] = set()
+        shared = scheduling.response_cache_shared_bytes
+        self._shared_cache = ResponseCache(shared) if shared > 0 else None
+        self._cache_parts = itertools.count()
         self.implicit: set[str] = set()
         """Models loaded only because an ensemble being loaded needs them (Triton's composing models
         "loaded along with" it): ``unload_dependents`` unloads these, never a model a user loaded."""
@@ -648,11 +652,19 @@ class Repository:
                 backend,
                 scheduler,
                 stats,
-                prepared.cache(),
+                self._cache_of(prepared, name, version),
                 prepared.labels,
                 prepared.gpus,
             )
             scheduler.start()
+
+    def _cache_of(self, prepared: _Prepared, name: str, version: int) -> ModelCache | None:
+        """A version's response cache: its own, or with a server cache (``--cache-config``) a part of
+        that one (a model that sets its own size keeps its own), under a token of this version object."""
+        cache = prepared.cache()
+        if cache is None or self._shared_cache is None or "response_cache_bytes" in prepared.config.parameters:
+            return cache
+        return self._shared_cache.part((name, version, next(self._cache_parts)))
 
     async def unload(self, name: str, grace_s: float | None = None) -> None:
         """Unload every version of ``name``; in-flight requests get ``grace_s`` (default: the
@@ -774,6 +786,8 @@ class Repository:
         await asyncio.gather(*(v.scheduler.aclose(grace) for v in closing))
         loop = asyncio.get_running_loop()
         for v in closing:
+            if isinstance(v.cache, CachePart):
+                v.cache.drop()
             await loop.run_in_executor(None, _quietly, v.backend.close)
 
     async def aclose(self, grace_s: float | None = None) -> None:

@@ -85,6 +85,10 @@ class SchedulingDefaults:
     response_cache_bytes: int = 64 * 1024 * 1024
     """Size bound of each model version's response cache (for models with ``response_cache { enable:
     true }``); a model may set ``parameters { key: "response_cache_bytes" ... }``."""
+    response_cache_shared_bytes: int = 0
+    """Triton's server cache (``--cache-config local,size=N``): one bound of this many bytes shared by
+    every model version with ``response_cache { enable: true }`` and no size parameter of its own.
+    0: each version has its own ``response_cache_bytes`` cache."""
     worker_spin_us: int = 1000
     """After each batch a model worker polls this long for the next one before sleeping: keeps
     low-concurrency latency down (no wake-up, no idle-state slow-down of the next model call) at

@@ -194,3 +194,28 @@ def test_server_name_is_reported_in_the_metadata(serve, tmp_path):
     assert grpcclient.InferenceServerClient(server.grpc).get_server_metadata().name == "triton"
     default = serve(repo)
     assert httpclient.InferenceServerClient(default.http).get_server_metadata()["name"] == "sluice"
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--cache-config", "redis,host=cache"), "cache 'redis' is not available; allowed: local,size=<bytes>"),
+    (("--cache-config", "local,bytes=10"), "allowed: local,size=<bytes>"),
+    (("--cache-config", "local,size=0"), "size '0' is not a positive number of bytes"),
+    (("--response-cache-byte-size", "-5"), "is negative"),
+    (("--cache-config", "local,size=1048576", "--response-cache-byte-size", "10"), "both set the server cache"),
+])
+def test_a_bad_server_cache_flag_is_one_line(tmp_path, flags, says):
+    out = sluice("serve", "--model-repository", str(tmp_path), *flags, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert says in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(("flags", "shared"), [
+    ((), 0),
+    (("--cache-config", "local,size=1048576"), 1048576),
+    (("--response-cache-byte-size", "4096"), 4096),
+])
+def test_the_server_cache_flags_set_one_shared_bound(tmp_path, flags, shared):
+    from sluice.runtime.__main__ import _parser, settings_from_args
+
+    args = _parser().parse_args(["serve", "--model-repository", str(tmp_path), *flags])
+    assert settings_from_args(args).scheduling.response_cache_shared_bytes == shared

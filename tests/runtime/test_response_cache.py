@@ -161,3 +161,50 @@ def test_the_bound_counts_the_inputs_a_cached_entry_keeps(tmp_path, serve):
     assert runs(3.0) == 4.0  # the newest entry is a hit
     assert runs(0.0) == 5.0  # the oldest did not fit beside it: evicted, the model runs again
     client.close()
+
+
+# -- Triton's server cache: --cache-config local,size=N ----------------------------------------------
+
+
+def runs_of(server, model: str, values) -> float:
+    client = httpclient.InferenceServerClient(server.http)
+    x = np.array([values], dtype=np.float32)
+    inp = httpclient.InferInput("IN", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    runs = float(client.infer(model, [inp]).as_numpy("RUNS")[0, 0])
+    client.close()
+    return runs
+
+
+def test_a_server_cache_is_one_bound_shared_by_every_model(tmp_path, serve):
+    """With Triton's --cache-config local,size=N the models share one LRU bound: a second model's
+    entries evict the first's (each with its own cache, both would keep theirs)."""
+    from sluice.runtime.settings import SchedulingDefaults
+
+    repo = tmp_path / "repo"
+    write_model(repo, "cached", config(), {"model.py": COUNTING_PY})
+    write_model(repo, "other", config().replace('name: "cached"', 'name: "other"'), {"model.py": COUNTING_PY})
+    server = serve(repo, scheduling=SchedulingDefaults(response_cache_shared_bytes=700))  # about two entries
+    assert runs_of(server, "cached", [1.0, 0.0]) == 1
+    assert runs_of(server, "other", [1.0, 0.0]) == 1
+    assert runs_of(server, "cached", [2.0, 0.0]) == 2  # evicts the least recently used: cached [1, 0]
+    assert runs_of(server, "other", [1.0, 0.0]) == 1  # still there: a hit
+    assert runs_of(server, "cached", [1.0, 0.0]) == 3  # evicted by the other model's entry: ran again
+    own = serve(repo)  # without a server cache each version has its own 64 MiB
+    for model in ("cached", "other", "cached", "other"):
+        runs_of(own, model, [1.0, 0.0])
+    assert runs_of(own, "cached", [1.0, 0.0]) == 1
+
+
+def test_a_reloaded_version_does_not_answer_from_its_predecessors_entries(tmp_path, serve):
+    from sluice.runtime.settings import SchedulingDefaults
+
+    repo = tmp_path / "repo"
+    write_model(repo, "cached", config(), {"model.py": COUNTING_PY})
+    server = serve(repo, model_control_mode="explicit", load_models=("cached",),
+                   scheduling=SchedulingDefaults(response_cache_shared_bytes=1 << 20))
+    assert runs_of(server, "cached", [1.0, 0.0]) == 1
+    assert runs_of(server, "cached", [1.0, 0.0]) == 1  # a hit
+    httpclient.InferenceServerClient(server.http).load_model("cached")  # a new instance of version 1
+    assert runs_of(server, "cached", [1.0, 0.0]) == 1  # its own first run: the old entry is gone
+    assert stats(server)["inference_stats"]["cache_hit"].get("count", 0) == 0
