@@ -12,7 +12,8 @@ import dataclasses
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Collection, Coroutine, Iterable
+import os
+from collections.abc import Callable, Collection, Coroutine, Hashable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from sluice.runtime.cache import CachePart, ModelCache, ResponseCache
 from sluice.runtime.errors import ConfigError, InvalidArgument, NotFound, SluiceError, Unavailable, unknown_model
 from sluice.runtime.settings import SchedulingDefaults
 from sluice.runtime.signature import Signature, signature_of
+from sluice.runtime.snapshot import FileStamp
 from sluice.runtime.stats import ModelStats
 
 log = logging.getLogger("sluice.runtime.repository")
@@ -82,9 +84,53 @@ class _Model:
     load_error: str = ""
     # Why the last (re)load failed while older versions go on serving; "" once a load succeeds.
     reload_error: str = ""
+    # What each serving version was made from (version_stamp): a reload keeps those unchanged.
+    stamps: dict[int, Hashable] = dataclasses.field(default_factory=dict)
 
 
 _PLATFORM_BY_BACKEND = {"onnxruntime": "onnxruntime_onnx", "pytorch": "pytorch_libtorch", "tensorrt": "tensorrt_plan"}
+
+
+def directory_stamps(directory: Path) -> frozenset[FileStamp]:
+    """Every file under ``directory`` (a version directory; a symbolic link to one is followed), with
+    the directory's inode: what tells it changed (repository polls, and reloads keeping unchanged versions)."""
+    stamps: set[FileStamp] = set()
+    try:
+        stamps.add((".", 0, os.stat(directory).st_ino))  # a version directory swapped for another
+    except OSError:
+        return frozenset()
+    for parent, _, files in os.walk(directory):
+        for file in files:
+            path = os.path.join(parent, file)
+            try:
+                st = os.stat(path)
+            except OSError:  # removed while scanning: the next poll sees the rest
+                continue
+            stamps.add((os.path.relpath(path, directory), st.st_size, st.st_mtime_ns))
+    return frozenset(stamps)
+
+
+def version_stamp(config: mc.ModelConfig, model_dir: Path, version: int) -> Hashable:
+    """What a loaded version was made from: the completed config, the model directory's files outside
+    the version directories (labels, tokenizers; the config files too) and the version's own files.
+    Equal stamps: a reload keeps the serving version as it is (Triton reloads changed versions only)."""
+    outside: set[FileStamp] = set()
+    for entry in sorted(model_dir.iterdir()):
+        if entry.name.startswith(".") or (names.version_number(entry.name) is not None and entry.is_dir()):
+            continue
+        if entry.is_dir():
+            outside |= {(f"{entry.name}/{rel}", size, mtime) for rel, size, mtime in directory_stamps(entry)}
+        else:
+            try:
+                st = entry.stat()
+            except OSError:
+                continue
+            outside.add((entry.name, st.st_size, st.st_mtime_ns))
+    return (
+        config.SerializeToString(deterministic=True),
+        frozenset(outside),
+        directory_stamps(model_dir / str(version)),
+    )
 
 
 def platform_of(config: mc.ModelConfig) -> str:
@@ -206,6 +252,8 @@ class _Prepared:
     labels: classification.Labels = dataclasses.field(default_factory=dict)
     sequencing: sequence.SequenceConfig | None = None  # set for a model with sequence_batching
     gpus: tuple[int, ...] = ()  # CUDA device of each KIND_GPU instance, in instance order
+    stamps: dict[int, Hashable] = dataclasses.field(default_factory=dict)  # every chosen version's
+    kept: list[int] = dataclasses.field(default_factory=list)  # serving versions left as they are
 
     def close(self, started: Collection[int] = ()) -> None:
         """Release what ``prepare`` opened (instances, then backends), except the instances of the
@@ -310,8 +358,11 @@ def prepare(
     defaults: SchedulingDefaults,
     services: BackendServices | None = None,
     tried: list[int] | None = None,
+    serving: Mapping[int, Hashable] | None = None,
 ) -> _Prepared:
     """Blocking part of a load: parse, complete, validate, open sessions. Runs on a worker thread.
+    ``serving``: the stamps of the versions serving now; a chosen version with the same stamp is
+    kept (listed in ``kept``, nothing opened for it).
 
     Everything that can be refused is checked before the first backend or instance is created, so
     a refused load opens nothing; what it opened is closed again if a later step fails. The versions
@@ -328,7 +379,7 @@ def prepare(
         raise NotFound(f"failed to poll from model repository: no directory '{name}' in the model repository")
     loaded = model_config.load_model_config(model_dir, override=override)
     try:
-        return _prepare_loaded(root, name, loaded, model_dir, defaults, services, tried)
+        return _prepare_loaded(root, name, loaded, model_dir, defaults, services, tried, serving or {})
     except ConfigError as exc:  # a backend's or a later check's complaint: placed in the config's text
         placed = loaded.placed(exc)
         if placed is exc:
@@ -344,6 +395,7 @@ def _prepare_loaded(
     defaults: SchedulingDefaults,
     services: BackendServices | None,
     tried: list[int] | None,
+    serving: Mapping[int, Hashable],
 ) -> _Prepared:
     config = loaded.config
     warnings = list(loaded.warnings)
@@ -399,10 +451,12 @@ def _prepare_loaded(
     def cache() -> ResponseCache | None:
         return response_cache(config, defaults)
 
+    stamps = {version: version_stamp(config, model_dir, version) for version in chosen}
+    kept = [version for version in chosen if version in serving and serving[version] == stamps[version]]
     if backend == model_config.ENSEMBLE:
         plans: list[tuple[int, ModelBackend | ensemble.Ensemble, list[ModelInstance]]]
-        plans = [(version, ensemble.Ensemble(config), []) for version in chosen]
-        return _Prepared(config, plans, warnings, None, cache, labels)
+        plans = [(version, ensemble.Ensemble(config), []) for version in chosen if version not in kept]
+        return _Prepared(config, plans, warnings, None, cache, labels, stamps=stamps, kept=kept)
     loader = _backend_loader(backend)
     gpu_count = visible_gpu_count(backend)
     why_not_gpu = None
@@ -430,9 +484,11 @@ def _prepare_loaded(
             except ConfigError as exc:
                 raise ConfigError(exc.detail, file=loaded.source, field=exc.field) from None
     gpus = tuple(device for kind, device in plan if kind == mc.ModelInstanceGroup.KIND_GPU)
-    prepared = _Prepared(config, [], warnings, scheduling, cache, labels, sequencing, gpus)
+    prepared = _Prepared(config, [], warnings, scheduling, cache, labels, sequencing, gpus, stamps, kept)
     try:
         for version in chosen:
+            if version in kept:
+                continue
             ctx = LoadContext(name, version, model_dir, model_dir / str(version), root, services)
             instance_backend = loader(config, ctx)
             instances: list[ModelInstance] = []
@@ -559,9 +615,10 @@ class Repository:
         tried: list[int] = []
         async with model.lock:
             model.state = LOADING
+            serving = {version: stamp for version, stamp in model.stamps.items() if version in model.versions}
             try:
                 prepared = await loop.run_in_executor(
-                    None, prepare, self.root, name, override, self._scheduling, self.services, tried
+                    None, prepare, self.root, name, override, self._scheduling, self.services, tried, serving
                 )
             except Exception as exc:
                 self._load_failed(name, model, exc, tried)
@@ -575,20 +632,29 @@ class Repository:
                 await loop.run_in_executor(None, prepared.close, set(new_versions))
                 self._load_failed(name, model, exc, tried)
                 raise exc if isinstance(exc, SluiceError) else Unavailable(model.reason) from exc
-            for warning in prepared.warnings:
-                log.warning("model %s: %s", name, warning)
-            old, model.versions, model.waiting = {**model.waiting, **model.versions}, new_versions, {}
-            first = next(iter(new_versions.values()), None)
+            if new_versions or not prepared.kept:
+                for warning in prepared.warnings:
+                    log.warning("model %s: %s", name, warning)
+            kept = {version: model.versions[version] for version in prepared.kept}
+            serving_now = dict(sorted({**kept, **new_versions}.items()))
+            old = {v: mv for v, mv in {**model.waiting, **model.versions}.items() if kept.get(v) is not mv}
+            model.versions, model.waiting = serving_now, {}
+            model.stamps = {version: prepared.stamps[version] for version in serving_now}
+            first = next(iter(serving_now.values()), None)
             model.plan = first.backend.plan if first and isinstance(first.backend, ensemble.Ensemble) else None
-            for version in new_versions:
+            for version in serving_now:
                 model.history[version] = READY
             for version in old:
-                if version not in new_versions:
+                if version not in serving_now:
                     model.history[version] = UNAVAILABLE
             model.state = READY
             model.reason = model.load_error = model.reload_error = ""
             self._expected.add(name)
-            log.info("model %s ready, versions %s", name, sorted(new_versions))
+            if new_versions or old:
+                unchanged = f" ({sorted(kept)} unchanged)" if kept else ""
+                log.info("model %s ready, versions %s%s", name, sorted(serving_now), unchanged)
+            else:
+                log.info("model %s unchanged, versions %s", name, sorted(serving_now))
             self._follow_steps()
         if old:
             await self._close_versions(old.values())

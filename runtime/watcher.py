@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -28,7 +27,7 @@ from sluice.runtime.batching import Clock
 from sluice.runtime.config import CONFIG_FILE_NAMES
 from sluice.runtime.errors import Unavailable
 from sluice.runtime.mirror import RepositoryMirror
-from sluice.runtime.repository import Repository
+from sluice.runtime.repository import Repository, directory_stamps
 from sluice.runtime.snapshot import Change, FileStamp, Kind, ModelFiles, PollCounts, Snapshot, changes
 
 log = logging.getLogger("sluice.runtime.watcher")
@@ -36,24 +35,6 @@ log = logging.getLogger("sluice.runtime.watcher")
 NOT_ALLOWED = "explicit model load / unload is not allowed if polling is enabled"
 """Triton's message (and status, UNAVAILABLE) for a repository load/unload outside explicit mode;
 tools match on it, so it is kept word for word and Sluice's hint follows it."""
-
-
-def _stamps(directory: Path) -> frozenset[FileStamp]:
-    """Every file under ``directory`` (a version directory; a symbolic link to one is followed)."""
-    stamps: set[FileStamp] = set()
-    try:
-        stamps.add((".", 0, os.stat(directory).st_ino))  # a version directory swapped for another
-    except OSError:
-        return frozenset()
-    for parent, _, files in os.walk(directory):
-        for file in files:
-            path = os.path.join(parent, file)
-            try:
-                st = os.stat(path)
-            except OSError:  # removed while scanning: the next poll sees the rest
-                continue
-            stamps.add((os.path.relpath(path, directory), st.st_size, st.st_mtime_ns))
-    return frozenset(stamps)
 
 
 def scan_model(model_dir: Path) -> ModelFiles:
@@ -72,9 +53,11 @@ def scan_model(model_dir: Path) -> ModelFiles:
             except OSError:
                 continue
         elif (version := names.version_number(entry.name)) is not None and entry.is_dir():
-            versions[version] = _stamps(entry)
+            versions[version] = directory_stamps(entry)
         elif entry.is_dir():
-            files |= {(f"{entry.name}/{rel}", size, mtime) for rel, size, mtime in _stamps(entry) if rel != "."}
+            files |= {
+                (f"{entry.name}/{rel}", size, mtime) for rel, size, mtime in directory_stamps(entry) if rel != "."
+            }
         else:
             try:
                 st = entry.stat()

@@ -610,3 +610,35 @@ def test_a_poll_still_running_when_the_next_is_due_does_not_spin_the_timer(repo,
     assert control._due > clock(), "the next poll is due in the past: the timer fires again at once"
     server.call(release())
     server.settle()
+
+
+def test_a_reload_keeps_the_versions_that_did_not_change(repo, serve):
+    """Triton reloads only what changed: a load with nothing changed leaves the model as it is (its
+    statistics and instances), a new version leaves the others serving untouched, and a changed
+    version is loaded again."""
+    add_version(repo, 2, 20.0)
+    write_model(repo, "plus", 'backend: "onnxruntime"\nmax_batch_size: 8\nversion_policy { all { } }\n', {})
+    server = serve(repo, model_control_mode="explicit", load_models=("plus",))
+    http = httpclient.InferenceServerClient(server.http)
+
+    def served() -> dict[str, int]:
+        stats = http.get_inference_statistics("plus")["model_stats"]
+        return {s["version"]: s["inference_stats"]["success"]["count"] for s in stats}
+
+    try:
+        for version in ("1", "2"):
+            inputs = [httpclient.InferInput("X", [1, 1], "FP32")]
+            inputs[0].set_data_from_numpy(np.ones((1, 1), np.float32))
+            http.infer("plus", inputs, model_version=version)
+        assert served() == {"1": 1, "2": 1}
+        http.load_model("plus")  # nothing changed
+        assert served() == {"1": 1, "2": 1}
+        add_version(repo, 3, 30.0)
+        http.load_model("plus")  # version 3 added: 1 and 2 serve on as they were
+        assert served() == {"1": 1, "2": 1, "3": 0}
+        (repo / "plus" / "2" / "model.onnx").write_bytes(plus_model(22.0))
+        http.load_model("plus")  # version 2's file changed: it alone is new
+        assert served() == {"1": 1, "2": 0, "3": 0}
+        assert infer_http(server.http, 1.0) == 31.0
+    finally:
+        http.close()

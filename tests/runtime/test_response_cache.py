@@ -205,6 +205,7 @@ def test_a_reloaded_version_does_not_answer_from_its_predecessors_entries(tmp_pa
                    scheduling=SchedulingDefaults(response_cache_shared_bytes=1 << 20))
     assert runs_of(server, "cached", [1.0, 0.0]) == 1
     assert runs_of(server, "cached", [1.0, 0.0]) == 1  # a hit
-    httpclient.InferenceServerClient(server.http).load_model("cached")  # a new instance of version 1
+    (repo / "cached" / "1" / "model.py").write_text(COUNTING_PY + "\n# changed\n")
+    httpclient.InferenceServerClient(server.http).load_model("cached")  # version 1 again, from changed files
     assert runs_of(server, "cached", [1.0, 0.0]) == 1  # its own first run: the old entry is gone
     assert stats(server)["inference_stats"]["cache_hit"].get("count", 0) == 0
