@@ -310,7 +310,7 @@ def _parser() -> argparse.ArgumentParser:
         "--response-cache-bytes",
         type=int,
         default=sched.response_cache_bytes,
-        help="size bound of each cached model version's response cache (without --cache-config)",
+        help="size bound of each cached model version's response cache (when no server cache is set)",
     )
     serve.add_argument(
         "--cache-config",
@@ -318,14 +318,14 @@ def _parser() -> argparse.ArgumentParser:
         type=_cache_entry,
         default=None,
         metavar="local,size=BYTES",
-        help="Triton's server response cache: one LRU bound shared by every model with response_cache enabled "
-        "(default: none: each model version has its own --response-cache-bytes cache)",
+        help="Triton's server response cache: one LRU bound shared by every model with response_cache enabled; "
+        "unset, each model version has a cache of its own, bounded by the flag above",
     )
     serve.add_argument(
         "--response-cache-byte-size",
         type=_positive(int),
         default=None,
-        help="Triton's older form of --cache-config local,size=BYTES",
+        help="Triton's older form of the server cache's size, in bytes",
     )
     serve.add_argument(
         "--worker-spin-us",
