@@ -263,24 +263,46 @@ class Ensemble(ModelBackend):
 
 
 class _Run:
-    """One ensemble request in flight."""
+    """One ensemble request in flight, or a branch of one.
 
-    def __init__(self, scheduler: EnsembleScheduler, request: InferRequest, done: Done) -> None:
+    A decoupled step model answers with any number of responses: each one continues the rest of the
+    ensemble in a branch of its own (a copy of the tensors so far plus that response's outputs), as in
+    Triton, once the steps running beside it have finished. Every branch that completes is one response
+    of the ensemble: streamed for a decoupled ensemble, the only answer otherwise (a second is an error).
+    The request (the root run) ends when nothing runs any more and every decoupled step sent its final flag.
+    """
+
+    def __init__(self, scheduler: EnsembleScheduler, request: InferRequest, done: Done, root: _Run | None = None):
         self.scheduler = scheduler
         self.plan = scheduler.plan
         self.request = request
         self.done = done
+        self.root: _Run = root or self
         self.tensors: dict[str, Tensor] = {t.name: t for t in request.inputs}
         # ensemble tensor -> batch size of the request that produced it (0: not batched)
         self.batches: dict[str, int] = dict.fromkeys(self.tensors, _batch_of(self.plan.batched, request.inputs))
         self.started: set[int] = set()
         self.pending: dict[int, InferRequest] = {}
         self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.streaming: set[int] = set()  # decoupled steps that have not sent their final flag
+        self.queued: list[tuple[Step, InferResponse]] = []  # their responses, until the steps beside them end
+        self.forked = False  # a decoupled step's responses continue in branches, not here
+        self.closed = False  # this run (not the request) has nothing left to do
+        # the root only: the request's branches still running, and its single answer (not decoupled)
+        self.branches: set[_Run] = set()
+        self.answer: InferResponse | None = None
         self.finished = False
         self.start_ns = time.monotonic_ns()
 
+    def branch(self) -> _Run:
+        """A copy of this run's progress, for one response of a decoupled step."""
+        branch = _Run(self.scheduler, self.request, self.done, self.root)
+        branch.tensors, branch.batches, branch.started = dict(self.tensors), dict(self.batches), set(self.started)
+        self.root.branches.add(branch)
+        return branch
+
     def advance(self) -> None:
-        """Start every step whose inputs exist; answer when nothing is left to run."""
+        """Start every step whose inputs exist; close the run when nothing is left to run."""
         batch = []
         for step in runnable(self.plan, self.tensors, self.started):
             # All of them are pending before any is sent: a step may answer at once (a cache hit).
@@ -290,9 +312,13 @@ class _Run:
             batch_size = _batch_of(config is not None and config.max_batch_size > 0, inner.inputs)
             for _, tensor in step.outputs:
                 self.batches[tensor] = batch_size
+            if config is not None and config.model_transaction_policy.decoupled:
+                inner.responder = functools.partial(self.step_response, step)
+                self.streaming.add(step.index)
+                self.forked = True
             batch.append((step, inner))
         for step, inner in batch:
-            if self.finished:
+            if self.root.finished:
                 return
             if step.remote is not None:
                 trace = self.request.trace  # sampled (tracing.py): a client span, the trace sent along
@@ -307,57 +333,125 @@ class _Run:
                 self.scheduler.dispatch(inner, done)
             except SluiceError as exc:
                 done(exc)
-        if not self.pending and not self.finished:
-            self.complete()
+        self.drain()
 
     def step_done(self, step: Step, outcome: Result) -> None:
-        if self.finished:
+        """A step answered; for a decoupled step, only an error that ended it before it streamed."""
+        if self.root.finished:
             return
         self.pending.pop(step.index, None)
         self.tasks.pop(step.index, None)
         if isinstance(outcome, SluiceError):
-            self.finish(step_error(self.plan, step, outcome))
+            self.root.finish(step_error(self.plan, step, outcome))
             return
+        if step.index in self.streaming:
+            return  # a decoupled step's responses come through step_response
         try:
             for tensor in step_outputs(step, outcome):
                 self.tensors[tensor.name] = tensor
         except SluiceError as exc:
-            self.finish(step_error(self.plan, step, exc))
+            self.root.finish(step_error(self.plan, step, exc))
             return
         self.advance()
 
-    def complete(self) -> None:
+    def step_response(self, step: Step, item: object, final: bool) -> None:
+        """One response (or error, or bare final flag) of a decoupled step, on the event loop."""
+        if self.root.finished:
+            return
+        if isinstance(item, SluiceError):
+            self.root.finish(step_error(self.plan, step, item))
+            return
+        if isinstance(item, InferResponse):
+            self.queued.append((step, item))
+        if final:
+            self.streaming.discard(step.index)
+            self.pending.pop(step.index, None)
+        self.drain()
+
+    def drain(self) -> None:
+        """Continue the queued responses of decoupled steps, each in a branch, once the other steps of
+        this run have ended (a branch takes their outputs along); close the run when all is done."""
+        if self.root.finished or any(index not in self.streaming for index in self.pending):
+            return
+        while self.queued and not self.root.finished:
+            step, response = self.queued.pop(0)
+            branch = self.branch()
+            try:
+                for tensor in step_outputs(step, response):
+                    branch.tensors[tensor.name] = tensor
+            except SluiceError as exc:
+                self.root.finish(step_error(self.plan, step, exc))
+                return
+            branch.advance()
+        if self.root.finished or self.pending or self.queued or self.closed:
+            return
+        self.closed = True
+        if not self.forked:
+            self.emit()
+        if self is not self.root:
+            self.root.branches.discard(self)
+        self.root.settle()
+
+    def emit(self) -> None:
+        """This run produced the ensemble's outputs: one response of the request."""
         requested = [o.name for o in self.request.outputs] if self.request.outputs else None  # none: all
         try:
             outputs = ensemble_outputs_reshaped(
                 self.plan, ensemble_outputs(self.plan, self.tensors, requested), self.batches
             )
         except KeyError as exc:  # a step input was optional and not sent: nothing produced the output
-            self.finish(InvalidArgument(f"ensemble '{self.plan.name}' produced no output {exc}"))
+            self.root.finish(InvalidArgument(f"ensemble '{self.plan.name}' produced no output {exc}"))
             return
         except SluiceError as exc:
-            self.finish(exc)
+            self.root.finish(exc)
             return
         response = InferResponse(self.plan.name, "", outputs, self.request.id)
-        self.scheduler.observer.on_batch([self.request], [0], time.monotonic_ns() - self.start_ns, [response])
+        root = self.root
+        if root.request.responder is not None:  # a decoupled ensemble: each response is streamed
+            root.request.responder(response, False)
+        elif root.answer is not None:
+            root.finish(ModelError(
+                f"ensemble '{self.plan.name}' is not decoupled but its decoupled steps produced more than one "
+                "response; set model_transaction_policy { decoupled: true } on the ensemble and send its "
+                "requests on the gRPC ModelStreamInfer stream"
+            ))
+        else:
+            root.answer = response
+
+    def settle(self) -> None:
+        """The root: answer the request once it and every branch are closed."""
+        if self.finished or not self.closed or self.branches:
+            return
+        elapsed = time.monotonic_ns() - self.start_ns
+        if self.request.responder is not None:
+            self.request.responder(None, True)
+            response = InferResponse(self.plan.name, "", [], self.request.id)
+        elif self.answer is None:
+            self.finish(ModelError(f"ensemble '{self.plan.name}' produced no response: its decoupled steps sent none"))
+            return
+        else:
+            response = self.answer
+        self.scheduler.observer.on_batch([self.request], [0], elapsed, [response])
         self.finish(response)
 
     def finish(self, outcome: Result) -> None:
-        """Answer once; steps still in flight are cancelled (their results are not needed)."""
+        """The root: answer once; steps still in flight, in every branch, are cancelled (not needed)."""
         if self.finished:
             return
         self.finished = True
         self.scheduler.on_finished(self)
-        for inner in self.pending.values():
-            inner.cancel.cancel()
-        for task in self.tasks.values():
-            task.cancel()
+        for run in (self, *self.branches):
+            for inner in run.pending.values():
+                inner.cancel.cancel()
+            for task in run.tasks.values():
+                task.cancel()
+            run.tensors, run.pending, run.queued = {}, {}, []
+        self.branches = set()
         # no cycle (token -> its callback -> this run -> the request -> token) keeps the request and
         # every step's tensors alive until the next full collection
         self.request.cancel.clear()
         self.done(outcome)
-        self.tensors = {}
-        self.pending = {}
+        self.answer = None
 
 
 class EnsembleScheduler:

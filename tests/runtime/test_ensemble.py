@@ -774,3 +774,145 @@ def test_unbatched_ensemble_feeds_batching_steps_as_triton_does(batching_steps_r
     assert result.as_numpy("OUT").tolist() == [(row * 2 + 1).tolist(), (-row * 2 + 1).tolist()]
 
     assert (batching_steps_repo / "plus_one" / "shapes.log").read_text().split("\n")[:2] == ["[1, 4]", "[2, 4]"]
+
+
+# -- decoupled step models (Triton: each response continues the ensemble) -----------------------------
+
+REPEAT_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            times = int(pb_utils.get_input_tensor_by_name(request, "TIMES").as_numpy()[0])
+            sender = request.get_response_sender()
+            for k in range(times):
+                if times == 99 and k == 1:
+                    raise pb_utils.TritonModelException("repeat broke after one response")
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x + k)]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+REPEAT_CONFIG = """
+name: "repeat"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] }, { name: "TIMES", data_type: TYPE_INT32, dims: [ 1 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+model_transaction_policy { decoupled: true }
+"""
+TIMES_TEN_PY = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy() * 10)]) for r in requests]
+"""
+TIMES_TEN_CONFIG = """
+name: "times_ten"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+"""
+
+
+def stream_ensemble(name: str, decoupled: bool) -> str:
+    policy = "model_transaction_policy { decoupled: true }" if decoupled else ""
+    return f"""
+name: "{name}"
+platform: "ensemble"
+max_batch_size: 0
+input [ {{ name: "IN", data_type: TYPE_FP32, dims: [ 4 ] }}, {{ name: "TIMES", data_type: TYPE_INT32, dims: [ 1 ] }} ]
+output [ {{ name: "OUT", data_type: TYPE_FP32, dims: [ 4 ] }}, {{ name: "SCALED", data_type: TYPE_FP32, dims: [ 4 ] }} ]
+{policy}
+ensemble_scheduling {{ step [
+  {{ model_name: "repeat" input_map {{ key: "INPUT0" value: "IN" }} input_map {{ key: "TIMES" value: "TIMES" }}
+     output_map {{ key: "OUTPUT0" value: "each" }} }},
+  {{ model_name: "times_ten" input_map {{ key: "INPUT0" value: "IN" }}
+     output_map {{ key: "OUTPUT0" value: "SCALED" }} }},
+  {{ model_name: "times_ten" input_map {{ key: "INPUT0" value: "each" }} output_map {{ key: "OUTPUT0" value: "OUT" }} }}
+] }}
+"""
+
+
+@pytest.fixture
+def streaming_repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    write_model(repo, "repeat", REPEAT_CONFIG, {"model.py": REPEAT_PY})
+    write_model(repo, "times_ten", TIMES_TEN_CONFIG, {"model.py": TIMES_TEN_PY})
+    write_ensemble(repo, "streamed", stream_ensemble("streamed", True))
+    write_ensemble(repo, "single", stream_ensemble("single", False))
+    return repo
+
+
+def stream_inputs(times: int) -> list:
+    x = grpcclient.InferInput("IN", [4], "FP32")
+    x.set_data_from_numpy(np.arange(4, dtype=np.float32))
+    n = grpcclient.InferInput("TIMES", [1], "INT32")
+    n.set_data_from_numpy(np.array([times], np.int32))
+    return [x, n]
+
+
+def streamed(server: Running, model: str, times: int) -> list:
+    import queue
+
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc)
+    client.start_stream(callback=lambda result, error: answers.put(error or result))
+    try:
+        client.async_stream_infer(model, stream_inputs(times), enable_empty_final_response=True)
+        got = []
+        while True:
+            item = answers.get(timeout=30)
+            got.append(item)
+            if isinstance(item, InferenceServerException):
+                return got
+            if item.get_response().parameters["triton_final_response"].bool_param:
+                return got
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_each_response_of_a_decoupled_step_continues_the_ensemble(streaming_repo: Path, serve) -> None:
+    """Triton's decoupled ensembles: every response of the decoupled step runs the steps after it and
+    is one response of the ensemble, which carries the outputs of the steps beside it too."""
+    server: Running = serve(streaming_repo)
+    got = streamed(server, "streamed", 3)
+    responses, final = got[:-1], got[-1]
+    x = np.arange(4, dtype=np.float32)
+    assert sorted(tuple(r.as_numpy("OUT")) for r in responses) == [tuple((x + k) * 10) for k in range(3)]
+    for response in responses:
+        np.testing.assert_array_equal(response.as_numpy("SCALED"), x * 10)
+        assert response.get_response().model_name == "streamed"
+    assert final.as_numpy("OUT") is None  # the bare final flag
+    assert streamed(server, "streamed", 0)[0].as_numpy("OUT") is None  # no response: the final flag alone
+
+
+def test_a_decoupled_step_error_ends_the_streamed_ensemble_naming_the_step(streaming_repo: Path, serve) -> None:
+    server: Running = serve(streaming_repo)
+    got = streamed(server, "streamed", 99)
+    error = got[-1]
+    assert isinstance(error, InferenceServerException), got
+    assert "step model 'repeat'" in error.message() and "repeat broke after one response" in error.message()
+
+
+def test_a_non_decoupled_ensemble_takes_one_response_of_a_decoupled_step(streaming_repo: Path, serve) -> None:
+    server: Running = serve(streaming_repo)
+    http = httpclient.InferenceServerClient(server.http)
+    x = httpclient.InferInput("IN", [4], "FP32")
+    x.set_data_from_numpy(np.arange(4, dtype=np.float32))
+    n = httpclient.InferInput("TIMES", [1], "INT32")
+    n.set_data_from_numpy(np.array([1], np.int32))
+    np.testing.assert_array_equal(http.infer("single", [x, n]).as_numpy("OUT"), np.arange(4, dtype=np.float32) * 10)
+    n.set_data_from_numpy(np.array([3], np.int32))
+    with pytest.raises(InferenceServerException) as caught:
+        http.infer("single", [x, n])
+    assert "is not decoupled but its decoupled steps produced more than one response" in caught.value.message()
+    assert "model_transaction_policy { decoupled: true }" in caught.value.message()
