@@ -25,7 +25,7 @@ from pathlib import Path
 from sluice.runtime import names, pull
 from sluice.runtime.batching import Clock
 from sluice.runtime.config import CONFIG_FILE_NAMES
-from sluice.runtime.errors import Unavailable
+from sluice.runtime.errors import InvalidArgument, SluiceError, Unavailable
 from sluice.runtime.mirror import RepositoryMirror
 from sluice.runtime.repository import Repository, directory_stamps
 from sluice.runtime.snapshot import Change, FileStamp, Kind, ModelFiles, PollCounts, Snapshot, changes
@@ -131,7 +131,14 @@ class ModelControl:
         if self.mirror is not None and names.name_problem(name) is None:
             await self._sync(only=[name])
         self.repository.implicit.discard(name)
-        await self.repository.load(name, override)
+        try:
+            await self.repository.load(name, override)
+        except SluiceError as exc:
+            if exc.http_status < 500:
+                raise
+            # as Triton answers a failed load (INVALID_ARG): what the model or its backend refused
+            # does not change by trying again, so not a 5xx a client would retry
+            raise InvalidArgument(exc.message) from None
         if self.mirror is not None and names.name_problem(name) is None:
             await self._collect(only=[name])
         for step in self.repository.composing_models(name):

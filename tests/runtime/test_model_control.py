@@ -503,6 +503,20 @@ def test_an_unloaded_model_is_unloading_while_its_requests_drain_then_unavailabl
     assert states() == [] and [e["name"] for e in index(server.http)] == ["plus"]
 
 
+def test_a_load_the_backend_refuses_is_a_400_as_in_triton(repo, serve):
+    """A model that fails in its backend (a Python model that does not compile) is a failed load: 400 /
+    INVALID_ARGUMENT naming it, as Triton answers, not a 5xx a client would retry."""
+    write_model(repo, "broken", 'backend: "python"\ninput [ { name: "I" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+                'output [ { name: "O" data_type: TYPE_FP32 dims: [ 1 ] } ]\n', {"model.py": "def oops(:\n"})
+    server = serve(repo, model_control_mode="explicit")
+    with pytest.raises(InferenceServerException) as over_http:
+        httpclient.InferenceServerClient(server.http).load_model("broken")
+    assert over_http.value.status() == "400" and "failed to load 'broken'" in over_http.value.message()
+    with pytest.raises(InferenceServerException) as over_grpc:
+        grpcclient.InferenceServerClient(server.grpc).load_model("broken")
+    assert over_grpc.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
 def ensemble_over_plus(name: str) -> str:
     return f"""
 name: "{name}"
