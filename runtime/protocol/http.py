@@ -983,8 +983,14 @@ class V2Routes:
             ready_only = False
             if request.body:
                 body = http_codec.parse_json(request.body, "repository index body")
-                if isinstance(body, dict):
-                    ready_only = bool(body.get("ready", False))
+                if not isinstance(body, dict):
+                    return error_response(InvalidArgument("repository index body must be a JSON object"))
+                ready = body.get("ready", False)
+                if not isinstance(ready, bool):  # "false" would read as true
+                    return error_response(InvalidArgument(
+                        f"repository index: 'ready' must be true or false, got {json.dumps(ready)[:40]}"
+                    ))
+                ready_only = ready
             return json_response(self.dp.repository_index(ready_only))
         if len(rest) == 3 and rest[0] == b"models" and rest[2] in (b"load", b"unload"):
             name = unquote(rest[1].decode("utf-8", "replace"))

@@ -589,6 +589,9 @@ CASES = [
     case("ready-with-put", request("PUT", "/v2/health/ready", b"{}"), 405, "PUT", "GET"),
     case("metadata-with-delete", request("DELETE", "/v2/models/add_sub"), 405, "DELETE", "GET"),
     case("repository-with-get", request("GET", "/v2/repository/index"), 405, "POST"),
+    case("index-ready-as-text", request("POST", "/v2/repository/index", b'{"ready": "false"}'), 400,
+         "'ready' must be true or false", '"false"'),
+    case("index-body-a-list", request("POST", "/v2/repository/index", b"[true]"), 400, "must be a JSON object"),
     case("unknown-model-infer", infer("nope", GOOD), 404, "unknown model", "'nope'"),
     case(
         "unknown-version-infer",
