@@ -346,13 +346,19 @@ class _Run:
             return
         if step.index in self.streaming:
             return  # a decoupled step's responses come through step_response
+        if self.take(step, outcome):
+            self.advance()
+
+    def take(self, step: Step, response: InferResponse) -> bool:
+        """The step's outputs into this run's tensors; False (the request answered with the error)
+        when the response does not hold them as the plan says."""
         try:
-            for tensor in step_outputs(step, outcome):
+            for tensor in step_outputs(step, response):
                 self.tensors[tensor.name] = tensor
         except SluiceError as exc:
             self.root.finish(step_error(self.plan, step, exc))
-            return
-        self.advance()
+            return False
+        return True
 
     def step_response(self, step: Step, item: object, final: bool) -> None:
         """One response (or error, or bare final flag) of a decoupled step, on the event loop."""
@@ -376,11 +382,7 @@ class _Run:
         while self.queued and not self.root.finished:
             step, response = self.queued.pop(0)
             branch = self.branch()
-            try:
-                for tensor in step_outputs(step, response):
-                    branch.tensors[tensor.name] = tensor
-            except SluiceError as exc:
-                self.root.finish(step_error(self.plan, step, exc))
+            if not branch.take(step, response):
                 return
             branch.advance()
         if self.root.finished or self.pending or self.queued or self.closed:

@@ -110,22 +110,31 @@ def directory_stamps(directory: Path) -> frozenset[FileStamp]:
     return frozenset(stamps)
 
 
+def entry_stamps(entry: Path) -> frozenset[FileStamp]:
+    """The stamps of one entry of a model directory beside its versions and config: a file's own, or
+    every file under a directory (``tokenizer/vocab.txt``); empty when it vanished meanwhile."""
+    if entry.is_dir():
+        return frozenset(
+            (f"{entry.name}/{rel}", size, mtime) for rel, size, mtime in directory_stamps(entry) if rel != "."
+        )
+    try:
+        st = entry.stat()
+    except OSError:
+        return frozenset()
+    return frozenset({(entry.name, st.st_size, st.st_mtime_ns)})
+
+
 def version_stamp(config: mc.ModelConfig, model_dir: Path, version: int) -> Hashable:
-    """What a loaded version was made from: the completed config, the model directory's files outside
-    the version directories (labels, tokenizers; the config files too) and the version's own files.
-    Equal stamps: a reload keeps the serving version as it is (Triton reloads changed versions only)."""
+    """What a loaded version was made from: the completed config, the model directory's files beside
+    the versions and config (labels, tokenizers) and the version's own files. Equal stamps: a reload
+    keeps the serving version as it is (Triton reloads changed versions only)."""
     outside: set[FileStamp] = set()
     for entry in sorted(model_dir.iterdir()):
-        if entry.name.startswith(".") or (names.version_number(entry.name) is not None and entry.is_dir()):
+        if entry.name.startswith(".") or entry.name in model_config.CONFIG_FILE_NAMES:
             continue
-        if entry.is_dir():
-            outside |= {(f"{entry.name}/{rel}", size, mtime) for rel, size, mtime in directory_stamps(entry)}
-        else:
-            try:
-                st = entry.stat()
-            except OSError:
-                continue
-            outside.add((entry.name, st.st_size, st.st_mtime_ns))
+        if names.version_number(entry.name) is not None and entry.is_dir():
+            continue
+        outside |= entry_stamps(entry)
     return (
         config.SerializeToString(deterministic=True),
         frozenset(outside),

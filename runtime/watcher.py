@@ -27,7 +27,7 @@ from sluice.runtime.batching import Clock
 from sluice.runtime.config import CONFIG_FILE_NAMES
 from sluice.runtime.errors import InvalidArgument, SluiceError, Unavailable
 from sluice.runtime.mirror import RepositoryMirror
-from sluice.runtime.repository import Repository, directory_stamps
+from sluice.runtime.repository import Repository, directory_stamps, entry_stamps
 from sluice.runtime.snapshot import Change, FileStamp, Kind, ModelFiles, PollCounts, Snapshot, changes
 
 log = logging.getLogger("sluice.runtime.watcher")
@@ -54,16 +54,8 @@ def scan_model(model_dir: Path) -> ModelFiles:
                 continue
         elif (version := names.version_number(entry.name)) is not None and entry.is_dir():
             versions[version] = directory_stamps(entry)
-        elif entry.is_dir():
-            files |= {
-                (f"{entry.name}/{rel}", size, mtime) for rel, size, mtime in directory_stamps(entry) if rel != "."
-            }
         else:
-            try:
-                st = entry.stat()
-            except OSError:
-                continue
-            files.add((entry.name, st.st_size, st.st_mtime_ns))
+            files |= entry_stamps(entry)
     return ModelFiles(config if found_config else None, frozenset(files), versions)
 
 
