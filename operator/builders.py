@@ -1102,6 +1102,37 @@ def ensemble(
             for i in inline
         ])
     colocate = spec.placement == "Colocated" or (spec.placement == "Auto" and fits)
+    problems = []
+    for i, step in enumerate(spec.steps):
+        if step.model_ref is None:
+            continue
+        ref = referenced[step.model_ref]
+        if not colocate and ref.mode == api.SIDECAR_MODE:
+            problems.append(
+                f"spec.steps[{i}].modelRef: InferenceModel {step.model_ref!r} runs in Sidecar mode (no Service to "
+                "call), and the steps cannot share one pod; use placement Colocated with fewer GPUs, or a "
+                "model in Deployment mode"
+            )
+    # Colocated steps are fetched in the ensemble's pods, which run as one service account: the Ensemble's,
+    # else the one its referenced models fetch with (workload identity), which must then agree.
+    storage = spec.storage
+    if colocate:
+        accounts = {
+            account for s in spec.steps if s.model_ref
+            if (account := referenced[s.model_ref].storage.service_account_name)
+        }
+        if storage.service_account_name:
+            accounts.add(storage.service_account_name)
+        if len(accounts) > 1:
+            problems.append(
+                f"the colocated steps fetch with service accounts {', '.join(sorted(accounts))} (the Ensemble's "
+                "spec.storage and its referenced InferenceModels'), but the ensemble's pods run as one; give them "
+                "one serviceAccountName, or use placement Remote"
+            )
+        elif accounts and not storage.service_account_name:
+            storage = dataclasses.replace(storage, service_account_name=accounts.pop())
+    if problems:
+        raise UnsatisfiableError(problems)
     if not colocate and inline:
         raise UnsatisfiableError([
             f"the steps need more than {settings.max_colocated_gpus} whole GPU(s) or a MIG/GPU-memory "
@@ -1123,7 +1154,8 @@ def ensemble(
             ref = referenced[step.model_ref]
             if colocate:
                 gpu = step.resources.gpu or ref.resources.gpu
-                models.append(served_model(ref.model, ref.runtime, gpu=gpu is not None))
+                # fetched with the model's own credentials, as its own pods fetch it
+                models.append(served_model(ref.model, ref.runtime, gpu=gpu is not None, storage=ref.storage))
             else:
                 host = f"{step.model_ref}.{owner.namespace}.svc.{settings.cluster_domain}"
                 remote[model_name] = f"{host}:{settings.grpc_port}"
@@ -1137,7 +1169,7 @@ def ensemble(
     models.insert(0, ServedModel(source, "config.json", text))
     return _workload(
         owner, models, model_name=ensemble_name, resources=spec.resources, gpus=gpus,
-        scaling=spec.scaling, storage=spec.storage, shutdown=spec.shutdown, server=spec.server, settings=settings,
+        scaling=spec.scaling, storage=storage, shutdown=spec.shutdown, server=spec.server, settings=settings,
         traffic=({"revision": "stable", "version": 1, "percent": 100},),
         placement="Colocated" if colocate else "Remote", live=live,
     )

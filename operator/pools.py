@@ -242,6 +242,9 @@ def status_to(admission: Admission) -> dict[str, Any]:
     }
     if cap.note:
         capacity["note"] = cap.note
+    # an unknown quantity is left out, not written as null: a merge patch deletes a null, so the stored
+    # status would never equal this one and every reconcile would write it again
+    capacity = {key: value for key, value in capacity.items() if value is not None}
     return {
         "members": [{"name": m.name, "memoryMiB": m.memory_mib, "computePercent": m.compute_percent}
                     for m in admission.admitted],

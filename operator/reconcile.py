@@ -989,10 +989,15 @@ def _member_conditions(body: Mapping[str, Any], membership: _Membership) -> tupl
                       "as it fits."),
         ], 0, 0
     if verdict.state == pools.JOINING:
-        return [
+        joining = [
             Condition(conditions.READY, FALSE, "JoiningPool", f"Pool {pool} has not admitted the model yet."),
             Condition(conditions.PROGRESSING, TRUE, "JoiningPool", f"Waiting for pool {pool} to admit the model."),
-        ], 0, 0
+        ]
+        if membership.degraded is not None:  # a pool that cannot reconcile (invalid spec) admits no one
+            joining.append(Condition(conditions.DEGRADED, TRUE, str(membership.degraded.get("reason") or
+                                                                    "PoolDegraded"),
+                                     f"Pool {pool}: {membership.degraded.get('message', '')}"))
+        return joining, 0, 0
     deployment = membership.deployment
     found, replicas, ready = _rollout(deployment)
     found = [c for c in found if c.type != conditions.READY]
@@ -1003,7 +1008,8 @@ def _member_conditions(body: Mapping[str, Any], membership: _Membership) -> tupl
         # What troubles the pool troubles its members (pods that cannot be scheduled, an invalid pool spec).
         found.append(Condition(conditions.DEGRADED, TRUE, str(membership.degraded.get("reason") or "PoolDegraded"),
                                f"Pool {pool}: {membership.degraded.get('message', '')}"))
-    was_ready = ((body.get("status") or {}).get("pool") or {}).get("state") == pools.ADMITTED and \
+    previous = (body.get("status") or {}).get("pool") or {}
+    was_ready = previous.get("state") == pools.ADMITTED and previous.get("name") == pool and \
         (conditions.find((body.get("status") or {}).get("conditions"), conditions.READY) or {}).get("status") == TRUE
     label = builders.member_label(body["metadata"]["name"])
     if _serves(deployment, label, was_ready=was_ready):

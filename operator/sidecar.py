@@ -256,6 +256,10 @@ def inject(
             fetches.append(init)
         # A volume may come without a runtime mount: a storage Secret is the fetch's alone.
         if volume is not None:
+            if "secret" in volume:
+                # readable by the fetch's uid: the app's pod sets no fsGroup for it (a Deployment of
+                # Sluice's does), so 0440 files owned by root would be unreadable; only the fetch mounts it
+                volume = {**volume, "secret": {**volume["secret"], "defaultMode": 0o444}}
             volumes.append({**volume, "name": _prefixed(volume["name"])})
         if mount is not None:
             mounts.append({**mount, "name": _prefixed(mount["name"])})

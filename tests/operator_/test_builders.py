@@ -300,6 +300,34 @@ def test_two_steps_serving_one_model_name_from_two_sources_are_unsatisfiable():
     assert desired.placement == "Colocated"
 
 
+def test_a_remote_step_to_a_sidecar_mode_model_is_unsatisfiable():
+    """A Sidecar-mode InferenceModel has no Service: an ensemble that must call it remotely cannot."""
+    sidecar = {**MODELS["gpu-autoscaled"], "mode": "Sidecar", "resources": {"gpu": {"count": 2}}}
+    sidecar.pop("scaling", None)
+    referenced = {"resnet": api.parse_inference_model("resnet", sidecar)}
+    spec = {**ENSEMBLE, "steps": [ENSEMBLE["steps"][1]], "inputs": [
+        {"name": "pixels", "dataType": "TYPE_FP32", "dims": [3, 224, 224]}]}
+    with pytest.raises(builders.UnsatisfiableError, match=r"spec.steps\[0\].modelRef: InferenceModel 'resnet' "
+                       r"runs in Sidecar mode \(no Service to call\)"):
+        builders.ensemble(owner("Ensemble", "classifier"), api.parse_ensemble("classifier", spec), referenced, SETTINGS)
+
+
+def test_colocated_steps_fetch_with_their_models_credentials_under_one_service_account():
+    """A referenced model's fetch takes its own secret; the pods run as the service account its models
+    fetch with (the Ensemble names none); two different accounts cannot share the pods."""
+    referenced = {"resnet": api.parse_inference_model("resnet", MODELS["gpu-autoscaled"])}
+    desired = builders.ensemble(owner("Ensemble", "classifier"), api.parse_ensemble("classifier", ENSEMBLE),
+                                referenced, SETTINGS)
+    pod = next(o for o in desired.objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "model-reader"
+    fetch = next(c for c in pod["initContainers"] if "resnet" in c["name"])
+    assert fetch["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
+    other = {**ENSEMBLE, "storage": {"serviceAccountName": "another-reader"}}
+    with pytest.raises(builders.UnsatisfiableError, match="another-reader, model-reader"):
+        builders.ensemble(owner("Ensemble", "classifier"), api.parse_ensemble("classifier", other), referenced,
+                          SETTINGS)
+
+
 # ---------------------------------------------------------------- model pools
 
 POOL = {"gpu": {"migProfile": "3g.40gb"}, "resources": {"cpu": "4", "memory": "16Gi"},

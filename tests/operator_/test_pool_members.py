@@ -76,3 +76,47 @@ async def test_pool_pods_the_scheduler_cannot_place_degrade_the_pool_and_its_mem
     assert degraded["message"].startswith("Pool small: 1 runtime pod(s) cannot be scheduled: not enough "
                                           "nvidia.com/mig-3g.40gb on any node")
     assert client.condition(client.read(client.POOL, "small"), "Degraded")["reason"] == "Unschedulable"
+
+
+def _pool(gpu: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "sluice.dev/v1alpha1", "kind": "ModelPool", "metadata": {"name": "p", "namespace": "models"},
+            "spec": {"gpu": gpu, "scaling": {"minReplicas": 1, "maxReplicas": 1}}}
+
+
+def _member(client, name: str, gpu: dict[str, Any]) -> dict[str, Any]:
+    body = client.model(name, pool="p", resources={"gpu": gpu})
+    body["spec"].pop("scaling")
+    body["spec"]["model"] = {"storageUri": f"s3://models/{name}", "format": "onnx"}
+    return body
+
+
+async def test_a_pool_of_unknown_capacity_writes_its_status_once(client, operator, apiserver):
+    """With no GPU inventory the pool's memory is unknown: its status used to carry nulls, which a merge
+    patch deletes, so it never equalled what was stored, was written on every reconcile, and each write
+    reconciled every member again."""
+    await client.create(client.POOL, _pool({"count": 1}))
+    for name in "abc":
+        await client.create(client.IM, _member(client, name, {"memory": "4Gi", "computePercent": 10}))
+    await client.settle()
+    writes = operator.metrics.status_writes.labels("ModelPool")
+    members = operator.metrics.reconciles.labels("InferenceModel", "ok")
+    before = (writes._value.get(), members._value.get())
+    for touch in range(3):  # reconciles of the pool that change nothing
+        await client.patch(client.POOL, "p", {"metadata": {"annotations": {"example.com/touch": str(touch)}}})
+        await client.settle()
+    assert (writes._value.get(), members._value.get()) == before
+    assert "freeMiB" not in client.read(client.POOL, "p")["status"]["capacity"]
+
+
+async def test_members_of_a_pool_that_cannot_reconcile_say_so(client, operator, apiserver):
+    """A pool whose spec the cluster cannot satisfy admits no one: its members show its Degraded
+    instead of "joining" for ever."""
+    from sluice_testing import gpu_nodes
+
+    await gpu_nodes.load(apiserver, [gpu_nodes.l4("l4-0")])
+    await client.create(client.POOL, _pool({"migProfile": "3g.40gb"}))
+    await client.create(client.IM, _member(client, "a", {"memory": "8Gi"}))
+    degraded = await client.wait(
+        lambda: (c := client.condition(client.read(client.IM, "a"), "Degraded")) and c["status"] == "True" and c)
+    assert degraded["message"].startswith("Pool p: ") and "3g.40gb" in degraded["message"]
+    assert client.condition(client.read(client.IM, "a"), "Ready")["reason"] == "JoiningPool"
