@@ -580,6 +580,7 @@ class WorkerPool:
             "--arena-fds", f"{requests_fd},{responses_fd}",
             "--http-fd", str(listening.get("http", -1)),
             "--grpc-fd", str(listening.get("grpc", -1)),
+            "--engine-pid", str(os.getpid()),
         ]  # fmt: skip
         try:
             process = subprocess.Popen(command, pass_fds=fds, stdin=subprocess.DEVNULL)
@@ -642,6 +643,11 @@ class WorkerPool:
         for worker in workers:
             if worker.side.link is not None:
                 worker.side.link.send(("stop", max(deadline - time.monotonic(), 0.0)))
+        # The engine's copies of the listening sockets go now, not once the workers exited: while any copy
+        # is open the kernel keeps completing handshakes nobody accepts (clients hang, then are reset),
+        # where a closed port refuses them at once and they go to another pod.
+        for sock in self._sockets.values():
+            sock.close()
         waits = [worker.side.stopped for worker in workers]
         if waits:
             await asyncio.wait(waits, timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
@@ -1017,6 +1023,15 @@ async def _serve_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def orphaned(parent_pid: int, engine_pid: int) -> bool:
+    """Whether a starting worker's engine is gone: the worker was re-parented. The engine may itself be
+    PID 1 (a container's entrypoint: the runtime image, the operator's pods), so the parent is compared
+    with the engine's pid; without it (an older engine) PID 1 is taken as re-parented."""
+    if engine_pid:
+        return parent_pid != engine_pid
+    return parent_pid == 1
+
+
 def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
     parser = argparse.ArgumentParser(prog="sluice-protocol-worker", description="started by sluice serve only")
@@ -1025,11 +1040,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arena-fds", required=True)
     parser.add_argument("--http-fd", type=int, default=-1)
     parser.add_argument("--grpc-fd", type=int, default=-1)
+    parser.add_argument("--engine-pid", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[worker {args.index}]: %(message)s"
     )
-    if os.getppid() == 1:  # the engine died before prctl took effect
+    if orphaned(os.getppid(), args.engine_pid):  # the engine died before prctl took effect
         return 1
     try:
         import uvloop

@@ -1308,7 +1308,10 @@ class GrpcConnection(asyncio.Protocol):
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             call = Call(deadline, stream.caller, stream.traceparent)
-            replies = self._server.service.model_stream_infer(requests(), call)
+            # the route's handler: the service's model_stream_infer, or in a protocol worker the one that
+            # forwards the stream to the engine (the worker's service holds no data plane)
+            assert stream.route is not None
+            replies = stream.route.handler(requests(), call)
             async with contextlib.aclosing(replies):
                 async for reply in replies:
                     if stream.finished:

@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -591,6 +592,19 @@ def test_sigterm_drains_in_flight_requests_then_stops(cli: tuple[Cli, Path]) -> 
     _wait_for(lambda: (gate_dir / "entered").exists(), "the request running in the model")
     server.proc.send_signal(signal.SIGTERM)
     server.until("stopping on SIGTERM")
+    # while the in-flight request drains, a new connection is refused at once (it goes to another pod),
+    # not accepted into a backlog nobody reads, to hang and be reset at the end
+    host, port = server.http.rsplit(":", 1)
+
+    def refused() -> bool:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+        except ConnectionRefusedError:
+            return True
+        return False
+
+    _wait_for(refused, "a new connection refused while the server drains")
+    assert not answer  # the in-flight request is still running
     with open(gate_dir / "release", "w") as fifo:  # let the in-flight request finish
         fifo.write("go")
     sender.join(30)
@@ -716,3 +730,65 @@ def test_inputs_and_outputs_in_system_shared_memory_as_in_single_process(servers
                     client.close()
     finally:
         shm.destroy_shared_memory_region(handle)
+
+
+def _stream_answers(address: str, model: str, inputs: list[Any], count: int) -> list[Any]:
+    import queue
+
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(address)
+    client.start_stream(callback=lambda result, error: answers.put(error or result))
+    try:
+        client.async_stream_infer(model, inputs)
+        return [answers.get(timeout=20) for _ in range(count)]
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_model_stream_infer_through_workers_answers_as_in_a_single_process(servers) -> None:
+    """ModelStreamInfer goes to the engine message by message: it used to run in the worker itself, on a
+    service without a data plane, and hang."""
+    workers, single, _ = servers
+    a = np.arange(16, dtype=np.float32)
+    answers = {
+        name: _stream_answers(server.grpc, "add_sub", _add_sub_inputs(grpcclient, a), 1)[0]
+        for name, server in (("workers", workers), ("single", single))
+    }
+    for answer in answers.values():
+        assert not isinstance(answer, Exception), answer
+        np.testing.assert_array_equal(answer.as_numpy("OUTPUT0"), a + a)
+
+
+def test_a_worker_whose_engine_is_pid_1_starts(tmp_path: Path) -> None:
+    """In a container the engine is PID 1 (the image's entrypoint, the operator's pods): a worker's
+    check for a dead engine (re-parented to PID 1) must not take that for one."""
+    from sluice.runtime.frontend_workers import orphaned
+
+    assert not orphaned(1, 1)  # the engine is PID 1: its child's parent is 1
+    assert orphaned(1, 4242)  # the engine was 4242: re-parented, it died
+    assert not orphaned(4242, 4242)
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "--pid", "--fork", "--mount-proc", "true"],
+                                         capture_output=True).returncode != 0:
+        pytest.skip("unshare cannot make a PID namespace here (needs root or user namespaces)")
+    repo = tmp_path / "repo"
+    write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    proc = subprocess.Popen(
+        [unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-m", "sluice.runtime", "serve",
+         "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
+         "--protocol-workers", "2", "--drain-period-s", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        lines = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "sluice ready" in line or "error" in line:
+                break
+        assert any("sluice ready" in line for line in lines), "".join(lines)
+        assert any("protocol worker(s) serving" in line for line in lines), "".join(lines)
+    finally:
+        proc.kill()
+        proc.wait(30)
