@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sluice.runtime import __version__, callers, classification, logs, shm, tracing
@@ -240,10 +240,13 @@ class DataPlane:
             out.append(row)
         return out
 
-    async def load(self, name: str, config_override: str | None = None) -> None:
+    async def load(
+        self, name: str, config_override: str | None = None, files: Mapping[str, bytes] | None = None
+    ) -> None:
+        """Load ``name`` (explicit mode); ``files``: Triton's ``file:<version>/<name>`` overrides."""
         if not self._accepting:
             raise Unavailable("server is shutting down")
-        await self.control.load(name, config_override)
+        await self.control.load(name, config_override, files)
 
     async def unload(self, name: str, dependents: bool = False) -> None:
         """Unload ``name``; with ``dependents`` (Triton's ``unload_dependents``), an ensemble's composing

@@ -13,6 +13,8 @@ import functools
 import itertools
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Collection, Coroutine, Hashable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -86,6 +88,9 @@ class _Model:
     reload_error: str = ""
     # What each serving version was made from (version_stamp): a reload keeps those unchanged.
     stamps: dict[int, Hashable] = dataclasses.field(default_factory=dict)
+    # The temporary repository of a load with file overrides its versions were made from (removed when
+    # they are closed); None: the repository's own directory.
+    override_root: Path | None = None
 
 
 _PLATFORM_BY_BACKEND = {"onnxruntime": "onnxruntime_onnx", "pytorch": "pytorch_libtorch", "tensorrt": "tensorrt_plan"}
@@ -140,6 +145,41 @@ def version_stamp(config: mc.ModelConfig, model_dir: Path, version: int) -> Hash
         frozenset(outside),
         directory_stamps(model_dir / str(version)),
     )
+
+
+def override_files(files: Mapping[str, bytes], config: str | None) -> dict[str, bytes]:
+    """The files of a load request's ``file:<version>/<name>`` parameters, checked (pure): Triton's
+    rule that they come with a ``config``, and paths that stay inside a version directory of the model.
+    Returns relative path -> content."""
+    if files and config is None:
+        raise InvalidArgument(
+            "load parameters 'file:...' need the parameter 'config' too (the model's config as JSON): the "
+            "files replace the model's directory, config included, as in Triton"
+        )
+    checked: dict[str, bytes] = {}
+    for path, content in files.items():
+        parts = path.split("/")
+        problem = None
+        if not path or path.startswith("/") or any(part in ("", ".", "..") for part in parts):
+            problem = "a relative path inside the model's directory, without '.', '..' or empty parts"
+        elif len(parts) < 2 or names.version_number(parts[0]) is None:
+            problem = "<version>/<file>, the version a number (1/model.onnx)"
+        if problem is not None:
+            raise InvalidArgument(f"load parameter 'file:{path}': allowed: {problem}")
+        checked[path] = content
+    return checked
+
+
+def _write_override(files: Mapping[str, bytes], name: str) -> Path:
+    """A temporary repository holding ``name`` made of ``files`` alone (blocking); its root."""
+    root = Path(tempfile.mkdtemp(prefix="sluice-load-"))
+    model_dir = root / name
+    model_dir.mkdir()
+    for path, content in files.items():
+        target = model_dir / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)
+    return root
 
 
 def platform_of(config: mc.ModelConfig) -> str:
@@ -600,24 +640,29 @@ class Repository:
                 f"failed to {action} '{names.shown(name)}': invalid model name: {problem}; allowed: {names.ALLOWED}"
             )
 
-    def _client_message(self, name: str, message: str) -> str:
+    def _client_message(self, name: str, message: str, override_root: Path | None = None) -> str:
         """A load error as clients read it: Triton's "failed to load '<m>'" wording, and no path of
         the server's file system (paths are shown relative to the repository)."""
         roots = {str(self.root.resolve())} | ({str(self.root)} if self.root.is_absolute() else set())
+        if override_root is not None:
+            roots |= {str(override_root), str(override_root.resolve())}
         for root in sorted(roots, key=len, reverse=True):  # absolute paths only: a relative one is a word
             message = message.replace(root + "/", "").replace(root, "the model repository")
         if not message.startswith(f"failed to load '{name}'"):
             message = f"failed to load '{name}': {message}"
         return message
 
-    async def load(self, name: str, override: str | None = None) -> None:
+    async def load(self, name: str, override: str | None = None, files: Mapping[str, bytes] | None = None) -> None:
         """Load (or reload) ``name``. It goes on when the caller is cancelled (a client that timed
         out or hung up), as in Triton: cut short, it left the model LOADING and its new instances
-        initialized but never served or finalized."""
+        initialized but never served or finalized. ``files`` (Triton's ``file:<version>/<name>`` load
+        parameters, with ``override`` required): the model is made of those files alone, in a
+        temporary directory kept while its versions serve."""
         self._checked(name, "load")
-        await _unless_cancelled(self._load(name, override))
+        checked = override_files(files or {}, override)
+        await _unless_cancelled(self._load(name, override, checked))
 
-    async def _load(self, name: str, override: str | None) -> None:
+    async def _load(self, name: str, override: str | None, files: Mapping[str, bytes] | None = None) -> None:
         model = self._entry(name)
         loop = asyncio.get_running_loop()
         old: dict[int, ModelVersion] = {}
@@ -625,12 +670,17 @@ class Repository:
         async with model.lock:
             model.state = LOADING
             serving = {version: stamp for version, stamp in model.stamps.items() if version in model.versions}
+            root = self.root
+            if files:
+                root = await loop.run_in_executor(None, _write_override, files, name)
             try:
                 prepared = await loop.run_in_executor(
-                    None, prepare, self.root, name, override, self._scheduling, self.services, tried, serving
+                    None, prepare, root, name, override, self._scheduling, self.services, tried, serving
                 )
             except Exception as exc:
-                self._load_failed(name, model, exc, tried)
+                self._load_failed(name, model, exc, tried, None if root is self.root else root)
+                if root is not self.root:
+                    await loop.run_in_executor(None, functools.partial(shutil.rmtree, root, ignore_errors=True))
                 raise exc if isinstance(exc, SluiceError) else Unavailable(model.reason) from exc
             new_versions: dict[int, ModelVersion] = {}
             try:
@@ -639,7 +689,9 @@ class Repository:
                 # Started schedulers close their own instances; the rest is closed here.
                 await asyncio.gather(*(v.scheduler.aclose(0.0) for v in new_versions.values()))
                 await loop.run_in_executor(None, prepared.close, set(new_versions))
-                self._load_failed(name, model, exc, tried)
+                self._load_failed(name, model, exc, tried, None if root is self.root else root)
+                if root is not self.root:
+                    await loop.run_in_executor(None, functools.partial(shutil.rmtree, root, ignore_errors=True))
                 raise exc if isinstance(exc, SluiceError) else Unavailable(model.reason) from exc
             if new_versions or not prepared.kept:
                 for warning in prepared.warnings:
@@ -649,6 +701,9 @@ class Repository:
             old = {v: mv for v, mv in {**model.waiting, **model.versions}.items() if kept.get(v) is not mv}
             model.versions, model.waiting = serving_now, {}
             model.stamps = {version: prepared.stamps[version] for version in serving_now}
+            made_from = None if root is self.root else root
+            retired_root = model.override_root if model.override_root != made_from else None
+            model.override_root = made_from
             first = next(iter(serving_now.values()), None)
             model.plan = first.backend.plan if first and isinstance(first.backend, ensemble.Ensemble) else None
             for version in serving_now:
@@ -667,18 +722,22 @@ class Repository:
             self._follow_steps()
         if old:
             await self._close_versions(old.values())
+        if retired_root is not None:  # the versions made from an earlier load's files are closed
+            await loop.run_in_executor(None, functools.partial(shutil.rmtree, retired_root, ignore_errors=True))
 
-    def _load_failed(self, name: str, model: _Model, exc: Exception, tried: Collection[int] = ()) -> None:
+    def _load_failed(
+        self, name: str, model: _Model, exc: Exception, tried: Collection[int] = (), override_root: Path | None = None
+    ) -> None:
         """Record a failed load: the versions that were serving go on serving; one log line, a count
         for the metrics, and the reason in the index (on the versions it tried and, while older
         versions serve, on theirs)."""
         if isinstance(exc, SluiceError):
-            exc.message = self._client_message(name, exc.message)
+            exc.message = self._client_message(name, exc.message, override_root)
             exc.args = (exc.message,)
             message = exc.message
             log.error("%s", message)
         else:  # a bug or an unexpected OSError: keep the traceback in the log
-            message = self._client_message(name, f"{type(exc).__name__}: {exc}")
+            message = self._client_message(name, f"{type(exc).__name__}: {exc}", override_root)
             log.error("%s", message, exc_info=exc)
         for version in tried:
             if version not in model.versions:
@@ -758,6 +817,7 @@ class Repository:
             # not awaited by readiness (discarded before the lock, the load marked it again).
             self._expected.discard(name)
             self.implicit.discard(name)
+            retired_root, model.override_root = model.override_root, None
             old, model.versions, model.waiting = {**model.waiting, **model.versions}, {}, {}
             # UNLOADING while its requests drain (Triton), UNAVAILABLE "unloaded" once they are done
             model.state = UNLOADING if old else UNAVAILABLE
@@ -767,6 +827,9 @@ class Repository:
                 model.history[version] = UNLOADING
             self._follow_steps()
         await self._close_versions(old.values(), grace_s)
+        if retired_root is not None:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, functools.partial(shutil.rmtree, retired_root, ignore_errors=True))
         if model.state == UNLOADING and not model.versions and not model.waiting:  # no load came meanwhile
             model.state, model.reason = UNAVAILABLE, "unloaded"
             for version in old:

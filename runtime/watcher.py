@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 from sluice.runtime import names, pull
@@ -116,15 +116,15 @@ class ModelControl:
             )
 
     # -- the repository API --------------------------------------------------------------------
-    async def load(self, name: str, override: str | None = None) -> None:
+    async def load(self, name: str, override: str | None = None, files: Mapping[str, bytes] | None = None) -> None:
         """Load ``name`` as asked (no longer implicit), then the ensemble steps it needs that are not
         loaded (Triton loads an ensemble's composing models with it)."""
         self._refuse()
-        if self.mirror is not None and names.name_problem(name) is None:
+        if self.mirror is not None and names.name_problem(name) is None and not files:
             await self._sync(only=[name])
         self.repository.implicit.discard(name)
         try:
-            await self.repository.load(name, override)
+            await self.repository.load(name, override, files)
         except SluiceError as exc:
             if exc.http_status < 500:
                 raise

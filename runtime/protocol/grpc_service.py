@@ -380,14 +380,17 @@ class Service:
         self, request: pb.RepositoryModelLoadRequest, call: Call
     ) -> pb.RepositoryModelLoadResponse:
         override = None
+        files: dict[str, bytes] = {}
         for key, value in request.parameters.items():
             if key == "config":
                 if value.WhichOneof("parameter_choice") != "string_param":
                     raise InvalidArgument("load parameter 'config' must be a string (JSON config)")
                 override = value.string_param
             elif key.startswith("file:"):
-                raise InvalidArgument(f"load parameter '{key}': file overrides are not supported; use the repository")
-        await self.dp.load(request.model_name, override)
+                if value.WhichOneof("parameter_choice") != "bytes_param":
+                    raise InvalidArgument(f"load parameter '{key}' must be a bytes_param holding the file's contents")
+                files[key[len("file:"):]] = value.bytes_param
+        await self.dp.load(request.model_name, override, files)
         return pb.RepositoryModelLoadResponse()
 
     async def repository_model_unload(

@@ -10,6 +10,8 @@ sweeper per server, no timer per request), and cancellation of queued work when 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import functools
 import json
 import logging
@@ -1001,15 +1003,19 @@ class V2Routes:
 
     async def _load(self, request: Request, name: str) -> Response:
         params = _repository_parameters(request, "load")
-        for key in params:
-            if key.startswith("file:"):
-                raise InvalidArgument(
-                    f"load parameter '{key}': file overrides are not supported; put files in the repository"
-                )
+        files: dict[str, bytes] = {}
+        for key, value in params.items():
+            if key.startswith("file:"):  # tritonclient sends the contents base64-encoded
+                if not isinstance(value, str):
+                    raise InvalidArgument(f"load parameter '{key}' must be the file's contents in base64")
+                try:
+                    files[key[len("file:"):]] = base64.b64decode(value, validate=True)
+                except binascii.Error:
+                    raise InvalidArgument(f"load parameter '{key}' must be the file's contents in base64") from None
         override = params.get("config")
         if override is not None and not isinstance(override, str):
             raise InvalidArgument("load parameter 'config' must be a string holding the model config as JSON")
-        await self.dp.load(name, override)
+        await self.dp.load(name, override, files)
         return Response(200)
 
     async def _unload(self, request: Request, name: str) -> Response:

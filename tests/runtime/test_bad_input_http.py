@@ -606,10 +606,11 @@ CASES = [
     case("unknown-model-stats", request("GET", "/v2/models/nope/stats"), 400, "model 'nope' is not available"),
     case("load-bad-json", request("POST", "/v2/repository/models/add_sub/load", b"{"), 400, "load request body"),
     case(
-        "load-file-override",
-        request("POST", "/v2/repository/models/add_sub/load", b'{"parameters": {"file:1/model.onnx": "AAAA"}}'),
+        "load-file-override-not-base64",
+        request("POST", "/v2/repository/models/add_sub/load", b'{"parameters": {"file:1/model.onnx": "**"}}'),
         400,
         "file:1/model.onnx",
+        "base64",
     ),
     # -- HTTP framing and limits ------------------------------------------------------------------
     case(

@@ -656,3 +656,44 @@ def test_a_reload_keeps_the_versions_that_did_not_change(repo, serve):
         assert infer_http(server.http, 1.0) == 31.0
     finally:
         http.close()
+
+
+def test_a_model_loaded_from_files_in_the_request(repo, serve, tmp_path):
+    """Triton's file overrides (tritonclient ``load_model(name, config=..., files=...)``): the model is made
+    of the request's files alone, over HTTP (base64) and gRPC (bytes); its temporary directory goes
+    when its versions do, and never shows in an answer."""
+    import glob
+    import tempfile
+
+    def leftovers() -> set[str]:
+        return set(glob.glob(os.path.join(tempfile.gettempdir(), "sluice-load-*")))
+
+    before = leftovers()
+    server = serve(repo, model_control_mode="explicit")
+    http = httpclient.InferenceServerClient(server.http)
+    grpc = grpcclient.InferenceServerClient(server.grpc)
+    config = json.dumps({"backend": "onnxruntime", "max_batch_size": 8})
+    try:
+        http.load_model("sent", config=config, files={"file:1/model.onnx": plus_model(5.0)})
+        assert infer_http(server.http, 1.0, model="sent") == 6.0
+        grpc.load_model("sent", config=config, files={"file:2/model.onnx": plus_model(7.0)})  # replaces version 1
+        assert infer_http(server.http, 1.0, model="sent") == 8.0
+        assert len(leftovers() - before) == 1  # the first load's directory went with its version
+        for files, cfg, says in (
+            ({"file:1/model.onnx": b"x"}, None, "need the parameter 'config' too"),
+            ({"file:../model.onnx": b"x"}, config, "allowed: a relative path inside the model's directory"),
+            ({"file:model.onnx": b"x"}, config, "allowed: <version>/<file>"),
+        ):
+            with pytest.raises(InferenceServerException) as caught:
+                http.load_model("sent", config=cfg, files=files)
+            assert caught.value.status() == "400" and says in caught.value.message(), caught.value.message()
+        with pytest.raises(InferenceServerException) as caught:
+            grpc.load_model("broken_sent", config=config, files={"file:1/model.onnx": b"not an onnx model"})
+        assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "sluice-load-" not in caught.value.message() and tempfile.gettempdir() not in caught.value.message()
+        assert infer_http(server.http, 1.0, model="sent") == 8.0  # the failed ones changed nothing
+        http.unload_model("sent")
+        assert leftovers() == before
+    finally:
+        http.close()
+        grpc.close()
