@@ -474,6 +474,11 @@ class Reconciler:
         placed = await self._place(owner, body, pool.gpu, pool.scaling.min_replicas, False)
         shape = placed.verdict.shape
         gpu_memory = shape.memory_mib if shape is not None and shape.memory_mib and pool.gpu.count else None
+        if gpu_memory is None and pool.gpu.count:
+            # The GPUs are not visible now (their nodes went away a while: a spot preemption, a node pool
+            # replaced): keep the memory last seen for this spec, or the pool would admit on compute alone
+            # meanwhile and, once the GPUs are back, keep whoever is oldest, evicting members that never grew.
+            gpu_memory = _last_known_memory(body)
         capacity = pools.capacity(owner.name, pool.gpu, gpu_memory_mib=gpu_memory)
         admission = pools.admit(capacity, members, pools.admitted_from(body.get("status")))
         desired = builders.model_pool(
@@ -974,6 +979,15 @@ def _canary_help(status: canary.Status, spec: api.InferenceModelSpec) -> str:
         return ("To abort: remove spec.canary (all traffic goes back to stable first). To promote by hand: "
                 "copy spec.canary into spec.model and remove spec.canary.")
     return ""
+
+
+def _last_known_memory(body: Mapping[str, Any]) -> int | None:
+    """The GPU memory a pool's status last recorded, while its spec is still the one it was recorded for."""
+    status = body.get("status") or {}
+    if status.get("observedGeneration") != body.get("metadata", {}).get("generation"):
+        return None
+    memory = (status.get("capacity") or {}).get("memoryMiB")
+    return memory if isinstance(memory, int) and not isinstance(memory, bool) and memory > 0 else None
 
 
 def _member_conditions(body: Mapping[str, Any], membership: _Membership) -> tuple[list[Condition], int, int]:

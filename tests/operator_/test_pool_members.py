@@ -120,3 +120,40 @@ async def test_members_of_a_pool_that_cannot_reconcile_say_so(client, operator, 
         lambda: (c := client.condition(client.read(client.IM, "a"), "Degraded")) and c["status"] == "True" and c)
     assert degraded["message"].startswith("Pool p: ") and "3g.40gb" in degraded["message"]
     assert client.condition(client.read(client.IM, "a"), "Ready")["reason"] == "JoiningPool"
+
+
+async def test_a_pools_gpus_out_of_sight_for_a_while_evict_no_one(client, operator, apiserver, clock):
+    """A gpu.count pool learns its GPUs' memory from the nodes. While they are gone (spot preemption), the
+    memory last seen holds: otherwise everyone was admitted on compute alone meanwhile and, once the GPUs
+    were back, the oldest kept its place, evicting a member that never grew for one that had."""
+    from sluice_testing import gpu_nodes
+
+    def admitted() -> tuple[list[str], list[str]]:
+        status = (client.read(client.POOL, "p") or {}).get("status") or {}
+        return [m["name"] for m in status.get("members") or []], [w["name"] for w in status.get("waiting") or []]
+
+    async def touch(value: int) -> None:
+        await client.patch(client.POOL, "p", {"metadata": {"annotations": {"example.com/touch": str(value)}}})
+        await client.settle()
+
+    await gpu_nodes.load(apiserver, [gpu_nodes.l4("l4-0")])  # one L4: 22.5 GiB
+    await client.create(client.POOL, _pool({"count": 1}))
+    await client.create(client.IM, _member(client, "a", {"memory": "15Gi"}))
+    await client.wait(lambda: admitted()[0] == ["a"])
+    await client.settle()
+    clock.advance(1)
+    await client.create(client.IM, _member(client, "b", {"memory": "5Gi"}))
+    await client.wait(lambda: admitted()[0] == ["a", "b"])
+    await client.settle()
+    await client.patch(client.IM, "a", {"spec": {"resources": {"gpu": {"memory": "20Gi"}}}})  # grows: waits
+    await client.wait(lambda: admitted() == (["b"], ["a"]))
+    await client.settle()
+    async with apiserver.request("DELETE", "/api/v1/nodes/l4-0") as response:
+        assert response.status < 300
+    clock.advance(60)
+    await touch(1)
+    assert admitted() == (["b"], ["a"])  # the memory last seen still counts
+    await gpu_nodes.load(apiserver, [gpu_nodes.l4("l4-0")])
+    clock.advance(60)
+    await touch(2)
+    assert admitted() == (["b"], ["a"])
