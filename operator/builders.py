@@ -1113,23 +1113,21 @@ def ensemble(
                 "call), and the steps cannot share one pod; use placement Colocated with fewer GPUs, or a "
                 "model in Deployment mode"
             )
-    # Colocated steps are fetched in the ensemble's pods, which run as one service account: the Ensemble's,
-    # else the one its referenced models fetch with (workload identity), which must then agree.
+    # Colocated steps are fetched in the ensemble's pods, which run as one service account: the Ensemble's
+    # when it names one, else the one its referenced models fetch with (workload identity), which must agree.
     storage = spec.storage
-    if colocate:
+    if colocate and not storage.service_account_name:
         accounts = {
             account for s in spec.steps if s.model_ref
             if (account := referenced[s.model_ref].storage.service_account_name)
         }
-        if storage.service_account_name:
-            accounts.add(storage.service_account_name)
         if len(accounts) > 1:
             problems.append(
-                f"the colocated steps fetch with service accounts {', '.join(sorted(accounts))} (the Ensemble's "
-                "spec.storage and its referenced InferenceModels'), but the ensemble's pods run as one; give them "
-                "one serviceAccountName, or use placement Remote"
+                f"the colocated steps' InferenceModels fetch with service accounts {', '.join(sorted(accounts))}, "
+                "but the ensemble's pods run as one; name one in the Ensemble's spec.storage.serviceAccountName, "
+                "or use placement Remote"
             )
-        elif accounts and not storage.service_account_name:
+        elif accounts:
             storage = dataclasses.replace(storage, service_account_name=accounts.pop())
     if problems:
         raise UnsatisfiableError(problems)
@@ -1154,8 +1152,10 @@ def ensemble(
             ref = referenced[step.model_ref]
             if colocate:
                 gpu = step.resources.gpu or ref.resources.gpu
-                # fetched with the model's own credentials, as its own pods fetch it
-                models.append(served_model(ref.model, ref.runtime, gpu=gpu is not None, storage=ref.storage))
+                # fetched with the model's own credentials where it has some (as its own pods fetch it), else
+                # with the Ensemble's
+                own = ref.storage if (ref.storage.secret_name or ref.storage.service_account_name) else None
+                models.append(served_model(ref.model, ref.runtime, gpu=gpu is not None, storage=own))
             else:
                 host = f"{step.model_ref}.{owner.namespace}.svc.{settings.cluster_domain}"
                 remote[model_name] = f"{host}:{settings.grpc_port}"

@@ -318,6 +318,19 @@ def peering_objects(name: str, namespaces: Sequence[str]) -> list[dict[str, Any]
             for namespace in dict.fromkeys(namespaces) if not is_namespace_pattern(namespace)]
 
 
+def namespace_unavailable(exc: ApiError, obj: Mapping[str, Any]) -> str | None:
+    """Why ``obj``'s namespace cannot take it now (it does not exist yet, or is being deleted), else None:
+    that namespace is skipped, the others are not held up by it."""
+    namespace = obj["metadata"].get("namespace")
+    if not namespace:
+        return None
+    if exc.status == 404 and f'namespaces "{namespace}" not found' in exc.message:
+        return "does not exist"
+    if exc.status == 403 and "being terminated" in exc.message:
+        return "is being deleted"
+    return None
+
+
 def describe_peering(obj: Mapping[str, Any]) -> str:
     meta = obj["metadata"]
     where = f"in namespace {meta['namespace']!r}" if meta.get("namespace") else "(cluster-wide)"
@@ -377,6 +390,12 @@ def _register_peering(registry: kopf.OperatorRegistry, name: str, namespaces: Se
                     created = await ensure_peering(kube, obj)
                 except ApiError as exc:
                     problem = f"{exc.status} {exc.reason}: {exc.message}".rstrip(": ")
+                    if (why := namespace_unavailable(exc, obj)) is not None:
+                        log.warning("Leader election: namespace %r %s, so %s cannot be created; kopf stays paused "
+                                    "there until it exists (the other namespaces are served)",
+                                    obj["metadata"]["namespace"], why, what)
+                        pending.pop(0)
+                        continue
                     if exc.status in PEERING_GIVE_UP:
                         rbac = (f" (the operator's ServiceAccount needs get and create on "
                                 f"{obj['kind'].lower()}s.kopf.dev; the chart grants them with leaderElection.enabled)"

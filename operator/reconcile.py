@@ -238,6 +238,9 @@ class Reconciler:
         self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
         self._router: tuple[str, float] | None = None
         self._gpu_view: _GpuView | None = None
+        # (owner uid, kind, name) of children checked free of another live controller (see _name_clash):
+        # once applied they carry this owner's controller reference, which a second owner then respects
+        self._controlled: set[tuple[str, str, str]] = set()
 
     def _lock(self, body: Mapping[str, Any]) -> asyncio.Lock:
         meta = body["metadata"]
@@ -245,6 +248,16 @@ class Reconciler:
         return self._locks.setdefault(key, asyncio.Lock())
 
     async def _name_clash(self, owner: builders.Owner, objects: Sequence[Obj]) -> str | None:
+        """See :meth:`_name_clash_of`; objects this owner was seen controlling are not read again."""
+        unseen = [obj for obj in objects if (owner.uid, obj["kind"], obj["metadata"]["name"]) not in self._controlled]
+        if not unseen:
+            return None
+        clash = await self._name_clash_of(owner, unseen)
+        if clash is None:
+            self._controlled.update((owner.uid, obj["kind"], obj["metadata"]["name"]) for obj in unseen)
+        return clash
+
+    async def _name_clash_of(self, owner: builders.Owner, objects: Sequence[Obj]) -> str | None:
         """What stops ``owner`` from taking its objects: one of them is controlled by another live
         object (an Ensemble and an InferenceModel of the same name want the same Deployment). Applying
         would hand it from one to the other on every pass (one field manager), and deleting either
@@ -275,6 +288,7 @@ class Reconciler:
     def forget(self, kind: str, namespace: str, name: str) -> None:
         """Drop per-object state once the object is gone (a scraping metrics source's readings too)."""
         self._locks.pop((kind, namespace, name), None)
+        self._controlled.clear()  # rare (a delete): simpler than finding the owner's entries by name
         forget = getattr(self._metrics, "forget", None)
         if forget is not None and kind == api.INFERENCE_MODEL_KIND:
             forget(namespace, name)
@@ -303,7 +317,10 @@ class Reconciler:
             desired, rollout, placed = plan.desired, plan.canary, plan.placed
             clash = await self._name_clash(owner, desired.objects)
             if clash is not None:
-                return await self._report_problem(owner, body, "NameConflict", (clash,))
+                blocked = await self._report_problem(owner, body, "NameConflict", (clash,))
+                # the other owner going away frees the names: look again soon (its children's deletion
+                # events name that owner, not this one)
+                return dataclasses.replace(blocked, requeue_after_s=NAME_CLASH_RETRY_S)
             applied = deleted = 0
             deployment: Obj | None = None
             for obj in desired.objects:
@@ -714,8 +731,11 @@ class Reconciler:
         self, owner: builders.Owner, body: Mapping[str, Any], reason: str, problems: tuple[str, ...],
         fields: Mapping[str, Any] | None = None,
     ) -> Outcome:
-        # Keep whatever the last good spec created running; report on it and on the problem.
+        # Keep whatever the last good spec created running; report on it and on the problem (only on a
+        # Deployment this owner controls: under a NameConflict the one of that name is another's).
         deployment = await self._kube.get("Deployment", owner.namespace, owner.name)
+        if deployment is not None and not _owned_by(deployment, owner):
+            deployment = None
         found, replicas, ready = _rollout(deployment)
         found = [c for c in found if c.type == conditions.READY]
         verb = {"InvalidSpec": "The spec is invalid", "Unsatisfiable": "The spec cannot be served",
@@ -979,6 +999,10 @@ def _canary_help(status: canary.Status, spec: api.InferenceModelSpec) -> str:
         return ("To abort: remove spec.canary (all traffic goes back to stable first). To promote by hand: "
                 "copy spec.canary into spec.model and remove spec.canary.")
     return ""
+
+
+NAME_CLASH_RETRY_S = 30.0
+"""How soon an owner blocked by a NameConflict looks again (the other owner may be gone by then)."""
 
 
 def _last_known_memory(body: Mapping[str, Any]) -> int | None:

@@ -322,10 +322,32 @@ def test_colocated_steps_fetch_with_their_models_credentials_under_one_service_a
     assert pod["serviceAccountName"] == "model-reader"
     fetch = next(c for c in pod["initContainers"] if "resnet" in c["name"])
     assert fetch["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
-    other = {**ENSEMBLE, "storage": {"serviceAccountName": "another-reader"}}
+    # an Ensemble that names its own account runs as it
+    named = {**ENSEMBLE, "storage": {"serviceAccountName": "ensemble-reader"}}
+    desired = builders.ensemble(owner("Ensemble", "classifier"), api.parse_ensemble("classifier", named),
+                                referenced, SETTINGS)
+    pod = next(o for o in desired.objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "ensemble-reader"
+    # referenced models with different accounts and none named: refused
+    cpu_model = {k: v for k, v in MODELS["gpu-autoscaled"].items() if k != "resources"}
+    other = api.parse_inference_model("other", {**cpu_model, "storage": {"serviceAccountName": "another-reader"},
+                                                "model": {**cpu_model["model"], "name": "other"}})
+    two = {**ENSEMBLE, "steps": [*ENSEMBLE["steps"], {
+        "name": "again", "modelRef": {"name": "other"}, "inputMap": {"input": "pixels"}, "outputMap": {"probs": "x"}}]}
     with pytest.raises(builders.UnsatisfiableError, match="another-reader, model-reader"):
-        builders.ensemble(owner("Ensemble", "classifier"), api.parse_ensemble("classifier", other), referenced,
-                          SETTINGS)
+        builders.ensemble(owner("Ensemble", "classifier"), api.parse_ensemble("classifier", two),
+                          {**referenced, "other": other}, SETTINGS)
+
+
+def test_a_colocated_model_without_credentials_of_its_own_is_fetched_with_the_ensembles():
+    bare = {k: v for k, v in MODELS["gpu-autoscaled"].items() if k != "storage"}
+    referenced = {"resnet": api.parse_inference_model("resnet", bare)}
+    spec = {**ENSEMBLE, "storage": {"secretRef": {"name": "ensemble-creds"}}}
+    desired = builders.ensemble(owner("Ensemble", "classifier"), api.parse_ensemble("classifier", spec),
+                                referenced, SETTINGS)
+    pod = next(o for o in desired.objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    fetch = next(c for c in pod["initContainers"] if "resnet" in c["name"])
+    assert fetch["envFrom"] == [{"secretRef": {"name": "ensemble-creds"}}]
 
 
 # ---------------------------------------------------------------- model pools

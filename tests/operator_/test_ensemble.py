@@ -81,6 +81,13 @@ async def test_an_ensemble_named_like_a_model_does_not_take_its_objects(client, 
         lambda: (c := client.condition(client.read(client.ENS, "resnet"), "Degraded")) and c["status"] == "True" and c)
     assert degraded["reason"] == "NameConflict"
     assert "belongs to InferenceModel 'resnet'" in degraded["message"] and "rename one" in degraded["message"]
+    # the Deployment of that name is the model's: the blocked Ensemble owns no pods, and is not Ready on its word
+    await apiserver.complete_rollout("models", "resnet")  # the model's pods are all ready
+    await client.patch(client.ENS, "resnet", {"metadata": {"annotations": {"example.com/touch": "1"}}})
+    await client.settle()
+    blocked = client.read(client.ENS, "resnet")
+    assert client.condition(blocked, "Ready")["status"] == "False"
+    assert blocked["status"].get("readyReplicas", 0) == 0
     await client.settle()
     for resource in ("apps/v1/deployments", "v1/services"):
         [ref] = client.read(resource, "resnet")["metadata"]["ownerReferences"]
