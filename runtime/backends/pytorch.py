@@ -559,7 +559,12 @@ class TorchInstance(ModelInstance):
         self._stream, self._release_stream = _instance_stream(self._torch, self._device)
         try:
             self._staging = _CudaStaging(self._torch, self._device, self._stream)
-            self._check_precision()
+            if torch_plan.graphs_requested(config):
+                # the capture's warm-up runs the model on zeros anyway: check the precision first, where a
+                # mismatch names the parameter. Without graphs a GPU instance is not run at load: zeros in an
+                # integer input (a length, a 1-based id) can trip a device-side assert, which loses the GPU for
+                # the whole process, on every start.
+                self._check_precision()
             self._graphed = self._capture_graphs(config)
         except BaseException:
             self._give_back_stream()
@@ -592,18 +597,19 @@ class TorchInstance(ModelInstance):
         precision = self._settings.precision
         if precision is None:
             return
-        examples = [self._example(spec, 1) for spec in self._inputs]
         try:
             if self._cuda:
                 try:
+                    # the examples are made on the instance's stream, which does not wait for the default one
                     with self._torch.cuda.stream(self._stream), self._modes():
+                        examples = [self._example(spec, 1) for spec in self._inputs]
                         self._forward(examples)
                 finally:
                     with contextlib.suppress(Exception):
                         self._stream.synchronize()
             else:
                 with self._modes():
-                    self._forward(examples)
+                    self._forward([self._example(spec, 1) for spec in self._inputs])
         except Exception as exc:
             problem = torch_plan.precision_problem(str(exc), precision)
             if problem is not None:
