@@ -171,14 +171,21 @@ def override_files(files: Mapping[str, bytes], config: str | None) -> dict[str, 
 
 
 def _write_override(files: Mapping[str, bytes], name: str) -> Path:
-    """A temporary repository holding ``name`` made of ``files`` alone (blocking); its root."""
+    """A temporary repository holding ``name`` made of ``files`` alone (blocking); its root. Files that
+    cannot be written (a name too long, a path both a file and a directory) are the request's fault: 400,
+    and nothing is left behind."""
     root = Path(tempfile.mkdtemp(prefix="sluice-load-"))
-    model_dir = root / name
-    model_dir.mkdir()
-    for path, content in files.items():
-        target = model_dir / path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(content)
+    try:
+        model_dir = root / name
+        model_dir.mkdir()
+        for path, content in files.items():
+            target = model_dir / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(content)
+    except (OSError, ValueError) as exc:
+        shutil.rmtree(root, ignore_errors=True)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise InvalidArgument(f"load parameter 'file:{path}' cannot be written as a file: {reason}") from None
     return root
 
 
@@ -671,9 +678,9 @@ class Repository:
             model.state = LOADING
             serving = {version: stamp for version, stamp in model.stamps.items() if version in model.versions}
             root = self.root
-            if files:
-                root = await loop.run_in_executor(None, _write_override, files, name)
             try:
+                if files:
+                    root = await loop.run_in_executor(None, _write_override, files, name)
                 prepared = await loop.run_in_executor(
                     None, prepare, root, name, override, self._scheduling, self.services, tried, serving
                 )
@@ -696,7 +703,14 @@ class Repository:
             if new_versions or not prepared.kept:
                 for warning in prepared.warnings:
                     log.warning("model %s: %s", name, warning)
-            kept = {version: model.versions[version] for version in prepared.kept}
+            current = {**model.waiting, **model.versions}  # an unload of a step may have moved them to waiting
+            if any(version not in current for version in prepared.kept):  # unloaded meanwhile: load them anew
+                await asyncio.gather(*(v.scheduler.aclose(0.0) for v in new_versions.values()))
+                await loop.run_in_executor(None, prepared.close, set(new_versions))
+                changed = Unavailable(f"model '{name}' was unloaded while it loaded; load it again")
+                self._load_failed(name, model, changed, tried)
+                raise changed
+            kept = {version: current[version] for version in prepared.kept}
             serving_now = dict(sorted({**kept, **new_versions}.items()))
             old = {v: mv for v, mv in {**model.waiting, **model.versions}.items() if kept.get(v) is not mv}
             model.versions, model.waiting = serving_now, {}
@@ -832,9 +846,10 @@ class Repository:
             await loop.run_in_executor(None, functools.partial(shutil.rmtree, retired_root, ignore_errors=True))
         if model.state == UNLOADING and not model.versions and not model.waiting:  # no load came meanwhile
             model.state, model.reason = UNAVAILABLE, "unloaded"
-            for version in old:
-                if model.history.get(version) == UNLOADING:
-                    model.history[version] = UNAVAILABLE
+        for version in old:  # drained: whatever came meanwhile, these versions are gone
+            if model.history.get(version) == UNLOADING and version not in model.versions and \
+                    version not in model.waiting:
+                model.history[version] = UNAVAILABLE
 
     def _step_config(self, name: str, version: str) -> mc.ModelConfig | None:
         """The config of a ready step model, for the ensemble's reshaping between steps."""
@@ -849,16 +864,19 @@ class Repository:
             return False
         return not version or int(version) in model.versions
 
-    async def load_steps(self, name: str, _seen: set[str] | None = None) -> None:
+    async def load_steps(self, name: str, _seen: set[str] | None = None, tried: Collection[str] = ()) -> None:
         """Load the composing models of ensemble ``name`` that are not loaded (Triton loads an
         ensemble's steps with it), theirs in turn; each is marked implicit. Raises an error naming the
-        step when one cannot be loaded (the ensemble then waits for it, unserved)."""
+        step when one cannot be loaded (the ensemble then waits for it, unserved). ``tried``: models a
+        caller loaded (or tried to) itself, not loaded again here; a step loading now is not taken over."""
         seen = _seen if _seen is not None else {name}
         for step in self.composing_models(name):
             if step in seen:
                 continue
             seen.add(step)
             model = self._models.get(step)
+            if step in tried or (model is not None and model.state == LOADING):
+                continue  # its own load says how it went; it is not this ensemble's to unload
             if model is None or not (model.versions or model.waiting):
                 self.implicit.add(step)
                 try:
@@ -868,7 +886,7 @@ class Repository:
                                    f"{exc.message}")
                     exc.args = (exc.message,)
                     raise
-            await self.load_steps(step, seen)
+            await self.load_steps(step, seen, tried)
 
     def composing_models(self, name: str) -> list[str]:
         """The local step models of ensemble ``name`` (loaded or waiting), in step order; empty for a

@@ -214,7 +214,7 @@ class Server:
             if name in self.failed_models:
                 continue
             try:
-                await self.repository.load_steps(name)
+                await self.repository.load_steps(name, tried=names_)
             except SluiceError as exc:
                 self.failed_models[name] = exc.message
         self.dataplane.set_started()

@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from pathlib import Path
+from typing import Any
 
 from sluice.runtime import names, pull
 from sluice.runtime.batching import Clock
@@ -118,19 +119,22 @@ class ModelControl:
     # -- the repository API --------------------------------------------------------------------
     async def load(self, name: str, override: str | None = None, files: Mapping[str, bytes] | None = None) -> None:
         """Load ``name`` as asked (no longer implicit), then the ensemble steps it needs that are not
-        loaded (Triton loads an ensemble's composing models with it)."""
+        loaded (Triton loads an ensemble's composing models with it). It goes on to the end when the
+        caller goes away. A failed load is 400 / INVALID_ARGUMENT, as Triton answers it."""
         self._refuse()
-        if self.mirror is not None and names.name_problem(name) is None and not files:
-            await self._sync(only=[name])
-        self.repository.implicit.discard(name)
         try:
-            await self.repository.load(name, override, files)
+            await _shielded(self._load(name, override, files))
         except SluiceError as exc:
             if exc.http_status < 500:
                 raise
-            # as Triton answers a failed load (INVALID_ARG): what the model or its backend refused
-            # does not change by trying again, so not a 5xx a client would retry
+            # what the model or its backend refused does not change by trying again: not a 5xx to retry
             raise InvalidArgument(exc.message) from None
+
+    async def _load(self, name: str, override: str | None, files: Mapping[str, bytes] | None) -> None:
+        if self.mirror is not None and names.name_problem(name) is None and not files:
+            await self._sync(only=[name])
+        self.repository.implicit.discard(name)
+        await self.repository.load(name, override, files)
         if self.mirror is not None and names.name_problem(name) is None:
             await self._collect(only=[name])
         for step in self.repository.composing_models(name):
@@ -244,6 +248,13 @@ class ModelControl:
         self.counts.failures += 1
         self.counts.last_error = message
         log.error("repository poll failed: %s", message)
+
+
+async def _shielded(work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` to the end even if the awaiting caller is cancelled (a client that hung up)."""
+    task = asyncio.ensure_future(work)
+    task.add_done_callback(lambda done: done.cancelled() or done.exception())
+    await asyncio.shield(task)
 
 
 def startup_models(

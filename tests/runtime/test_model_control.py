@@ -697,3 +697,42 @@ def test_a_model_loaded_from_files_in_the_request(repo, serve, tmp_path):
     finally:
         http.close()
         grpc.close()
+
+
+def test_a_load_whose_files_cannot_be_written_is_a_400_and_leaves_nothing(repo, serve):
+    import glob
+    import tempfile
+
+    def leftovers() -> set[str]:
+        return set(glob.glob(os.path.join(tempfile.gettempdir(), "sluice-load-*")))
+
+    before = leftovers()
+    server = serve(repo, model_control_mode="explicit")
+    http = httpclient.InferenceServerClient(server.http)
+    config = json.dumps({"backend": "onnxruntime", "max_batch_size": 8})
+    try:
+        for files in ({"file:1/model.onnx": plus_model(5.0), "file:1/" + "x" * 300: b"y"},  # a name too long
+                      {"file:1/a": b"y", "file:1/a/b": b"z"}):  # a path both a file and a directory
+            with pytest.raises(InferenceServerException) as caught:
+                http.load_model("sent", config=config, files=files)
+            assert caught.value.status() == "400" and "cannot be written as a file" in caught.value.message()
+            assert tempfile.gettempdir() not in caught.value.message()
+        assert leftovers() == before
+        assert "LOADING" not in server.server.repository.load_states().values()
+        http.load_model("sent", config=config, files={"file:1/model.onnx": plus_model(5.0)})
+        assert infer_http(server.http, 1.0, model="sent") == 6.0
+    finally:
+        http.close()
+
+
+def test_a_step_that_fails_at_start_is_tried_once_and_an_ensemble_load_failing_in_a_step_is_a_400(repo, serve):
+    write_model(repo, "bad", 'backend: "onnxruntime"\nmax_batch_size: 8\n', {"model.onnx": b"not an onnx model"})
+    write_model(repo, "broken", ensemble_over_plus("broken").replace('model_name: "plus"', 'model_name: "bad"'), {})
+    server = serve(repo)  # none mode: every model at start, the step included
+    assert server.server.repository.load_failures.get("bad") == 1
+    assert "bad" not in server.server.repository.implicit
+    explicit = serve(repo, model_control_mode="explicit")
+    with pytest.raises(InferenceServerException) as caught:
+        grpcclient.InferenceServerClient(explicit.grpc).load_model("broken")
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "its ensemble step model 'bad' cannot be loaded" in caught.value.message()
