@@ -291,6 +291,7 @@ class _Run:
         # the root only: the request's branches still running, and its single answer (not decoupled)
         self.branches: set[_Run] = set()
         self.answer: InferResponse | None = None
+        self.failure: SluiceError | None = None  # a decoupled step's error: answered once the branches end
         self.finished = False
         self.start_ns = time.monotonic_ns()
 
@@ -339,6 +340,9 @@ class _Run:
         """A step answered; for a decoupled step, only an error that ended it before it streamed."""
         if self.root.finished:
             return
+        if isinstance(outcome, SluiceError) and step.index in self.streaming:
+            self.stream_failed(step, outcome)
+            return
         self.pending.pop(step.index, None)
         self.tasks.pop(step.index, None)
         if isinstance(outcome, SluiceError):
@@ -365,13 +369,22 @@ class _Run:
         if self.root.finished:
             return
         if isinstance(item, SluiceError):
-            self.root.finish(step_error(self.plan, step, item))
+            self.stream_failed(step, item)
             return
         if isinstance(item, InferResponse):
             self.queued.append((step, item))
         if final:
             self.streaming.discard(step.index)
             self.pending.pop(step.index, None)
+        self.drain()
+
+    def stream_failed(self, step: Step, error: SluiceError) -> None:
+        """A decoupled step ended with an error: the responses it sent before it still go through the
+        steps after it (as they would from the step model itself), then the request ends with the error."""
+        if self.root.failure is None:
+            self.root.failure = step_error(self.plan, step, error)
+        self.streaming.discard(step.index)
+        self.pending.pop(step.index, None)
         self.drain()
 
     def drain(self) -> None:
@@ -424,6 +437,9 @@ class _Run:
         """The root: answer the request once it and every branch are closed."""
         if self.finished or not self.closed or self.branches:
             return
+        if self.failure is not None:
+            self.finish(self.failure)
+            return
         elapsed = time.monotonic_ns() - self.start_ns
         if self.request.responder is not None:
             self.request.responder(None, True)
@@ -452,8 +468,13 @@ class _Run:
         # no cycle (token -> its callback -> this run -> the request -> token) keeps the request and
         # every step's tensors alive until the next full collection
         self.request.cancel.clear()
-        self.done(outcome)
         self.answer = None
+        if self.request.responder is not None and isinstance(outcome, SluiceError):
+            # a streamed ensemble's responses reach the client through the event loop's queue: its error
+            # goes after them, not ahead (the stream would end and drop them)
+            asyncio.get_running_loop().call_soon(self.done, outcome)
+            return
+        self.done(outcome)
 
 
 class EnsembleScheduler:
