@@ -140,11 +140,41 @@ def version_stamp(config: mc.ModelConfig, model_dir: Path, version: int) -> Hash
         if names.version_number(entry.name) is not None and entry.is_dir():
             continue
         outside |= entry_stamps(entry)
+    version_dir = model_dir / str(version)
     return (
         config.SerializeToString(deterministic=True),
         frozenset(outside),
-        directory_stamps(model_dir / str(version)),
+        directory_stamps(version_dir),
+        _identities(version_dir),
     )
+
+
+def _identities(directory: Path) -> frozenset[tuple[str, str]]:
+    """Each file's inode and each symbolic link's target under ``directory``, linked directories followed
+    (once each): a file replaced keeping its size and mtime (``tar -x``, ``rsync -a``, ``cp -p`` into a
+    new file) or a link pointed elsewhere is a change that sizes and mtimes alone miss."""
+    found: set[tuple[str, str]] = set()
+    seen: set[tuple[int, int]] = set()
+    for parent, dirs, files in os.walk(directory, followlinks=True):
+        try:
+            st = os.stat(parent)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in seen:  # a link back up: walked already
+            dirs.clear()
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        for entry in (*dirs, *files):
+            path = os.path.join(parent, entry)
+            rel = os.path.relpath(path, directory)
+            try:
+                if os.path.islink(path):
+                    found.add((rel, "-> " + os.readlink(path)))
+                if entry in files:
+                    found.add((rel, str(os.stat(path).st_ino)))
+            except OSError:  # removed meanwhile
+                continue
+    return frozenset(found)
 
 
 def override_files(files: Mapping[str, bytes], config: str | None) -> dict[str, bytes]:

@@ -736,3 +736,18 @@ def test_a_step_that_fails_at_start_is_tried_once_and_an_ensemble_load_failing_i
         grpcclient.InferenceServerClient(explicit.grpc).load_model("broken")
     assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert "its ensemble step model 'bad' cannot be loaded" in caught.value.message()
+
+
+def test_a_reload_sees_a_file_replaced_keeping_its_size_and_mtime(repo, serve):
+    """tar -x, rsync -a and cp -p put a new file in place with the old size and mtime: the new inode
+    tells the version changed, so the load loads it (it kept the old model)."""
+    server = serve(repo, model_control_mode="explicit", load_models=("plus",))
+    path = repo / "plus" / "1" / "model.onnx"
+    st = os.stat(path)
+    staged = repo / "plus" / "1" / ".model.onnx.tmp"
+    staged.write_bytes(plus_model(5.0))
+    os.utime(staged, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(staged, path)
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+    httpclient.InferenceServerClient(server.http).load_model("plus")
+    assert infer_http(server.http, 1.0) == 6.0
