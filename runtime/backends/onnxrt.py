@@ -197,13 +197,15 @@ class SessionSettings:
     warnings: tuple[str, ...] = ()
 
 
-def _graph_level(config: mc.ModelConfig) -> str:
+def _graph_level(config: mc.ModelConfig, warnings: list[str]) -> str:
+    """Triton's mapping; another value is all optimizations, as in Triton (with a warning here)."""
     level = config.optimization.graph.level
     if level not in GRAPH_LEVELS:
-        raise ConfigError(
-            f"level is {level}; allowed: -1 (basic), 0 (all, the default), 1 (basic and extended), 2 (none)",
-            field="optimization.graph.level",
+        warnings.append(
+            f"optimization.graph.level is {level}, which Triton reads as 0 (every optimization); the levels are "
+            "-1 (basic), 0 (all, the default), 1 (basic and extended), 2 (none)"
         )
+        return GRAPH_LEVELS[0]
     return GRAPH_LEVELS[level]
 
 
@@ -269,7 +271,7 @@ def session_settings(config: mc.ModelConfig) -> SessionSettings:
         intra_op_threads=intra,
         inter_op_threads=inter,
         parallel=parallel,
-        graph_level=_graph_level(config),
+        graph_level=_graph_level(config, warnings),
         cpu_mem_arena=cpu_mem_arena,
         mem_pattern=_bool_param(config, "enable_mem_pattern"),
         config_entries=tuple(entries),
