@@ -751,3 +751,39 @@ def test_a_reload_sees_a_file_replaced_keeping_its_size_and_mtime(repo, serve):
     assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
     httpclient.InferenceServerClient(server.http).load_model("plus")
     assert infer_http(server.http, 1.0) == 6.0
+
+
+def test_a_step_a_user_is_loading_is_not_taken_as_the_ensembles(repo, serve):
+    """A user loads a model; meanwhile an ensemble over it loads: the step is the user's, not one loaded
+    along with the ensemble, so unload_dependents leaves it (it used to go)."""
+    from .conftest import gate  # type: ignore[import-not-found]
+
+    write_model(repo, "slow", SLOW_INIT_CONFIG, {"model.py": SLOW_INIT_PY})
+    write_model(repo, "over_slow", 'name: "over_slow"\nplatform: "ensemble"\nmax_batch_size: 0\n'
+                'input [ { name: "IN", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
+                'output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 1 ] } ]\n'
+                'ensemble_scheduling { step [ { model_name: "slow" input_map { key: "INPUT0" value: "IN" } '
+                'output_map { key: "INPUT0" value: "OUT" } } ] }\n', {})
+    server = serve(repo, model_control_mode="explicit")
+
+    def load(name: str) -> None:
+        client = httpclient.InferenceServerClient(server.http, network_timeout=60)
+        client.load_model(name)
+        client.close()
+
+    with gate("sluice_slow_init_gate") as g:
+        user = threading.Thread(target=load, args=("slow",))
+        user.start()
+        assert g.entered.wait(30)  # the user's load is initializing the model
+        ensemble = threading.Thread(target=load, args=("over_slow",))
+        ensemble.start()
+        ensemble.join(10)
+        assert not ensemble.is_alive(), "the ensemble's load waited for its step's other load"
+        g.release.set()
+        user.join(30)
+    assert "slow" not in server.server.repository.implicit
+    http = httpclient.InferenceServerClient(server.http)
+    assert http.is_model_ready("over_slow")
+    http.unload_model("over_slow", unload_dependents=True)
+    assert http.is_model_ready("slow")
+    http.close()
