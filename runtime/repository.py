@@ -587,7 +587,7 @@ def _prepare_loaded(
     return prepared
 
 
-async def _unless_cancelled(work: Coroutine[Any, Any, None]) -> None:
+async def unless_cancelled(work: Coroutine[Any, Any, None]) -> None:
     """Run ``work`` to the end even if the awaiting caller is cancelled (its outcome is then
     only logged)."""
     task = asyncio.ensure_future(work)
@@ -697,7 +697,7 @@ class Repository:
         temporary directory kept while its versions serve."""
         self._checked(name, "load")
         checked = override_files(files or {}, override)
-        await _unless_cancelled(self._load(name, override, checked))
+        await unless_cancelled(self._load(name, override, checked))
 
     async def _load(self, name: str, override: str | None, files: Mapping[str, bytes] | None = None) -> None:
         model = self._entry(name)
@@ -848,7 +848,7 @@ class Repository:
         """Unload every version of ``name``; in-flight requests get ``grace_s`` (default: the
         repository's grace) to finish. Like a load, it goes on when the caller is cancelled."""
         self._checked(name, "unload")
-        await _unless_cancelled(self._unload(name, grace_s))
+        await unless_cancelled(self._unload(name, grace_s))
 
     async def _unload(self, name: str, grace_s: float | None) -> None:
         model = self._models.get(name)

@@ -19,16 +19,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
 
 from sluice.runtime import names, pull
 from sluice.runtime.batching import Clock
 from sluice.runtime.config import CONFIG_FILE_NAMES
 from sluice.runtime.errors import InvalidArgument, SluiceError, Unavailable
 from sluice.runtime.mirror import RepositoryMirror
-from sluice.runtime.repository import Repository, directory_stamps, entry_stamps
+from sluice.runtime.repository import Repository, directory_stamps, entry_stamps, unless_cancelled
 from sluice.runtime.snapshot import Change, FileStamp, Kind, ModelFiles, PollCounts, Snapshot, changes
 
 log = logging.getLogger("sluice.runtime.watcher")
@@ -123,7 +122,7 @@ class ModelControl:
         caller goes away. A failed load is 400 / INVALID_ARGUMENT, as Triton answers it."""
         self._refuse()
         try:
-            await _shielded(self._load(name, override, files))
+            await unless_cancelled(self._load(name, override, files))
         except SluiceError as exc:
             if exc.http_status < 500:
                 raise
@@ -248,13 +247,6 @@ class ModelControl:
         self.counts.failures += 1
         self.counts.last_error = message
         log.error("repository poll failed: %s", message)
-
-
-async def _shielded(work: Coroutine[Any, Any, None]) -> None:
-    """Run ``work`` to the end even if the awaiting caller is cancelled (a client that hung up)."""
-    task = asyncio.ensure_future(work)
-    task.add_done_callback(lambda done: done.cancelled() or done.exception())
-    await asyncio.shield(task)
 
 
 def startup_models(
