@@ -2,11 +2,13 @@
 
 The main process, the *engine*, loads the repository and runs the data plane (schedulers and
 batchers, response cache, statistics, metrics, model control) as in single-process mode. It also
-creates the HTTP and gRPC listening sockets and hands them to N worker processes
-(:class:`WorkerPool`), each running the ordinary HTTP and gRPC front ends on them: the kernel gives
-each new connection to whichever worker accepts first. A worker decodes inference requests itself
-(the CPU that binds one process) and sends each to the engine over its own socketpair
-(:class:`Link`, messages of worker_wire.py), so requests from every connection meet in the engine's
+binds the HTTP and gRPC ports and hands the sockets to N worker processes (:class:`WorkerPool`), each
+running the ordinary HTTP and gRPC front ends. On Linux with two workers or more each worker listens on
+a socket of its own bound to the port with ``SO_REUSEPORT`` (:func:`own_listeners`): the kernel spreads
+new connections over the workers by a hash of their addresses. Elsewhere the engine's socket listens
+and the kernel gives each new connection to whichever worker accepts first. A worker decodes
+inference requests itself (the CPU that binds one process) and sends each to the engine over its own
+socketpair (:class:`Link`, messages of worker_wire.py), so requests from every connection meet in the engine's
 one batcher per model. Responses come back the same way and the worker encodes them.
 
 Everything else a worker receives it forwards whole to the engine, which answers it with its own
@@ -63,6 +65,7 @@ from sluice.runtime.protocol.http import (
     error_response,
     json_response,
 )
+from sluice.runtime.protocol.listener import BACKLOG
 from sluice.runtime.settings import ServerSettings
 from sluice.runtime.types import CancelToken, InferRequest, InferResponse
 
@@ -75,6 +78,66 @@ outputs); tensors that do not fit go in the frame."""
 START_TIMEOUT_S = 60.0
 WORKER_HEADER = b"sluice-worker"
 """Response header naming the protocol worker (its index) that served an HTTP request."""
+
+
+def own_listeners(workers: int, platform: str = sys.platform) -> bool:
+    """Whether each protocol worker listens on a ``SO_REUSEPORT`` socket of its own, the kernel spreading
+    new connections over them by a hash of their addresses, rather than all accepting from the engine's
+    one listening socket, where whichever worker wakes first takes a whole burst (libuv accepts until the
+    backlog is empty) and keeps those connections. Only Linux balances ``SO_REUSEPORT`` listeners (BSD and
+    macOS give every connection to one of them); one worker keeps the shared socket, whose backlog waits
+    while the worker restarts, where a listener of its own would close with it."""
+    return workers >= 2 and platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
+
+
+def port_for_workers(sock: socket.socket, workers: int, backlog: int) -> None:
+    """Make ``sock``, bound to the port the workers serve, ready for them: joinable by their own
+    ``SO_REUSEPORT`` listeners (:func:`own_listeners`), else listening for them to share. The option is set
+    after the bind, so the bind itself still fails when anything else has the port, another server's
+    ``SO_REUSEPORT`` listeners included (they would otherwise share our connections). Checked with a
+    second socket before workers rely on it; a kernel that refuses it gets the shared socket."""
+    if own_listeners(workers):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        probe = _reuse_port_socket(sock)
+        try:
+            probe.bind(sock.getsockname())
+            return
+        except OSError as exc:
+            log.warning("SO_REUSEPORT not usable here (%s): the protocol workers share one listening socket", exc)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 0)
+        finally:
+            probe.close()
+    sock.listen(backlog)
+
+
+def _reuse_port_socket(like: socket.socket) -> socket.socket:
+    sock = socket.socket(like.family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if like.family == socket.AF_INET6:
+            v6only = like.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, v6only)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def worker_listener(inherited: socket.socket, backlog: int) -> socket.socket:
+    """The socket a worker accepts on: the engine's, when it listens (shared), else one of the worker's own
+    bound beside it with ``SO_REUSEPORT`` (:func:`port_for_workers`)."""
+    if inherited.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        return inherited
+    own = _reuse_port_socket(inherited)
+    try:
+        own.bind(inherited.getsockname())
+        own.listen(backlog)
+    except BaseException:
+        own.close()
+        raise
+    inherited.close()
+    return own
 
 
 def protocol_workers_problem(value: object) -> str | None:
@@ -1000,11 +1063,11 @@ async def _serve_worker(args: argparse.Namespace) -> int:
     if args.http_fd >= 0:
         http = _WorkerHttpServer(WorkerRoutes(plane, settings), settings, loop, index)
         http.check_head = None  # unknown models are the engine's to answer, after the body
-        await http.start_socket(socket.socket(fileno=args.http_fd))
+        await http.start_socket(worker_listener(socket.socket(fileno=args.http_fd), BACKLOG))
         listeners.append(http)
     if args.grpc_fd >= 0:
         grpc_server = GrpcServer(cast(DataPlane, plane), settings.limits, loop, worker_service(plane, settings))
-        await grpc_server.start_socket(socket.socket(fileno=args.grpc_fd))
+        await grpc_server.start_socket(worker_listener(socket.socket(fileno=args.grpc_fd), BACKLOG))
         listeners.append(grpc_server)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: None)  # the engine decides when workers stop

@@ -320,8 +320,9 @@ class Server:
             raise StartupError(f"cannot listen on {settings.host} ({which}): {exc.strerror or exc}") from exc
 
     def _worker_socket(self, kind: str, host: str, port: int) -> int:
-        """A listening socket the protocol workers accept on (made here: a port in use fails at once,
-        port 0 is picked once for all workers); the bound port."""
+        """The socket of a port the protocol workers serve (bound here: a port in use fails at once, port 0
+        is picked once for all workers): listening, or joined by the workers' own listeners
+        (frontend_workers.port_for_workers); the bound port."""
         family, kind_, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
@@ -329,7 +330,7 @@ class Server:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(address)
-            sock.listen(BACKLOG)
+            frontend_workers.port_for_workers(sock, self.settings.protocol_workers, BACKLOG)
         except BaseException:
             sock.close()
             raise

@@ -7,6 +7,8 @@ serve`` in a subprocess where it needs signals), called with tritonclient and pl
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import http.client
 import itertools
 import json
@@ -34,10 +36,12 @@ from sluice.runtime import worker_wire
 from sluice.runtime.frontend_workers import (
     auto_protocol_workers,
     cgroup_cpu_limit,
+    own_listeners,
     protocol_workers_problem,
     restart_delay,
     usable_cpus,
 )
+from sluice.runtime.server import StartupError
 
 from .conftest import (  # type: ignore[import-not-found]
     ADD_SUB_CONFIG,
@@ -324,6 +328,77 @@ def _worker_connections(address: str, count: int) -> dict[str, http.client.HTTPC
         if len(found) == count:
             return found
     raise AssertionError(f"connections reached only workers {sorted(found)}")
+
+
+async def _burst(address: str, count: int) -> collections.Counter[str]:
+    """Open ``count`` keep-alive connections at once; how many each worker serves (its header says)."""
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]")
+
+    async def one() -> tuple[str, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /v2/health/live HTTP/1.1\r\nHost: sluice\r\n\r\n")
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        found = re.search(r"(?im)^sluice-worker: *(\d+)", head)
+        assert found is not None, head
+        return found.group(1), writer
+
+    opened = await asyncio.gather(*(one() for _ in range(count)))
+    for _, writer in opened:
+        writer.close()
+    return collections.Counter(worker for worker, _ in opened)
+
+
+@pytest.mark.skipif(not own_listeners(4), reason="SO_REUSEPORT balances listeners on Linux only")
+def test_a_burst_of_connections_spreads_over_the_workers(tmp_path: Path) -> None:
+    # One shared listening socket gave one worker most of a burst (libuv accepts until the backlog is
+    # empty): 38 of 64 to one of 4 workers, 54 of 64 to one of 2 here. Each worker's own SO_REUSEPORT
+    # listener gets its hash share: 128 connections over 4 workers, 32 expected and one over 56 about
+    # 2 in a million.
+    repo = tmp_path / "repo"
+    write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    running = start_server(repo, protocol_workers=4)
+    try:
+        spread = asyncio.run(_burst(running.http, 128))
+        assert sorted(spread) == ["0", "1", "2", "3"], spread
+        assert max(spread.values()) <= 56, spread
+        _infer_add_sub(running.http)
+    finally:
+        running.stop()
+
+
+def test_a_port_another_servers_reuseport_listeners_hold_is_refused(tmp_path: Path) -> None:
+    # The workers' listeners join the port with SO_REUSEPORT; the engine binds it without first, so a
+    # server already listening there that way (another sluice with workers) is refused, not shared.
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    other.bind(("127.0.0.1", 0))
+    other.listen(8)
+    repo = tmp_path / "repo"
+    write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    try:
+        with pytest.raises(StartupError, match="a port is already in use"):
+            start_server(repo, protocol_workers=2, http_port=other.getsockname()[1])
+    finally:
+        other.close()
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 in this Python")
+def test_workers_serve_an_ipv6_address(tmp_path: Path) -> None:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    repo = tmp_path / "repo"
+    write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    running = start_server(repo, protocol_workers=2, host="::1")
+    try:
+        port = running.http.rsplit(":", 1)[1]
+        spread = asyncio.run(_burst(f"[::1]:{port}", 32))
+        assert sorted(spread) == ["0", "1"], spread
+    finally:
+        running.stop()
 
 
 @pytest.mark.parametrize("which", ["workers", "single"])
