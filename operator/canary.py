@@ -480,7 +480,8 @@ def _judged(
     if analysis.promotion_gate and observation.gate is not True:
         held = dataclasses.replace(passed, message="analysis passed; waiting for the gate to approve promotion")
         return Decision(held, (AskGate("promotion"),), requeue_after_s=_gate_poll(analysis))
-    promoting = dataclasses.replace(passed, phase=PROMOTING, message="promoting: rolling the candidate into stable")
+    promoting = dataclasses.replace(passed, phase=PROMOTING, interval_started=now,  # the promotion's clock
+                                    message="promoting: rolling the candidate into stable")
     return Decision(
         promoting,
         (Promote(plan.candidate), Event("CanaryPromoting", f"candidate {plan.candidate} passed every step")),
@@ -545,15 +546,36 @@ def _promoting(plan: Plan, status: Status, observation: Observation, now: float)
                                         message="promoting: the canary has no ready pods; traffic on stable "
                                                 "while it rolls out"),
                     (SetWeight(0),) if status.weight else (), requeue_after_s=_interval(plan))
+            # the promotion's clock runs on while the canary comes and goes
+            held = dataclasses.replace(unready.status, interval_started=status.interval_started)
             if not observation.stable_rolled_out:
-                return Decision(unready.status, (*unready.actions, Promote(plan.candidate)), unready.requeue_after_s)
-            status = unready.status
+                held, stalled = _promotion_stalled(plan, status, held, now)
+                return Decision(held, (*unready.actions, *stalled, Promote(plan.candidate)), unready.requeue_after_s)
+            status = held
     if not observation.stable_rolled_out:
         held = dataclasses.replace(status, message="promoting: waiting for the stable Deployment to roll out")
-        return Decision(held, (Promote(plan.candidate),), requeue_after_s=_interval(plan))
+        held, stalled = _promotion_stalled(plan, status, held, now)
+        return Decision(held, (*stalled, Promote(plan.candidate)), requeue_after_s=_interval(plan))
     done = dataclasses.replace(status, phase=FINALISING, weight=0, unready_since=0.0,
                                message="promoted: traffic back on stable")
     return Decision(done, (SetWeight(0),), requeue_after_s=0.0)
+
+
+def _promotion_stalled(plan: Plan, before: Status, held: Status, now: float) -> tuple[Status, tuple[Action, ...]]:
+    """A stable Deployment that has not rolled out ``progressDeadlineSeconds`` after the promotion began
+    (its new pods crash, cannot be scheduled, cannot pull): said in the status and in a warning Event,
+    once. Nothing is rolled back, as in Flagger: the candidate passed its analysis and is already in the
+    stable Deployment's template, and the canary, which keeps its share, serves it meanwhile."""
+    analysis = plan.analysis
+    if analysis is None or now - before.interval_started < analysis.progress_deadline_s:
+        return held, ()
+    message = (f"promoting: the stable Deployment has not rolled out within progressDeadlineSeconds "
+               f"{analysis.progress_deadline_s:g}; the canary keeps its share until it does (check the stable "
+               "pods' events and logs: scheduling, image pull, model fetch, failed load)")
+    stalled = dataclasses.replace(held, message=message)
+    if before.message == message:
+        return stalled, ()
+    return stalled, (Event("CanaryPromotionStalled", message, warning=True),)
 
 
 def _finalising(plan: Plan, status: Status, observation: Observation, now: float) -> Decision:

@@ -275,6 +275,33 @@ def test_promotion_keeps_the_canary_weight_until_stable_is_rolled_out():
     assert weights(actions)[-1] == 100
 
 
+def test_a_stable_rollout_past_the_progress_deadline_is_said_once_and_not_rolled_back():
+    plan = c.Plan("cand-a", dataclasses.replace(ANALYSIS, progress_deadline_s=600))
+    status, _, phases, now = drive(plan, [SEEN] * 6)
+    assert phases[-1] == c.PROMOTING and status.interval_started == now - ANALYSIS.interval_s
+    promoted_at = status.interval_started
+    waiting = c.step(plan, status, SEEN, promoted_at + 599)
+    assert waiting.status.message == "promoting: waiting for the stable Deployment to roll out"
+    assert not [a for a in waiting.actions if isinstance(a, c.Event)]
+    stalled = c.step(plan, waiting.status, SEEN, promoted_at + 600)
+    assert stalled.status.phase == c.PROMOTING and stalled.status.weight == 100
+    assert "has not rolled out within progressDeadlineSeconds 600" in stalled.status.message
+    assert [(a.reason, a.warning) for a in stalled.actions if isinstance(a, c.Event)] == [
+        ("CanaryPromotionStalled", True)
+    ]
+    assert c.Promote("cand-a") in stalled.actions  # still asked for: stable rolls on when it can
+    again = c.step(plan, stalled.status, SEEN, promoted_at + 700)
+    assert again.status.message == stalled.status.message and not [a for a in again.actions if isinstance(a, c.Event)]
+    # the canary losing its pods meanwhile neither restarts the promotion's clock nor repeats the Event
+    gone = c.step(plan, again.status, dataclasses.replace(SEEN, canary_ready=False), promoted_at + 800)
+    assert gone.status.weight == 0 and gone.status.interval_started == promoted_at
+    assert not [a for a in gone.actions if isinstance(a, c.Event) and a.reason == "CanaryPromotionStalled"]
+    back = c.step(plan, gone.status, SEEN, promoted_at + 900)
+    assert back.status.weight == 100 and back.status.interval_started == promoted_at
+    done = c.step(plan, back.status, dataclasses.replace(SEEN, stable_rolled_out=True), promoted_at + 1000)
+    assert done.status.phase == c.FINALISING
+
+
 def test_manual_split_follows_the_spec_and_readiness():
     plan = c.Plan("cand-a", None, traffic_percent=20)
     status, actions, phases, _ = drive(plan, [SEEN, SEEN, SEEN])
