@@ -1420,8 +1420,18 @@ def _check_against_model(
 # --- versions and JSON ---------------------------------------------------------------------------
 
 
+def missing_versions(config: mc.ModelConfig, available: Sequence[int]) -> list[int]:
+    """Versions a ``specific`` policy names that have no directory (Triton logs each and serves the rest)."""
+    policy = config.version_policy
+    if policy.WhichOneof("policy_choice") != "specific":
+        return []
+    return sorted(set(policy.specific.versions) - set(available))
+
+
 def select_versions(config: mc.ModelConfig, available: Sequence[int], *, source: str | None = None) -> list[int]:
-    """The versions to serve out of ``available`` under the config's version policy, ascending."""
+    """The versions to serve out of ``available`` under the config's version policy, ascending. A
+    ``specific`` policy serves the versions it names that are present and fails only when none is, as
+    Triton does (:func:`missing_versions` says which are absent)."""
     versions = sorted(set(available))
     if not versions:
         return []
@@ -1431,13 +1441,13 @@ def select_versions(config: mc.ModelConfig, available: Sequence[int], *, source:
         return versions
     if kind == "specific":
         wanted = sorted(set(policy.specific.versions))
-        missing = [v for v in wanted if v not in versions]
-        if missing:
+        present = [v for v in wanted if v in versions]
+        if not present:  # as Triton: at least one version must be available under the policy
             raise ConfigError(
-                f"versions {missing} are not in the repository; available versions: {versions}",
+                f"none of versions {wanted} is in the repository; available versions: {versions}",
                 file=source or f"model '{config.name}'",
                 field="version_policy.specific.versions",
             )
-        return wanted
+        return present  # the missing ones are warned about (missing_versions), as Triton logs them
     count = policy.latest.num_versions if kind == "latest" else 1
     return versions[-max(count, 1) :]

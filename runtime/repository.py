@@ -489,7 +489,13 @@ def _prepare_loaded(
     backend = model_config.backend_of(config)
     if backend == model_config.ENSEMBLE and not available:
         available = [1]  # Triton wants an empty 1/ for an ensemble; Sluice does not
-    chosen = model_config.select_versions(config, available)
+    chosen = model_config.select_versions(config, available, source=loaded.source)
+    missing = model_config.missing_versions(config, available) if available else []
+    if missing:
+        warnings.append(
+            f"{loaded.source}: version_policy.specific.versions names {missing}, which have no version directory; "
+            f"serving {chosen} (as Triton does)"
+        )
     if not chosen:
         raise ConfigError(
             f"no version directories to serve (found {available or 'none'}); "

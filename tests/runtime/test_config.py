@@ -962,6 +962,7 @@ VERSION_CASES = [
     ("version_policy { specific { versions: [ 3, 1 ] } }", [1, 2, 3], [1, 3]),
     ("", [], []),
     ("version_policy { specific { versions: [ 3 ] } }", [], []),
+    ("version_policy { specific { versions: [ 1, 4, 5 ] } }", [1, 2, 3], [1]),  # Triton serves those present
 ]
 
 
@@ -972,8 +973,11 @@ def test_select_versions(policy: str, available: list[int], expected: list[int])
 
 def test_specific_versions_that_are_missing() -> None:
     config = pbtxt('name: "m" version_policy { specific { versions: [ 1, 4, 5 ] } }')
+    assert model_config.missing_versions(config, [1, 2, 3]) == [4, 5]
+    assert model_config.missing_versions(pbtxt('name: "m"'), [1]) == []
+    none = pbtxt('name: "m" version_policy { specific { versions: [ 5, 4 ] } }')
     with pytest.raises(ConfigError) as caught:
-        model_config.select_versions(config, [1, 2, 3], source="repo/m/config.pbtxt")
+        model_config.select_versions(none, [1, 2, 3], source="repo/m/config.pbtxt")
     assert_mentions(
         caught.value.message, "repo/m/config.pbtxt", "version_policy.specific.versions", "[4, 5]", "[1, 2, 3]"
     )

@@ -8,6 +8,7 @@ answer says which version computed it. The change detection itself is a table of
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import threading
@@ -219,6 +220,7 @@ def test_bad_model_control_settings_are_one_line_startup_errors(repo, serve, ove
         ("version_policy { latest { num_versions: 2 } }", [2, 3]),
         ("version_policy { all { } }", [1, 2, 3]),
         ("version_policy { specific { versions: [ 1, 3 ] } }", [1, 3]),
+        ("version_policy { specific { versions: [ 1, 3, 5 ] } }", [1, 3]),  # Triton serves those present
     ],
 )
 def test_every_served_version_is_addressable_and_no_other(tmp_path, serve, policy, served):
@@ -244,6 +246,26 @@ def test_every_served_version_is_addressable_and_no_other(tmp_path, serve, polic
                 with pytest.raises(InferenceServerException):
                     client.infer("plus", [tensor], model_version=str(version))
     assert infer_http(server.http) == 1.0 + 10.0 * max(served)
+
+
+def test_a_specific_policy_missing_a_version_serves_the_rest_and_says_so(tmp_path, serve, caplog):
+    repo = tmp_path / "repo"
+    write_model(repo, "plus", CONFIG + "version_policy { specific { versions: [ 2, 7 ] } }", {})
+    for version in (1, 2):
+        add_version(repo, version, 10.0 * version)
+    write_model(repo, "none", CONFIG.replace('"plus"', '"none"') + "version_policy { specific { versions: [ 4 ] } }",
+                {"model.onnx": plus_model(1.0)})
+    with caplog.at_level(logging.WARNING, logger="sluice.runtime"):
+        server = serve(repo, strict_readiness=False)
+    http = httpclient.InferenceServerClient(server.http)
+    assert http.get_model_metadata("plus")["versions"] == ["2"] and infer_http(server.http) == 21.0
+    warned = [r.getMessage() for r in caplog.records if "version_policy.specific.versions" in r.getMessage()]
+    assert any("model plus:" in w and "[7]" in w and "serving [2]" in w for w in warned), warned
+    assert not http.is_model_ready("none")
+    index = {m["name"]: m for m in http.get_model_repository_index()}
+    reason = index["none"].get("reason", "")
+    assert "none of versions [4] is in the repository; available versions: [1]" in reason, index["none"]
+    assert str(tmp_path) not in reason  # no server path to clients
 
 
 # ---------------------------------------------------------------- polling
