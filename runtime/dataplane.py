@@ -23,7 +23,7 @@ from sluice.runtime.cache import cache_key
 from sluice.runtime.callers import CallerLabels, DuplicateWindow
 from sluice.runtime.errors import DeviceLost, InvalidArgument, NotFound, SluiceError, Unavailable, Unsupported
 from sluice.runtime.forwarding import Forwarder
-from sluice.runtime.repository import ModelVersion, Repository
+from sluice.runtime.repository import ModelVersion, Repository, version_number
 from sluice.runtime.settings import LogSettings
 from sluice.runtime.signature import check_request
 from sluice.runtime.stats import RESPONSE_CANCEL, RESPONSE_EMPTY, RESPONSE_FAIL, RESPONSE_SUCCESS
@@ -39,6 +39,8 @@ EXTENSIONS = [
     "model_repository(unload_dependents)",
     "schedule_policy",
     "model_configuration",
+    "sequence",
+    "parameters",
     "statistics",
     "system_shared_memory",
     "trace",
@@ -161,6 +163,10 @@ class DataPlane:
 
     # -- models ------------------------------------------------------------------------------
     def model_ready(self, name: str, version: str = "") -> bool:
+        """Whether ``name`` (``version``) is ready; a version that is not a number is INVALID_ARGUMENT, as
+        Triton answers it, not "not ready"."""
+        if version:
+            version_number(version)
         try:
             self.repository.get(name, version)
         except SluiceError:

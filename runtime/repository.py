@@ -42,6 +42,19 @@ from sluice.runtime.stats import ModelStats
 
 log = logging.getLogger("sluice.runtime.repository")
 
+
+def version_number(version: str) -> int:
+    """A request's model version string as a number: decimal digits only (no sign, spaces or ``_``, which
+    ``int`` would take). Anything else is INVALID_ARGUMENT with Triton's words (clients match on them),
+    before the model is looked up; a number that names no version is the caller's NOT_FOUND."""
+    if version.isascii() and version.isdigit():
+        return int(version)
+    shown = version if len(version) <= 64 else version[:64] + "..."
+    raise InvalidArgument(
+        f"failed to get model version from specified version string '{shown}', "
+        "version should be an integral value > 0"
+    )
+
 READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
 
 
@@ -898,7 +911,7 @@ class Repository:
         model = self._models.get(name)
         if model is None or not model.versions:
             return False
-        return not version or int(version) in model.versions
+        return not version or (version.isdigit() and int(version) in model.versions)
 
     async def load_steps(self, name: str, _seen: set[str] | None = None, tried: Collection[str] = ()) -> None:
         """Load the composing models of ensemble ``name`` that are not loaded (Triton loads an
@@ -1000,8 +1013,8 @@ class Repository:
         if not version:
             return model.versions[max(model.versions)]
         try:
-            return model.versions[int(version)]
-        except (ValueError, KeyError):
+            return model.versions[version_number(version)]
+        except KeyError:
             raise unknown_model(name, version) from None
 
     def ready_versions(self, name: str) -> list[int]:

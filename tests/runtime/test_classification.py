@@ -272,7 +272,10 @@ def test_bad_classification_count_is_refused_before_the_model_runs(server) -> No
 
 
 def test_server_metadata_lists_the_extension(server) -> None:
-    assert "classification" in httpclient.InferenceServerClient(server.http).get_server_metadata()["extensions"]
+    extensions = httpclient.InferenceServerClient(server.http).get_server_metadata()["extensions"]
+    assert "classification" in extensions
+    # what Triton lists for what Sluice serves too: sequence batching, request/response parameters
+    assert {"sequence", "parameters", "model_repository", "binary_tensor_data"} <= set(extensions)
 
 
 def test_missing_label_file_fails_the_load_naming_the_file(tmp_path: Path, serve) -> None:

@@ -248,6 +248,44 @@ def test_every_served_version_is_addressable_and_no_other(tmp_path, serve, polic
     assert infer_http(server.http) == 1.0 + 10.0 * max(served)
 
 
+@pytest.mark.parametrize("version", ["wrong_specification", "-1", "1_0", "+1", " 1", "\u0661"])
+def test_a_version_that_is_not_a_number_is_an_invalid_argument_not_an_unknown_model(tmp_path, serve, version):
+    """Triton parses the version before looking the model up: INVALID_ARGUMENT with its words (NVIDIA's
+    grpc_explicit_int8_content_client matches on them); a number naming no version stays NOT_FOUND."""
+    repo = tmp_path / "repo"
+    write_model(repo, "plus", CONFIG, {})
+    add_version(repo, 1, 10.0)
+    server = serve(repo)
+    expected = f"failed to get model version from specified version string '{version}'"
+    http, grpc = httpclient.InferenceServerClient(server.http), grpcclient.InferenceServerClient(server.grpc)
+    clients = [(httpclient, http, "400"), (grpcclient, grpc, "StatusCode.INVALID_ARGUMENT")]
+    if not version.isascii() or " " in version:  # tritonclient's HTTP puts the version in the URL as it is
+        clients = clients[1:]
+    for module, client, code in clients:
+        tensor = module.InferInput("X", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.array([[1.0]], np.float32))
+        calls = [
+            lambda c=client, t=tensor: c.infer("plus", [t], model_version=version),
+            lambda c=client: c.get_model_metadata("plus", model_version=version),
+            lambda c=client: c.get_model_config("plus", model_version=version),
+        ]
+        if module is grpcclient:  # tritonclient's HTTP is_model_ready answers False for any non-200
+            calls.append(lambda c=client: c.is_model_ready("plus", model_version=version))
+        for call in calls:
+            with pytest.raises(InferenceServerException) as caught:
+                call()
+            assert expected in caught.value.message() and str(caught.value.status()) == code, caught.value
+        with pytest.raises(InferenceServerException) as unknown:
+            client.get_model_metadata("plus", model_version="7")
+        assert "Request for unknown model: 'plus' version 7 is not found" in unknown.value.message()
+        metadata = client.get_model_metadata("plus", model_version="1")
+        assert (metadata["name"] if module is httpclient else metadata.name) == "plus"
+    raw = urllib.request.Request(f"http://{server.http}/v2/models/plus/versions/x/ready")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(raw, timeout=10)
+    assert refused.value.code == 400 and "version string 'x'" in refused.value.read().decode()
+
+
 def test_a_specific_policy_missing_a_version_serves_the_rest_and_says_so(tmp_path, serve, caplog):
     repo = tmp_path / "repo"
     write_model(repo, "plus", CONFIG + "version_policy { specific { versions: [ 2, 7 ] } }", {})
