@@ -108,7 +108,6 @@ UNIMPLEMENTED_FIELDS: dict[str, str] = {
     "instance_group[].host_policy": "host policies are not implemented yet; ignored",
     "cc_model_filenames": "per-compute-capability model files are not implemented yet; ignored",
     "metric_tags": "metric tags are not implemented yet; ignored",
-    "model_warmup": "not implemented yet; the model is not warmed up before it is marked ready",
     "model_operations": "custom operation libraries are not implemented yet; ignored",
     "model_repository_agents": "repository agents are not implemented yet; ignored",
     "model_metrics": "custom model metrics are not implemented yet; ignored",
@@ -145,6 +144,7 @@ _IMPLEMENTED_FIELDS: frozenset[str] = frozenset({
     "sequence_batching.max_sequence_idle_microseconds", "sequence_batching.control_input",
     "sequence_batching.state", "sequence_batching.state[].input_name", "sequence_batching.state[].output_name",
     "sequence_batching.state[].data_type", "sequence_batching.state[].dims", "sequence_batching.state[].initial_state",
+    "model_warmup",
 })  # fmt: skip
 
 _INT64_MAX = 2**63 - 1

@@ -21,9 +21,9 @@ from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from sluice.runtime import classification, cudart, ensemble, names, sequence
+from sluice.runtime import classification, cudart, ensemble, names, sequence, warmup
 from sluice.runtime import config as model_config
-from sluice.runtime.backends.base import BackendServices, LoadContext, ModelBackend, ModelInstance
+from sluice.runtime.backends.base import BackendServices, LoadContext, ModelBackend, ModelInstance, instance_name_of
 from sluice.runtime.batching import (
     BATCH_POLICIES,
     BatchPolicy,
@@ -54,6 +54,7 @@ def version_number(version: str) -> int:
         f"failed to get model version from specified version string '{shown}', "
         "version should be an integral value > 0"
     )
+
 
 READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
 
@@ -559,6 +560,8 @@ def _prepare_loaded(
     stamps = {version: version_stamp(config, model_dir, version) for version in chosen}
     kept = [version for version in chosen if version in serving and serving[version] == stamps[version]]
     if backend == model_config.ENSEMBLE:
+        if config.model_warmup:
+            warnings.append("model_warmup: an ensemble has no instances to warm up; ignored (warm its step models)")
         plans: list[tuple[int, ModelBackend | ensemble.Ensemble, list[ModelInstance]]]
         plans = [(version, ensemble.Ensemble(config), []) for version in chosen if version not in kept]
         return _Prepared(config, plans, warnings, None, cache, labels, stamps=stamps, kept=kept)
@@ -588,6 +591,7 @@ def _prepare_loaded(
                 torch_graphs.graph_plan(config)
             except ConfigError as exc:
                 raise ConfigError(exc.detail, file=loaded.source, field=exc.field) from None
+    samples = warmup.build(config, model_dir, loaded.source)  # refused before any instance is made
     gpus = tuple(device for kind, device in plan if kind == mc.ModelInstanceGroup.KIND_GPU)
     prepared = _Prepared(config, [], warnings, scheduling, cache, labels, sequencing, gpus, stamps, kept)
     try:
@@ -598,8 +602,13 @@ def _prepare_loaded(
             instance_backend = loader(config, ctx)
             instances: list[ModelInstance] = []
             prepared.versions.append((version, instance_backend, instances))
+            sig = signature_of(config, f"{name}:{version}") if samples else None
             for index, (kind, device) in enumerate(plan):
-                instances.append(instance_backend.new_instance(index, kind, device))
+                instance = instance_backend.new_instance(index, kind, device)
+                instances.append(instance)
+                if sig is not None:  # ready only once every instance ran every sample (Triton's model_warmup)
+                    label = instance_name_of(config, name, index)
+                    warmup.run(instance, label, samples, name, version, sig)
     except BaseException:
         prepared.close()
         raise

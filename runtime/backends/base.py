@@ -104,6 +104,22 @@ class LoadContext:
     services: BackendServices | None = None
 
 
+def instance_name_of(config: mc.ModelConfig, model_name: str, index: int) -> str:
+    """Triton's name for the ``index``-th instance the instance groups ask for, counted as the
+    repository creates them (group by group, ``count`` each; no groups means one group of one):
+    ``<group name>_<position in its group>``, the group name defaulting to
+    ``<model>_<group index>``, so a model with no ``instance_group`` has one instance ``<model>_0_0``."""
+    groups = list(config.instance_group) or [mc.ModelInstanceGroup(count=1)]
+    remaining = index
+    for group_index, group in enumerate(groups):
+        count = max(group.count, 1)
+        last = group_index == len(groups) - 1
+        if remaining < count or last:
+            return f"{group.name or f'{config.name or model_name}_{group_index}'}_{remaining}"
+        remaining -= count
+    raise AssertionError("unreachable: the last group takes any index")
+
+
 class ModelInstance(abc.ABC):
     """One executor of a model: owns its session/interpreter; used by one thread at a time."""
 
@@ -130,4 +146,3 @@ class ModelBackend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Called after every instance was closed."""
-

@@ -40,7 +40,15 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime.backends import bls
 from sluice.runtime.backends import triton_python_backend_utils as pb_utils
-from sluice.runtime.backends.base import LoadContext, ModelBackend, ModelInstance, Result, client_shape, reshape_problem
+from sluice.runtime.backends.base import (
+    LoadContext,
+    ModelBackend,
+    ModelInstance,
+    Result,
+    client_shape,
+    instance_name_of,
+    reshape_problem,
+)
 from sluice.runtime.config_json import config_to_json
 from sluice.runtime.errors import (
     Cancelled,
@@ -261,22 +269,6 @@ def model_config_json(config: mc.ModelConfig) -> str:
     included (``max_batch_size: 0`` is present), and 64-bit integers such as ``dims`` as JSON
     numbers, not the strings protobuf's JSON mapping would use."""
     return json.dumps(config_to_json(config))
-
-
-def instance_name_of(config: mc.ModelConfig, model_name: str, index: int) -> str:
-    """Triton's name for the ``index``-th instance the instance groups ask for, counted as the
-    repository creates them (group by group, ``count`` each; no groups means one group of one):
-    ``<group name>_<position in its group>``, the group name defaulting to
-    ``<model>_<group index>``, so a model with no ``instance_group`` has one instance ``<model>_0_0``."""
-    groups = list(config.instance_group) or [mc.ModelInstanceGroup(count=1)]
-    remaining = index
-    for group_index, group in enumerate(groups):
-        count = max(group.count, 1)
-        last = group_index == len(groups) - 1
-        if remaining < count or last:
-            return f"{group.name or f'{config.name or model_name}_{group_index}'}_{remaining}"
-        remaining -= count
-    raise AssertionError("unreachable: the last group takes any index")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -730,7 +730,7 @@ WARNINGS = [
         "sequence_batching { direct { minimum_slot_utilization: 0.5 } }",
         ["sequence_batching.direct.minimum_slot_utilization: Direct dispatches as soon as an instance is free"],
     ),
-    ('model_warmup [ { name: "w" batch_size: 1 } ]', ["model_warmup: not implemented yet; the model is not warmed up"]),
+    ('model_warmup [ { name: "w" batch_size: 1 } ]', []),  # implemented (warmup.py)
     ("optimization { priority: PRIORITY_MAX }", ["optimization.priority: not implemented yet"]),
     ("optimization { execution_accelerators { gpu_execution_accelerator [ { name: 'cuda' } ] } }", []),  # implemented
     ('instance_group [ { kind: KIND_GPU profile: [ "0", "1" ] } ]', []),  # implemented (tensorrt)
@@ -774,9 +774,9 @@ def test_cuda_graphs_of_a_pytorch_model_give_no_warning() -> None:
 
 
 def test_warnings_reach_the_loaded_config(tmp_path: Path) -> None:
-    model_dir = make_model(tmp_path, {"config.yaml": "backend: python\nmodel_warmup: [{name: w, batch_size: 1}]\n"})
+    model_dir = make_model(tmp_path, {"config.yaml": "backend: python\nmetric_tags: {team: x}\n"})
     assert model_config.load_model_config(model_dir).warnings == [
-        "model_warmup: not implemented yet; the model is not warmed up before it is marked ready"
+        "metric_tags: metric tags are not implemented yet; ignored"
     ]
 
 
@@ -811,7 +811,7 @@ def test_every_top_level_field_is_implemented_or_in_the_table() -> None:
     # ensemble_scheduling and sequence_batching share a oneof with dynamic_batching: FULL_PBTXT cannot hold them.
     implemented = {fd.name for fd, _ in config.ListFields()}
     implemented |= {"backend", "default_model_filename", "ensemble_scheduling", "model_transaction_policy",
-                    "sequence_batching", "optimization"}  # optimization: execution_accelerators (onnxrt.py)
+                    "sequence_batching", "optimization", "model_warmup"}  # optimization: onnxrt.py
     for fd in mc.ModelConfig.DESCRIPTOR.fields:
         assert (
             fd.name in implemented
