@@ -433,7 +433,7 @@ class PythonInstance(ModelInstance):
                         return [_accepted(request) for request in requests]
                     returned = self._resolve(returned)
         except BaseException as exc:  # SystemExit from model code too: the instance must keep serving
-            message = f"Failed to process the request(s) for model '{model_name}', message: {type(exc).__name__}: {exc}"
+            message = _execute_failed(self._instance_name, exc)
             _log.debug("execute() of model instance '%s' raised", self._instance_name, exc_info=True)
             if self._backend.decoupled:
                 return [self._decoupled_failure(request, message) for request in wrapped]
@@ -503,7 +503,7 @@ class PythonInstance(ModelInstance):
         exc = future.exception()
         if exc is None:
             return
-        message = f"Failed to process the request(s) for model '{model_name}', message: {type(exc).__name__}: {exc}"
+        message = _execute_failed(self._instance_name, exc)
         _log.debug("execute() of model instance '%s' raised", self._instance_name, exc_info=exc)
         for request in wrapped:
             if request._stream is not None:
@@ -648,6 +648,13 @@ class ServedRequest(pb_utils.InferenceRequest):
         if self._stream is None:
             return super().get_response_sender()
         return ResponseSender(self._stream)
+
+
+def _execute_failed(instance_name: str, exc: BaseException) -> str:
+    """Triton's words for an ``execute`` that raised (python_be.cc), which clients and log rules match on;
+    Triton appends the traceback, which names the server's files: Sluice logs it instead."""
+    message = f"{type(exc).__name__}: {exc}"
+    return f"Failed to process the request(s) for model instance '{instance_name}', message: {message}"
 
 
 def _accepted(request: InferRequest) -> InferResponse:

@@ -404,7 +404,9 @@ def test_exception_in_execute_fails_the_whole_batch_in_triton_words(tmp_path):
 
     results = instance.execute([request("raiser", fp32("IN", [-1])), request("raiser", fp32("IN", [1]))])
 
-    expected = "Failed to process the request(s) for model 'raiser', message: ValueError: cannot handle negatives"
+    expected = (
+        "Failed to process the request(s) for model instance 'raiser_0_0', message: ValueError: cannot handle negatives"
+    )
     assert [(type(r), r.message) for r in results] == [(ModelError, expected)] * 2
     assert isinstance(only(instance.execute([request("raiser", fp32("IN", [1]))])), InferResponse)
 
@@ -511,7 +513,7 @@ def test_bls_exec_without_a_server_says_so(tmp_path):
     (error,) = instance.execute([request("bls", fp32("IN", [1]))])
 
     assert error.message == (
-        "Failed to process the request(s) for model 'bls', message: "
+        "Failed to process the request(s) for model instance 'bls_0_0', message: "
         "TritonModelException: BLS requests need a running server; none is attached to this model"
     )
 
