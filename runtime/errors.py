@@ -51,6 +51,12 @@ class AlreadyExists(InvalidArgument):
     http_status = 400  # Triton answers 400 over HTTP, ALREADY_EXISTS over gRPC
 
 
+class Unknown(InvalidArgument):
+    """A model's ``TritonError.UNKNOWN``: Triton answers 400 over HTTP, UNKNOWN over gRPC."""
+
+    http_status = 400
+
+
 class NotFound(SluiceError):
     http_status = 404
 

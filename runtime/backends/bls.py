@@ -28,14 +28,25 @@ import numpy as np
 
 from sluice.runtime.backends import triton_python_backend_utils as pb_utils
 from sluice.runtime.backends.base import BackendServices
-from sluice.runtime.errors import Cancelled, InvalidArgument, NotFound, SluiceError, Unavailable, Unsupported
+from sluice.runtime.errors import (
+    AlreadyExists,
+    Cancelled,
+    InvalidArgument,
+    NotFound,
+    SluiceError,
+    Unavailable,
+    Unknown,
+    Unsupported,
+)
 from sluice.runtime.types import CancelToken, InferRequest, InferResponse, RequestedOutput, Tensor, datatype_of
 
 outer_requests: contextvars.ContextVar[Sequence[InferRequest]] = contextvars.ContextVar("sluice_bls_outer", default=())
 """The requests the running ``execute`` serves (set by the Python backend): their cancel tokens, and
 the trace a BLS call's span is a child of."""
 
-_CODE_BY_ERROR: tuple[tuple[type[SluiceError], int], ...] = (
+_CODE_BY_ERROR: tuple[tuple[type[SluiceError], int], ...] = (  # subclasses before their bases
+    (AlreadyExists, pb_utils.TritonError.ALREADY_EXISTS),
+    (Unknown, pb_utils.TritonError.UNKNOWN),
     (NotFound, pb_utils.TritonError.NOT_FOUND),
     (Unsupported, pb_utils.TritonError.UNSUPPORTED),
     (InvalidArgument, pb_utils.TritonError.INVALID_ARG),

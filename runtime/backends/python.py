@@ -51,12 +51,14 @@ from sluice.runtime.backends.base import (
 )
 from sluice.runtime.config_json import config_to_json
 from sluice.runtime.errors import (
+    AlreadyExists,
     Cancelled,
     InvalidArgument,
     ModelError,
     NotFound,
     SluiceError,
     Unavailable,
+    Unknown,
     Unsupported,
 )
 from sluice.runtime.types import (
@@ -90,13 +92,13 @@ _RESERVED_PARAMETERS = frozenset(
 
 # TritonError code -> the Sluice error (and so the HTTP status / gRPC code) the client sees.
 _ERROR_BY_TRITON_CODE: dict[int, type[SluiceError]] = {
-    pb_utils.TritonError.UNKNOWN: ModelError,
+    pb_utils.TritonError.UNKNOWN: Unknown,
     pb_utils.TritonError.INTERNAL: ModelError,
     pb_utils.TritonError.NOT_FOUND: NotFound,
     pb_utils.TritonError.INVALID_ARG: InvalidArgument,
     pb_utils.TritonError.UNAVAILABLE: Unavailable,
     pb_utils.TritonError.UNSUPPORTED: Unsupported,
-    pb_utils.TritonError.ALREADY_EXISTS: ModelError,
+    pb_utils.TritonError.ALREADY_EXISTS: AlreadyExists,
     pb_utils.TritonError.CANCELLED: Cancelled,
 }
 

@@ -19,6 +19,7 @@ from sluice.runtime.errors import (
     PayloadTooLarge,
     SluiceError,
     Unavailable,
+    Unknown,
     Unsupported,
 )
 
@@ -28,6 +29,7 @@ GRPC_CODES: dict[type[SluiceError], grpc.StatusCode] = {
     PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unsupported: grpc.StatusCode.UNIMPLEMENTED,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    Unknown: grpc.StatusCode.UNKNOWN,
     NotFound: grpc.StatusCode.NOT_FOUND,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     Cancelled: grpc.StatusCode.CANCELLED,
