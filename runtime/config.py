@@ -710,7 +710,8 @@ def load_model_config(model_dir: Path, *, override: str | None = None) -> Loaded
 
 
 def _normalize(config: mc.ModelConfig, model_dir: Path) -> None:
-    """Fill what Triton fills before validation: the name, backend and platform, instance counts."""
+    """Fill what Triton fills before validation: the name, backend and platform, the version policy,
+    instance group names and counts."""
     problem = names.file_name_problem(config.default_model_filename) if config.default_model_filename else None
     if problem is not None:
         raise ConfigError(
@@ -735,13 +736,17 @@ def _normalize(config: mc.ModelConfig, model_dir: Path) -> None:
                 field="backend",
             )
         config.backend = inferred
+    if config.version_policy.WhichOneof("policy_choice") is None:  # Triton shows its default
+        config.version_policy.latest.num_versions = 1
     backend = backend_of(config)
     if backend == ENSEMBLE:
         return  # no backend, no instances: its steps run the requests
     config.backend = backend
     if not config.platform and backend in PLATFORM_BY_BACKEND:
         config.platform = PLATFORM_BY_BACKEND[backend]
-    for group in config.instance_group:
+    for index, group in enumerate(config.instance_group):
+        if not group.name:  # Triton: <model>_<group index>, the prefix of its instances' names
+            group.name = f"{config.name}_{index}"
         if group.count == 0:  # Triton: an unset count means one instance (per device)
             group.count = 1
 

@@ -600,7 +600,13 @@ CASES = [
         "'add_sub'",
         "version 7",
     ),
-    case("non-numeric-version", request("GET", "/v2/models/add_sub/versions/latest"), 404, "'add_sub'", "latest"),
+    case(
+        "non-numeric-version",
+        request("GET", "/v2/models/add_sub/versions/latest"),
+        400,  # Triton parses the version before looking the model up
+        "version string 'latest'",
+        "integral value",
+    ),
     case("unknown-model-metadata", request("GET", "/v2/models/nope"), 404, "'nope'"),
     case("unknown-model-config", request("GET", "/v2/models/nope/config"), 404, "'nope'"),
     case("unknown-model-stats", request("GET", "/v2/models/nope/stats"), 400, "model 'nope' is not available"),

@@ -773,6 +773,18 @@ def test_cuda_graphs_of_a_pytorch_model_give_no_warning() -> None:
     assert model_config.validate(config, source="c") == []
 
 
+def test_the_loaded_config_shows_what_triton_fills_in(tmp_path: Path) -> None:
+    """The config clients read back (GET .../config) has Triton's defaults written in: the version
+    policy, each instance group's name (the prefix of its instances' names) and count."""
+    text = 'backend: "python"\ninstance_group [ { kind: KIND_CPU }, { name: "mine", count: 2 } ]\n'
+    config = model_config.load_model_config(make_model(tmp_path, {"config.pbtxt": text})).config
+    assert model_config.config_to_json(config)["version_policy"] == {"latest": {"num_versions": 1}}
+    assert [(g.name, g.count) for g in config.instance_group] == [("resnet_0", 1), ("mine", 2)]
+    policy = 'backend: "python"\nversion_policy { all { } }\n'
+    kept = model_config.load_model_config(make_model(tmp_path, {"config.pbtxt": policy}, name="other")).config
+    assert kept.version_policy.WhichOneof("policy_choice") == "all"  # a policy given is kept
+
+
 def test_warnings_reach_the_loaded_config(tmp_path: Path) -> None:
     model_dir = make_model(tmp_path, {"config.yaml": "backend: python\nmetric_tags: {team: x}\n"})
     assert model_config.load_model_config(model_dir).warnings == [
