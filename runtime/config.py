@@ -54,6 +54,8 @@ BACKEND_BY_PLATFORM: dict[str, str] = {
     "tensorrt_plan": "tensorrt",
 }
 PLATFORM_BY_BACKEND: dict[str, str] = {v: k for k, v in BACKEND_BY_PLATFORM.items()}
+PYTHON_PLATFORM_HANDLER = "pytorch"
+"""``backend: "python"`` with this platform runs Triton's PyTorch platform handler (torch_platform.py)."""
 
 # Triton's ensemble platform: no backend and no model file; ``ensemble_scheduling`` names the steps.
 # :func:`backend_of` answers this name for it.
@@ -776,9 +778,13 @@ def backend_of(config: mc.ModelConfig) -> str:
             raise ConfigError(
                 f"unknown backend '{config.backend}'; allowed: {', '.join(KNOWN_BACKENDS)}", field="backend"
             )
-        if config.platform and BACKEND_BY_PLATFORM.get(config.platform) != config.backend:
+        handled = config.backend == "python" and config.platform == PYTHON_PLATFORM_HANDLER
+        if config.platform and BACKEND_BY_PLATFORM.get(config.platform) != config.backend and not handled:
             expected = PLATFORM_BY_BACKEND.get(config.backend)
-            allowed = f"'{expected}' or no platform" if expected else "no platform"
+            if config.backend == "python":
+                allowed = f"'{PYTHON_PLATFORM_HANDLER}' (Triton's PyTorch platform handler) or no platform"
+            else:
+                allowed = f"'{expected}' or no platform" if expected else "no platform"
             raise ConfigError(
                 f"platform '{config.platform}' does not match backend '{config.backend}'; allowed: {allowed}",
                 field="platform",

@@ -38,7 +38,7 @@ import numpy as np
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from sluice.runtime.backends import bls
+from sluice.runtime.backends import bls, torch_platform
 from sluice.runtime.backends import triton_python_backend_utils as pb_utils
 from sluice.runtime.backends.base import (
     LoadContext,
@@ -120,6 +120,8 @@ def load(config: mc.ModelConfig, ctx: LoadContext) -> ModelBackend:
             f"failed to load '{ctx.model_name}' version {ctx.version}: the response cache does not support "
             "models with model_transaction_policy { decoupled: true }; remove response_cache or decoupled"
         )
+    if config.platform == torch_platform.PLATFORM:
+        return _load_torch_platform(config, ctx)
     path = ctx.version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
     shown = _shown(path, ctx)
     if not path.is_file():
@@ -145,6 +147,31 @@ def load(config: mc.ModelConfig, ctx: LoadContext) -> ModelBackend:
     return PythonBackend(config, ctx, module, model_class)
 
 
+def _load_torch_platform(config: mc.ModelConfig, ctx: LoadContext) -> ModelBackend:
+    """``platform: "pytorch"``: Triton's PyTorch platform handler serves a plain PyTorch model."""
+    where = f"failed to load '{ctx.model_name}' version {ctx.version}"
+    path = torch_platform.model_file(ctx.version_dir, config.default_model_filename)
+    if path is None:
+        tried = ", ".join(([config.default_model_filename] if config.default_model_filename else [])
+                          + list(torch_platform.MODEL_FILES))
+        raise ModelError(
+            f"{where}: platform 'pytorch' (Triton's PyTorch platform handler) loads one of {tried} from the "
+            "version directory; none is there"
+        )
+    try:
+        import torch  # noqa: F401 - the handler needs it
+    except ImportError:
+        raise ModelError(f"{where}: platform 'pytorch' needs PyTorch: pip install 'sluice[torch]'") from None
+    module = _import_model_file(path, ctx) if path.suffix == ".py" else None
+    try:
+        model_class = torch_platform.handler(path, module)
+    except pb_utils.TritonModelException as exc:
+        if module is not None:
+            _forget_module(module)
+        raise ModelError(f"{where}: {exc.message()}") from None
+    return PythonBackend(config, ctx, module or ModuleType(f"sluice_torch_platform_{ctx.model_name}"), model_class)
+
+
 def auto_complete(config: mc.ModelConfig, ctx: LoadContext) -> None:
     """Let ``TritonPythonModel.auto_complete_config`` complete ``config`` in place, as Triton does
     before it validates the config; nothing happens when the class does not define it.
@@ -156,6 +183,8 @@ def auto_complete(config: mc.ModelConfig, ctx: LoadContext) -> None:
     """
     if ctx.services is not None and not ctx.services.auto_complete_config:
         return  # --disable-auto-complete-config
+    if config.platform == torch_platform.PLATFORM:
+        return  # the platform handler completes nothing, as Triton's
     path = ctx.version_dir / (config.default_model_filename or DEFAULT_MODEL_FILENAME)
     if not path.is_file():
         return  # load() reports the missing file
