@@ -580,6 +580,18 @@ class Cli:
         self.proc.wait(30)
 
 
+def _pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/status") as status:
@@ -844,13 +856,15 @@ def test_a_worker_whose_engine_is_pid_1_starts(tmp_path: Path) -> None:
     assert orphaned(1, 4242)  # the engine was 4242: re-parented, it died
     assert not orphaned(4242, 4242)
     unshare = shutil.which("unshare")
-    if unshare is None or subprocess.run([unshare, "--pid", "--fork", "--mount-proc", "true"],
-                                         capture_output=True).returncode != 0:
-        pytest.skip("unshare cannot make a PID namespace here (needs root or user namespaces)")
+    # --kill-child: the namespace's PID 1 (the engine) dies with unshare, and the kernel then kills every
+    # process of the namespace (the workers), so killing unshare leaves nothing behind
+    namespace = [unshare, "--pid", "--fork", "--mount-proc", "--kill-child"] if unshare else []
+    if not namespace or subprocess.run([*namespace, "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare cannot make a PID namespace here (needs root or user namespaces, util-linux 2.32+)")
     repo = tmp_path / "repo"
     write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
     proc = subprocess.Popen(
-        [unshare, "--pid", "--fork", "--mount-proc", sys.executable, "-m", "sluice.runtime", "serve",
+        [*namespace, sys.executable, "-m", "sluice.runtime", "serve",
          "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
          "--protocol-workers", "2", "--drain-period-s", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
@@ -867,3 +881,10 @@ def test_a_worker_whose_engine_is_pid_1_starts(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait(30)
+    root = str(tmp_path / "repo")
+
+    def ours(cmdline: list[str]) -> bool:  # the engine names the repository; its workers, engine pid 1
+        return root in cmdline or ("sluice.runtime.frontend_workers" in cmdline and "--engine-pid" in cmdline
+                                   and cmdline[cmdline.index("--engine-pid") + 1] == "1")
+
+    _wait_for(lambda: not any(ours(_cmdline(pid)) for pid in _pids()), "the namespace's processes gone")
