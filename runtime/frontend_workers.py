@@ -65,7 +65,6 @@ from sluice.runtime.protocol.http import (
     error_response,
     json_response,
 )
-from sluice.runtime.protocol.listener import BACKLOG
 from sluice.runtime.settings import ServerSettings
 from sluice.runtime.types import CancelToken, InferRequest, InferResponse
 
@@ -81,33 +80,44 @@ WORKER_HEADER = b"sluice-worker"
 
 
 def own_listeners(workers: int, platform: str = sys.platform) -> bool:
-    """Whether each protocol worker listens on a ``SO_REUSEPORT`` socket of its own, the kernel spreading
-    new connections over them by a hash of their addresses, rather than all accepting from the engine's
-    one listening socket, where whichever worker wakes first takes a whole burst (libuv accepts until the
-    backlog is empty) and keeps those connections. Only Linux balances ``SO_REUSEPORT`` listeners (BSD and
-    macOS give every connection to one of them); one worker keeps the shared socket, whose backlog waits
-    while the worker restarts, where a listener of its own would close with it."""
+    """Whether each protocol worker accepts on a listening socket of its own (``SO_REUSEPORT``, the kernel
+    spreading new connections over them by a hash of their addresses) rather than all on one shared
+    socket, where whichever worker wakes first takes a whole burst (libuv accepts until the backlog is
+    empty) and keeps those connections. Only Linux balances ``SO_REUSEPORT`` listeners (BSD and macOS
+    give every connection to one of them); one worker has nothing to spread over."""
     return workers >= 2 and platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
 
 
-def port_for_workers(sock: socket.socket, workers: int, backlog: int) -> None:
-    """Make ``sock``, bound to the port the workers serve, ready for them: joinable by their own
-    ``SO_REUSEPORT`` listeners (:func:`own_listeners`), else listening for them to share. The option is set
-    after the bind, so the bind itself still fails when anything else has the port, another server's
-    ``SO_REUSEPORT`` listeners included (they would otherwise share our connections). Checked with a
-    second socket before workers rely on it; a kernel that refuses it gets the shared socket."""
+def listeners_for_workers(sock: socket.socket, workers: int, backlog: int) -> list[socket.socket]:
+    """The listening sockets of a port the workers serve: ``sock`` (bound, not listening) and, where
+    :func:`own_listeners`, one more per worker beyond the first, all in one ``SO_REUSEPORT`` group;
+    worker *i* accepts on socket *i*. The engine makes and keeps them all, listening from the start:
+
+    * ``sock`` is bound without ``SO_REUSEPORT`` and given it after the bind, so the start fails when
+      anything has the port already (another server's ``SO_REUSEPORT`` listeners included), and the
+      port is never held by a bound socket that does not listen (which would not keep a foreign
+      ``SO_REUSEADDR`` socket off it); the same port asked for twice (HTTP and gRPC) fails too;
+    * a socket outlives the worker using it: connections that arrive while a worker restarts wait in
+      its backlog for the next one, and the drain closes them all at once (server.py).
+
+    A kernel that refuses the group (logged) gets one shared socket."""
     if own_listeners(workers):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        probe = _reuse_port_socket(sock)
+        sock.listen(backlog)
+        extra: list[socket.socket] = []
         try:
-            probe.bind(sock.getsockname())
-            return
+            for _ in range(workers - 1):
+                extra.append(_reuse_port_socket(sock))
+                extra[-1].bind(sock.getsockname())
+                extra[-1].listen(backlog)
         except OSError as exc:
+            for other in extra:
+                other.close()
             log.warning("SO_REUSEPORT not usable here (%s): the protocol workers share one listening socket", exc)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 0)
-        finally:
-            probe.close()
+            return [sock]
+        return [sock, *extra]
     sock.listen(backlog)
+    return [sock]
 
 
 def _reuse_port_socket(like: socket.socket) -> socket.socket:
@@ -121,23 +131,8 @@ def _reuse_port_socket(like: socket.socket) -> socket.socket:
     except BaseException:
         sock.close()
         raise
+    sock.setblocking(False)
     return sock
-
-
-def worker_listener(inherited: socket.socket, backlog: int) -> socket.socket:
-    """The socket a worker accepts on: the engine's, when it listens (shared), else one of the worker's own
-    bound beside it with ``SO_REUSEPORT`` (:func:`port_for_workers`)."""
-    if inherited.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-        return inherited
-    own = _reuse_port_socket(inherited)
-    try:
-        own.bind(inherited.getsockname())
-        own.listen(backlog)
-    except BaseException:
-        own.close()
-        raise
-    inherited.close()
-    return own
 
 
 def protocol_workers_problem(value: object) -> str | None:
@@ -593,7 +588,7 @@ class WorkerPool:
         self.routes = routes
         self.service = service
         self.restarts = 0
-        self._sockets: dict[str, socket.socket] = {}
+        self._sockets: dict[str, list[socket.socket]] = {}
         self._workers: dict[int, _Worker] = {}
         self._stopping = False
         self._restarting: set[asyncio.Task] = set()
@@ -613,9 +608,10 @@ class WorkerPool:
         )
         return self.count, serving, self.restarts
 
-    async def start(self, sockets: dict[str, socket.socket]) -> None:
-        """Start the workers on ``sockets`` (``http``/``grpc``: listening sockets) and wait until each
-        is accepting; raises RuntimeError when one cannot start."""
+    async def start(self, sockets: dict[str, list[socket.socket]]) -> None:
+        """Start the workers on ``sockets`` (``http``/``grpc``: listening sockets, one per worker or one
+        shared: :func:`listeners_for_workers`) and wait until each is accepting; raises RuntimeError when
+        one cannot start."""
         self._sockets = sockets
         for index in range(self.count):
             await self._spawn(index)
@@ -631,7 +627,7 @@ class WorkerPool:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         requests_fd = _arena_fd(f"sluice-worker{index}-requests", ARENA_BYTES)
         responses_fd = _arena_fd(f"sluice-worker{index}-responses", ARENA_BYTES)
-        listening = {kind: sock.fileno() for kind, sock in self._sockets.items()}
+        listening = {kind: socks[index % len(socks)].fileno() for kind, socks in self._sockets.items()}
         fds = (theirs.fileno(), requests_fd, responses_fd, *listening.values())
         command = [
             sys.executable,
@@ -709,8 +705,9 @@ class WorkerPool:
         # The engine's copies of the listening sockets go now, not once the workers exited: while any copy
         # is open the kernel keeps completing handshakes nobody accepts (clients hang, then are reset),
         # where a closed port refuses them at once and they go to another pod.
-        for sock in self._sockets.values():
-            sock.close()
+        for socks in self._sockets.values():
+            for sock in socks:
+                sock.close()
         waits = [worker.side.stopped for worker in workers]
         if waits:
             await asyncio.wait(waits, timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
@@ -1063,11 +1060,11 @@ async def _serve_worker(args: argparse.Namespace) -> int:
     if args.http_fd >= 0:
         http = _WorkerHttpServer(WorkerRoutes(plane, settings), settings, loop, index)
         http.check_head = None  # unknown models are the engine's to answer, after the body
-        await http.start_socket(worker_listener(socket.socket(fileno=args.http_fd), BACKLOG))
+        await http.start_socket(socket.socket(fileno=args.http_fd))
         listeners.append(http)
     if args.grpc_fd >= 0:
         grpc_server = GrpcServer(cast(DataPlane, plane), settings.limits, loop, worker_service(plane, settings))
-        await grpc_server.start_socket(worker_listener(socket.socket(fileno=args.grpc_fd), BACKLOG))
+        await grpc_server.start_socket(socket.socket(fileno=args.grpc_fd))
         listeners.append(grpc_server)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: None)  # the engine decides when workers stop

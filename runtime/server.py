@@ -146,7 +146,7 @@ class Server:
         self._drain_cut = asyncio.Event()
         self.workers: frontend_workers.WorkerPool | None = None
         """The protocol workers (``--protocol-workers`` >= 1), which accept on ``_worker_sockets``."""
-        self._worker_sockets: dict[str, socket.socket] = {}
+        self._worker_sockets: dict[str, list[socket.socket]] = {}
 
     async def start(self) -> Ports:
         loop = asyncio.get_running_loop()
@@ -320,9 +320,9 @@ class Server:
             raise StartupError(f"cannot listen on {settings.host} ({which}): {exc.strerror or exc}") from exc
 
     def _worker_socket(self, kind: str, host: str, port: int) -> int:
-        """The socket of a port the protocol workers serve (bound here: a port in use fails at once, port 0
-        is picked once for all workers): listening, or joined by the workers' own listeners
-        (frontend_workers.port_for_workers); the bound port."""
+        """The listening sockets of a port the protocol workers serve, made and kept here (a port in use
+        fails at once, port 0 is picked once for all workers): one per worker or one shared
+        (frontend_workers.listeners_for_workers); the bound port."""
         family, kind_, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
@@ -330,12 +330,12 @@ class Server:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(address)
-            frontend_workers.port_for_workers(sock, self.settings.protocol_workers, BACKLOG)
+            socks = frontend_workers.listeners_for_workers(sock, self.settings.protocol_workers, BACKLOG)
         except BaseException:
             sock.close()
             raise
         sock.setblocking(False)
-        self._worker_sockets[kind] = sock
+        self._worker_sockets[kind] = socks
         return int(sock.getsockname()[1])
 
     async def _start_workers(self) -> None:
@@ -356,8 +356,9 @@ class Server:
         if self.workers is not None:
             await self.workers.stop(deadline)
             self.workers = None
-        for sock in self._worker_sockets.values():
-            sock.close()
+        for socks in self._worker_sockets.values():
+            for sock in socks:
+                sock.close()
         self._worker_sockets.clear()
 
     async def _close_listeners(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import http.client
 import itertools
 import json
@@ -368,8 +369,8 @@ def test_a_burst_of_connections_spreads_over_the_workers(tmp_path: Path) -> None
 
 
 def test_a_port_another_servers_reuseport_listeners_hold_is_refused(tmp_path: Path) -> None:
-    # The workers' listeners join the port with SO_REUSEPORT; the engine binds it without first, so a
-    # server already listening there that way (another sluice with workers) is refused, not shared.
+    # The workers' listeners share the port with SO_REUSEPORT; the engine binds the first without it, so
+    # a server already listening there that way (another sluice with workers) is refused, not shared.
     other = socket.socket()
     other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     other.bind(("127.0.0.1", 0))
@@ -381,6 +382,29 @@ def test_a_port_another_servers_reuseport_listeners_hold_is_refused(tmp_path: Pa
             start_server(repo, protocol_workers=2, http_port=other.getsockname()[1])
     finally:
         other.close()
+
+
+def test_the_workers_port_is_held_listening_from_the_start(tmp_path: Path) -> None:
+    # The engine makes every worker's listening socket itself, listening at once: a socket bound to the
+    # port without listening would not keep a SO_REUSEADDR bind off it (two servers, or HTTP and gRPC
+    # asked on one port, came up sharing it: half of the HTTP requests reached a gRPC listener).
+    repo = tmp_path / "repo"
+    write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    with pytest.raises(StartupError, match="a port is already in use"):
+        start_server(repo, protocol_workers=2, http_port=port, grpc_port=port)
+    running = start_server(repo, protocol_workers=2)
+    try:
+        intruder = socket.socket()
+        intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with intruder, pytest.raises(OSError) as refused:
+            intruder.bind(("127.0.0.1", running.server.ports.http))
+        assert refused.value.errno == errno.EADDRINUSE
+        _infer_add_sub(running.http)
+    finally:
+        running.stop()
 
 
 @pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 in this Python")
