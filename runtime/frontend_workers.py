@@ -2,11 +2,12 @@
 
 The main process, the *engine*, loads the repository and runs the data plane (schedulers and
 batchers, response cache, statistics, metrics, model control) as in single-process mode. It also
-binds the HTTP and gRPC ports and hands the sockets to N worker processes (:class:`WorkerPool`), each
-running the ordinary HTTP and gRPC front ends. On Linux with two workers or more each worker listens on
-a socket of its own bound to the port with ``SO_REUSEPORT`` (:func:`own_listeners`): the kernel spreads
-new connections over the workers by a hash of their addresses. Elsewhere the engine's socket listens
-and the kernel gives each new connection to whichever worker accepts first. A worker decodes
+makes the HTTP and gRPC listening sockets and hands them to N worker processes (:class:`WorkerPool`),
+each running the ordinary HTTP and gRPC front ends. On Linux with two workers or more each worker
+accepts on a listening socket of its own, all bound to the port with ``SO_REUSEPORT``
+(:func:`listeners_for_workers`): the kernel spreads new connections over the workers by a hash of their
+addresses. Elsewhere the workers share one socket and the kernel gives each new connection to
+whichever worker accepts first. A worker decodes
 inference requests itself (the CPU that binds one process) and sends each to the engine over its own
 socketpair (:class:`Link`, messages of worker_wire.py), so requests from every connection meet in the engine's
 one batcher per model. Responses come back the same way and the worker encodes them.

@@ -26,6 +26,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from sluice.runtime.callers import PARAMETER as CALLER_PARAMETER
 from sluice.runtime.errors import (
+    AlreadyExists,
     Cancelled,
     Internal,
     InvalidArgument,
@@ -34,6 +35,7 @@ from sluice.runtime.errors import (
     PayloadTooLarge,
     SluiceError,
     Unavailable,
+    Unknown,
     Unsupported,
 )
 from sluice.runtime.tensor_bytes import bytes_elements, encode_bytes_elements
@@ -72,6 +74,8 @@ _ERRORS_BY_STATUS: dict[str, type[SluiceError]] = {
     "DEADLINE_EXCEEDED": Unavailable,
     "CANCELLED": Cancelled,
     "INTERNAL": ModelError,
+    "UNKNOWN": Unknown,  # a model's TritonError.UNKNOWN / ALREADY_EXISTS, answered as they were
+    "ALREADY_EXISTS": AlreadyExists,
 }
 
 _TYPED_FIELD = GRPC_CONTENTS_FIELD

@@ -595,3 +595,36 @@ def test_an_integer_parameter_grpc_cannot_carry_is_served_here(stable_repo, cana
         answer = json.loads(response.read())
     assert answer["model_version"] == "1"
     assert not any(key[0] == "sluice_forwarded_requests_total" and value for key, value in samples(stable).items())
+
+
+CODED_ADD_SUB_PY = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(error=pb_utils.TritonError("{word}", pb_utils.TritonError.{code}))
+                for _ in requests]
+"""
+
+
+@pytest.mark.parametrize(
+    ("code", "http_status", "grpc_status"),
+    [("UNKNOWN", "400", "StatusCode.UNKNOWN"), ("ALREADY_EXISTS", "400", "StatusCode.ALREADY_EXISTS")],
+)
+def test_a_canary_model_error_code_answers_as_it_would_locally(
+    stable_repo, tmp_path: Path, serve, split_file, clock, code, http_status, grpc_status
+):
+    other = tmp_path / "other"
+    config = ADD_SUB_CONFIG.replace('backend: "onnxruntime"', 'backend: "python"')
+    write_model(other, "add_sub", config, {"model.py": CODED_ADD_SUB_PY.format(word=code.lower(), code=code)})
+    canary = serve(other)
+    split_file.parent.mkdir()
+    write_split(split_file, canary.grpc, 100)
+    stable = serve(stable_repo, split_file=split_file, clock=clock)
+    with pytest.raises(InferenceServerException) as caught:
+        http_infer(stable)
+    assert caught.value.status() == http_status and code.lower() in caught.value.message()
+    with pytest.raises(InferenceServerException) as caught:
+        grpc_infer(stable)
+    assert caught.value.status() == grpc_status
