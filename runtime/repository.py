@@ -608,7 +608,8 @@ def _prepare_loaded(
                 instances.append(instance)
                 if sig is not None:  # ready only once every instance ran every sample (Triton's model_warmup)
                     label = instance_name_of(config, name, index)
-                    warmup.run(instance, label, samples, name, version, sig)
+                    decoupled = config.model_transaction_policy.decoupled
+                    warmup.run(instance, label, samples, name, version, sig, decoupled=decoupled)
     except BaseException:
         prepared.close()
         raise

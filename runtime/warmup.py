@@ -5,8 +5,9 @@ once) without an error, so the first client requests do not pay for lazy initial
 growth, kernel selection, JIT compilation, first CUDA launches). As in Triton:
 
 * a sample is ``batch_size`` requests of one row each (``[1, *dims]`` when the model batches, ``dims``
-  when it does not), executed together as one batch on the instance, bypassing the scheduler, so it
-  counts in no statistics; ``batch_size: 0`` skips the sample;
+  when it does not), executed together as one batch on the instance (one request at a time for a model
+  that does not batch, as Sluice's scheduler gives them), bypassing the scheduler, so it counts in no
+  statistics; ``batch_size: 0`` skips the sample;
 * inputs are ``zero_data`` (zeros; empty strings for ``TYPE_STRING``), ``random_data`` (random bytes,
   as Triton fills them; zeros for ``TYPE_STRING``) or ``input_data_file`` (a file under the model's
   ``warmup/`` directory: raw little-endian values, of which the first ``dims`` worth are used, or
@@ -26,6 +27,8 @@ requests go through the same validation and ``reshape`` as a client's (``signatu
 from __future__ import annotations
 
 import dataclasses
+import math
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,6 +41,11 @@ from sluice.runtime.signature import Signature, check_request
 from sluice.runtime.tensor_bytes import bytes_elements
 from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, WIRE_DTYPE, InferRequest, InferResponse, Tensor
 
+MAX_INPUT_BYTES = 1 << 30
+"""The largest warmup input of one request (1 GiB): dims beyond it are a config error, not a failed
+allocation."""
+RESPONSE_TIMEOUT_S = 600.0
+"""How long a decoupled model's warmup waits for each request's final response."""
 WARMUP_DIR = "warmup"
 """Where ``input_data_file`` names lie, inside the model's directory (Triton's ``kWarmupDataFolder``)."""
 
@@ -65,11 +73,10 @@ def build(config: mc.ModelConfig, model_dir: Path, source: str) -> list[Sample]:
         name = setting.name or f"#{index}"
         if setting.batch_size == 0:
             continue  # as Triton: skipped
-        limit = config.max_batch_size if config.max_batch_size > 0 else 1
-        if setting.batch_size > limit:
+        if config.max_batch_size > 0 and setting.batch_size > config.max_batch_size:
             raise ConfigError(
                 f"warmup sample '{name}' has batch_size {setting.batch_size}; allowed: 0 (skip the sample) to "
-                f"{limit} ({'max_batch_size' if config.max_batch_size > 0 else 'the model does not batch'})",
+                f"{config.max_batch_size} (max_batch_size)",
                 file=source,
                 field=f"{field}.batch_size",
             )
@@ -120,7 +127,15 @@ def _tensor(
             field=f"{where}.dims",
         )
     shape = (1, *dims) if batched else dims
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)  # Python ints: no overflow
+    size = count * (4 if datatype == "BYTES" else WIRE_DTYPE[datatype].itemsize)
+    if size > MAX_INPUT_BYTES:
+        raise ConfigError(
+            f"warmup sample '{sample}' input '{name}' of dims {list(dims)} is {size} bytes; allowed: at most "
+            f"{MAX_INPUT_BYTES} bytes a request",
+            file=source,
+            field=f"{where}.dims",
+        )
     kind = meta.WhichOneof("input_data_type")
     if kind is None:
         raise ConfigError(
@@ -213,6 +228,22 @@ def requests(sample: Sample, model_name: str, version: int, sig: Signature) -> l
     return out
 
 
+class _Responses:
+    """A decoupled model's responses to one warmup request: their errors, and whether the last came."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.done = threading.Event()
+
+    def __call__(self, outcome: InferResponse | Exception | None, final: bool) -> None:
+        if isinstance(outcome, SluiceError):
+            self.errors.append(outcome.message)
+        elif isinstance(outcome, Exception):
+            self.errors.append(f"{type(outcome).__name__}: {outcome}")
+        if final:
+            self.done.set()
+
+
 def run(
     instance: ModelInstance,
     instance_name: str,
@@ -220,21 +251,40 @@ def run(
     model_name: str,
     version: int,
     sig: Signature,
+    *,
+    decoupled: bool = False,
+    timeout_s: float = RESPONSE_TIMEOUT_S,
 ) -> None:
     """Run every sample ``count`` times on ``instance``; raises InvalidArgument (Triton's words) when
-    one cannot run or any of its requests fails."""
+    one cannot run or any of its requests fails. A ``decoupled`` model's responses are waited for, each
+    request's up to its final flag (``timeout_s`` at most), and their errors count, as Triton's do."""
     for sample in samples:
         for _ in range(sample.count):
-            try:
-                batch = requests(sample, model_name, version, sig)
-                results = instance.execute(batch)
-            except SluiceError as exc:
-                raise InvalidArgument(
-                    f"failed to run warmup sample '{sample.name}' on instance '{instance_name}': {exc.message}"
-                ) from None
-            errors = [r.message for r in results if not isinstance(r, InferResponse)]
-            if errors:
-                raise InvalidArgument(
+            def failed(errors: Sequence[str], sample: Sample = sample) -> InvalidArgument:
+                return InvalidArgument(
                     f"failed to run warmup sample '{sample.name}' on instance '{instance_name}': "
                     + "; ".join(dict.fromkeys(errors))
                 )
+
+            streams: list[_Responses] = []
+            try:
+                batch = requests(sample, model_name, version, sig)
+                if decoupled:
+                    for request in batch:
+                        streams.append(_Responses())
+                        request.responder = streams[-1]
+                # a model that does not batch gets its requests one at a time, as Sluice's scheduler gives them
+                groups = [batch] if sig.batched else [[request] for request in batch]
+                results = [result for group in groups for result in instance.execute(group)]
+            except SluiceError as exc:
+                raise failed([exc.message]) from None
+            except Exception as exc:  # a backend's own failure: the load says which sample met it
+                raise failed([f"{type(exc).__name__}: {exc}"]) from exc
+            errors = [r.message for r in results if not isinstance(r, InferResponse)]
+            if errors:
+                raise failed(errors)
+            for stream in streams:
+                if not stream.done.wait(timeout_s):
+                    raise failed([f"no final response within {timeout_s:g} s"])
+                if stream.errors:
+                    raise failed(stream.errors)

@@ -94,9 +94,10 @@ def test_every_instance_runs_each_sample_count_times_before_the_first_request(tm
 
 
 def test_random_data_warms_an_onnx_model_and_a_count_of_zero_runs_once(tmp_path, serve) -> None:
+    # add_sub does not batch: its sample's two requests run together, each of dims, as in Triton
     repo = tmp_path / "repo"
     warmups = """
-    model_warmup [ { name: "random", batch_size: 1,
+    model_warmup [ { name: "random", batch_size: 2,
       inputs { key: "INPUT0" value: { data_type: TYPE_FP32, dims: [ 16 ], random_data: true } }
       inputs { key: "INPUT1" value: { data_type: TYPE_FP32, dims: [ 16 ], zero_data: true } } } ]
     """
@@ -178,6 +179,9 @@ BAD_SAMPLES = [
      '{ data_type: TYPE_FP32, dims: [ 4 ], input_data_file: "short.bin" } } }',
      "model_warmup[0].inputs[X].input_data_file",
      "warmup setting expects 16 bytes, but the data provided from warmup/short.bin only has 8 bytes"),
+    ('{ name: "s", batch_size: 1, inputs { key: "X" value: '
+     '{ data_type: TYPE_FP32, dims: [ 4294967296, 4294967296 ], zero_data: true } } }',
+     "model_warmup[0].inputs[X].dims", "bytes; allowed: at most 1073741824 bytes a request"),
     ('{ name: "s", batch_size: 1, inputs { key: "X" value: { data_type: TYPE_INT32, dims: [ 4 ], zero_data: true } } }',
      None, "failed to run warmup sample 's' on instance 'probe_0_0'"),
     ('{ name: "s", batch_size: 1, inputs { key: "X" value: { data_type: TYPE_FP32, dims: [ 5 ], zero_data: true } } }',
@@ -229,3 +233,55 @@ def test_bytes_from_a_file_are_tritons_length_prefixed_strings(tmp_path) -> None
     with pytest.raises(ConfigError, match="is not 2 length-prefixed strings"):
         warmup.build(config, tmp_path, "s/config.pbtxt")
     assert mc.ModelWarmup.Input.DESCRIPTOR.oneofs_by_name["input_data_type"]  # the field warmup.py reads
+
+
+DECOUPLED_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sent = 0
+
+    def execute(self, requests):
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            sender = request.get_response_sender()
+            self.sent += 1
+            if x.sum() == 0 and FAIL:  # the warmup's zeros
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("warm fail")),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            seen = np.array([[str(self.sent)]], dtype=object)
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("SEEN", seen)]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_decoupled_models_warmup_waits_for_its_responses_and_their_errors_count(tmp_path, serve, fail) -> None:
+    repo = tmp_path / "repo"
+    config = PROBE_CONFIG + (
+        "model_transaction_policy { decoupled: true }\n"
+        'model_warmup [ { name: "streamed", batch_size: 1, '
+        'inputs { key: "X" value: { data_type: TYPE_FP32, dims: [ 4 ], zero_data: true } } } ]'
+    )
+    write_model(repo, "probe", config, {"model.py": DECOUPLED_PY.replace("FAIL", str(fail))})
+    server = serve(repo, strict_readiness=False)
+    client = httpclient.InferenceServerClient(server.http)
+    if fail:  # Triton fails the load on an error response of a warmup request
+        assert not client.is_model_ready("probe")
+        reason = {m["name"]: m for m in client.get_model_repository_index()}["probe"].get("reason", "")
+        assert "failed to run warmup sample 'streamed' on instance" in reason and "warm fail" in reason, reason
+        return
+    assert client.is_model_ready("probe")
+    grpc = grpcclient.InferenceServerClient(server.grpc)
+    answers: list = []
+    grpc.start_stream(callback=lambda result, error: answers.append((result, error)))
+    x = grpcclient.InferInput("X", [1, 4], "FP32")
+    x.set_data_from_numpy(np.ones((1, 4), np.float32))
+    grpc.async_stream_infer("probe", [x])
+    grpc.stop_stream()
+    assert [a[1] for a in answers] == [None] and answers[0][0].as_numpy("SEEN")[0][0] == b"2"  # warmup was 1
