@@ -23,7 +23,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime import classification, cudart, ensemble, names, sequence, warmup
 from sluice.runtime import config as model_config
-from sluice.runtime.backends.base import BackendServices, LoadContext, ModelBackend, ModelInstance, instance_name_of
+from sluice.runtime.backends.base import BackendServices, LoadContext, ModelBackend, ModelInstance
 from sluice.runtime.batching import (
     BATCH_POLICIES,
     BatchPolicy,
@@ -385,16 +385,30 @@ def instance_plan(config: mc.ModelConfig, gpu_count: int, auto_gpu: bool = True)
     device 0, so the backend says what it lacks (a CUDA build, a visible GPU). KIND_CPU and
     KIND_MODEL: ``count`` instances, device 0.
     """
+    return [(kind, device) for kind, device, _ in _planned(config, gpu_count, auto_gpu)]
+
+
+def instance_names(config: mc.ModelConfig, gpu_count: int, auto_gpu: bool = True) -> list[str]:
+    """Triton's name of each instance of :func:`instance_plan` (pure): the group's name (``<model>_<group
+    index>`` when unnamed) when the group has one instance per device, else ``<group name>_<c>``, ``c``
+    counting within the group's ``count``; instances of one group on several GPUs share their names, as
+    Triton's do (Triton loops ``count`` outside the devices: the names are the same, the order differs)."""
+    return [name for _, _, name in _planned(config, gpu_count, auto_gpu)]
+
+
+def _planned(config: mc.ModelConfig, gpu_count: int, auto_gpu: bool) -> list[tuple[int, int, str]]:
     K = mc.ModelInstanceGroup
     groups = list(config.instance_group) or [K(count=1, kind=K.KIND_AUTO)]
-    plan: list[tuple[int, int]] = []
+    plan: list[tuple[int, int, str]] = []
     for index, group in enumerate(groups):
         count = max(group.count, 1)
+        base = group.name or f"{config.name}_{index}"
+        names = [base] if count == 1 else [f"{base}_{c}" for c in range(count)]
         kind = group.kind
         if kind == K.KIND_AUTO:
             kind = K.KIND_GPU if (gpu_count > 0 and auto_gpu) or group.gpus else K.KIND_CPU
         if kind != K.KIND_GPU:
-            plan.extend((kind, 0) for _ in range(count))
+            plan.extend((kind, 0, name) for name in names)
             continue
         for gpu in group.gpus:
             if gpu >= gpu_count:
@@ -406,7 +420,7 @@ def instance_plan(config: mc.ModelConfig, gpu_count: int, auto_gpu: bool = True)
                     field=f"instance_group[{index}].gpus",
                 )
         devices = list(group.gpus) or list(range(gpu_count)) or [0]
-        plan.extend((kind, device) for device in devices for _ in range(count))
+        plan.extend((kind, device, name) for device in devices for name in names)
     return plan
 
 
@@ -577,6 +591,7 @@ def _prepare_loaded(
         )
     try:
         plan = instance_plan(config, gpu_count, auto_gpu=why_not_gpu is None)
+        labels_of_instances = tuple(instance_names(config, gpu_count, auto_gpu=why_not_gpu is None))
     except ConfigError as exc:
         raise ConfigError(exc.detail, file=loaded.source, field=exc.field) from None
     if backend == "pytorch":
@@ -598,7 +613,9 @@ def _prepare_loaded(
         for version in chosen:
             if version in kept:
                 continue
-            ctx = LoadContext(name, version, model_dir, model_dir / str(version), root, services)
+            ctx = LoadContext(
+                name, version, model_dir, model_dir / str(version), root, services, instance_names=labels_of_instances
+            )
             instance_backend = loader(config, ctx)
             instances: list[ModelInstance] = []
             prepared.versions.append((version, instance_backend, instances))
@@ -607,7 +624,7 @@ def _prepare_loaded(
                 instance = instance_backend.new_instance(index, kind, device)
                 instances.append(instance)
                 if sig is not None:  # ready only once every instance ran every sample (Triton's model_warmup)
-                    label = instance_name_of(config, name, index)
+                    label = labels_of_instances[index]
                     decoupled = config.model_transaction_policy.decoupled
                     warmup.run(instance, label, samples, name, version, sig, decoupled=decoupled)
     except BaseException:

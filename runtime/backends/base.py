@@ -102,20 +102,26 @@ class LoadContext:
     version_dir: Path  # <repository>/<model>/<version>
     repository: Path
     services: BackendServices | None = None
+    instance_names: tuple[str, ...] = ()
+    """Triton's name of each instance the repository will make, by index (repository.instance_names);
+    empty where a test builds a backend alone (:func:`instance_name_of` then names them)."""
 
 
-def instance_name_of(config: mc.ModelConfig, model_name: str, index: int) -> str:
-    """Triton's name for the ``index``-th instance the instance groups ask for, counted as the
-    repository creates them (group by group, ``count`` each; no groups means one group of one):
-    ``<group name>_<position in its group>``, the group name defaulting to
-    ``<model>_<group index>``, so a model with no ``instance_group`` has one instance ``<model>_0_0``."""
+def instance_name_of(config: mc.ModelConfig, model_name: str, index: int, ctx: LoadContext | None = None) -> str:
+    """Triton's name for the ``index``-th instance the instance groups ask for: ``ctx.instance_names``
+    when the repository gave them, else counted from the config alone (one device per group): the
+    group's name (``<model>_<group index>`` when unnamed) for a group of one instance, else
+    ``<group name>_<c>``; a model with no ``instance_group`` has one instance ``<model>_0``."""
+    if ctx is not None and index < len(ctx.instance_names):
+        return ctx.instance_names[index]
     groups = list(config.instance_group) or [mc.ModelInstanceGroup(count=1)]
     remaining = index
     for group_index, group in enumerate(groups):
         count = max(group.count, 1)
         last = group_index == len(groups) - 1
         if remaining < count or last:
-            return f"{group.name or f'{config.name or model_name}_{group_index}'}_{remaining}"
+            base = group.name or f"{config.name or model_name}_{group_index}"
+            return base if count == 1 else f"{base}_{remaining % count}"
         remaining -= count
     raise AssertionError("unreachable: the last group takes any index")
 

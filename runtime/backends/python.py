@@ -336,7 +336,7 @@ class PythonBackend(ModelBackend):
 
     def new_instance(self, index: int, kind: int, device_id: int) -> ModelInstance:
         name = self._ctx.model_name
-        instance_name = instance_name_of(self.config, name, index)
+        instance_name = instance_name_of(self.config, name, index, self._ctx)
         try:
             kind_name = mc.ModelInstanceGroup.Kind.Name(kind).removeprefix("KIND_")
         except ValueError:

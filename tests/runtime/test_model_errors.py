@@ -70,7 +70,7 @@ def test_model_errors_reach_the_client_and_the_model_keeps_serving(server, proto
     assert str(info.value.status()) == status
     with pytest.raises(InferenceServerException) as info:
         call(server, protocol, 13.0)
-    assert "Failed to process the request(s) for model instance 'fragile_0_0'" in str(info.value)
+    assert "Failed to process the request(s) for model instance 'fragile_0'" in str(info.value)
     assert "ValueError: unlucky number" in str(info.value)
     with pytest.raises(InferenceServerException, match="SystemExit: model code called exit"):
         call(server, protocol, 99.0)

@@ -156,7 +156,7 @@ def test_a_failing_sample_fails_the_load_with_tritons_words(tmp_path, serve) -> 
     client = httpclient.InferenceServerClient(server.http)
     assert not client.is_model_ready("probe")
     reason = {m["name"]: m for m in client.get_model_repository_index()}["probe"].get("reason", "")
-    assert "failed to run warmup sample 'boom' on instance 'probe_0_0'" in reason, reason
+    assert "failed to run warmup sample 'boom' on instance 'probe_0'" in reason, reason
     assert "not warm yet" in reason and str(tmp_path) not in reason
 
 
@@ -183,9 +183,9 @@ BAD_SAMPLES = [
      '{ data_type: TYPE_FP32, dims: [ 4294967296, 4294967296 ], zero_data: true } } }',
      "model_warmup[0].inputs[X].dims", "bytes; allowed: at most 1073741824 bytes a request"),
     ('{ name: "s", batch_size: 1, inputs { key: "X" value: { data_type: TYPE_INT32, dims: [ 4 ], zero_data: true } } }',
-     None, "failed to run warmup sample 's' on instance 'probe_0_0'"),
+     None, "failed to run warmup sample 's' on instance 'probe_0'"),
     ('{ name: "s", batch_size: 1, inputs { key: "X" value: { data_type: TYPE_FP32, dims: [ 5 ], zero_data: true } } }',
-     None, "failed to run warmup sample 's' on instance 'probe_0_0'"),
+     None, "failed to run warmup sample 's' on instance 'probe_0'"),
 ]
 
 

@@ -183,7 +183,7 @@ def test_initialize_receives_triton_args(tmp_path):
     args = json.loads(response.outputs[0].data[0])
 
     assert args["model_instance_kind"] == "GPU"
-    assert args["model_instance_name"] == "args_model_1_0"  # second group, its first instance
+    assert args["model_instance_name"] == "args_model_1"  # second group (of one instance: its own name)
     assert args["model_instance_device_id"] == "1"
     assert args["model_repository"] == str(tmp_path / "args_model")
     assert args["model_version"] == "3"
@@ -405,7 +405,7 @@ def test_exception_in_execute_fails_the_whole_batch_in_triton_words(tmp_path):
     results = instance.execute([request("raiser", fp32("IN", [-1])), request("raiser", fp32("IN", [1]))])
 
     expected = (
-        "Failed to process the request(s) for model instance 'raiser_0_0', message: ValueError: cannot handle negatives"
+        "Failed to process the request(s) for model instance 'raiser_0', message: ValueError: cannot handle negatives"
     )
     assert [(type(r), r.message) for r in results] == [(ModelError, expected)] * 2
     assert isinstance(only(instance.execute([request("raiser", fp32("IN", [1]))])), InferResponse)
@@ -513,7 +513,7 @@ def test_bls_exec_without_a_server_says_so(tmp_path):
     (error,) = instance.execute([request("bls", fp32("IN", [1]))])
 
     assert error.message == (
-        "Failed to process the request(s) for model instance 'bls_0_0', message: "
+        "Failed to process the request(s) for model instance 'bls_0', message: "
         "TritonModelException: BLS requests need a running server; none is attached to this model"
     )
 
@@ -686,7 +686,7 @@ def test_initialize_error_fails_new_instance(tmp_path):
     ctx = write_model(tmp_path, "noinit", source, config_text)
     backend = python_backend.load(parse_config(config_text), ctx)
 
-    with pytest.raises(SluiceError, match=r"model instance 'noinit_0_0' .* RuntimeError: weights missing") as caught:
+    with pytest.raises(SluiceError, match=r"model instance 'noinit_0' .* RuntimeError: weights missing") as caught:
         backend.new_instance(0, mc.ModelInstanceGroup.KIND_CPU, 0)
     # where in the model's file, as Triton's "At:" trace, relative to the repository
     assert re.search(r"; At: noinit/1/model\.py\(4\): initialize$", str(caught.value)), str(caught.value)
@@ -724,17 +724,34 @@ def test_byte_tensor_serialization_round_trips():
 @pytest.mark.parametrize(
     ("groups", "names"),
     [
-        ("", ["m_0_0"]),
+        ("", ["m_0"]),  # a group of one instance: the group's name (Triton's backend_model.cc)
         ("instance_group [ { count: 2 } ]", ["m_0_0", "m_0_1"]),
-        ("instance_group [ { count: 1 }, { count: 2, kind: KIND_GPU, gpus: [ 0, 1 ] } ]", ["m_0_0", "m_1_0", "m_1_1"]),
-        ('instance_group [ { name: "fast", count: 2 }, { count: 1 } ]', ["fast_0", "fast_1", "m_1_0"]),
-        ("instance_group [ { count: 0 } ]", ["m_0_0"]),  # the repository creates one instance
+        ("instance_group [ { count: 1 }, { count: 2, kind: KIND_CPU } ]", ["m_0", "m_1_0", "m_1_1"]),
+        ('instance_group [ { name: "fast", count: 2 }, { count: 1 } ]', ["fast_0", "fast_1", "m_1"]),
+        ("instance_group [ { count: 0 } ]", ["m_0"]),  # the repository creates one instance
     ],
 )
 def test_instance_names_follow_triton(groups, names):
     config = parse_config(f'name: "m" backend: "python" {groups}')
 
     assert [python_backend.instance_name_of(config, "m", index) for index in range(len(names))] == names
+
+
+@pytest.mark.parametrize(
+    ("groups", "names"),
+    [
+        # instances of a group on several GPUs share their names, as in Triton
+        ("instance_group [ { kind: KIND_GPU, gpus: [ 0, 1 ] }, { kind: KIND_CPU } ]", ["m_0", "m_0", "m_1"]),
+        ("instance_group [ { kind: KIND_GPU, count: 2, gpus: [ 0, 1 ] } ]", ["m_0_0", "m_0_1", "m_0_0", "m_0_1"]),
+        ("instance_group [ { kind: KIND_GPU, count: 2 } ]", ["m_0_0", "m_0_1"] * 2),  # both visible GPUs
+    ],
+)
+def test_instance_names_on_several_gpus_follow_triton(groups, names):
+    from sluice.runtime.repository import instance_names, instance_plan
+
+    config = parse_config(f'name: "m" backend: "python" {groups}')
+    assert instance_names(config, 2) == names
+    assert len(instance_plan(config, 2)) == len(names)
 
 
 BASE_CONFIG = {

@@ -170,5 +170,5 @@ def test_instance_name_is_tritons(tmp_path: Path, serve, client_module) -> None:
     tensor = client_module.InferInput("IN", [1], "FP32")
     tensor.set_data_from_numpy(np.zeros(1, np.float32))
 
-    assert client.infer("whoami", [tensor]).as_numpy("NAME").tolist() == [b"whoami_0_0"]
-    assert sorted((grouped / "INSTANCES").read_text().split()) == ["grouped_0_0", "grouped_0_1", "solo_0"]
+    assert client.infer("whoami", [tensor]).as_numpy("NAME").tolist() == [b"whoami_0"]
+    assert sorted((grouped / "INSTANCES").read_text().split()) == ["grouped_0_0", "grouped_0_1", "solo"]
