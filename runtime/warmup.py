@@ -260,12 +260,6 @@ def run(
     request's up to its final flag (``timeout_s`` at most), and their errors count, as Triton's do."""
     for sample in samples:
         for _ in range(sample.count):
-            def failed(errors: Sequence[str], sample: Sample = sample) -> InvalidArgument:
-                return InvalidArgument(
-                    f"failed to run warmup sample '{sample.name}' on instance '{instance_name}': "
-                    + "; ".join(dict.fromkeys(errors))
-                )
-
             streams: list[_Responses] = []
             try:
                 batch = requests(sample, model_name, version, sig)
@@ -277,14 +271,19 @@ def run(
                 groups = [batch] if sig.batched else [[request] for request in batch]
                 results = [result for group in groups for result in instance.execute(group)]
             except SluiceError as exc:
-                raise failed([exc.message]) from None
+                raise _failed(sample, instance_name, [exc.message]) from None
             except Exception as exc:  # a backend's own failure: the load says which sample met it
-                raise failed([f"{type(exc).__name__}: {exc}"]) from exc
+                raise _failed(sample, instance_name, [f"{type(exc).__name__}: {exc}"]) from exc
             errors = [r.message for r in results if not isinstance(r, InferResponse)]
             if errors:
-                raise failed(errors)
+                raise _failed(sample, instance_name, errors)
             for stream in streams:
                 if not stream.done.wait(timeout_s):
-                    raise failed([f"no final response within {timeout_s:g} s"])
+                    raise _failed(sample, instance_name, [f"no final response within {timeout_s:g} s"])
                 if stream.errors:
-                    raise failed(stream.errors)
+                    raise _failed(sample, instance_name, stream.errors)
+
+
+def _failed(sample: Sample, instance_name: str, errors: Sequence[str]) -> InvalidArgument:
+    why = "; ".join(dict.fromkeys(errors))
+    return InvalidArgument(f"failed to run warmup sample '{sample.name}' on instance '{instance_name}': {why}")
