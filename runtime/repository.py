@@ -23,7 +23,13 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from sluice.runtime import classification, cudart, ensemble, names, sequence, warmup
 from sluice.runtime import config as model_config
-from sluice.runtime.backends.base import BackendServices, LoadContext, ModelBackend, ModelInstance
+from sluice.runtime.backends.base import (
+    BackendServices,
+    LoadContext,
+    ModelBackend,
+    ModelInstance,
+    group_instance_names,
+)
 from sluice.runtime.batching import (
     BATCH_POLICIES,
     BatchPolicy,
@@ -401,9 +407,7 @@ def _planned(config: mc.ModelConfig, gpu_count: int, auto_gpu: bool) -> list[tup
     groups = list(config.instance_group) or [K(count=1, kind=K.KIND_AUTO)]
     plan: list[tuple[int, int, str]] = []
     for index, group in enumerate(groups):
-        count = max(group.count, 1)
-        base = group.name or f"{config.name}_{index}"
-        names = [base] if count == 1 else [f"{base}_{c}" for c in range(count)]
+        names = group_instance_names(group, config.name, index)
         kind = group.kind
         if kind == K.KIND_AUTO:
             kind = K.KIND_GPU if (gpu_count > 0 and auto_gpu) or group.gpus else K.KIND_CPU

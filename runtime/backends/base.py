@@ -120,10 +120,17 @@ def instance_name_of(config: mc.ModelConfig, model_name: str, index: int, ctx: L
         count = max(group.count, 1)
         last = group_index == len(groups) - 1
         if remaining < count or last:
-            base = group.name or f"{config.name or model_name}_{group_index}"
-            return base if count == 1 else f"{base}_{remaining % count}"
+            return group_instance_names(group, config.name or model_name, group_index)[remaining % count]
         remaining -= count
     raise AssertionError("unreachable: the last group takes any index")
+
+
+def group_instance_names(group: mc.ModelInstanceGroup, model_name: str, group_index: int) -> list[str]:
+    """Triton's names of one device's instances of ``group`` (backend_model.cc): the group's name
+    (``<model>_<group index>`` when unnamed) for a count of one, else ``<group name>_<c>``."""
+    base = group.name or f"{model_name}_{group_index}"
+    count = max(group.count, 1)
+    return [base] if count == 1 else [f"{base}_{c}" for c in range(count)]
 
 
 class ModelInstance(abc.ABC):
