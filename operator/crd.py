@@ -774,7 +774,8 @@ def model_pool_crd() -> dict[str, Any]:
     })
     waiting = _obj("A member that is not served.", {
         "name": _str("The InferenceModel."),
-        "cause": _str("PoolFull (not enough memory or compute) or PoolConflict (it cannot share the pods)."),
+        "cause": _str("PoolFull (not enough memory or compute), PoolConflict (it cannot share the pods), or "
+                      "InvalidSpec / NotImplemented (its spec rules it out)."),
         "reason": _str("What is missing, e.g. needs 6 GiB, pool small has 2 GiB free of 40 GiB."),
     })
     nullable_int = {"type": "integer", "format": "int64", "nullable": True}

@@ -21,6 +21,9 @@ The rules (docs/operator.md, "Model pools"):
   service account, so members that name different ones cannot share a pool.
 * Every waiting member gets a reason naming exactly what is missing, against the final admission:
   ``needs 6 GiB, pool small has 2 GiB free of 40 GiB``.
+* A member whose spec is invalid (or names a format the runtime cannot load) is no candidate: it is
+  listed among the waiting with its problems (:func:`refused`), so the pool and the member both say it
+  is not served.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ POOL_FULL = "PoolFull"
 """Waiting: not enough free memory or compute."""
 POOL_CONFLICT = "PoolConflict"
 """Waiting: it cannot share the pods with an admitted member (same model name, other service account)."""
+INVALID_SPEC = "InvalidSpec"
+"""Not a candidate: its spec is invalid (the pool renders members from their specs and keeps no last good one)."""
+NOT_SERVED = "NotImplemented"
+"""Not a candidate: its spec names a model format the runtime cannot load yet."""
 COMPUTE_PER_DEVICE = 100
 
 
@@ -79,7 +86,8 @@ class Member:
 class Waiting:
     member: Member
     cause: str
-    """:data:`POOL_FULL` or :data:`POOL_CONFLICT`."""
+    """:data:`POOL_FULL` or :data:`POOL_CONFLICT`; :data:`INVALID_SPEC` or :data:`NOT_SERVED` for a member
+    that is not a candidate (:func:`refused`)."""
     reason: str
     """What is missing, in a sentence."""
 
@@ -201,14 +209,27 @@ def _missing(capacity: Capacity, admitted: Sequence[Member], member: Member) -> 
     return text
 
 
-def admit(capacity: Capacity, members: Iterable[Member], previously_admitted: Iterable[Member] = ()) -> Admission:
+def refused(name: str, created: str, cause: str, problems: Iterable[str]) -> Waiting:
+    """A member whose spec names the pool but that cannot be a candidate (``cause``
+    :data:`INVALID_SPEC` or :data:`NOT_SERVED`): it waits, named with its problems, rather than vanish
+    from the pool's status while its own still says it is admitted."""
+    what = "its spec is invalid" if cause == INVALID_SPEC else "its spec cannot be served yet"
+    return Waiting(Member(name=name, memory_mib=0, created=created), cause,
+                   f"{what} ({'; '.join(problems)}); the pool admits it again once that is fixed")
+
+
+def admit(capacity: Capacity, members: Iterable[Member], previously_admitted: Iterable[Member] = (),
+          not_candidates: Iterable[Waiting] = ()) -> Admission:
     """Who shares the pool's device. ``previously_admitted`` is the last admission (names and the shares
-    they were admitted with); ``members`` are the pool's members now. See the module docstring."""
+    they were admitted with); ``members`` are the pool's members now; ``not_candidates`` (:func:`refused`)
+    are members whose spec rules them out, listed among the waiting. See the module docstring."""
     before = {m.name: m for m in previously_admitted}
     ordered: list[Member] = []
     for member in sorted(members, key=_age):
         if all(m.name != member.name for m in ordered):
             ordered.append(member)
+    names = {m.name for m in ordered}
+    ruled_out = [w for w in not_candidates if w.member.name not in names]
     kept = [m for m in ordered if m.name in before and not _grew(m, before[m.name])]
     grown = [m for m in ordered if m.name in before and _grew(m, before[m.name])]
     new = [m for m in ordered if m.name not in before]
@@ -220,12 +241,12 @@ def admit(capacity: Capacity, members: Iterable[Member], previously_admitted: It
         elif _fits(capacity, taken, member):
             taken.append(member)
     admitted = tuple(sorted(taken, key=_age))
-    waiting = tuple(
+    waiting = [
         Waiting(m, POOL_CONFLICT, conflicts[m.name]) if m.name in conflicts
         else Waiting(m, POOL_FULL, _missing(capacity, admitted, m))
         for m in ordered if m not in admitted
-    )
-    return Admission(capacity, admitted, waiting)
+    ]
+    return Admission(capacity, admitted, tuple(sorted((*waiting, *ruled_out), key=lambda w: _age(w.member))))
 
 
 # ---------------------------------------------------------------- status (wire shape)

@@ -313,7 +313,15 @@ class Reconciler:
             except (api.SpecError, builders.UnsatisfiableError) as exc:
                 reason = ("InvalidSpec" if isinstance(exc, api.SpecError)
                           else "NotImplemented" if isinstance(exc, builders.NotServedError) else "Unsatisfiable")
-                return await self._report_problem(owner, body, reason, exc.problems)
+                if owner.kind != api.INFERENCE_MODEL_KIND:
+                    return await self._report_problem(owner, body, reason, exc.problems)
+                # A pool drops a member whose spec it cannot read: the member's status.pool says what the
+                # pool says now (not the Admitted of its last good spec), or goes when it names no pool.
+                membership = await self._unread_membership(body)
+                outcome = await self._report_problem(
+                    owner, body, reason, exc.problems, {"pool": membership} if membership else None,
+                    drop=() if membership else ("pool",))
+                return dataclasses.replace(outcome, then=self._left_pool(body, (membership or {}).get("name")))
             desired, rollout, placed = plan.desired, plan.canary, plan.placed
             clash = await self._name_clash(owner, desired.objects)
             if clash is not None:
@@ -468,23 +476,30 @@ class Reconciler:
         """Admit the pool's members (``pools.admit``, pure) and render the admitted ones."""
         pool = api.parse_model_pool(owner.name, body.get("spec") or {})
         members: list[pools.Member] = []
+        refused: list[pools.Waiting] = []
         specs: dict[str, api.InferenceModelSpec] = {}
         for item in await self._kube.list(api.INFERENCE_MODEL_KIND, owner.namespace):
             meta = item.get("metadata") or {}
             if (item.get("spec") or {}).get("pool") != owner.name or meta.get("deletionTimestamp"):
                 continue
+            created = str(meta.get("creationTimestamp") or "")
             try:
                 spec = api.parse_inference_model(meta["name"], item.get("spec") or {})
-            except api.SpecError:
-                continue  # not a candidate: the member reports its own spec (Degraded InvalidSpec)
-            if builders.unserved_formats([("spec.model", spec.model)]) or spec.resources.gpu is None \
-                    or spec.resources.gpu.memory is None:
-                continue  # likewise (NotImplemented): its pods would never become ready, nor the pool's
+            except api.SpecError as exc:
+                # not a candidate: listed as waiting with its problems (the member says Degraded InvalidSpec)
+                refused.append(pools.refused(meta["name"], created, pools.INVALID_SPEC, exc.problems))
+                continue
+            if unserved := builders.unserved_formats([("spec.model", spec.model)]):
+                # likewise (NotImplemented): its pods would never become ready, nor the pool's
+                refused.append(pools.refused(meta["name"], created, pools.NOT_SERVED, unserved))
+                continue
+            if spec.resources.gpu is None or spec.resources.gpu.memory is None:
+                continue  # parse_inference_model refuses a member without a memory share
             specs[meta["name"]] = spec
             members.append(pools.Member(
                 name=meta["name"], memory_mib=pools.mib(spec.resources.gpu.memory, round_up=True),
                 compute_percent=spec.resources.gpu.compute_percent or 0,
-                created=str(meta.get("creationTimestamp") or ""), model=spec.model.name,
+                created=created, model=spec.model.name,
                 service_account=spec.storage.service_account_name,
             ))
         # The pool's device is placed like a model's; a gpu.count pool learns its GPUs' memory from it.
@@ -497,7 +512,7 @@ class Reconciler:
             # meanwhile and, once the GPUs are back, keep whoever is oldest, evicting members that never grew.
             gpu_memory = _last_known_memory(body)
         capacity = pools.capacity(owner.name, pool.gpu, gpu_memory_mib=gpu_memory)
-        admission = pools.admit(capacity, members, pools.admitted_from(body.get("status")))
+        admission = pools.admit(capacity, members, pools.admitted_from(body.get("status")), refused)
         desired = builders.model_pool(
             owner, pool, [(m.name, specs[m.name]) for m in sorted(admission.admitted, key=lambda m: m.name)],
             self._settings, service_account=admission.service_account, live=live, shape=shape)
@@ -727,9 +742,21 @@ class Reconciler:
         self._router = (found, now)
         return found
 
+    async def _unread_membership(self, body: Mapping[str, Any]) -> Obj | None:
+        """``status.pool`` of an InferenceModel whose spec could not be rendered: the verdict of the pool its
+        spec names, as that pool's status has it; ``None`` when the spec names no pool."""
+        name = (body.get("spec") or {}).get("pool")
+        if not isinstance(name, str) or not name:
+            return None
+        found = await self._kube.get(api.MODEL_POOL_KIND, body["metadata"]["namespace"], name)
+        if found is None or found["metadata"].get("deletionTimestamp"):
+            return {"name": name, "state": pools.WAITING, "reason": "the ModelPool does not exist"}
+        verdict = pools.verdict_from(found.get("status"), body["metadata"]["name"])
+        return {"name": name, "state": verdict.state, "reason": verdict.reason}
+
     async def _report_problem(
         self, owner: builders.Owner, body: Mapping[str, Any], reason: str, problems: tuple[str, ...],
-        fields: Mapping[str, Any] | None = None,
+        fields: Mapping[str, Any] | None = None, drop: tuple[str, ...] = (),
     ) -> Outcome:
         # Keep whatever the last good spec created running; report on it and on the problem (only on a
         # Deployment this owner controls: under a NameConflict the one of that name is another's).
@@ -738,6 +765,11 @@ class Reconciler:
             deployment = None
         found, replicas, ready = _rollout(deployment)
         found = [c for c in found if c.type == conditions.READY]
+        membership = (fields or {}).get("pool")
+        if deployment is None and isinstance(membership, Mapping):
+            # a pool member: no Deployment of its own is expected, and the pool does not serve this spec
+            found = [Condition(conditions.READY, FALSE, reason,
+                               f"Not served by pool {membership.get('name')} ({membership.get('state')}).")]
         verb = {"InvalidSpec": "The spec is invalid", "Unsatisfiable": "The spec cannot be served",
                 "NotImplemented": "The spec cannot be served yet"}.get(
             reason, "The children could not be applied")
@@ -747,7 +779,7 @@ class Reconciler:
             Condition(conditions.DEGRADED, TRUE, reason, message),
         ]
         old = body.get("status") or {}
-        status = {k: old[k] for k in old if k not in ("conditions", "observedGeneration")}
+        status = {k: old[k] for k in old if k not in ("conditions", "observedGeneration", *drop)}
         status.update({"replicas": replicas, "readyReplicas": ready, **(fields or {})})
         return await self._write_status(body, found, status)
 
@@ -1097,7 +1129,9 @@ def _serves(deployment: Mapping[str, Any] | None, label: str, *, was_ready: bool
 
 def _waiting_message(admission: pools.Admission) -> str:
     waiting = "; ".join(f"{w.member.name}: {w.reason}" for w in admission.waiting)
-    return f"{len(admission.waiting)} member(s) wait for room: {waiting}."
+    if all(w.cause in (pools.POOL_FULL, pools.POOL_CONFLICT) for w in admission.waiting):
+        return f"{len(admission.waiting)} member(s) wait for room: {waiting}."
+    return f"{len(admission.waiting)} member(s) are not served: {waiting}."
 
 
 def _owned_by(obj: Mapping[str, Any], owner: builders.Owner) -> bool:

@@ -97,14 +97,23 @@ async def test_a_pool_of_unknown_capacity_writes_its_status_once(client, operato
     await client.create(client.POOL, _pool({"count": 1}))
     for name in "abc":
         await client.create(client.IM, _member(client, name, {"memory": "4Gi", "computePercent": 10}))
-    await client.settle()
     writes = operator.metrics.status_writes.labels("ModelPool")
     members = operator.metrics.reconciles.labels("InferenceModel", "ok")
-    before = (writes._value.get(), members._value.get())
+
+    async def counts() -> tuple[float, float]:
+        # a reconcile that writes nothing does not change the store, so settle() alone can return while
+        # one is still running (seen on a loaded machine): wait until the counters hold still too
+        while True:
+            seen = (writes._value.get(), members._value.get())
+            await client.settle()
+            if (writes._value.get(), members._value.get()) == seen:
+                return seen
+
+    before = await counts()
     for touch in range(3):  # reconciles of the pool that change nothing
         await client.patch(client.POOL, "p", {"metadata": {"annotations": {"example.com/touch": str(touch)}}})
         await client.settle()
-    assert (writes._value.get(), members._value.get()) == before
+    assert await counts() == before
     assert "freeMiB" not in client.read(client.POOL, "p")["status"]["capacity"]
 
 
@@ -157,3 +166,60 @@ async def test_a_pools_gpus_out_of_sight_for_a_while_evict_no_one(client, operat
     clock.advance(60)
     await touch(2)
     assert admitted() == (["b"], ["a"])
+
+
+async def test_a_member_whose_spec_turns_invalid_is_told_it_is_dropped_and_comes_back_when_fixed(
+        client, operator, apiserver):
+    """The pool renders members from their specs, so one it cannot read is dropped from its pods. Its
+    status used to keep ``pool.state: Admitted`` (the last good spec's) while the pool no longer named it
+    at all: now the pool lists it as waiting with the problem, and the member says Waiting, not Ready."""
+    await client.create(client.POOL, POOL)
+    for name in "ab":
+        await client.create(client.IM, member(client, name))
+    await client.wait(lambda: client.read(client.IM, "b").get("status", {}).get("pool", {}).get("state") == "Admitted")
+    await apiserver.complete_rollout("models", "small")
+    await client.wait(lambda: ready(client, "b").get("reason") == "ServedByPool")
+
+    # The CRD's schema takes replica bounds (standalone models have them); the operator refuses them on a member.
+    await client.patch(client.IM, "b", {"spec": {"scaling": {"minReplicas": 1, "maxReplicas": 3}}})
+    model = await client.wait(lambda: (m := client.read(client.IM, "b"))["status"]["pool"]["state"] == "Waiting" and m)
+    assert model["status"]["pool"]["name"] == "small"
+    assert model["status"]["pool"]["reason"].startswith("its spec is invalid (spec.scaling: a member of pool 'small' "
+                                                        "is scaled with the pool")
+    condition = client.condition(model, "Ready")
+    assert (condition["status"], condition["reason"], condition["message"]) == (
+        "False", "InvalidSpec", "Not served by pool small (Waiting).")
+    assert client.condition(model, "Degraded")["reason"] == "InvalidSpec"
+    pool = client.read(client.POOL, "small")
+    assert [m["name"] for m in pool["status"]["members"]] == ["a"]
+    assert [(w["name"], w["cause"]) for w in pool["status"]["waiting"]] == [("b", "InvalidSpec")]
+    assert pool["status"]["membersSummary"] == "1 admitted, 1 waiting"
+    degraded = client.condition(pool, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("False", "MembersWaiting")
+    assert degraded["message"].startswith("1 member(s) are not served: b: its spec is invalid (spec.scaling:")
+    labels = client.read(DEPLOY, "small")["spec"]["template"]["metadata"]["labels"]
+    assert "member.sluice.dev/b" not in labels and labels["member.sluice.dev/a"] == "true"
+    await client.settle()
+    assert ready(client, "a")["status"] == "True"  # the other member is untouched
+
+    # Fixed: admitted again (it fits), and Ready once the pool's new pods serve it.
+    await client.patch(client.IM, "b", {"spec": {"scaling": None}})
+    await client.wait(lambda: client.read(client.IM, "b")["status"]["pool"] == {
+        "name": "small", "state": "Admitted", "reason": ""})
+    assert client.read(DEPLOY, "small")["spec"]["template"]["metadata"]["labels"]["member.sluice.dev/b"] == "true"
+    assert client.read(client.POOL, "small")["status"]["waiting"] == []
+    await apiserver.complete_rollout("models", "small")
+    await client.wait(lambda: ready(client, "b").get("reason") == "ServedByPool")
+
+
+async def test_a_member_whose_invalid_spec_leaves_the_pool_no_longer_names_it(client, operator, apiserver):
+    await client.create(client.POOL, POOL)
+    await client.create(client.IM, member(client, "a"))
+    await client.wait(lambda: client.read(client.IM, "a").get("status", {}).get("pool", {}).get("state") == "Admitted")
+    # spec.pool removed and the spec invalid at once: the status names no pool, and the pool drops it.
+    await client.patch(client.IM, "a", {"spec": {"pool": None, "resources": {"gpu": {"count": 1, "memory": "8Gi"}}}})
+    model = await client.wait(lambda: (m := client.read(client.IM, "a")) and
+                              (client.condition(m, "Degraded") or {}).get("reason") == "InvalidSpec" and m)
+    assert "pool" not in model["status"]
+    await client.wait(lambda: client.read(client.POOL, "small")["status"]["members"] == [])
+    assert client.read(client.POOL, "small")["status"]["waiting"] == []

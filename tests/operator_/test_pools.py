@@ -147,6 +147,29 @@ def test_a_pool_that_shrank_keeps_its_oldest_members():
     assert reasons(admission) == {"b": "needs 20 GiB, pool small has 4 GiB free of 20 GiB"}
 
 
+def test_a_member_whose_spec_rules_it_out_waits_named_with_its_problems():
+    """It is no candidate (the pool renders members from their specs), but it is not forgotten either: the
+    pool lists it among the waiting, oldest first with the others, and its verdict says why."""
+    broken = pools.refused("b", B.created, pools.INVALID_SPEC, ["spec.canary: a member of pool 'small' cannot "
+                                                               "have a canary", "spec.server: ..."])
+    unserved = pools.refused("z", "2025-01-01T00:00:00Z", pools.NOT_SERVED, ["spec.model.format: tensorrt ..."])
+    admission = pools.admit(POOL, [A, C], [A, B], [broken, unserved])
+    assert names(admission.admitted) == ["a", "c"]  # b's room went to c, which fits now
+    assert [(w.member.name, w.cause) for w in admission.waiting] == [
+        ("z", pools.NOT_SERVED), ("b", pools.INVALID_SPEC)]
+    assert reasons(admission)["b"] == ("its spec is invalid (spec.canary: a member of pool 'small' cannot have a "
+                                       "canary; spec.server: ...); the pool admits it again once that is fixed")
+    assert reasons(admission)["z"].startswith("its spec cannot be served yet (spec.model.format: tensorrt")
+    status = pools.status_to(admission)
+    assert status["membersSummary"] == "2 admitted, 2 waiting"
+    assert status["capacity"]["usedMiB"] == 26 * GIB  # a refused member holds no share
+    assert pools.verdict_from(status, "b") == pools.Verdict(pools.WAITING, pools.INVALID_SPEC, reasons(admission)["b"])
+    assert pools.named_in(status) == {"a", "b", "c", "z"}
+    # a name that is a candidate is never also refused (one InferenceModel, one verdict)
+    assert [w.member.name for w in pools.admit(POOL, [A, B], [], [pools.refused("b", "", pools.INVALID_SPEC, [])]
+                                               ).waiting] == []
+
+
 # ---------------------------------------------------------------- status round trip
 
 def test_status_round_trip_and_verdicts():
