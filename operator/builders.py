@@ -277,9 +277,19 @@ DRA_GPU_CLASS = "gpu.nvidia.com"
 DRA_MIG_CLASS = "mig.nvidia.com"
 
 
-def _product_affinity(products: Sequence[str]) -> Obj:
+def _product_affinity(shape: placement.Shape) -> Obj | None:
+    """The nodes a shape may land on: its products (values of :attr:`placement.Shape.product_label`), and
+    for an exclusive MIG slice not the nodes that time-slice that resource (``avoid``)."""
+    expressions = []
+    if shape.products:
+        expressions.append({"key": shape.product_label, "operator": "In", "values": sorted(shape.products)})
+    if shape.avoid:
+        expressions.append({"key": gpu_catalogue.mig_label(shape.profile, "product"), "operator": "NotIn",
+                            "values": sorted(shape.avoid)})
+    if not expressions:
+        return None
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": GPU_PRODUCT_LABEL, "operator": "In", "values": sorted(products)}]},
+        {"matchExpressions": expressions},
     ]}}}
 
 
@@ -331,7 +341,7 @@ def gpu_rendering(
         tolerations = [GPU_TOLERATION, *(dict(t) for t in shape.tolerations if dict(t) != GPU_TOLERATION)]
         return GpuRendering(
             limits={shape.resource: str(shape.count)},
-            affinity=_product_affinity(shape.products) if shape.products else None,
+            affinity=_product_affinity(shape),
             tolerations=tuple(tolerations),
         )
     limits: dict[str, int] = {}

@@ -543,7 +543,10 @@ def _placement_status() -> Schema:
         "count": {"type": "integer", "format": "int32", "minimum": 1, "description": "Devices per replica."},
         "profile": _str("The MIG profile, when it is a slice."),
         "memoryMiB": {"type": "integer", "format": "int64", "description": "Least memory of the device."},
-        "products": {**strings, "description": "nvidia.com/gpu.product values the pods are pinned to."},
+        "products": {**strings, "description": "nvidia.com/gpu.product values the pods are pinned to (for a "
+                     "time-sliced MIG slice under the mixed strategy, nvidia.com/mig-<profile>.product values)."},
+        "avoidProducts": {**strings, "description": "nvidia.com/mig-<profile>.product values an exclusive slice "
+                          "stays off: nodes that time-slice the same resource name."},
         "tolerations": {"type": "array", "description": "Taints of those nodes the pods tolerate.",
                         "items": _obj("A toleration.", {"key": _str("Taint key."), "operator": _str("Exists."),
                                                         "effect": _str("NoSchedule or NoExecute.")})},

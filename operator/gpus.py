@@ -24,6 +24,8 @@ MIG_PREFIX = "nvidia.com/mig-"
 GPU_RESOURCE = "nvidia.com/gpu"
 SHARED_GPU_RESOURCE = "nvidia.com/gpu.shared"
 """What a time-sliced GPU is advertised as when the device plugin's ``renameByDefault`` is on."""
+SHARED_SUFFIX = ".shared"
+"""What ``renameByDefault`` appends to a time-sliced resource's name (``nvidia.com/mig-1g.10gb.shared``)."""
 PROFILE_PATTERN = re.compile(r"^(?P<g>[1-7])g\.(?P<gb>[0-9]+)gb(?P<me>\+me)?$")
 
 
@@ -179,6 +181,19 @@ def profile_of_resource(resource: str) -> str | None:
     if name.endswith(".me"):
         name = name[:-3] + "+me"
     return name if PROFILE_PATTERN.match(name) else None
+
+
+def profile_of_shared_resource(resource: str) -> str | None:
+    """The MIG profile of a time-sliced slice the device plugin renamed (``renameByDefault``):
+    ``nvidia.com/mig-1g.10gb.shared`` -> ``1g.10gb``; None for any other resource."""
+    if not resource.endswith(SHARED_SUFFIX):
+        return None
+    return profile_of_resource(resource[:-len(SHARED_SUFFIX)])
+
+
+def mig_label(profile: str, field: str) -> str:
+    """GFD's per-MIG-type label under the mixed strategy: ``nvidia.com/mig-1g.10gb.<field>``."""
+    return f"{MIG_PREFIX}{label_name(profile)}.{field}"
 
 
 def known_profiles(models: Iterable[GpuModel] = CATALOGUE) -> tuple[str, ...]:

@@ -72,13 +72,14 @@ class Device:
     resource: str
     """The extended resource a pod asks for (a DRA device: its device name)."""
     profile: str
-    """MIG profile; empty for a whole or time-sliced GPU."""
+    """MIG profile; empty for a whole or time-sliced GPU (a time-sliced MIG slice keeps its profile)."""
     memory_mib: int
-    """Memory it gives its pod: the slice's, the GPU's, or for time-slicing the GPU's over its replicas."""
+    """Memory it gives its pod: the slice's, the GPU's, or time-sliced the GPU's or slice's over its replicas."""
     compute: float
-    """Share of one GPU's compute it gives (slices / compute slices; 1/replicas time-sliced)."""
+    """Share of one GPU's compute it gives (slices / compute slices; divided by the replicas time-sliced)."""
     product: str
-    """The node's ``nvidia.com/gpu.product`` label as published (what a node selector matches)."""
+    """What a node selector matches: the node's ``nvidia.com/gpu.product`` as published, or for a time-sliced
+    MIG slice under the mixed strategy its ``nvidia.com/mig-<profile>.product`` (:func:`product_label`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +122,15 @@ class Inventory:
     @property
     def empty(self) -> bool:
         return not any(n.devices for n in self.nodes)
+
+
+def product_label(kind: str, resource: str, profile: str) -> str:
+    """The node label whose value :attr:`Device.product` is for devices of this kind, resource and profile:
+    ``nvidia.com/mig-<profile>.product`` for a time-sliced MIG slice under the mixed strategy (GFD labels
+    each MIG type apart there), ``nvidia.com/gpu.product`` for everything else."""
+    if kind == SHARED and profile and resource.startswith(gpus.MIG_PREFIX):
+        return gpus.mig_label(profile, "product")
+    return PRODUCT_LABEL
 
 
 def _int(value: Any, default: int = 0) -> int:
@@ -204,11 +214,25 @@ def _devices_of(
     memory = _int(labels.get(MEMORY_LABEL), 0) or (model.memory_mib if model else 0)
     replicas = max(_int(labels.get(REPLICAS_LABEL), 1), 1)
     devices: list[Device] = []
-    mig = {}
+    mig: dict[str, int] = {}
+    """profile -> physical slices on the node (a time-sliced slice counted once)"""
+    sliced: dict[str, tuple[str, int, str]] = {}
+    """time-sliced profiles: profile -> (advertised resource, replicas per slice, its product label value)"""
     for resource, amount in allocatable.items():
+        units = _int(amount)
         profile = gpus.profile_of_resource(resource)
-        if profile is not None and _int(amount) > 0:
-            mig[profile] = _int(amount)
+        renamed = profile is None and (profile := gpus.profile_of_shared_resource(resource)) is not None
+        if profile is None or units <= 0:
+            continue
+        # Time-slicing a MIG type multiplies what the device plugin advertises by its replicas, and GFD says so
+        # in nvidia.com/mig-<p>.replicas (and suffixes .product with -SHARED unless the resource is renamed).
+        per_slice = _replicas(labels, gpus.mig_label(profile, "replicas"), gpus.mig_label(profile, "count"), units,
+                              time_sliced=renamed)
+        mig[profile] = mig.get(profile, 0) + max(units // per_slice, 1)
+        if per_slice > 1:
+            shared_product = labels.get(gpus.mig_label(profile, "product")) or (
+                f"{product}-MIG-{profile}" + ("" if renamed else "-SHARED"))
+            sliced[profile] = (resource, per_slice, shared_product)
     layouts: tuple[gpus.Layout, ...] = ()
     whole = _int(allocatable.get(gpus.GPU_RESOURCE), 0)
     shared = _int(allocatable.get(gpus.SHARED_GPU_RESOURCE), 0)
@@ -235,6 +259,12 @@ def _devices_of(
         layouts = mixed_layouts(model, mig, mig_gpus)
         for index, layout in enumerate(layouts):
             for profile, _start in layout:
+                if profile in sliced:
+                    # one replica of a time-sliced slice: its share of the slice, no memory isolation
+                    resource, per_slice, shared_product = sliced[profile]
+                    devices.extend(Device(name, index, SHARED, resource, profile, profile_memory(profile) // per_slice,
+                                          compute_of(profile) / per_slice, shared_product) for _ in range(per_slice))
+                    continue
                 devices.append(Device(name, index, MIXED, gpus.resource_name(profile), profile,
                                       profile_memory(profile), compute_of(profile), product))
         for i in range(whole):
@@ -242,19 +272,29 @@ def _devices_of(
         layouts += ((),) * whole
     elif product.endswith("-MIG-INVALID"):
         strategy = SINGLE  # GFD could not label it (mixed profiles under the single strategy): nothing to use
-    elif single is not None and whole > 0:
-        # Under the single strategy GFD's gpu.count and gpu.memory describe the MIG devices, not the GPUs.
+    elif single is not None and (whole > 0 or shared > 0):
+        # Under the single strategy GFD's gpu.count and gpu.memory describe the MIG devices, not the GPUs;
+        # time-sliced, each device is advertised gpu.replicas times (product -SHARED, or nvidia.com/gpu.shared).
         strategy = SINGLE
+        units = whole or shared
+        resource = gpus.GPU_RESOURCE if whole else gpus.SHARED_GPU_RESOURCE
+        per_slice = _replicas(labels, REPLICAS_LABEL, COUNT_LABEL, units,
+                              time_sliced=not whole or product.endswith("-SHARED"))
+        physical = max(units // per_slice, 1)
         found = model.profile(single) if model else None
-        per_gpu = (gpus.max_instances(model, single) if model and found else 0) or whole
-        gpu_count = -(-whole // per_gpu)
+        per_gpu = (gpus.max_instances(model, single) if model and found else 0) or physical
+        gpu_count = -(-physical // per_gpu)
         if model is not None and found is not None:
             layouts = tuple(gpus.pack(model, [single] * per_gpu) or () for _ in range(gpu_count))
         slice_memory = _int(labels.get(MEMORY_LABEL), 0) or profile_memory(single)
         memory = model.memory_mib if model else slice_memory
-        for i in range(whole):
-            devices.append(Device(name, i // per_gpu, SINGLE, gpus.GPU_RESOURCE, single,
-                                  slice_memory, compute_of(single), product))
+        for i in range(physical):
+            if per_slice > 1:
+                devices.extend(Device(name, i // per_gpu, SHARED, resource, single, slice_memory // per_slice,
+                                      compute_of(single) / per_slice, product) for _ in range(per_slice))
+            else:
+                devices.append(Device(name, i // per_gpu, SINGLE, resource, single, slice_memory,
+                                      compute_of(single), product))
     elif replicas > 1 or product.endswith("-SHARED") or shared:
         total = shared or whole
         resource = gpus.SHARED_GPU_RESOURCE if shared else gpus.GPU_RESOURCE
@@ -269,6 +309,21 @@ def _devices_of(
     if strategy == "none" and labels.get(MIG_STRATEGY_LABEL) in (MIXED, SINGLE):
         strategy = labels[MIG_STRATEGY_LABEL]
     return strategy, gpu_count, memory, model, layouts, devices
+
+
+def _replicas(labels: Mapping[str, str], replicas_label: str, count_label: str, units: int, *,
+              time_sliced: bool) -> int:
+    """How many of ``units`` advertised devices share one physical device: GFD's replicas label when it
+    says more than 1; else, for a device known to be time-sliced (renamed, or a -SHARED product), the
+    advertised units over GFD's device count, or all of them on one device when that is missing too
+    (the least memory each could have)."""
+    replicas = _int(labels.get(replicas_label), 1)
+    if replicas > 1:
+        return replicas
+    if not time_sliced:
+        return 1
+    count = _int(labels.get(count_label), 0)
+    return max(units // count, 2) if count else max(units, 2)
 
 
 def _held(pods: Iterable[Obj], skip: Callable[[Obj], bool]) -> dict[str, dict[str, int]]:

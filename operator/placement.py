@@ -61,6 +61,14 @@ class Shape:
     memory_mib: int = 0
     """The least memory a device of this shape has (what the pod can count on)."""
     tolerations: tuple[Mapping[str, str], ...] = ()
+    avoid: tuple[str, ...] = ()
+    """``nvidia.com/mig-<profile>.product`` values the pods must not land on: an exclusive MIG slice shares
+    its resource name with the time-sliced slices of nodes whose device plugin does not rename them."""
+
+    @property
+    def product_label(self) -> str:
+        """The node label :attr:`products` are values of."""
+        return inventory.product_label(self.kind, self.resource, self.profile)
 
     def key(self) -> tuple[str, str, int, str, tuple[str, ...]]:
         return (self.kind, self.resource, self.count, self.profile, self.products)
@@ -69,6 +77,8 @@ class Shape:
         if self.kind in (MIXED, SINGLE) or (self.kind == DRA and self.profile):
             how = {MIXED: "mixed strategy", SINGLE: "single strategy", DRA: "DRA"}[self.kind]
             return f"MIG {self.profile} ({how})"
+        if self.kind == SHARED and self.profile:
+            return f"time-sliced MIG {self.profile} share"
         noun = "time-sliced GPU share" if self.kind == SHARED else "whole GPU"
         plural = "s" if self.count > 1 else ""
         return f"{self.count} {noun}{plural}" + (" (DRA)" if self.kind == DRA else "")
@@ -337,22 +347,25 @@ def shapes(request: Request, inv: inventory.Inventory, offer: _Offer | None = No
                 continue
             rank: tuple[Any, ...] = (0, memory)
         elif request.profile:
-            if profile != request.profile:
-                continue
+            if profile != request.profile or kind == SHARED:
+                continue  # a MIG profile asked for by name is an exclusive slice
             rank = (0, 0)
         else:
             if kind == SHARED and not request.shared:
                 continue
-            tier = 0 if is_mig else 1 if kind == SHARED else 2
+            tier = 1 if kind == SHARED else 0 if is_mig else 2
             rank = (tier, memory, gpus.profile_sort_key(profile) if profile else ())
         # Rendering: a mixed slice is named by its resource alone; every other shape is pinned to the
         # products that qualify, so a whole-GPU pod never lands on a MIG or time-sliced node.
         pinned_products = () if kind == MIXED else tuple(fitting)
         if kind == MIXED and len(fitting) != len(products):
             pinned_products = tuple(fitting)
+        avoid: tuple[str, ...] = ()
+        if kind == MIXED:
+            avoid = tuple(sorted(offer.by_base.get((SHARED, resource, profile), {})))
         shape = Shape(kind=kind, resource=resource, count=max(request.count, 1), profile=profile,
                       products=pinned_products, memory_mib=memory,
-                      tolerations=offer.tolerations(fitting, kind))
+                      tolerations=offer.tolerations(fitting, kind), avoid=avoid)
         result.append(((*rank, ("mixed", "single", "dra", "shared", "whole").index(kind)
                         if kind in ("mixed", "single", "dra", "shared", "whole") else 9, resource), shape))
     result.sort(key=lambda item: item[0])

@@ -856,7 +856,8 @@ def _request(
                 kind=str(stored["kind"]), resource=str(stored["resource"]), count=int(stored.get("count", 1)),
                 profile=str(stored.get("profile", "")), products=tuple(str(p) for p in stored.get("products", ())),
                 memory_mib=int(stored.get("memoryMiB", 0)),
-                tolerations=tuple(dict(t) for t in stored.get("tolerations", ()) if isinstance(t, dict)))
+                tolerations=tuple(dict(t) for t in stored.get("tolerations", ()) if isinstance(t, dict)),
+                avoid=tuple(str(p) for p in stored.get("avoidProducts", ())))
         except (KeyError, TypeError, ValueError):
             return request
         if shape.count < 1:  # a hand-edited status: no pin (a count of 0 divided by zero in the planner)
@@ -899,6 +900,8 @@ def _placement_status(placed: _Placed, body: Mapping[str, Any]) -> Obj:
             result["products"] = list(shape.products)
         if shape.tolerations:
             result["tolerations"] = [dict(t) for t in shape.tolerations]
+        if shape.avoid:
+            result["avoidProducts"] = list(shape.avoid)
     if verdict.pools:
         result["nodePools"] = list(verdict.pools)
     if verdict.nodes:

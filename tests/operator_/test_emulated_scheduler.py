@@ -448,3 +448,43 @@ async def test_a_gpu_model_is_unschedulable_until_a_node_can_take_it(client, ope
     assert client.read(client.IM, "resnet")["status"]["placement"]["products"] == ["NVIDIA-L4"]
     [pod] = [p for p in apiserver.read_all("v1/pods", NS)]
     assert pod["spec"]["nodeName"] == "l4-a"
+
+
+async def test_models_asking_for_a_slice_never_land_on_time_sliced_slices_of_the_same_name(
+        client, operator, apiserver):
+    """A time-sliced A100 whose device plugin does not rename its resources advertises nvidia.com/mig-1g.10gb
+    x4 beside an exclusive node's: the planner counted its 8 replicas as slices, and the scheduler, asked
+    for the resource alone, bound the third model there, sharing a slice it had not agreed to share."""
+    await gpu_nodes.load(apiserver, [gpu_nodes.a100_mixed("exclusive-0"),
+                                     gpu_nodes.a100_mixed("sliced-0", replicas=4, pool="a100-shared")])
+    for name in ("a", "b", "c"):
+        body = client.model(name, resources={"cpu": "2", "memory": "4Gi", "gpu": {"migProfile": "1g.10gb"}},
+                            scaling={"minReplicas": 1, "maxReplicas": 1})
+        body["metadata"]["creationTimestamp"] = f"2026-01-01T00:00:0{'abc'.index(name)}Z"
+        await client.create(client.IM, body)
+    for name in ("a", "b"):
+        await client.wait(lambda n=name: client.condition(client.read(client.IM, n), "Ready")["status"] == "True")
+    placed = client.read(client.IM, "a")["status"]["placement"]
+    assert placed["avoidProducts"] == ["NVIDIA-A100-SXM4-80GB-MIG-1g.10gb-SHARED"]
+    degraded = await client.wait(lambda: (c := client.condition(client.read(client.IM, "c"), "Degraded"))
+                                 and c["reason"] != "AsExpected" and c)
+    assert "MIG 1g.10gb (mixed strategy): 0 free of 2" in degraded["message"], degraded
+    bound = sorted((p["metadata"]["labels"].get("app.kubernetes.io/instance"), p["spec"].get("nodeName"))
+                   for p in apiserver.read_all("v1/pods", NS))
+    assert bound == [("a", "exclusive-0"), ("b", "exclusive-0"), ("c", None)]
+
+    # Allowed to share, a model takes a replica of a time-sliced slice (9.5 GiB over 4) once no exclusive
+    # slice is free (those come first: memory isolation).
+    for name, profile in (("e", "2g.20gb"), ("f", "3g.40gb")):
+        await client.create(client.IM, client.model(name, resources={"cpu": "2", "memory": "4Gi", "gpu": {
+            "migProfile": profile}}, scaling={"minReplicas": 1, "maxReplicas": 1}))
+        await client.wait(lambda n=name: client.condition(client.read(client.IM, n), "Ready")["status"] == "True")
+    body = client.model("d", resources={"cpu": "2", "memory": "4Gi", "gpu": {"memory": "2Gi", "shared": True}},
+                        scaling={"minReplicas": 1, "maxReplicas": 1})
+    await client.create(client.IM, body)
+    await client.wait(lambda: client.condition(client.read(client.IM, "d"), "Ready")["status"] == "True")
+    placement = client.read(client.IM, "d")["status"]["placement"]
+    assert (placement["device"], placement["memoryMiB"]) == ("time-sliced MIG 1g.10gb share", 9728 // 4)
+    [pod] = [p for p in apiserver.read_all("v1/pods", NS) if p["metadata"]["labels"].get(
+        "app.kubernetes.io/instance") == "d"]
+    assert pod["spec"]["nodeName"] == "sliced-0"

@@ -213,3 +213,92 @@ def test_dra_renders_a_claim_template_per_deployment():
     assert [s["deviceClassName"] for s in req["firstAvailable"]] == ["mig.nvidia.com", "gpu.nvidia.com"]
     for obj in [*objects, *unplanned]:
         kubernetes_validate.validate(obj, "1.34.0", strict=True)
+
+
+# ---------------------------------------------------------------- time-sliced MIG slices
+# GFD under time-slicing (its resource labeler): the replicas label says how many pods share one device, the
+# device plugin advertises count x replicas, and the product label gains -SHARED unless the resource is renamed
+# (nvidia.com/mig-<p>.shared, nvidia.com/gpu.shared). Each replica is a share of one slice, not a slice.
+
+def a100_time_sliced_mixed(name: str, *, rename: bool) -> dict[str, Any]:
+    """An A100 80GB with all-1g.10gb (7 slices), the 1g.10gb type time-sliced 4 ways, mixed strategy."""
+    return node(name, {
+        "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.count": "1",
+        "nvidia.com/mig.strategy": "mixed", "nvidia.com/mig.capable": "true", "nvidia.com/mig.config": "all-1g.10gb",
+        "nvidia.com/mig-1g.10gb.count": "7", "nvidia.com/mig-1g.10gb.memory": "9728",
+        "nvidia.com/mig-1g.10gb.replicas": "4",
+        "nvidia.com/mig-1g.10gb.product": "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb" + ("" if rename else "-SHARED"),
+    }, {"nvidia.com/mig-1g.10gb" + (".shared" if rename else ""): "28"})
+
+
+def h100_time_sliced_single(name: str, *, rename: bool) -> dict[str, Any]:
+    """An H100 with all-1g.10gb under the single strategy, each of the 7 devices time-sliced 2 ways."""
+    return node(name, {
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb" + ("" if rename else "-SHARED"),
+        "nvidia.com/gpu.count": "7", "nvidia.com/gpu.memory": "9984", "nvidia.com/gpu.replicas": "2",
+        "nvidia.com/mig.strategy": "single", "nvidia.com/mig.capable": "true",
+    }, {"nvidia.com/gpu.shared" if rename else "nvidia.com/gpu": "14"})
+
+
+@pytest.mark.parametrize(("nodes", "resource", "label", "product", "memory"), [
+    ([a100_time_sliced_mixed("a", rename=False)], "nvidia.com/mig-1g.10gb", "nvidia.com/mig-1g.10gb.product",
+     "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb-SHARED", 9728 // 4),
+    ([a100_time_sliced_mixed("a", rename=True)], "nvidia.com/mig-1g.10gb.shared", "nvidia.com/mig-1g.10gb.product",
+     "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb", 9728 // 4),
+    ([h100_time_sliced_single("h", rename=False)], "nvidia.com/gpu", "nvidia.com/gpu.product",
+     "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb-SHARED", 9984 // 2),
+    ([h100_time_sliced_single("h", rename=True)], "nvidia.com/gpu.shared", "nvidia.com/gpu.product",
+     "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb", 9984 // 2),
+])
+def test_a_time_sliced_mig_slice_is_a_share_for_models_that_allow_sharing(nodes, resource, label, product, memory):
+    """They were taken for exclusive slices: 28 "1g.10gb slices" on one GPU of 7, each promised 9.5 GiB, and
+    handed to models that never allowed sharing (or asked for the profile by name)."""
+    inv = inventory.from_nodes(nodes)
+    [found] = inv.nodes
+    assert found.gpus == 1 and len(found.devices) == (28 if "mig-" in resource else 14)
+    assert {(d.kind, d.resource, d.profile, d.memory_mib, d.product) for d in found.devices} == {
+        (inventory.SHARED, resource, "1g.10gb", memory, product)}
+    assert all(layout == found.layouts[0] for layout in found.layouts)
+    assert [p for p, _ in found.layouts[0]] == ["1g.10gb"] * 7  # the physical partition, once per slice
+
+    for need in ({"migProfile": "1g.10gb"}, {"memory": "2Gi"}):  # exclusive, by name or by memory: none here
+        verdict = place(nodes, gpu(**need))
+        assert verdict.state == placement.UNSATISFIABLE, verdict
+    assert "time-sliced GPUs excluded: set gpu.shared to allow them" in place(nodes, gpu(memory="2Gi")).reason
+    assert place(nodes, gpu(memory="6Gi", shared=True)).state == placement.UNSATISFIABLE  # a share has less
+
+    need = gpu(memory="2Gi", shared=True)
+    verdict = place(nodes, need, replicas=len(found.devices))
+    assert verdict.state == placement.PLACED, verdict.reason
+    assert verdict.shape is not None and verdict.shape.describe() == "time-sliced MIG 1g.10gb share"
+    assert verdict.shape.memory_mib == memory
+    assert place(nodes, need, replicas=len(found.devices) + 1).state == placement.UNSATISFIABLE
+    pod, objects = pod_of(need, verdict.shape)
+    [container] = pod["containers"]
+    assert {k: v for k, v in container["resources"]["limits"].items() if k.startswith("nvidia.com/")} == {resource: "1"}
+    [term] = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [{"key": label, "operator": "In", "values": [product]}]
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)
+
+
+def test_an_exclusive_slice_stays_off_nodes_that_time_slice_its_resource_name():
+    """Without renameByDefault an exclusive 1g.10gb and a time-sliced one are both nvidia.com/mig-1g.10gb: the
+    pod of a model that asked for the slice must not be schedulable onto the time-sliced node."""
+    nodes = [A100_MIXED, a100_time_sliced_mixed("shared-0", rename=False)]
+    need = gpu(migProfile="1g.10gb")
+    verdict = place(nodes, need, replicas=2)
+    assert verdict.state == placement.PLACED and verdict.nodes == ("a100-0", "a100-0")
+    assert verdict.shape is not None and verdict.shape.describe() == "MIG 1g.10gb (mixed strategy)"
+    assert verdict.shape.avoid == ("NVIDIA-A100-SXM4-80GB-MIG-1g.10gb-SHARED",)
+    assert place(nodes, need, replicas=3).state == placement.UNSATISFIABLE  # the A100's two, not 30
+    pod, objects = pod_of(need, verdict.shape)
+    [term] = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [{"key": "nvidia.com/mig-1g.10gb.product", "operator": "NotIn",
+                                         "values": ["NVIDIA-A100-SXM4-80GB-MIG-1g.10gb-SHARED"]}]
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)
+    # renamed, the resource names differ: nothing to avoid
+    verdict = place([A100_MIXED, a100_time_sliced_mixed("shared-0", rename=True)], need)
+    assert verdict.shape is not None and verdict.shape.avoid == ()
+    assert pod_of(need, verdict.shape)[0].get("affinity") is None

@@ -77,11 +77,13 @@ def _node(draw: st.DrawFn, index: int) -> tuple[dict[str, Any], list[dict[str, A
     product, memory = KINDS[key]
     model = gpus.CATALOGUE_BY_KEY[key]
     count = draw(st.integers(1, 4))
-    strategies = ["none", "shared"] + (["single", "mixed"] if model.mig_capable else [])
+    strategies = ["none", "shared"] + (["single", "mixed", "single-shared", "mixed-shared"] if model.mig_capable
+                                       else [])
     strategy = draw(st.sampled_from(strategies))
     labels = {"nvidia.com/gpu.product": product, "nvidia.com/gpu.count": str(count),
               "nvidia.com/gpu.memory": str(memory)}
     allocatable: dict[str, int] = {}
+    time_sliced: dict[str, tuple[int, int]] = {}
     if model.mig_capable:
         labels["nvidia.com/mig.capable"] = "true"
     if strategy == "none":
@@ -91,25 +93,53 @@ def _node(draw: st.DrawFn, index: int) -> tuple[dict[str, Any], list[dict[str, A
         labels["nvidia.com/gpu.replicas"] = str(replicas)
         if draw(st.booleans()):  # renameByDefault
             allocatable[gpus.SHARED_GPU_RESOURCE] = count * replicas
+            time_sliced[gpus.SHARED_GPU_RESOURCE] = (replicas, memory)
         else:
             labels["nvidia.com/gpu.product"] = product + "-SHARED"
             allocatable[gpus.GPU_RESOURCE] = count * replicas
-    elif strategy == "single":
+            time_sliced[gpus.GPU_RESOURCE] = (replicas, memory)
+    elif strategy in ("single", "single-shared"):
         profile = draw(st.sampled_from([p for p in model.profiles if not p.media]))
         total = count * gpus.max_instances(model, profile.name)
         labels.update({"nvidia.com/gpu.product": f"{product}-MIG-{profile.name}", "nvidia.com/gpu.count": str(total),
                        "nvidia.com/gpu.memory": str(profile.memory_mib), "nvidia.com/mig.strategy": "single"})
-        allocatable[gpus.GPU_RESOURCE] = total
+        resource, replicas = gpus.GPU_RESOURCE, 1
+        if strategy == "single-shared":  # each MIG device time-sliced, as GFD labels it
+            replicas = draw(st.integers(2, 4))
+            labels["nvidia.com/gpu.replicas"] = str(replicas)
+            if draw(st.booleans()):
+                resource = gpus.SHARED_GPU_RESOURCE
+            else:
+                labels["nvidia.com/gpu.product"] += "-SHARED"
+            time_sliced[resource] = (replicas, profile.memory_mib)
+        allocatable[resource] = total * replicas
     else:
         labels["nvidia.com/mig.strategy"] = "mixed"
         partitioned = draw(st.integers(1, count))
         allocatable[gpus.GPU_RESOURCE] = count - partitioned
+        slices: dict[str, int] = {}
         for _ in range(partitioned):
             for name, _start in draw(_layout(model)):
-                resource = gpus.resource_name(name)
-                allocatable[resource] = allocatable.get(resource, 0) + 1
+                slices[name] = slices.get(name, 0) + 1
+        for name, amount in sorted(slices.items()):
+            resource, replicas = gpus.resource_name(name), 1
+            memory_mib = gpus.CATALOGUE_BY_KEY[key].profile(name).memory_mib  # type: ignore[union-attr]
+            labels.update({gpus.mig_label(name, "count"): str(amount), gpus.mig_label(name, "memory"): str(memory_mib),
+                           gpus.mig_label(name, "product"): f"{product}-MIG-{name}"})
+            if strategy == "mixed-shared" and draw(st.booleans()):  # this MIG type time-sliced
+                replicas = draw(st.integers(2, 4))
+                labels[gpus.mig_label(name, "replicas")] = str(replicas)
+                if draw(st.booleans()):
+                    resource += ".shared"
+                else:
+                    labels[gpus.mig_label(name, "product")] += "-SHARED"
+                time_sliced[resource] = (replicas, memory_mib)
+            allocatable[resource] = amount * replicas
     name = f"node-{index}"
     node = {
+        # what the generator made time-sliced (resource -> replicas, memory of the device shared): the
+        # ground truth the properties check the inventory's reading against
+        "time_sliced": time_sliced,
         "metadata": {"name": name, "labels": labels},
         "spec": {"unschedulable": draw(st.integers(0, 9)) == 0},
         "status": {"allocatable": {"cpu": "64", **{k: str(v) for k, v in allocatable.items()}}},
@@ -310,6 +340,54 @@ def test_placed_requests_get_what_they_asked_for(cluster, requests):
         else:
             assert shape.count == 1
             assert all(d.compute * 100 + 1e-6 >= request.compute_percent for d in devices), (request, shape)
+
+
+def _matches(labels: dict[str, str], affinity: dict[str, Any] | None) -> bool:
+    """Whether a node with ``labels`` passes a rendered required node affinity (In and NotIn, as rendered)."""
+    if not affinity:
+        return True
+    terms = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    for term in terms:
+        ok = True
+        for expression in term["matchExpressions"]:
+            value = labels.get(expression["key"])
+            if expression["operator"] == "In":
+                ok = ok and value in expression["values"]
+            elif expression["operator"] == "NotIn":
+                ok = ok and value not in expression["values"]
+            else:
+                raise AssertionError(f"unexpected operator {expression}")
+        if ok:
+            return True
+    return False
+
+
+@PROPERTIES
+@given(clusters(), request_lists())
+def test_a_pod_lands_on_a_time_sliced_device_only_when_its_model_allows_sharing(cluster, requests):
+    """Judged on the generated nodes themselves (what was made time-sliced), through the pod spec the
+    operator renders: a node the pod's resource and affinity admit it to, the scheduler may pick."""
+    from sluice.operator import api, builders
+
+    result = placement.plan(cluster.inventory(), requests)
+    for request in requests:
+        verdict = result.verdicts[request.key]
+        if verdict.state != placement.PLACED or verdict.shape is None or verdict.shape.kind == inventory.DRA:
+            continue
+        rendering = builders.gpu_rendering([api.Gpu(count=1)], verdict.shape)
+        [(resource, _)] = rendering.limits.items()
+        for node in cluster.nodes:
+            if int(node["status"]["allocatable"].get(resource, 0)) == 0 or \
+                    not _matches(node["metadata"]["labels"], rendering.affinity):
+                continue
+            sliced = node["time_sliced"].get(resource)
+            if sliced is None:
+                continue
+            # the pod may be given one replica of a time-sliced device there
+            replicas, memory_mib = sliced
+            where = (request.key, node["metadata"]["name"], resource)
+            assert request.shared and not request.profile and not request.count, where
+            assert memory_mib // replicas >= request.memory_mib, where
 
 
 @PROPERTIES

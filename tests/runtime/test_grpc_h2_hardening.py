@@ -69,7 +69,8 @@ def connect():
 
 def push_until_blocked(sock: socket.socket, chunk: bytes, cap: int, stall_s: float = 1.0) -> int:
     """Send ``chunk`` over and over without reading; stop when the peer has taken nothing for
-    ``stall_s`` (it stopped reading) or ``cap`` bytes went out. Returns the bytes sent."""
+    ``stall_s`` (it stopped reading), closed the connection, or ``cap`` bytes went out. Returns the
+    bytes sent."""
     sock.setblocking(False)
     sent = 0
     view = memoryview(chunk * 2)
@@ -82,6 +83,8 @@ def push_until_blocked(sock: socket.socket, chunk: bytes, cap: int, stall_s: flo
             sent += sock.send(view[offset : offset + len(chunk)])
         except BlockingIOError:
             continue
+        except (ConnectionResetError, BrokenPipeError):
+            break  # the server closed it (on a loaded machine its idle timeout may fire mid-push)
     sock.setblocking(True)
     return sent
 
@@ -448,7 +451,7 @@ def test_a_connection_closed_on_a_peer_that_does_not_read_is_dropped(serve, repo
     try:
         hog.sendall(PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
         push_until_blocked(hog, PingFrame(0, b"floodflo").serialize() * 4096, 48 << 20)
-        assert _connections(server) == 1
+        assert _connections(server) <= 1
         deadline = time.monotonic() + 15  # idle timeout, close, then the second timeout (sweeps at 0.5 s)
         while _connections(server):
             assert time.monotonic() < deadline, "a closed connection whose peer does not read was kept"

@@ -117,11 +117,15 @@ def _gpu_labels(product: str, count: int, memory_mib: int, family: str, compute:
             "nvidia.com/gpu.compute.major": str(compute[0]), "nvidia.com/gpu.compute.minor": str(compute[1])}
 
 
-def _mig_labels(prefix: str, mig: MigType, count: int, product: str) -> dict[str, str]:
-    """GFD's labels for one MIG type (``prefix``: ``nvidia.com/mig-<profile>`` mixed, ``nvidia.com/gpu`` single)."""
+def _mig_labels(prefix: str, mig: MigType, count: int, product: str, *, replicas: int = 1,
+                rename: bool = False) -> dict[str, str]:
+    """GFD's labels for one MIG type (``prefix``: ``nvidia.com/mig-<profile>`` mixed, ``nvidia.com/gpu`` single);
+    time-sliced (``replicas`` > 1) the product gains ``-SHARED`` unless the device plugin renames the resource."""
+    shared = "-SHARED" if replicas > 1 and not rename else ""
     return {f"{prefix}.{key}": str(value) for key, value in {
         "count": count, "memory": mig.memory_mib, "multiprocessors": mig.multiprocessors,
-        "product": f"{product}-MIG-{mig.name}", "replicas": 1, "sharing-strategy": "none",
+        "product": f"{product}-MIG-{mig.name}{shared}", "replicas": replicas,
+        "sharing-strategy": "time-slicing" if replicas > 1 else "none",
         "slices.gi": mig.slices, "slices.ci": mig.slices, "engines.copy": mig.copy,
         "engines.decoder": mig.decoder, "engines.encoder": 0, "engines.jpeg": mig.jpeg, "engines.ofa": 0,
     }.items()}
@@ -132,9 +136,12 @@ def _gke(pool: str, accelerator: str, machine: str) -> dict[str, str]:
             "node.kubernetes.io/instance-type": machine}
 
 
-def a100_mixed(name: str, *, gpus: int = 1, config: str = "all-balanced", pool: str = "a100-mixed", **kw: Any) -> Obj:
+def a100_mixed(name: str, *, gpus: int = 1, config: str = "all-balanced", pool: str = "a100-mixed",
+               replicas: int = 1, rename: bool = False, **kw: Any) -> Obj:
     """An ``a2-ultragpu-<gpus>g`` node (A100 SXM4 80GB) partitioned by MIG manager's ``config``
-    (``all-balanced``: 2x 1g.10gb, 1x 2g.20gb, 1x 3g.40gb per GPU), published under the mixed strategy."""
+    (``all-balanced``: 2x 1g.10gb, 1x 2g.20gb, 1x 3g.40gb per GPU), published under the mixed strategy;
+    with ``replicas`` > 1 every slice is time-sliced that many ways (advertised ``replicas`` times, as
+    ``nvidia.com/mig-<p>.shared`` with ``rename``)."""
     product = "NVIDIA-A100-SXM4-80GB"
     counts: dict[str, int] = {}
     for profile, _start in A100_80GB_CONFIGS[config]:
@@ -144,9 +151,12 @@ def a100_mixed(name: str, *, gpus: int = 1, config: str = "all-balanced", pool: 
               "nvidia.com/mig.capable": "true", "nvidia.com/mig.strategy": "mixed",
               "nvidia.com/mig.config": config, "nvidia.com/mig.config.state": "success"}
     for profile, count in counts.items():
-        labels.update(_mig_labels(f"nvidia.com/mig-{profile}", A100_80GB[profile], count, product))
+        labels.update(_mig_labels(f"nvidia.com/mig-{profile}", A100_80GB[profile], count, product,
+                                  replicas=replicas, rename=rename))
     kw.setdefault("taints", [GPU_TAINT])
-    return node(name, labels=labels, allocatable={f"nvidia.com/mig-{p}": str(n) for p, n in counts.items()},
+    suffix = ".shared" if replicas > 1 and rename else ""
+    return node(name, labels=labels,
+                allocatable={f"nvidia.com/mig-{p}{suffix}": str(n * replicas) for p, n in counts.items()},
                 cpu=f"{12000 * gpus - 400}m", memory=f"{155 * gpus}Gi", **kw)
 
 
