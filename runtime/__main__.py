@@ -512,8 +512,8 @@ def _pull_parser(sub: argparse._SubParsersAction) -> None:
         "Credentials come from the environment (AWS_*, IRSA, GOOGLE_APPLICATION_CREDENTIALS, GKE Workload "
         "Identity, AZURE_STORAGE_*, AKS workload identity); AWS_ENDPOINT_URL[_S3] points s3:// at an "
         "S3-compatible store. Exit codes: 0 done, 1 unexpected failure, 2 bad arguments, 3 source missing or "
-        "access denied, 4 checksum mismatch, 5 transient errors outlasted the retries, 6 unsafe or broken "
-        "archive, 7 the destination cannot take the model.",
+        "access denied, 4 checksum mismatch, 5 transient errors outlasted the retries (or --deadline-s "
+        "passed), 6 unsafe or broken archive, 7 the destination cannot take the model.",
         formatter_class=_HelpFormatter,
     )
     pull.add_argument("source", help="s3://bucket/path, gs://bucket/path, az://container/path, https://host/file, "
@@ -531,6 +531,15 @@ def _pull_parser(sub: argparse._SubParsersAction) -> None:
                       help="longest wait between two attempts")
     pull.add_argument("--timeout-s", type=_finite, default=defaults.timeout_s,
                       help="connect and read timeout of each request")
+    pull.add_argument("--deadline-s", type=_finite, default=None,
+                      help="give up (exit 5, nothing placed) when the whole pull, retries and their waits "
+                      "included, takes longer than this; unset: no bound")
+    pull.add_argument("--low-speed-limit", type=int, default=defaults.low_speed_limit, metavar="BYTES_PER_S",
+                      help="an attempt whose body averages fewer bytes a second than this over "
+                      "--low-speed-time-s is dropped and retried (a server trickling bytes within the read "
+                      "timeout); 0: off")
+    pull.add_argument("--low-speed-time-s", type=_finite, default=defaults.low_speed_time_s,
+                      help="the window of --low-speed-limit; 0: off")
     pull.add_argument("--size-limit", default=None, metavar="QUANTITY",
                       help="refuse a model larger than this (bytes or a quantity such as 20Gi), before writing it")
     pull.add_argument("--allow-insecure-http", action="store_true",
@@ -549,13 +558,19 @@ def pull_settings_from_args(args: argparse.Namespace, env: dict[str, str]) -> Pu
 
     if args.retries < 0 or args.timeout_s <= 0 or args.backoff_base_s < 0 or args.backoff_cap_s < 0:
         raise pull.UsageError("--retries, --backoff-base-s and --backoff-cap-s must be >= 0 and --timeout-s > 0")
+    if args.deadline_s is not None and args.deadline_s <= 0:
+        raise pull.UsageError(f"--deadline-s must be > 0, got {args.deadline_s:g} (leave it out for no bound)")
+    if args.low_speed_limit < 0 or args.low_speed_time_s < 0:
+        raise pull.UsageError("--low-speed-limit and --low-speed-time-s must be >= 0 (0 turns the check off), got "
+                              f"{args.low_speed_limit} and {args.low_speed_time_s:g}")
     return PullSettings(
         source=args.source, destination=args.destination,
         sha256=pull.parse_sha256(args.sha256) if args.sha256 else None,
         retries=args.retries, backoff_base_s=args.backoff_base_s, backoff_cap_s=args.backoff_cap_s,
         timeout_s=args.timeout_s, allow_insecure_http=args.allow_insecure_http, pvc_root=args.pvc_root,
         size_limit=pull.parse_size(args.size_limit) if args.size_limit else None,
-        progress_interval_s=args.progress_interval_s, env=env,
+        progress_interval_s=args.progress_interval_s, env=env, deadline_s=args.deadline_s,
+        low_speed_limit=args.low_speed_limit, low_speed_time_s=args.low_speed_time_s,
     )
 
 

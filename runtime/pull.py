@@ -91,6 +91,15 @@ class GaveUp(PullError):
     exit_code = ExitCode.GAVE_UP
 
 
+class DeadlineExceeded(GaveUp):
+    """The whole pull outlasted ``--deadline-s``."""
+
+
+class Stalled(Exception):
+    """A body that came slower than ``--low-speed-limit`` for ``--low-speed-time-s``: transient (another
+    connection may be faster), so the attempt is retried."""
+
+
 class ArchiveError(PullError):
     exit_code = ExitCode.BAD_ARCHIVE
 
@@ -134,6 +143,14 @@ class PullSettings:
     backoff_cap_s: float = 30.0
     timeout_s: float = 60.0
     """Connect and read timeout of each request."""
+    deadline_s: float | None = None
+    """The whole pull (listing, every file, retries and the waits between them); past it, exit 5 with nothing
+    placed. ``None``: no bound (a read timeout and the low-speed limit still end a stuck transfer)."""
+    low_speed_limit: int = 1024
+    """Bytes per second a body must average over each ``low_speed_time_s`` (as curl's ``--speed-limit``): a
+    server that trickles bytes just inside the read timeout would otherwise hold the pod's init for ever."""
+    low_speed_time_s: float = 60.0
+    """The window of ``low_speed_limit``; 0 turns the check off."""
     allow_insecure_http: bool = False
     pvc_root: Path = Path("/mnt/pvc")
     """Where ``pvc://<claim>/<path>`` is read from: ``<pvc_root>/<claim>/<path>``."""
@@ -281,7 +298,7 @@ def is_transient(exc: BaseException) -> bool:
     for link in _chain(exc):
         if isinstance(link, PullError):
             return False
-        if isinstance(link, Truncated | TimeoutError | ConnectionError):
+        if isinstance(link, Truncated | Stalled | TimeoutError | ConnectionError):
             return True
         if isinstance(link, FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError):
             return False

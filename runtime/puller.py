@@ -31,7 +31,7 @@ import urllib.request
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol, TypeVar
+from typing import IO, Any, NoReturn, Protocol, TypeVar
 
 from sluice.runtime import pull
 from sluice.runtime.pull import PullSettings, Source
@@ -308,15 +308,62 @@ def _local(what: str) -> Iterator[None]:
         raise pull.DestinationError(f"{what}: {exc.strerror or exc}") from exc
 
 
-class Retrier:
-    """Runs an operation, retrying transient failures with backoff (each retry logged)."""
+class Deadline:
+    """The clock of one pull: ``--deadline-s`` for the whole of it, and the low-speed check of each body."""
 
-    def __init__(self, settings: PullSettings, sleep: Callable[[float], None], rand: Callable[[], float]) -> None:
+    def __init__(self, settings: PullSettings, clock: Callable[[], float]) -> None:
+        self.settings, self.clock = settings, clock
+        self.ends = None if settings.deadline_s is None else clock() + settings.deadline_s
+
+    def left(self) -> float | None:
+        """Seconds left, or None without a deadline."""
+        return None if self.ends is None else self.ends - self.clock()
+
+    def check(self, what: str, last: str = "") -> None:
+        """Raise :class:`pull.DeadlineExceeded` once the deadline has passed."""
+        left = self.left()
+        if left is not None and left <= 0:
+            self.exceeded(what, last)
+
+    def exceeded(self, what: str, last: str = "") -> NoReturn:
+        raise pull.DeadlineExceeded(
+            f"{what}: gave up: the pull did not finish within --deadline-s {self.settings.deadline_s:g}s"
+            f"{f'; last error: {last}' if last else ''}; nothing was placed")
+
+    def watch(self, what: str) -> Callable[[int], None]:
+        """A per-body check, called with each chunk's size: the deadline, then the low-speed limit over
+        tumbling windows of ``low_speed_time_s`` (raises :class:`pull.Stalled`, which is retried)."""
+        limit, window = self.settings.low_speed_limit, self.settings.low_speed_time_s
+        since, got = self.clock(), 0
+
+        def chunk(size: int) -> None:
+            nonlocal since, got
+            now = self.clock()
+            if self.ends is not None and now >= self.ends:
+                self.exceeded(what)
+            got += size
+            if window <= 0 or limit <= 0 or now - since < window:
+                return
+            if got < limit * (now - since):
+                raise pull.Stalled(f"the body came slower than --low-speed-limit {limit} B/s: {got} bytes in "
+                                   f"{now - since:.0f}s")
+            since, got = now, 0
+
+        return chunk
+
+
+class Retrier:
+    """Runs an operation, retrying transient failures with backoff (each retry logged), within the deadline."""
+
+    def __init__(self, settings: PullSettings, sleep: Callable[[float], None], rand: Callable[[], float],
+                 deadline: Deadline | None = None) -> None:
         self._settings, self._sleep, self._rand = settings, sleep, rand
+        self._deadline = deadline or Deadline(settings, time.monotonic)
 
     def __call__(self, what: str, operation: Callable[[], T]) -> T:
         attempts = self._settings.retries + 1
         for attempt in range(1, attempts + 1):
+            self._deadline.check(what)
             try:
                 return operation()
             except pull.PullError:
@@ -329,6 +376,9 @@ class Retrier:
                                       f"{pull.describe(exc)}") from None
                 delay = pull.backoff_delay(attempt, base_s=self._settings.backoff_base_s,
                                            cap_s=self._settings.backoff_cap_s, random01=self._rand())
+                left = self._deadline.left()
+                if left is not None and delay >= left:
+                    self._deadline.exceeded(what, pull.describe(exc))  # no time for another attempt
                 log.warning("%s: attempt %d of %d failed (%s); retrying in %.1fs", what, attempt, attempts,
                             pull.describe(exc), delay)
                 self._sleep(delay)
@@ -336,11 +386,14 @@ class Retrier:
 
 
 def download(
-    store: Store, file: RemoteFile, target: Path, observer: Observer, what: str, budget: int | None = None
+    store: Store, file: RemoteFile, target: Path, observer: Observer, what: str, budget: int | None = None,
+    watch: Callable[[int], None] | None = None,
 ) -> str:
     """One attempt: the file's bytes into ``target`` (truncated first); its SHA-256. More than ``budget``
     bytes (what ``--size-limit`` leaves for this file) stop it: a source that lists no size (https) or
-    announces none is bounded as it streams."""
+    announces none is bounded as it streams. ``watch`` (:meth:`Deadline.watch`) sees each chunk's size.
+    Bodies are read with ``read1`` where they have it (what has arrived, not a full chunk), so a trickle
+    is seen as it trickles."""
     digest = hashlib.sha256()
     got = 0
     with _local(f"cannot create {target.name}"):
@@ -348,12 +401,15 @@ def download(
         out = open(target, "wb")  # noqa: SIM115 - closed below, around the remote reads
     try:
         with store.open(file) as (body, announced):
-            while chunk := body.read(CHUNK):
+            read = getattr(body, "read1", None) or body.read
+            while chunk := read(CHUNK):
                 with _local(f"cannot write {target.name}"):
                     out.write(chunk)
                 digest.update(chunk)
                 got += len(chunk)
                 observer.chunk(len(chunk))
+                if watch is not None:
+                    watch(len(chunk))
                 if budget is not None and got > budget:
                     raise pull.DestinationError(
                         f"{what}: more than {pull.human_bytes(budget)} came, over --size-limit; "
@@ -452,6 +508,7 @@ def _place(staged: Path, destination: Path) -> None:
 def pull_model(
     settings: PullSettings, *, sleep: Callable[[float], None] = time.sleep,
     rand: Callable[[], float] = random.random, observer: Observer | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Result:
     """Pull ``settings.source`` into ``settings.destination``; raises :class:`pull.PullError` on failure,
     leaving nothing at the destination that was not there before."""
@@ -479,7 +536,8 @@ def pull_model(
         parent.mkdir(parents=True, exist_ok=True)
         for stale in parent.glob(f".{destination.name}.sluice-pull-*"):  # left by a killed run
             shutil.rmtree(stale, ignore_errors=True)
-    retry = Retrier(settings, sleep, rand)
+    deadline = Deadline(settings, clock)
+    retry = Retrier(settings, sleep, rand, deadline)
     store = open_store(source, settings)
     files = retry(source.display, store.list)
     if not files:
@@ -510,7 +568,7 @@ def pull_model(
 
             def attempt(file: RemoteFile = file, target: Path = target, what: str = what,
                         budget: int | None = budget) -> str:
-                return download(store, file, target, observer, what, budget)
+                return download(store, file, target, observer, what, budget, deadline.watch(what))
 
             digests.append((file.relative, retry(what, attempt)))
             used += target.stat().st_size

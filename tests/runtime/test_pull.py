@@ -311,7 +311,7 @@ def http_server() -> Iterator[tuple[str, Script]]:
 
 
 def http_settings(url: str, destination: Path, **extra) -> PullSettings:
-    return PullSettings(source=url, destination=destination, allow_insecure_http=True, retries=3, **extra)
+    return PullSettings(source=url, destination=destination, allow_insecure_http=True, **{"retries": 3, **extra})
 
 
 def test_two_503s_are_retried_with_backoff_and_logged_then_it_succeeds(http_server, tmp_path, caplog):
@@ -375,6 +375,135 @@ def test_a_connection_refused_is_transient(tmp_path):
         puller.pull_model(PullSettings(source=f"http://127.0.0.1:{port}/m.onnx", destination=tmp_path / "m",
                                        allow_insecure_http=True, retries=1), sleep=sleeps)
     assert len(sleeps) == 1
+
+
+class FakeClock:
+    """Time that moves ``step`` seconds at each reading (and by each fake sleep); each reading also lets the
+    trickling server below send its next piece, so a body arrives one piece per reading, however fast the
+    machine is."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+        self.go = threading.Semaphore(0)
+        """The latest request's: a handler whose client gave up must not take the next one's pieces."""
+
+    def __call__(self) -> float:
+        self.now += self.step
+        self.go.release()
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture()
+def trickle() -> Iterator[tuple[str, Script, list[FakeClock]]]:
+    """An HTTP server that sends the body (announced in full) in ``script.answers[0]``-byte pieces: the first
+    at once, then one each time the test's clock is read."""
+    script = Script(b"", [64])
+    clocks: list[FakeClock] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            piece = script.next()
+            assert isinstance(piece, int)
+            go = clocks[0].go = threading.Semaphore(0)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(script.body)))
+            self.end_headers()
+            try:
+                for start in range(0, len(script.body), piece):  # the first at once, then one per reading
+                    if start and not go.acquire(timeout=5):
+                        return  # the client stopped reading the clock: it is gone
+                    self.wfile.write(script.body[start:start + piece])
+            except OSError:
+                pass  # the client dropped the connection
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", script, clocks
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_body_that_trickles_under_the_low_speed_limit_is_dropped_retried_then_given_up(trickle, tmp_path):
+    """64 bytes every 10 s arrive well within any read timeout, for ever: each attempt is dropped once its
+    60 s window averaged under 1 KiB/s, and retried like any transient failure."""
+    base, script, clocks = trickle
+    script.body, script.answers = bytes(range(256)) * 256, [64]
+    clocks.append(clock := FakeClock(step=10))
+    destination = tmp_path / "m" / "1"
+    with pytest.raises(pull.GaveUp) as err:
+        puller.pull_model(http_settings(f"{base}/model.onnx", destination, retries=1), sleep=clock.sleep,
+                          clock=clock, rand=lambda: 0.0)
+    assert script.requests == 2
+    assert "gave up after 2 attempts; last error: the body came slower than --low-speed-limit 1024 B/s: " \
+        in str(err.value)
+    assert err.value.exit_code == 5
+    assert not destination.exists() and leftovers(destination.parent) == []
+
+
+def test_a_slow_body_above_the_low_speed_limit_completes(trickle, tmp_path):
+    base, script, clocks = trickle
+    script.body, script.answers = bytes(range(256)) * 1024, [16 << 10]  # 16 KiB every 10 s: 1.6 KiB/s
+    clocks.append(clock := FakeClock(step=10))
+    destination = tmp_path / "m" / "1"
+    result = puller.pull_model(http_settings(f"{base}/model.onnx", destination), sleep=clock.sleep, clock=clock)
+    assert result.digest == sha(script.body) and script.requests == 1
+    assert clock.now >= 160  # the body took 16 readings of the clock: it was seen as it came
+
+
+def test_a_pull_past_its_deadline_gives_up_at_once_with_nothing_placed(trickle, tmp_path):
+    base, script, clocks = trickle
+    script.body, script.answers = bytes(range(256)) * 4096, [16 << 10]  # 1 MiB at 1.6 KiB/s: 640 s
+    clocks.append(clock := FakeClock(step=10))
+    destination = tmp_path / "m" / "1"
+    with pytest.raises(pull.DeadlineExceeded) as err:
+        puller.pull_model(http_settings(f"{base}/model.onnx", destination, deadline_s=100), sleep=clock.sleep,
+                          clock=clock)
+    assert str(err.value).endswith("gave up: the pull did not finish within --deadline-s 100s; nothing was placed")
+    assert err.value.exit_code == 5 and script.requests == 1  # not retried: no time is left
+    assert 100 <= clock.now <= 130
+    assert not destination.exists() and leftovers(destination.parent) == []
+
+
+def test_no_retry_is_waited_for_that_would_end_past_the_deadline(http_server, tmp_path):
+    base, script = http_server
+    script.body, script.answers = b"x", [503]
+    clock = FakeClock(step=0)
+    sleeps = Sleeps()
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        clock.sleep(seconds)
+
+    with pytest.raises(pull.DeadlineExceeded) as err:
+        puller.pull_model(http_settings(f"{base}/model.onnx", tmp_path / "m" / "1", deadline_s=5, retries=10),
+                          sleep=sleep, clock=clock, rand=lambda: 1.0)
+    assert sleeps == [1.0, 2.0] and script.requests == 3  # the next wait (4 s) would pass the deadline
+    assert "within --deadline-s 5s; last error: " in str(err.value) and "503" in str(err.value)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--deadline-s", "0"], "--deadline-s must be > 0, got 0 (leave it out for no bound)"),
+    (["--low-speed-limit", "-1"], "--low-speed-limit and --low-speed-time-s must be >= 0 (0 turns the check off), "
+     "got -1 and 60"),
+    (["--low-speed-time-s", "-5"], "got 1024 and -5"),
+])
+def test_bad_deadline_and_low_speed_flags_are_usage_errors(tmp_path, flags, message):
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-P", "-m", "sluice.runtime", "pull", "https://example.invalid/m.onnx",
+                           str(tmp_path / "m"), *flags], env={**os.environ, "PYTHONSAFEPATH": "1"}, cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
 # ---------------------------------------------------------------- local and pvc://
