@@ -29,6 +29,8 @@ Deletion needs no handler: children carry ownerReferences, so the garbage collec
 from __future__ import annotations
 
 import asyncio
+import collections
+import hashlib
 import json
 import logging
 import time
@@ -77,6 +79,35 @@ def _without_status(body: Mapping[str, Any]) -> str:
     kept = {key: value for key, value in body.items() if key not in ("status", "metadata")}
     kept["metadata"] = {key: meta.get(key) for key in ("labels", "annotations", "ownerReferences", "deletionTimestamp")}
     return json.dumps(kept, sort_keys=True, default=str)
+
+
+class SeenChildren:
+    """What the reconcile acts on of each status-churning child (a digest of :func:`_without_status`), by
+    uid, so a status-only write is skipped. Entries go on the child's DELETED event; one whose event was
+    missed (deleted while the watch was re-established) would stay for ever, so at most ``limit`` are kept,
+    the least recently changed dropped first: a child forgotten costs one reconcile at its next write."""
+
+    def __init__(self, limit: int = 50_000) -> None:
+        self.limit = limit
+        self._seen: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+
+    def changed(self, uid: str, body: Mapping[str, Any]) -> bool:
+        """Whether ``body`` differs from what was last seen of ``uid`` other than in its status (and note it)."""
+        digest = hashlib.sha256(_without_status(body).encode()).digest()
+        if self._seen.get(uid) == digest:
+            self._seen.move_to_end(uid)
+            return False
+        self._seen[uid] = digest
+        self._seen.move_to_end(uid)
+        while len(self._seen) > self.limit:
+            self._seen.popitem(last=False)
+        return True
+
+    def forget(self, uid: str) -> None:
+        self._seen.pop(uid, None)
+
+    def __len__(self) -> int:
+        return len(self._seen)
 
 
 def _split(api_version: str) -> tuple[str, str]:
@@ -215,7 +246,7 @@ def register(
         kopf.timer(*where, registry=registry, id="resync", interval=settings.resync_seconds,
                    initial_delay=settings.resync_seconds)(on_timer)
 
-    children_seen: dict[str, str] = {}  # uid -> what of a status-churning child the reconcile acts on
+    children_seen = SeenChildren()
 
     async def on_child(body: kopf.Body, type: str | None = None, **_: Any) -> None:
         if body.get("kind") in STATUS_CHURNING_KINDS:
@@ -223,12 +254,9 @@ def register(
             # PDB's on every pod change: neither is read by the reconcile, so a status-only change is skipped
             uid = str(body.get("metadata", {}).get("uid", ""))
             if type == "DELETED":
-                children_seen.pop(uid, None)
-            else:
-                seen = _without_status(body)
-                if children_seen.get(uid) == seen:
-                    return
-                children_seen[uid] = seen
+                children_seen.forget(uid)
+            elif not children_seen.changed(uid, body):
+                return
         refs = body.get("metadata", {}).get("ownerReferences", []) or []
         ref = next((r for r in refs if r.get("controller") and r.get("apiVersion") == api.API_VERSION), None)
         if ref is None or ref.get("kind") not in (api.INFERENCE_MODEL_KIND, api.ENSEMBLE_KIND, api.MODEL_POOL_KIND):

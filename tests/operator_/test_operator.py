@@ -370,3 +370,24 @@ async def test_a_canary_that_is_not_ready_leaves_the_model_ready_on_its_stable_p
     assert model["status"]["readyReplicas"] == 2
     assert model["status"]["canary"]["phase"] == "Initializing" and model["status"]["canary"]["weight"] == 0
     assert model["status"]["trafficSummary"] == "v1=100,v2=0"
+
+
+def test_status_churning_children_seen_are_bounded_and_status_writes_are_not_changes():
+    """A child deleted while the watch was down sends no DELETED event: its entry would stay for ever. The
+    operator keeps at most ``limit``, the least recently changed going first; a forgotten child only
+    costs one reconcile at its next write."""
+    from sluice.operator.handlers import SeenChildren
+
+    def hpa(name: str, max_replicas: int, current: int = 1) -> dict[str, object]:
+        return {"kind": "HorizontalPodAutoscaler", "metadata": {"name": name, "uid": name, "resourceVersion": "7"},
+                "spec": {"maxReplicas": max_replicas}, "status": {"currentReplicas": current}}
+
+    seen = SeenChildren(limit=2)
+    assert seen.changed("a", hpa("a", 4)) and seen.changed("b", hpa("b", 4))
+    assert not seen.changed("a", hpa("a", 4, current=3))  # a status write: no change (and a is now recent)
+    assert seen.changed("a", hpa("a", 40))                 # a spec edit is one
+    assert seen.changed("c", hpa("c", 4)) and len(seen) == 2  # b, least recently changed, is dropped
+    assert seen.changed("b", hpa("b", 4))                     # so it counts as changed once more
+    assert not seen.changed("c", hpa("c", 4, current=2))
+    seen.forget("c")
+    assert seen.changed("c", hpa("c", 4, current=2)) and len(seen) == 2
