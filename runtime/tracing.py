@@ -311,11 +311,20 @@ class Tracer:
         update of a model removes its settings (it follows the server's again). Raises
         InvalidArgument for a bad setting or Unsupported when the SDK is missing (nothing changes)."""
         before = (self._global, dict(self._models), dict(self._samplers))
+        # As Triton's TraceManager: every update makes the scope a new setting whose count is the one the update
+        # gives, else what is left of the count it set before, else what is left of the server's; the rate's
+        # request counter starts again.
         if model:
             explicit = updated(self._models.get(model, {}), changes) if changes else {}
             if explicit:
                 self._models[model] = explicit
-                self._samplers[model] = Sampler(self.levels(model).count)
+                if "count" not in explicit:
+                    count = self._samplers[""].remaining
+                elif changes.get("trace_count") is not None or model not in self._samplers:
+                    count = explicit["count"]
+                else:
+                    count = self._samplers[model].remaining
+                self._samplers[model] = Sampler(count)
             else:
                 self._models.pop(model, None)
                 self._samplers.pop(model, None)
@@ -327,12 +336,14 @@ class Tracer:
                 if field is not None:
                     fields[field] = getattr(self._base, field) if values is None else checked[field]
             self._global = TraceLevels(**fields)
-            if "trace_rate" in changes or "trace_count" in changes:
-                self._samplers[""] = Sampler(self._global.count)
-                # as in Triton, a model's fields it does not set follow the server's: its count too
-                for name, explicit in self._models.items():
-                    if "count" not in explicit:
-                        self._samplers[name] = Sampler(self.levels(name).count)
+            # (Triton resets a count never set through the API to the start-up one on any server-wide
+            # update; what is left is kept here: an update of the rate or level is no reason to trace again)
+            self._samplers[""] = Sampler(self._global.count if "trace_count" in changes
+                                         else self._samplers[""].remaining)
+            # as in Triton, a model's fields it does not set follow the server's: its count too, as it stands
+            for name, explicit in self._models.items():
+                if "count" not in explicit:
+                    self._samplers[name] = Sampler(self._samplers[""].remaining)
         try:
             self._refresh()
         except RuntimeError as exc:

@@ -763,3 +763,27 @@ def test_a_remote_ensemble_step_passes_the_trace_on(serve, tmp_path):
     served = remote_spans.request_spans(2)
     assert {s.parent.span_id for s in served} == {c.context.span_id for c in calls}  # type: ignore[union-attr]
     assert all(s.context.trace_id == request.context.trace_id for s in served)
+
+
+def test_an_update_keeps_what_is_left_of_a_count_it_does_not_change(serve, repo):
+    """Triton makes a scope a new setting on every update, its count the update's, else what is left of
+    the count the scope set before, else what is left of the server's. A model's update of its rate
+    gave it its whole count again (and traced more requests than asked for)."""
+    exporter = Exporter()
+    server = serve(repo, span_exporter=exporter)
+    http = httpclient.InferenceServerClient(server.http)
+    http.update_trace_settings("mlp", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "5"})
+    for _ in range(2):
+        http.infer("mlp", mlp_inputs(httpclient))
+    assert len(exporter.request_spans(2)) == 2
+    assert http.update_trace_settings("mlp", {"log_frequency": "0"})["trace_count"] == "3"  # was reset to 5
+    assert http.update_trace_settings("mlp", {"trace_count": "4"})["trace_count"] == "4"  # given: taken
+
+    # The server's count: kept through an update of its rate; a model that does not set its own takes what
+    # is left of it when its settings are made (Triton's copy of the server's setting), not the start.
+    http.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "4"})
+    http.infer("add_sub", add_sub_inputs(httpclient))
+    assert len(exporter.request_spans(3)) == 3
+    assert http.update_trace_settings(settings={"trace_rate": "1"})["trace_count"] == "3"
+    assert http.update_trace_settings("add_sub", {"log_frequency": "0"})["trace_count"] == "3"
+    assert http.get_trace_settings("mlp")["trace_count"] == "4"  # its own, untouched by the server's
