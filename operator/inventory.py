@@ -79,7 +79,8 @@ class Device:
     """Share of one GPU's compute it gives (slices / compute slices; divided by the replicas time-sliced)."""
     product: str
     """What a node selector matches: the node's ``nvidia.com/gpu.product`` as published, or for a time-sliced
-    MIG slice under the mixed strategy its ``nvidia.com/mig-<profile>.product`` (:func:`product_label`)."""
+    MIG slice under the mixed strategy its ``nvidia.com/mig-<profile>.product`` (:func:`product_label`),
+    empty when GFD published none (then nothing is pinned on it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +116,10 @@ class Inventory:
     nodes: tuple[Node, ...]
     dra: bool = False
     """Built from ResourceSlices (Dynamic Resource Allocation) instead of extended resources."""
+    time_sliced_mig: frozenset[tuple[str, str]] = frozenset()
+    """(resource, ``nvidia.com/mig-<profile>.product``) of every time-sliced MIG type advertised under the
+    name an exclusive slice has (no ``renameByDefault``), on any GPU node, cordoned or NotReady ones too:
+    an exclusive slice's pods are kept off them (they come back; a kept placement must already say so)."""
 
     def node(self, name: str) -> Node | None:
         return next((n for n in self.nodes if n.name == name), None)
@@ -216,9 +221,11 @@ def _devices_of(
     devices: list[Device] = []
     mig: dict[str, int] = {}
     """profile -> physical slices on the node (a time-sliced slice counted once)"""
-    sliced: dict[str, tuple[str, int, str]] = {}
-    """time-sliced profiles: profile -> (advertised resource, replicas per slice, its product label value)"""
-    for resource, amount in allocatable.items():
+    sliced: dict[str, list[tuple[str, int, str, int]]] = {}
+    """time-sliced profiles: profile -> (advertised resource, replicas per slice, its product label value or
+    "" when GFD published none, physical slices) per resource: a node may time-slice some of a type's
+    devices (``nvidia.com/mig-<p>.shared``) and hand out the rest exclusively (``nvidia.com/mig-<p>``)"""
+    for resource, amount in sorted(allocatable.items()):
         units = _int(amount)
         profile = gpus.profile_of_resource(resource)
         renamed = profile is None and (profile := gpus.profile_of_shared_resource(resource)) is not None
@@ -226,13 +233,16 @@ def _devices_of(
             continue
         # Time-slicing a MIG type multiplies what the device plugin advertises by its replicas, and GFD says so
         # in nvidia.com/mig-<p>.replicas (and suffixes .product with -SHARED unless the resource is renamed).
+        # A renamed type's labels are the original name's: they describe the shared devices.
         per_slice = _replicas(labels, gpus.mig_label(profile, "replicas"), gpus.mig_label(profile, "count"), units,
                               time_sliced=renamed)
-        mig[profile] = mig.get(profile, 0) + max(units // per_slice, 1)
+        if not renamed and _int(allocatable.get(gpus.resource_name(profile) + gpus.SHARED_SUFFIX), 0) > 0:
+            per_slice = 1  # the exclusive ones beside renamed shared ones: the labels are the shared ones'
+        physical = max(units // per_slice, 1)
+        mig[profile] = mig.get(profile, 0) + physical
         if per_slice > 1:
-            shared_product = labels.get(gpus.mig_label(profile, "product")) or (
-                f"{product}-MIG-{profile}" + ("" if renamed else "-SHARED"))
-            sliced[profile] = (resource, per_slice, shared_product)
+            sliced.setdefault(profile, []).append(
+                (resource, per_slice, labels.get(gpus.mig_label(profile, "product"), ""), physical))
     layouts: tuple[gpus.Layout, ...] = ()
     whole = _int(allocatable.get(gpus.GPU_RESOURCE), 0)
     shared = _int(allocatable.get(gpus.SHARED_GPU_RESOURCE), 0)
@@ -257,11 +267,15 @@ def _devices_of(
         mig_gpus = max(gpu_count - whole, 1) if gpu_count else max(-(-slices // model.memory_slices), 1)
         gpu_count = mig_gpus + whole
         layouts = mixed_layouts(model, mig, mig_gpus)
+        left = {profile: [entry[3] for entry in entries] for profile, entries in sliced.items()}
         for index, layout in enumerate(layouts):
             for profile, _start in layout:
-                if profile in sliced:
+                counts = left.get(profile, [])
+                which = next((i for i, n in enumerate(counts) if n > 0), None)
+                if which is not None:
                     # one replica of a time-sliced slice: its share of the slice, no memory isolation
-                    resource, per_slice, shared_product = sliced[profile]
+                    resource, per_slice, shared_product, _ = sliced[profile][which]
+                    counts[which] -= 1
                     devices.extend(Device(name, index, SHARED, resource, profile, profile_memory(profile) // per_slice,
                                           compute_of(profile) / per_slice, shared_product) for _ in range(per_slice))
                     continue
@@ -370,14 +384,17 @@ def from_nodes(
     """The inventory of the nodes' extended resources; ``planned`` says which pods the plan books itself."""
     held = _held(pods, planned)
     result = []
+    time_sliced: set[tuple[str, str]] = set()
     for obj in sorted(nodes, key=lambda n: str(n["metadata"]["name"])):
         meta = obj["metadata"]
         name = str(meta["name"])
         labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
         allocatable = (obj.get("status") or {}).get("allocatable") or {}
+        strategy, gpu_count, memory, model, layouts, devices = _devices_of(name, labels, allocatable)
+        time_sliced.update((d.resource, d.product) for d in devices if d.kind == SHARED and d.product
+                           and gpus.profile_of_resource(d.resource) is not None)
         if not _schedulable(obj):
             continue
-        strategy, gpu_count, memory, model, layouts, devices = _devices_of(name, labels, allocatable)
         if not devices and labels.get(MIG_CAPABLE_LABEL) != "true":
             continue
         taken: set[int] = set()
@@ -398,7 +415,7 @@ def from_nodes(
             layouts=layouts, taints=_gpu_taints(obj), devices=tuple(devices),
             free=frozenset(range(len(devices))) - taken,
         ))
-    return Inventory(nodes=tuple(result))
+    return Inventory(nodes=tuple(result), time_sliced_mig=frozenset(time_sliced))
 
 
 def _attribute(device: Obj, name: str) -> Any:

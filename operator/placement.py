@@ -57,7 +57,8 @@ class Shape:
     """Devices per replica."""
     profile: str = ""
     products: tuple[str, ...] = ()
-    """Node ``nvidia.com/gpu.product`` values it may land on; empty: any node with the resource."""
+    """Values of :attr:`product_label` (``nvidia.com/gpu.product``, or ``nvidia.com/mig-<profile>.product``
+    for a time-sliced MIG slice under the mixed strategy) it may land on; empty: any node with the resource."""
     memory_mib: int = 0
     """The least memory a device of this shape has (what the pod can count on)."""
     tolerations: tuple[Mapping[str, str], ...] = ()
@@ -360,9 +361,9 @@ def shapes(request: Request, inv: inventory.Inventory, offer: _Offer | None = No
         pinned_products = () if kind == MIXED else tuple(fitting)
         if kind == MIXED and len(fitting) != len(products):
             pinned_products = tuple(fitting)
-        avoid: tuple[str, ...] = ()
-        if kind == MIXED:
-            avoid = tuple(sorted(offer.by_base.get((SHARED, resource, profile), {})))
+        if kind == SHARED and "" in fitting:
+            pinned_products = ()  # a time-sliced slice GFD labelled no product for: its resource alone names it
+        avoid = _avoid(inv, kind, resource)
         shape = Shape(kind=kind, resource=resource, count=max(request.count, 1), profile=profile,
                       products=pinned_products, memory_mib=memory,
                       tolerations=offer.tolerations(fitting, kind), avoid=avoid)
@@ -370,6 +371,13 @@ def shapes(request: Request, inv: inventory.Inventory, offer: _Offer | None = No
                         if kind in ("mixed", "single", "dra", "shared", "whole") else 9, resource), shape))
     result.sort(key=lambda item: item[0])
     return [shape for _, shape in result]
+
+
+def _avoid(inv: inventory.Inventory, kind: str, resource: str) -> tuple[str, ...]:
+    """What an exclusive slice's pods stay off: the products of time-sliced slices advertised under its name."""
+    if kind != MIXED:
+        return ()
+    return tuple(sorted(product for name, product in inv.time_sliced_mig if name == resource))
 
 
 def _need(request: Request) -> str:
@@ -399,6 +407,12 @@ def plan(inv: inventory.Inventory, requests: Sequence[Request], *, advise: bool 
     for request in pinned:
         shape = request.pinned
         assert shape is not None
+        if shape.kind == MIXED:
+            # a kept slice stays off time-sliced nodes seen since (or before this was stored): added, never
+            # dropped, so a node that comes and goes does not roll the pods each time
+            avoid = tuple(sorted(set(shape.avoid) | set(_avoid(inv, shape.kind, shape.resource))))
+            if avoid != shape.avoid:
+                shape = dataclasses.replace(shape, avoid=avoid)
         if book.capacity(shape, free=False) == 0:
             rest.append(request)  # its placement is gone from the cluster: plan it again
             continue
@@ -454,8 +468,12 @@ def _why(request: Request, shape: Shape, candidates: Sequence[Shape]) -> str:
 def _missing(request: Request, candidates: Sequence[Shape], book: _Book) -> str:
     need = _need(request)
     if not candidates:
+        shared_only = request.profile and any(kind == SHARED and profile == request.profile
+                                              for kind, _, profile in book.offer.by_base)
         what = "whole exclusive GPUs" if request.count else (
-            f"MIG {request.profile}" if request.profile else
+            f"MIG {request.profile}" + (" as an exclusive slice (there are time-sliced shares of it, which a "
+                                        "migProfile never takes: ask for gpu.memory with shared: true to use "
+                                        "them)" if shared_only else "") if request.profile else
             f"a GPU or MIG slice with >= {_gib(request.memory_mib)}" + (" (time-sliced GPUs excluded: set "
                                                                         "gpu.shared to allow them)"
                                                                         if not request.shared else ""))

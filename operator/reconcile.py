@@ -769,7 +769,7 @@ class Reconciler:
         if deployment is None and isinstance(membership, Mapping):
             # a pool member: no Deployment of its own is expected, and the pool does not serve this spec
             found = [Condition(conditions.READY, FALSE, reason,
-                               f"Not served by pool {membership.get('name')} ({membership.get('state')}).")]
+                               f"Not served by pool {membership.get('name')}: it serves no spec it cannot read.")]
         verb = {"InvalidSpec": "The spec is invalid", "Unsatisfiable": "The spec cannot be served",
                 "NotImplemented": "The spec cannot be served yet"}.get(
             reason, "The children could not be applied")
@@ -1052,6 +1052,12 @@ def _last_known_memory(body: Mapping[str, Any]) -> int | None:
 def _member_conditions(body: Mapping[str, Any], membership: _Membership) -> tuple[list[Condition], int, int]:
     """A pool member's conditions and replica counts: its verdict, then the pool's Deployment."""
     pool, verdict = membership.pool, membership.verdict
+    if verdict.state == pools.WAITING and verdict.cause in (pools.INVALID_SPEC, pools.NOT_SERVED):
+        # the pool has not seen the fixed spec yet (it reconciles next): no advice about room
+        return [
+            Condition(conditions.READY, FALSE, verdict.cause, f"Not served: pool {pool} dropped the model."),
+            Condition(conditions.PROGRESSING, TRUE, "JoiningPool", f"Waiting for pool {pool} to admit the model."),
+        ], 0, 0
     if verdict.state == pools.WAITING:
         return [
             Condition(conditions.READY, FALSE, verdict.cause, f"Not served: waiting for room in pool {pool}."),

@@ -8,7 +8,8 @@ says, a subclass without a row of its own answers like its base).
     SluiceError
     ├── InvalidArgument      400 / INVALID_ARGUMENT   the request is malformed or disagrees with the model
     │   ├── PayloadTooLarge  413 / RESOURCE_EXHAUSTED a body, header or element count over a limit
-    │   ├── Unsupported      400 / UNIMPLEMENTED      a protocol feature Sluice refuses
+    │   ├── Unsupported      501 / UNIMPLEMENTED      a feature Sluice (or the model) does not support
+    │   │   └── UnsupportedLoad 400 / UNIMPLEMENTED  ... asked for by a model's config: a failed load
     │   ├── AlreadyExists    400 / ALREADY_EXISTS     a shared-memory region name already registered
     │   └── ConfigError      400 / INVALID_ARGUMENT   a model configuration is invalid (file, line, field)
     ├── NotFound             404 / NOT_FOUND          unknown model or version
@@ -44,6 +45,16 @@ class PayloadTooLarge(InvalidArgument):
 
 
 class Unsupported(InvalidArgument):
+    """A feature Sluice (or the model) does not support: 501 over HTTP and UNIMPLEMENTED over gRPC, as Triton
+    answers ``TRITONSERVER_ERROR_UNSUPPORTED``."""
+
+    http_status = 501
+
+
+class UnsupportedLoad(Unsupported):
+    """A load that asked a backend for what it does not support: a failed load, 400 over HTTP like any other
+    (gRPC keeps UNIMPLEMENTED)."""
+
     http_status = 400
 
 

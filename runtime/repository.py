@@ -40,7 +40,16 @@ from sluice.runtime.batching import (
     SchedulerConfig,
 )
 from sluice.runtime.cache import CachePart, ModelCache, ResponseCache
-from sluice.runtime.errors import ConfigError, InvalidArgument, NotFound, SluiceError, Unavailable, unknown_model
+from sluice.runtime.errors import (
+    ConfigError,
+    InvalidArgument,
+    NotFound,
+    SluiceError,
+    Unavailable,
+    Unsupported,
+    UnsupportedLoad,
+    unknown_model,
+)
 from sluice.runtime.settings import SchedulingDefaults
 from sluice.runtime.signature import Signature, signature_of
 from sluice.runtime.snapshot import FileStamp
@@ -195,6 +204,15 @@ def _identities(directory: Path) -> frozenset[tuple[str, str]]:
             except OSError:  # removed meanwhile
                 continue
     return frozenset(found)
+
+
+def _load_error(exc: Exception, reason: str) -> SluiceError:
+    """What a failed load answers: its own error (a feature a backend does not support is a failed load, 400
+    over HTTP like any other, not the 501 a request for it gets), or 503 with the recorded reason for
+    anything else."""
+    if isinstance(exc, Unsupported) and not isinstance(exc, UnsupportedLoad):
+        return UnsupportedLoad(exc.message)
+    return exc if isinstance(exc, SluiceError) else Unavailable(reason)
 
 
 def override_files(files: Mapping[str, bytes], config: str | None) -> dict[str, bytes]:
@@ -768,7 +786,9 @@ class Repository:
                 self._load_failed(name, model, exc, tried, None if root is self.root else root)
                 if root is not self.root:
                     await loop.run_in_executor(None, functools.partial(shutil.rmtree, root, ignore_errors=True))
-                raise exc if isinstance(exc, SluiceError) else Unavailable(model.reason) from exc
+                if (error := _load_error(exc, model.reason)) is exc:
+                    raise
+                raise error from exc
             new_versions: dict[int, ModelVersion] = {}
             try:
                 self._start(name, prepared, new_versions)
@@ -779,7 +799,9 @@ class Repository:
                 self._load_failed(name, model, exc, tried, None if root is self.root else root)
                 if root is not self.root:
                     await loop.run_in_executor(None, functools.partial(shutil.rmtree, root, ignore_errors=True))
-                raise exc if isinstance(exc, SluiceError) else Unavailable(model.reason) from exc
+                if (error := _load_error(exc, model.reason)) is exc:
+                    raise
+                raise error from exc
             if new_versions or not prepared.kept:
                 for warning in prepared.warnings:
                     log.warning("model %s: %s", name, warning)

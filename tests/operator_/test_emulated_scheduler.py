@@ -455,8 +455,9 @@ async def test_models_asking_for_a_slice_never_land_on_time_sliced_slices_of_the
     """A time-sliced A100 whose device plugin does not rename its resources advertises nvidia.com/mig-1g.10gb
     x4 beside an exclusive node's: the planner counted its 8 replicas as slices, and the scheduler, asked
     for the resource alone, bound the third model there, sharing a slice it had not agreed to share."""
-    await gpu_nodes.load(apiserver, [gpu_nodes.a100_mixed("exclusive-0"),
-                                     gpu_nodes.a100_mixed("sliced-0", replicas=4, pool="a100-shared")])
+    # named so the emulated scheduler, which tries nodes in name order, would bind to the time-sliced one first
+    await gpu_nodes.load(apiserver, [gpu_nodes.a100_mixed("b-exclusive"),
+                                     gpu_nodes.a100_mixed("a-sliced", replicas=4, pool="a100-shared")])
     for name in ("a", "b", "c"):
         body = client.model(name, resources={"cpu": "2", "memory": "4Gi", "gpu": {"migProfile": "1g.10gb"}},
                             scaling={"minReplicas": 1, "maxReplicas": 1})
@@ -464,14 +465,14 @@ async def test_models_asking_for_a_slice_never_land_on_time_sliced_slices_of_the
         await client.create(client.IM, body)
     for name in ("a", "b"):
         await client.wait(lambda n=name: client.condition(client.read(client.IM, n), "Ready")["status"] == "True")
-    placed = client.read(client.IM, "a")["status"]["placement"]
-    assert placed["avoidProducts"] == ["NVIDIA-A100-SXM4-80GB-MIG-1g.10gb-SHARED"]
     degraded = await client.wait(lambda: (c := client.condition(client.read(client.IM, "c"), "Degraded"))
                                  and c["reason"] != "AsExpected" and c)
     assert "MIG 1g.10gb (mixed strategy): 0 free of 2" in degraded["message"], degraded
     bound = sorted((p["metadata"]["labels"].get("app.kubernetes.io/instance"), p["spec"].get("nodeName"))
                    for p in apiserver.read_all("v1/pods", NS))
-    assert bound == [("a", "exclusive-0"), ("b", "exclusive-0"), ("c", None)]
+    assert bound == [("a", "b-exclusive"), ("b", "b-exclusive"), ("c", None)]
+    placed = client.read(client.IM, "a")["status"]["placement"]
+    assert placed["avoidProducts"] == ["NVIDIA-A100-SXM4-80GB-MIG-1g.10gb-SHARED"]
 
     # Allowed to share, a model takes a replica of a time-sliced slice (9.5 GiB over 4) once no exclusive
     # slice is free (those come first: memory isolation).
@@ -487,4 +488,4 @@ async def test_models_asking_for_a_slice_never_land_on_time_sliced_slices_of_the
     assert (placement["device"], placement["memoryMiB"]) == ("time-sliced MIG 1g.10gb share", 9728 // 4)
     [pod] = [p for p in apiserver.read_all("v1/pods", NS) if p["metadata"]["labels"].get(
         "app.kubernetes.io/instance") == "d"]
-    assert pod["spec"]["nodeName"] == "sliced-0"
+    assert pod["spec"]["nodeName"] == "a-sliced"

@@ -258,8 +258,7 @@ def test_a_time_sliced_mig_slice_is_a_share_for_models_that_allow_sharing(nodes,
     assert found.gpus == 1 and len(found.devices) == (28 if "mig-" in resource else 14)
     assert {(d.kind, d.resource, d.profile, d.memory_mib, d.product) for d in found.devices} == {
         (inventory.SHARED, resource, "1g.10gb", memory, product)}
-    assert all(layout == found.layouts[0] for layout in found.layouts)
-    assert [p for p, _ in found.layouts[0]] == ["1g.10gb"] * 7  # the physical partition, once per slice
+    assert [[p for p, _ in layout] for layout in found.layouts] == [["1g.10gb"] * 7]  # physical, once per slice
 
     for need in ({"migProfile": "1g.10gb"}, {"memory": "2Gi"}):  # exclusive, by name or by memory: none here
         verdict = place(nodes, gpu(**need))
@@ -302,3 +301,61 @@ def test_an_exclusive_slice_stays_off_nodes_that_time_slice_its_resource_name():
     verdict = place([A100_MIXED, a100_time_sliced_mixed("shared-0", rename=True)], need)
     assert verdict.shape is not None and verdict.shape.avoid == ()
     assert pod_of(need, verdict.shape)[0].get("affinity") is None
+
+
+def test_a_kept_exclusive_slice_learns_of_time_sliced_nodes_even_cordoned_ones():
+    """A placement stored before the operator knew (or while the time-sliced node was cordoned) had no
+    avoid: kept as it was, its pods could still be bound to a time-sliced slice once the node was back."""
+    sliced = a100_time_sliced_mixed("shared-0", rename=False)
+    cordoned = {**sliced, "spec": {**sliced["spec"], "unschedulable": True}}
+    need = gpu(migProfile="1g.10gb")
+    verdict = place([A100_MIXED, cordoned], need)
+    assert verdict.shape is not None and verdict.shape.avoid == ("NVIDIA-A100-SXM4-80GB-MIG-1g.10gb-SHARED",)
+    stored = placement.Shape(kind=inventory.MIXED, resource="nvidia.com/mig-1g.10gb", count=1, profile="1g.10gb")
+    request = placement.Request(key="InferenceModel/models/m", replicas=1, profile="1g.10gb", pinned=stored,
+                                pinned_for="mig=1g.10gb")
+    kept = placement.plan(inventory.from_nodes([A100_MIXED, sliced]), [request]).verdicts[request.key]
+    assert kept.kept and kept.shape is not None and kept.shape.avoid == ("NVIDIA-A100-SXM4-80GB-MIG-1g.10gb-SHARED",)
+    # the node gone again: what was learnt stays (the pods do not roll each time a node comes and goes)
+    pinned = placement.Request(key=request.key, replicas=1, profile="1g.10gb", pinned=kept.shape,
+                               pinned_for="mig=1g.10gb")
+    again = placement.plan(inventory.from_nodes([A100_MIXED]), [pinned]).verdicts[request.key]
+    assert again.shape == kept.shape
+
+
+def test_a_node_time_slicing_some_slices_of_a_type_hands_out_the_rest_exclusively():
+    """The device plugin's time-slicing config may share only some devices, renamed: both resources appear,
+    and GFD's labels (under the original name) describe the shared ones."""
+    labels = {
+        "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.count": "1",
+        "nvidia.com/mig.strategy": "mixed", "nvidia.com/mig-1g.10gb.memory": "9728",
+        "nvidia.com/mig-1g.10gb.replicas": "2", "nvidia.com/mig-1g.10gb.product": "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb",
+    }
+    mixed = node("half", labels, {"nvidia.com/mig-1g.10gb": "3", "nvidia.com/mig-1g.10gb.shared": "8"})
+    [found] = inventory.from_nodes([mixed]).nodes
+    assert [[p for p, _ in layout] for layout in found.layouts] == [["1g.10gb"] * 7]
+    kinds = sorted((d.kind, d.resource, d.memory_mib) for d in found.devices)
+    assert kinds == [("mixed", "nvidia.com/mig-1g.10gb", 9728)] * 3 + [
+        ("shared", "nvidia.com/mig-1g.10gb.shared", 4864)] * 8
+    assert place([mixed], gpu(migProfile="1g.10gb"), replicas=3).state == placement.PLACED
+    assert place([mixed], gpu(migProfile="1g.10gb"), replicas=4).state == placement.UNSATISFIABLE
+
+
+def test_a_time_sliced_slice_without_a_product_label_is_named_by_its_resource_alone():
+    """No invented label value: GFD published no nvidia.com/mig-<p>.product, so nothing can be pinned on it
+    (and a value made from a +me profile would not even be a legal label value)."""
+    bare = node("bare", {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.count": "1",
+                         "nvidia.com/mig.strategy": "mixed", "nvidia.com/mig-1g.10gb.me.replicas": "3"},
+                {"nvidia.com/mig-1g.10gb.me.shared": "3"})
+    need = gpu(memory="3000Mi", shared=True)
+    verdict = place([bare], need)
+    assert verdict.state == placement.PLACED and verdict.shape is not None
+    assert (verdict.shape.resource, verdict.shape.products) == ("nvidia.com/mig-1g.10gb.me.shared", ())
+    pod, _ = pod_of(need, verdict.shape)
+    assert pod.get("affinity") is None
+
+
+def test_a_profile_offered_only_time_sliced_says_how_to_use_it():
+    verdict = place([a100_time_sliced_mixed("a", rename=False)], gpu(migProfile="1g.10gb"))
+    assert verdict.state == placement.UNSATISFIABLE
+    assert "no node offers MIG 1g.10gb as an exclusive slice (there are time-sliced shares of it" in verdict.reason

@@ -362,8 +362,25 @@ def _matches(labels: dict[str, str], affinity: dict[str, Any] | None) -> bool:
     return False
 
 
+CORDONED_TIME_SLICED_NODE = (
+    # Found in review: the exclusive slice's avoid list was made from schedulable nodes only, so a cordoned
+    # time-sliced node (the scheduler's again once uncordoned) was not avoided.
+    Cluster((_fixed_node("node-0", {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.count": "1",
+                                    "nvidia.com/mig.strategy": "mixed"}, {"nvidia.com/mig-1g.10gb": 2}),
+             {**_fixed_node("node-1", {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.count": "1",
+                                       "nvidia.com/mig.strategy": "mixed", "nvidia.com/mig-1g.10gb.replicas": "2",
+                                       "nvidia.com/mig-1g.10gb.product": "NVIDIA-A100-SXM4-80GB-MIG-1g.10gb-SHARED"},
+                            {"nvidia.com/mig-1g.10gb": 14}),
+              "spec": {"unschedulable": True},
+              "time_sliced": {"nvidia.com/mig-1g.10gb": (2, 9728)}}),
+            ()),
+    [placement.Request("InferenceModel/models/m00", 1, profile="1g.10gb", created=_created(0))],
+)
+
+
 @PROPERTIES
 @given(clusters(), request_lists())
+@example(*CORDONED_TIME_SLICED_NODE)
 def test_a_pod_lands_on_a_time_sliced_device_only_when_its_model_allows_sharing(cluster, requests):
     """Judged on the generated nodes themselves (what was made time-sliced), through the pod spec the
     operator renders: a node the pod's resource and affinity admit it to, the scheduler may pick."""
@@ -380,7 +397,7 @@ def test_a_pod_lands_on_a_time_sliced_device_only_when_its_model_allows_sharing(
             if int(node["status"]["allocatable"].get(resource, 0)) == 0 or \
                     not _matches(node["metadata"]["labels"], rendering.affinity):
                 continue
-            sliced = node["time_sliced"].get(resource)
+            sliced = node.get("time_sliced", {}).get(resource)
             if sliced is None:
                 continue
             # the pod may be given one replica of a time-sliced device there

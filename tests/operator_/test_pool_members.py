@@ -188,7 +188,7 @@ async def test_a_member_whose_spec_turns_invalid_is_told_it_is_dropped_and_comes
                                                         "is scaled with the pool")
     condition = client.condition(model, "Ready")
     assert (condition["status"], condition["reason"], condition["message"]) == (
-        "False", "InvalidSpec", "Not served by pool small (Waiting).")
+        "False", "InvalidSpec", "Not served by pool small: it serves no spec it cannot read.")
     assert client.condition(model, "Degraded")["reason"] == "InvalidSpec"
     pool = client.read(client.POOL, "small")
     assert [m["name"] for m in pool["status"]["members"]] == ["a"]

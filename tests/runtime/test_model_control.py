@@ -577,6 +577,22 @@ def test_a_load_the_backend_refuses_is_a_400_as_in_triton(repo, serve):
     assert over_grpc.value.status() == "StatusCode.INVALID_ARGUMENT"
 
 
+def test_a_load_asking_for_what_its_backend_does_not_support_is_a_400_like_any_failed_load(repo, serve):
+    """A request for a feature Sluice does not serve answers 501 / UNIMPLEMENTED (Triton's UNSUPPORTED);
+    a model whose config asks its backend for one is a failed load, 400 over HTTP like any other."""
+    write_model(repo, "streamy", CONFIG.replace('name: "plus"', 'name: "streamy"')
+                + "model_transaction_policy { decoupled: true }\n", {"model.onnx": plus_model(1.0)})
+    server = serve(repo, model_control_mode="explicit")
+    with pytest.raises(InferenceServerException) as over_http:
+        httpclient.InferenceServerClient(server.http).load_model("streamy")
+    assert over_http.value.status() == "400"
+    assert "the onnxruntime backend does not support model_transaction_policy { decoupled: true }" in \
+        over_http.value.message()
+    with pytest.raises(InferenceServerException) as over_grpc:
+        grpcclient.InferenceServerClient(server.grpc).load_model("streamy")
+    assert over_grpc.value.status() == "StatusCode.UNIMPLEMENTED"
+
+
 def ensemble_over_plus(name: str) -> str:
     return f"""
 name: "{name}"

@@ -112,7 +112,7 @@ TRITON_CODES = [  # TritonError code -> (HTTP status, gRPC code), as Triton's fr
     (2, "404", "StatusCode.NOT_FOUND"),
     (3, "400", "StatusCode.INVALID_ARGUMENT"),
     (4, "503", "StatusCode.UNAVAILABLE"),
-    (5, "400", "StatusCode.UNIMPLEMENTED"),
+    (5, "501", "StatusCode.UNIMPLEMENTED"),
     (6, "400", "StatusCode.ALREADY_EXISTS"),
     (7, "499", "StatusCode.CANCELLED"),
 ]
