@@ -19,6 +19,7 @@ import asyncio
 import copy
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 
@@ -38,6 +39,8 @@ from sluice.runtime.errors import (
     Unavailable,
 )
 from sluice.runtime.types import DATATYPE_BY_CONFIG_TYPE, InferRequest, InferResponse, RequestedOutput, Tensor
+
+log = logging.getLogger("sluice.runtime.ensemble")
 
 Done = Callable[[Result], None]
 Dispatch = Callable[[InferRequest, Done], None]
@@ -285,7 +288,8 @@ class _Run:
         self.pending: dict[int, InferRequest] = {}
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.streaming: set[int] = set()  # decoupled steps that have not sent their final flag
-        self.queued: list[tuple[Step, InferResponse]] = []  # their responses, until the steps beside them end
+        # their responses, per step in the order they started, until the steps beside them end
+        self.queued: dict[int, list[tuple[Step, InferResponse]]] = {}
         self.forked = False  # a decoupled step's responses continue in branches, not here
         self.closed = False  # this run (not the request) has nothing left to do
         # the root only: the request's branches still running, and its single answer (not decoupled)
@@ -316,6 +320,7 @@ class _Run:
             if config is not None and config.model_transaction_policy.decoupled:
                 inner.responder = functools.partial(self.step_response, step)
                 self.streaming.add(step.index)
+                self.queued[step.index] = []
                 self.forked = True
             batch.append((step, inner))
         for step, inner in batch:
@@ -372,7 +377,7 @@ class _Run:
             self.stream_failed(step, item)
             return
         if isinstance(item, InferResponse):
-            self.queued.append((step, item))
+            self.queued[step.index].append((step, item))
         if final:
             self.streaming.discard(step.index)
             self.pending.pop(step.index, None)
@@ -389,17 +394,28 @@ class _Run:
 
     def drain(self) -> None:
         """Continue the queued responses of decoupled steps, each in a branch, once the other steps of
-        this run have ended (a branch takes their outputs along); close the run when all is done."""
+        this run have ended (a branch takes their outputs along); close the run when all is done.
+
+        Several decoupled steps of one run are combined as Triton's ensemble scheduler pairs their
+        tensors: the n-th response of each goes into the n-th branch, which starts once every one of
+        them has sent its n-th; responses of a step beyond what the others sent are never combined (as
+        in Triton, where the steps after them never become ready)."""
         if self.root.finished or any(index not in self.streaming for index in self.pending):
             return
-        while self.queued and not self.root.finished:
-            step, response = self.queued.pop(0)
+        while self.queued and all(self.queued.values()) and not self.root.finished:
             branch = self.branch()
-            if not branch.take(step, response):
-                return
+            for responses in self.queued.values():
+                step, response = responses.pop(0)
+                if not branch.take(step, response):
+                    return
             branch.advance()
-        if self.root.finished or self.pending or self.queued or self.closed:
+        if self.root.finished or self.pending or self.closed:
             return
+        left = {index: len(responses) for index, responses in self.queued.items() if responses}
+        if left:
+            log.debug("ensemble '%s': %s response(s) of decoupled steps %s had no counterpart from the steps "
+                      "beside them; not continued", self.plan.name, sum(left.values()), sorted(left))
+            self.queued = {index: [] for index in self.queued}
         self.closed = True
         if not self.forked:
             self.emit()
@@ -463,7 +479,7 @@ class _Run:
                 inner.cancel.cancel()
             for task in run.tasks.values():
                 task.cancel()
-            run.tensors, run.pending, run.queued = {}, {}, []
+            run.tensors, run.pending, run.queued = {}, {}, {}
         self.branches = set()
         # no cycle (token -> its callback -> this run -> the request -> token) keeps the request and
         # every step's tensors alive until the next full collection

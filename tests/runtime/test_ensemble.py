@@ -895,6 +895,59 @@ def test_each_response_of_a_decoupled_step_continues_the_ensemble(streaming_repo
     assert streamed(server, "streamed", 0)[0].as_numpy("OUT") is None  # no response: the final flag alone
 
 
+ADD_PY = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", (
+            pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            + pb_utils.get_input_tensor_by_name(r, "INPUT1").as_numpy()))]) for r in requests]
+"""
+ADD_CONFIG = """
+name: "add"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] }, { name: "INPUT1", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+"""
+PAIRED_ENSEMBLE = """
+name: "paired"
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "IN", data_type: TYPE_FP32, dims: [ 4 ] }, { name: "TIMES", data_type: TYPE_INT32, dims: [ 1 ] } ]
+output [ { name: "OUT", data_type: TYPE_FP32, dims: [ 4 ] } ]
+model_transaction_policy { decoupled: true }
+ensemble_scheduling { step [
+  { model_name: "times_ten" input_map { key: "INPUT0" value: "IN" } output_map { key: "OUTPUT0" value: "tens" } },
+  { model_name: "repeat" input_map { key: "INPUT0" value: "IN" } input_map { key: "TIMES" value: "TIMES" }
+    output_map { key: "OUTPUT0" value: "a" } },
+  { model_name: "repeat" input_map { key: "INPUT0" value: "tens" } input_map { key: "TIMES" value: "TIMES" }
+    output_map { key: "OUTPUT0" value: "b" } },
+  { model_name: "add" input_map { key: "INPUT0" value: "a" } input_map { key: "INPUT1" value: "b" }
+    output_map { key: "OUTPUT0" value: "OUT" } }
+] }
+"""
+
+
+def test_two_decoupled_steps_side_by_side_are_paired_response_by_response(streaming_repo: Path, serve) -> None:
+    """Triton pairs the tensors of decoupled steps by response: the n-th of each feeds the n-th run of the
+    step after them. Each response used to go on alone, so the step needing both never ran and every
+    branch failed with "produced no output"."""
+    write_model(streaming_repo, "add", ADD_CONFIG, {"model.py": ADD_PY})
+    write_ensemble(streaming_repo, "paired", PAIRED_ENSEMBLE)
+    server: Running = serve(streaming_repo)
+    x = np.arange(4, dtype=np.float32)
+    for times in (3, 1):
+        got = streamed(server, "paired", times)
+        assert not any(isinstance(g, InferenceServerException) for g in got), got
+        responses = got[:-1]
+        # a_k = x + k and b_k = 10x + k, paired by k
+        assert sorted(tuple(r.as_numpy("OUT")) for r in responses) == [tuple(11 * x + 2 * k) for k in range(times)]
+    assert streamed(server, "paired", 0)[0].as_numpy("OUT") is None  # none from either: the final flag alone
+
+
 def test_a_decoupled_step_error_ends_the_streamed_ensemble_naming_the_step(streaming_repo: Path, serve) -> None:
     server: Running = serve(streaming_repo)
     for _ in range(3):
