@@ -97,6 +97,10 @@ async def test_a_pool_of_unknown_capacity_writes_its_status_once(client, operato
     await client.create(client.POOL, _pool({"count": 1}))
     for name in "abc":
         await client.create(client.IM, _member(client, name, {"memory": "4Gi", "computePercent": 10}))
+    # the operator may take a while to start (seen in a full run): settle() on an idle store returns early
+    await client.wait(lambda: [m["name"] for m in client.read(client.POOL, "p")["status"]["members"]] == list("abc"))
+    await client.wait(lambda: all(client.read(client.IM, n).get("status", {}).get("pool", {}).get("state")
+                                  == "Admitted" for n in "abc"))
     writes = operator.metrics.status_writes.labels("ModelPool")
     members = operator.metrics.reconciles.labels("InferenceModel", "ok")
 
