@@ -206,9 +206,12 @@ async def test_an_invalid_member_is_rejected_or_degraded(cluster):
     condition = await cluster.wait(degraded, "bad Degraded InvalidSpec")
     assert "spec.resources.gpu.count: cannot be set on a member of pool 'small'" in condition["message"]
     assert "spec.resources.gpu.memory: is required for a member of pool 'small'" in condition["message"]
-    # The pool does not count it: it is not a member until its spec is valid.
-    await cluster.wait(lambda: _pool_status(cluster), "the pool's status")
-    assert (await _pool_status(cluster))["membersSummary"] == "0 admitted, 0 waiting"
+    # The pool admits no spec it cannot read, and says so: the member waits, named with its problem.
+    async def listed() -> dict[str, Any] | None:
+        pool = await _pool_status(cluster)
+        return pool if (pool or {}).get("membersSummary") == "0 admitted, 1 waiting" else None
+    pool = await cluster.wait(listed, "the pool listing bad as waiting")
+    assert [(w["name"], w["cause"]) for w in pool["waiting"]] == [("bad", "InvalidSpec")]
 
 
 async def test_the_pool_config_carries_each_member_s_own_runtime_settings(cluster):
