@@ -35,6 +35,12 @@ class SluiceError(Exception):
         super().__init__(message)
         self.message = message
 
+    @property
+    def server_fault(self) -> bool:
+        """Whether the server is to blame (what ``sluice_request_server_failure`` counts and a canary is
+        judged on): a 5xx answer, except a 501 for what Sluice or the model does not support."""
+        return self.http_status >= 500 and not isinstance(self, Unsupported)
+
 
 class InvalidArgument(SluiceError):
     http_status = 400

@@ -244,7 +244,7 @@ class ModelStats(Observer):
             self.success.add(ns)
         else:
             self.fail.add(ns)
-            if error.http_status >= 500:
+            if error.server_fault:
                 self.server_fail += 1
 
     def as_triton(self) -> dict:

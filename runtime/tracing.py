@@ -553,7 +553,7 @@ class Trace:
             span.set_attribute("sluice.status", outcome.http_status)
             if self._top:
                 log.log(
-                    logging.WARNING if outcome.http_status >= 500 else logging.INFO,
+                    logging.WARNING if outcome.server_fault else logging.INFO,
                     "inference request for model '%s' failed (%d): %s trace_id=%s",
                     span.attributes.get("model_name", ""),
                     outcome.http_status,

@@ -143,6 +143,9 @@ class TritonPythonModel:
                 out.append(pb_utils.InferenceResponse(error=error))
             elif x[0] == -2:
                 out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("the model broke")))
+            elif x[0] == -3:
+                error = pb_utils.TritonError("no such mode", pb_utils.TritonError.UNSUPPORTED)
+                out.append(pb_utils.InferenceResponse(error=error))
             else:
                 time.sleep(SLEEP_S)
                 out.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUT", x)]))
@@ -199,7 +202,8 @@ def test_request_duration_histogram_counts_every_answer_and_places_a_slow_model_
 
 def test_server_failures_count_what_the_server_is_to_blame_for_not_bad_input(tmp_path, serve):
     """sluice_request_failure keeps Triton's meaning (every error); sluice_request_server_failure counts
-    only 5xx answers, which is what a canary is judged on."""
+    only 5xx answers the server is to blame for (not a 501 for what it does not support), which is what a
+    canary is judged on."""
     repo = tmp_path / "repo"
     write_model(repo, "slow", SLOW_CONFIG, {"model.py": SLOW_PY.replace("SLEEP_S", "0")})
     server = serve(repo)
@@ -210,6 +214,9 @@ def test_server_failures_count_what_the_server_is_to_blame_for_not_bad_input(tmp
         client.infer("slow", [wrong_shape])
     with pytest.raises(InferenceServerException, match="must not be -1"):
         slow_infer(client, -1.0)  # the model's own INVALID_ARG: the client's fault
+    with pytest.raises(InferenceServerException, match="no such mode") as unsupported:
+        slow_infer(client, -3.0)  # UNSUPPORTED: 501 as in Triton, but asked for by the client, not a fault
+    assert unsupported.value.status() == "501"
     for _ in range(3):
         with pytest.raises(InferenceServerException, match="the model broke"):
             slow_infer(client, -2.0)
@@ -217,7 +224,7 @@ def test_server_failures_count_what_the_server_is_to_blame_for_not_bad_input(tmp
     text = scrape(server)
     client.close()
     labels = {"model": "slow", "version": "1"}
-    assert value(text, "sluice_request_failure_total", **labels) == 5
+    assert value(text, "sluice_request_failure_total", **labels) == 6
     assert value(text, "sluice_request_server_failure_total", **labels) == 3
     assert value(text, "sluice_request_success_total", **labels) == 1
-    assert value(text, "sluice_request_duration_seconds_count", **labels) == 6
+    assert value(text, "sluice_request_duration_seconds_count", **labels) == 7
