@@ -234,10 +234,11 @@ def _devices_of(
         # Time-slicing a MIG type multiplies what the device plugin advertises by its replicas, and GFD says so
         # in nvidia.com/mig-<p>.replicas (and suffixes .product with -SHARED unless the resource is renamed).
         # A renamed type's labels are the original name's: they describe the shared devices.
-        per_slice = _replicas(labels, gpus.mig_label(profile, "replicas"), gpus.mig_label(profile, "count"), units,
-                              time_sliced=renamed)
         if not renamed and _int(allocatable.get(gpus.resource_name(profile) + gpus.SHARED_SUFFIX), 0) > 0:
             per_slice = 1  # the exclusive ones beside renamed shared ones: the labels are the shared ones'
+        else:
+            per_slice = _replicas(labels, gpus.mig_label(profile, "replicas"), gpus.mig_label(profile, "count"),
+                                  units, time_sliced=renamed)
         physical = max(units // per_slice, 1)
         mig[profile] = mig.get(profile, 0) + physical
         if per_slice > 1:

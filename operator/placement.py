@@ -468,19 +468,22 @@ def _why(request: Request, shape: Shape, candidates: Sequence[Shape]) -> str:
 def _missing(request: Request, candidates: Sequence[Shape], book: _Book) -> str:
     need = _need(request)
     if not candidates:
-        shared_only = request.profile and any(kind == SHARED and profile == request.profile
-                                              for kind, _, profile in book.offer.by_base)
-        what = "whole exclusive GPUs" if request.count else (
-            f"MIG {request.profile}" + (" as an exclusive slice (there are time-sliced shares of it, which a "
-                                        "migProfile never takes: ask for gpu.memory with shared: true to use "
-                                        "them)" if shared_only else "") if request.profile else
-            f"a GPU or MIG slice with >= {_gib(request.memory_mib)}" + (" (time-sliced GPUs excluded: set "
-                                                                        "gpu.shared to allow them)"
-                                                                        if not request.shared else ""))
-        return f"needs {need}; no node offers {what}"
+        return f"needs {need}; no node offers {_what_is_missing(request, book)}"
     parts = [f"{s.describe()}: {book.capacity(s, free=True)} free of {book.capacity(s, free=False)}"
              for s in candidates[:4]]
     return f"needs {need}; the cluster has {'; '.join(parts)} (replicas counted per shape)"
+
+
+def _what_is_missing(request: Request, book: _Book) -> str:
+    if request.count:
+        return "whole exclusive GPUs"
+    if request.profile:
+        if any(kind == SHARED and profile == request.profile for kind, _, profile in book.offer.by_base):
+            return (f"MIG {request.profile} as an exclusive slice (there are time-sliced shares of it, which a "
+                    "migProfile never takes: ask for gpu.memory with shared: true to use them)")
+        return f"MIG {request.profile}"
+    what = f"a GPU or MIG slice with >= {_gib(request.memory_mib)}"
+    return what if request.shared else what + " (time-sliced GPUs excluded: set gpu.shared to allow them)"
 
 
 def repartition(

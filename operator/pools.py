@@ -47,6 +47,8 @@ INVALID_SPEC = "InvalidSpec"
 """Not a candidate: its spec is invalid (the pool renders members from their specs and keeps no last good one)."""
 NOT_SERVED = "NotImplemented"
 """Not a candidate: its spec names a model format the runtime cannot load yet."""
+RULED_OUT = (INVALID_SPEC, NOT_SERVED)
+"""The causes of a member that waits for its own spec to change, not for room in the pool."""
 COMPUTE_PER_DEVICE = 100
 
 

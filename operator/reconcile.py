@@ -1052,7 +1052,7 @@ def _last_known_memory(body: Mapping[str, Any]) -> int | None:
 def _member_conditions(body: Mapping[str, Any], membership: _Membership) -> tuple[list[Condition], int, int]:
     """A pool member's conditions and replica counts: its verdict, then the pool's Deployment."""
     pool, verdict = membership.pool, membership.verdict
-    if verdict.state == pools.WAITING and verdict.cause in (pools.INVALID_SPEC, pools.NOT_SERVED):
+    if verdict.state == pools.WAITING and verdict.cause in pools.RULED_OUT:
         # the pool has not seen the fixed spec yet (it reconciles next): no advice about room
         return [
             Condition(conditions.READY, FALSE, verdict.cause, f"Not served: pool {pool} dropped the model."),
@@ -1138,7 +1138,7 @@ def _serves(deployment: Mapping[str, Any] | None, label: str, *, was_ready: bool
 
 def _waiting_message(admission: pools.Admission) -> str:
     waiting = "; ".join(f"{w.member.name}: {w.reason}" for w in admission.waiting)
-    if all(w.cause in (pools.POOL_FULL, pools.POOL_CONFLICT) for w in admission.waiting):
+    if not any(w.cause in pools.RULED_OUT for w in admission.waiting):
         return f"{len(admission.waiting)} member(s) wait for room: {waiting}."
     return f"{len(admission.waiting)} member(s) are not served: {waiting}."
 

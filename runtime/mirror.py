@@ -125,8 +125,8 @@ class RepositoryMirror:
             backoff_base_s=0.5, backoff_cap_s=5.0,
         )
         self._store = puller.FsspecStore(source, settings)
-        self._clock = puller.Deadline(settings, time.monotonic)  # no deadline: the low-speed check of bodies
-        self._retry = puller.Retrier(settings, sleep, random.random, self._clock)
+        self._deadline = puller.Deadline(settings, time.monotonic)  # no deadline: the low-speed check of bodies
+        self._retry = puller.Retrier(settings, sleep, random.random, self._deadline)
         self._file_tags: dict[str, str] = {}  # <model>/<file> -> file_tag of the copy in the mirror
         self._links: dict[tuple[str, int], str] = {}  # (model, version) -> store directory it points at
         # One sync at a time (a poll and load API calls run them on worker threads): two would write
@@ -181,7 +181,7 @@ class RepositoryMirror:
 
                     def attempt(file: RemoteFile = file, destination: Path = destination, what: str = what) -> str:
                         return puller.download(self._store, file, destination, puller.Observer(), what,
-                                              watch=self._clock.watch(what))
+                                              watch=self._deadline.watch(what))
 
                     self._retry(what, attempt)
                 os.rename(staging, store_dir)
@@ -207,7 +207,7 @@ class RepositoryMirror:
         what = f"{self.display.rstrip('/')}/{relative}"
         try:
             self._retry(what, lambda: puller.download(self._store, file, temporary, puller.Observer(), what,
-                                                      watch=self._clock.watch(what)))
+                                                      watch=self._deadline.watch(what)))
             os.replace(temporary, path)
         finally:
             temporary.unlink(missing_ok=True)

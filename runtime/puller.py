@@ -319,11 +319,11 @@ class Deadline:
         """Seconds left, or None without a deadline."""
         return None if self.ends is None else self.ends - self.clock()
 
-    def check(self, what: str, last: str = "") -> None:
+    def check(self, what: str) -> None:
         """Raise :class:`pull.DeadlineExceeded` once the deadline has passed."""
         left = self.left()
         if left is not None and left <= 0:
-            self.exceeded(what, last)
+            self.exceeded(what)
 
     def exceeded(self, what: str, last: str = "") -> NoReturn:
         raise pull.DeadlineExceeded(
