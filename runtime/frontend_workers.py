@@ -48,7 +48,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
-from sluice.runtime import host_memory, tracing, worker_wire
+from sluice.runtime import host_memory, logs, tracing, worker_wire
 from sluice.runtime.dataplane import DataPlane, awaited
 from sluice.runtime.errors import Internal, SluiceError
 from sluice.runtime.protocol import grpc_service
@@ -66,7 +66,7 @@ from sluice.runtime.protocol.http import (
     error_response,
     json_response,
 )
-from sluice.runtime.settings import ServerSettings
+from sluice.runtime.settings import LogSettings, ServerSettings
 from sluice.runtime.types import CancelToken, InferRequest, InferResponse
 
 log = logging.getLogger("sluice.runtime.workers")
@@ -582,9 +582,13 @@ class WorkerPool:
         dataplane: DataPlane,
         routes: V2Routes | None,
         service: Service | None,
+        log_control: logs.LogControl | None = None,
     ) -> None:
+        """``log_control``: the engine's log settings, which the workers follow (at start and each change)."""
         self.count = count
         self.settings = settings
+        self._log_control = log_control
+        self._unwatch: Callable[[], None] | None = None
         self.dp = dataplane
         self.routes = routes
         self.service = service
@@ -614,6 +618,8 @@ class WorkerPool:
         shared: :func:`listeners_for_workers`) and wait until each is accepting; raises RuntimeError when
         one cannot start."""
         self._sockets = sockets
+        if self._log_control is not None:
+            self._unwatch = self._log_control.watch(self._log_changed)
         for index in range(self.count):
             await self._spawn(index)
         try:
@@ -656,7 +662,13 @@ class WorkerPool:
             lambda: Link(side.on_message, lambda: self._lost(worker), framer), sock=ours
         )
         side.link = link
-        link.send(("start", self.settings, index))
+        log_settings = self.settings.log if self._log_control is None else self._log_control.settings
+        link.send(("start", dataclasses.replace(self.settings, log=log_settings), index))
+
+    def _log_changed(self, settings: LogSettings) -> None:
+        for worker in self._workers.values():
+            if worker.side.link is not None and not worker.side.stopped.done():
+                worker.side.link.send(("log", settings))
 
     def _lost(self, worker: _Worker) -> None:
         worker.side.on_lost()
@@ -697,6 +709,9 @@ class WorkerPool:
         """Tell every worker to stop accepting, finish its in-flight requests (until the monotonic
         ``deadline``) and exit; kill those still running at the deadline."""
         self._stopping = True
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
         for task in list(self._restarting):
             task.cancel()
         workers = list(self._workers.values())
@@ -754,11 +769,15 @@ class RemotePlane:
         }
         self._streams: dict[int, asyncio.Queue[tuple]] = {}
         self.on_stop: Callable[[float], None] = lambda grace: None
+        self.on_log: Callable[[LogSettings], object] = lambda settings: None
 
     def on_message(self, message: tuple) -> None:
         kind = message[0]
         if kind == "stop":
             self.on_stop(message[1])
+            return
+        if kind == "log":
+            self.on_log(message[1])
             return
         self._handlers[kind](*message[1:])
 
@@ -1053,7 +1072,13 @@ async def _serve_worker(args: argparse.Namespace) -> int:
     plane.link = link
     plane.on_stop = lambda grace: None if stopping.done() else stopping.set_result(grace)
     _, settings, index = await started
-    logging.getLogger().setLevel(logging.DEBUG if settings.log.verbose_level else logging.INFO)
+    # The engine's log settings, as they are now and each time a client changes them (/v2/logging).
+    log_control = logs.LogControl(settings.log, tag=f"worker {index}")
+    for handler in logging.getLogger().handlers:
+        log_control.govern(handler)
+    log_control.apply()
+    plane.on_log = log_control.apply
+    logging.getLogger().setLevel(logging.DEBUG if settings.log.verbose_level else logging.INFO)  # as --log-level
     applied = host_memory.apply(settings.malloc_tuning)  # as in the engine (logged there)
     if applied is not None:
         log.debug("protocol worker %d: %s", index, applied)
@@ -1103,9 +1128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc-fd", type=int, default=-1)
     parser.add_argument("--engine-pid", type=int, default=0)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[worker {args.index}]: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=logs.line_format(f"worker {args.index}"))  # until the start
     if orphaned(os.getppid(), args.engine_pid):  # the engine died before prctl took effect
         return 1
     try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from sluice.runtime.errors import InvalidArgument
 from sluice.runtime.settings import LogSettings
@@ -110,11 +110,17 @@ class _Gate(logging.Filter):
         return allows(self._control.settings, record.levelno)
 
 
+def line_format(tag: str = "") -> str:
+    """The format of Sluice's log lines; ``tag`` follows the logger's name (``worker 3``: a protocol
+    worker's lines, ``sluice.runtime.http[worker 3]: ...``)."""
+    return DEFAULT_FORMAT if not tag else DEFAULT_FORMAT.replace("%(name)s", f"%(name)s[{tag}]")
+
+
 class _Formatter(logging.Formatter):
     """Sluice's line format, its timestamp as the settings' ``log_format`` says."""
 
-    def __init__(self, control: LogControl) -> None:
-        super().__init__(DEFAULT_FORMAT)
+    def __init__(self, control: LogControl, tag: str) -> None:
+        super().__init__(line_format(tag))
         self._control = control
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
@@ -124,14 +130,21 @@ class _Formatter(logging.Formatter):
 
 
 class LogControl:
-    """The log settings in force and their effect on Python logging."""
+    """The log settings in force and their effect on Python logging. ``tag``: see :func:`line_format`."""
 
-    def __init__(self, settings: LogSettings) -> None:
+    def __init__(self, settings: LogSettings, tag: str = "") -> None:
         self.settings = settings
         self._gate = _Gate(self)
-        self._formatter = _Formatter(self)
+        self._formatter = _Formatter(self, tag)
         self._governed: list[tuple[logging.Handler, logging.Formatter | None]] = []
         self._level_before: int | None = None
+        self._watchers: list[Callable[[LogSettings], None]] = []
+
+    def watch(self, watcher: Callable[[LogSettings], None]) -> Callable[[], None]:
+        """Call ``watcher`` with the settings each time they are put in force (the protocol workers follow
+        the engine's); returns what stops it."""
+        self._watchers.append(watcher)
+        return lambda: self._watchers.remove(watcher) if watcher in self._watchers else None
 
     def govern(self, handler: logging.Handler) -> None:
         """Let the settings decide which records ``handler`` writes and how (the process's stderr)."""
@@ -147,6 +160,8 @@ class LogControl:
         if self._level_before is None:
             self._level_before = logger.level
         logger.setLevel(threshold(self.settings))
+        for watcher in list(self._watchers):
+            watcher(self.settings)
         return self.settings
 
     def update(self, changes: Mapping[str, object]) -> LogSettings:

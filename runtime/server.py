@@ -345,6 +345,7 @@ class Server:
             self.dataplane,
             None if self._http is None else self._http.route,  # type: ignore[arg-type]
             None if self._grpc_h2 is None else self._grpc_h2.service,
+            self.log_control,
         )
         try:
             await self.workers.start(self._worker_sockets)

@@ -52,7 +52,7 @@ from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, SluiceError
 from sluice.runtime.protocol import grpc_service
 from sluice.runtime.protocol.grpc_service import Call, Method, Service
 from sluice.runtime.protocol.grpc_status import grpc_code
-from sluice.runtime.protocol.listener import Listener
+from sluice.runtime.protocol.listener import Crowding, Listener
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import InferRequest, InferResponse
 
@@ -455,6 +455,8 @@ class GrpcConnection(asyncio.Protocol):
         self._last_sid = 0
         self._goaway_sid: int | None = None  # set once we sent GOAWAY: streams above it are ignored
         self._peer_goaway = False
+        self._refusing: str | None = None  # over --max-connections: the first call is answered this, then GOAWAY
+        self._refuse_timer: asyncio.TimerHandle | None = None  # ...or, without a call, GOAWAY at this timer
         self._continuation: tuple[int, list[bytes], int, bool] | None = None
         self._max_block = 4 * server.limits.max_header_bytes + 65_536  # encoded header block bytes
         self._decoder = hpack.Decoder(max_header_list_size=self._max_block)
@@ -492,18 +494,34 @@ class GrpcConnection(asyncio.Protocol):
         )
         self._out.append(frame(SETTINGS, 0, 0, settings))
         self._out.append(frame(WINDOW_UPDATE, 0, 0, _U32.pack(CONNECTION_WINDOW - DEFAULT_WINDOW)))
-        if len(server.connections) > self._limits.max_connections or server.draining:
-            self._fail(ENHANCE_YOUR_CALM if not server.draining else NO_ERROR, "too many connections")
+        if server.draining:
+            self._fail(NO_ERROR, "the server is stopping")
             return
         self._flush()
+        if len(server.connections) > self._limits.max_connections:
+            # Over the limit. A GOAWAY now, before any call, makes gRPC clients retry their pending call
+            # transparently on a new connection, refused the same way, at once and for ever (grpcio spins a
+            # core and grows without bound). So the first call is answered UNAVAILABLE naming the limit, as
+            # HTTP answers 503, and the GOAWAY then covers it; a connection that sends no call is closed after
+            # --header-timeout-s.
+            limit = self._limits.max_connections
+            self._refusing = f"too many open connections, at most {limit} (--max-connections)"
+            server.crowding.refuse(limit)
+            self._refuse_timer = self._loop.call_later(self._limits.header_timeout_s, self._refuse_idle)
+            return
         self._preface_timer = self._loop.call_later(self._limits.header_timeout_s, self._preface_timeout)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._out = []
-        self._server.connections.discard(self)
+        server = self._server
+        server.connections.discard(self)
+        if server.crowding.refused:
+            server.crowding.closed(len(server.connections), self._limits.max_connections)
         if self._preface_timer is not None:
             self._preface_timer.cancel()
+        if self._refuse_timer is not None:
+            self._refuse_timer.cancel()
         for stream in list(self._streams.values()):
             self._abandon(stream)
         self._streams.clear()
@@ -666,6 +684,16 @@ class GrpcConnection(asyncio.Protocol):
         self._preface_timer = None
         if not self._settings_seen:
             self._fail(PROTOCOL_ERROR, "no HTTP/2 preface and SETTINGS in time (--header-timeout-s)")
+
+    def _refuse_idle(self) -> None:
+        self._refuse_timer = None
+        self._fail(ENHANCE_YOUR_CALM, self._refusing or "")
+
+    def _refuse(self, sid: int) -> None:
+        """The first call on a connection over --max-connections: answered UNAVAILABLE, then GOAWAY and close."""
+        message = self._refusing or ""
+        self._emit_headers(sid, RESPONSE_HEADERS + status_block(grpc.StatusCode.UNAVAILABLE, message), end_stream=True)
+        self._fail(ENHANCE_YOUR_CALM, message)
 
     def goaway(self) -> None:
         """Shutdown: take no new streams, finish the open ones, then close."""
@@ -1079,6 +1107,9 @@ class GrpcConnection(asyncio.Protocol):
         self._last_sid = sid
         if (self._goaway_sid is not None and sid > self._goaway_sid) or self._peer_goaway:
             return  # after GOAWAY: not taken; the client retries it elsewhere
+        if self._refusing is not None:
+            self._refuse(sid)
+            return
         if len(self._streams) >= MAX_CONCURRENT_STREAMS:
             self._control(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
             return
@@ -1539,7 +1570,7 @@ class GrpcServer(Listener):
     ) -> None:
         """``service``: the method table to serve (a protocol worker's forwards most methods to the
         engine); None: ``Service(dataplane, limits)``."""
-        super().__init__(loop)
+        super().__init__(loop, Crowding("gRPC", log))
         self.dataplane = dataplane
         self.limits = limits
         self.service = service if service is not None else Service(dataplane, limits)

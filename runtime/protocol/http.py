@@ -30,7 +30,7 @@ from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import InvalidArgument, NotFound, PayloadTooLarge, SluiceError, Unavailable
 from sluice.runtime.protocol import http_codec
 from sluice.runtime.protocol.http_plan import InferCodec
-from sluice.runtime.protocol.listener import Listener
+from sluice.runtime.protocol.listener import Crowding, Listener
 from sluice.runtime.settings import Limits
 from sluice.runtime.signature import signature_of
 from sluice.runtime.types import InferRequest, InferResponse
@@ -177,10 +177,14 @@ class Connection(asyncio.Protocol):
         if len(self._server.connections) > self._limits.max_connections:
             message = b"too many open connections, at most %d (--max-connections)" % self._limits.max_connections
             self._write_simple(503, message, close=True)
+            self._server.crowding.refuse(self._limits.max_connections)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
-        self._server.connections.discard(self)
+        server = self._server
+        server.connections.discard(self)
+        if server.crowding.refused:
+            server.crowding.closed(len(server.connections), self._limits.max_connections)
         if self.inflight is not None:
             self.inflight.cancel.cancel()
             self.inflight = None
@@ -609,7 +613,7 @@ class HttpServer(Listener):
     """A listening socket, its HTTP/1.1 connections and a router."""
 
     def __init__(self, router: Callable[[Request], Any], limits: Limits, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(loop)
+        super().__init__(loop, Crowding("HTTP", log))
         self.route = router
         self.limits = limits
         # ``check_head(method, url)``: the answer a request gets whatever its body, or None (optional)

@@ -6,6 +6,7 @@ work" means for an open connection (``on_stop``)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import stat
@@ -99,12 +100,38 @@ ABORT_AFTER_S = 1.0
 """How long a shutdown waits for closed connections to flush before it drops them."""
 
 
+class Crowding:
+    """When a listener starts refusing connections at ``--max-connections``, and when it has room again:
+    one warning when the refusing starts and one line when it ends, not a line per refused connection (a
+    client that reconnects in a loop would flood the log). With protocol workers each worker has its own."""
+
+    def __init__(self, protocol: str, logger: logging.Logger) -> None:
+        self.protocol, self._log = protocol, logger
+        self.refused = 0
+        """connections refused since the refusing started (0: not refusing)"""
+
+    def refuse(self, limit: int) -> None:
+        """A new connection was refused: ``limit`` are open."""
+        if not self.refused:
+            self._log.warning("%s: %d connections are open, the most --max-connections allows: new ones are "
+                              "answered with an error and closed until one closes", self.protocol, limit)
+        self.refused += 1
+
+    def closed(self, still_open: int, limit: int) -> None:
+        """A connection closed, ``still_open`` are left: once there is room again, say how many were refused."""
+        if self.refused and still_open < limit:
+            self._log.info("%s: accepting connections again; %d were refused at --max-connections %d",
+                           self.protocol, self.refused, limit)
+            self.refused = 0
+
+
 class Listener:
     SWEEP_INTERVAL_S = 0.5
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, crowding: Crowding | None = None) -> None:
         self.loop = loop
         self.connections: set = set()
+        self.crowding = crowding or Crowding("connections", logging.getLogger("sluice.runtime.listener"))
         self.draining = False
         self._servers: list[asyncio.Server] = []
         self._unix: list[tuple[Path, int]] = []  # socket files we bound: (path, inode)

@@ -41,7 +41,7 @@ from .test_grpc_h2 import (  # type: ignore[import-not-found]
     grpc_frame,
 )
 
-OK, RESOURCE_EXHAUSTED = 0, 8
+OK, RESOURCE_EXHAUSTED, UNAVAILABLE = 0, 8, 14
 INITIAL_WINDOW_SIZE = 0x4
 NO_ERROR, STREAM_CLOSED, CANCEL, ENHANCE_YOUR_CALM = 0x0, 0x5, 0x8, 0xB
 
@@ -592,3 +592,48 @@ def test_streams_stuck_behind_a_busy_model_leave_the_connection_open_for_other_c
     response = client.response(101)
     assert response.status == OK and pb.ServerLiveResponse.FromString(response.messages()[0]).live
     (repo / "gated" / "1" / "open").touch()  # let the model go: the stuck calls drain
+
+
+def test_a_call_over_the_connection_limit_is_answered_unavailable_naming_it(serve, repo, connect, caplog):
+    """--max-connections over gRPC: the first call on a connection beyond it is answered UNAVAILABLE naming
+    the flag, then GOAWAY covering that call and close (a GOAWAY before any call made grpcio retry the call
+    on new connections without end); a connection that sends no call is closed after --header-timeout-s.
+    Once a connection closes a new one is served."""
+    server = serve(repo, limits=Limits(max_connections=2, header_timeout_s=0.5))
+    held = [connect(server.grpc, {}) for _ in range(2)]
+    for client in held:
+        client.request(1, SERVICE + "ModelInfer", add_sub_request())
+        assert_add_sub_ok(client.response(1))
+    message = "too many open connections, at most 2 (--max-connections)"
+    extra = connect(server.grpc, {})
+    extra.request(1, SERVICE + "ServerLive", pb.ServerLiveRequest().SerializeToString())
+    answer = extra.response(1)
+    assert (answer.status, answer.message, answer.data) == (UNAVAILABLE, message, b"")
+    extra.drain(5.0)
+    assert extra.closed and extra.goaway is not None
+    assert (extra.goaway.error_code, extra.goaway.last_stream_id) == (ENHANCE_YOUR_CALM, 1)
+    assert extra.goaway.additional_data == message.encode()
+    silent = connect(server.grpc, {})  # a connection that never calls
+    started = time.monotonic()
+    silent.drain(10.0)
+    assert silent.closed and silent.goaway is not None and silent.goaway.error_code == ENHANCE_YOUR_CALM
+    assert 0.4 < time.monotonic() - started < 5
+    with grpcclient.InferenceServerClient(server.grpc) as client, pytest.raises(
+        InferenceServerException, match=re.escape(message)
+    ):
+        client.is_server_live(client_timeout=10)
+    refusing = [r for r in caplog.records if "the most --max-connections allows" in r.getMessage()]
+    assert [(r.levelname, r.getMessage().split(",")[0]) for r in refusing] == [
+        ("WARNING", "gRPC: 2 connections are open")
+    ]
+    held.pop().close()
+    deadline = time.monotonic() + 10
+    while True:  # the server notices the close asynchronously
+        with grpcclient.InferenceServerClient(server.grpc) as client:
+            try:
+                assert client.is_server_live(client_timeout=10)
+                break
+            except InferenceServerException:
+                assert time.monotonic() < deadline, "no room again after a connection closed"
+                time.sleep(0.05)
+    assert any("gRPC: accepting connections again" in r.getMessage() for r in caplog.records)

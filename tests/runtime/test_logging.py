@@ -244,3 +244,26 @@ def test_updated_applies_only_what_it_names_and_refuses_a_bad_batch_whole():
     assert logs.updated(settings, {"log_verbose_level": None}) == settings
     with pytest.raises(InvalidArgument, match="log_format"):
         logs.updated(settings, {"log_info": False, "log_format": "iso"})
+
+
+def test_a_tagged_line_names_the_tag_after_the_logger():
+    record = logging.LogRecord("sluice.runtime.http", logging.WARNING, __file__, 1, "full", None, None)
+    assert logging.Formatter(logs.line_format("worker 3")).format(record).endswith(
+        " WARNING sluice.runtime.http[worker 3]: full"
+    )
+    assert logs.line_format() == logs.DEFAULT_FORMAT
+
+
+def test_watchers_see_each_change_until_they_stop_watching():
+    control = logs.LogControl(LogSettings())
+    seen: list[LogSettings] = []
+    stop = control.watch(seen.append)
+    try:
+        control.update({"log_format": "ISO8601"})
+        with pytest.raises(InvalidArgument):
+            control.update({"log_verbose_level": -1})  # refused: nothing put in force, nobody told
+        stop()
+        control.update({"log_info": False})
+    finally:
+        control.close()
+    assert [s.format for s in seen] == ["ISO8601"]

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -573,10 +573,10 @@ class TritonPythonModel:
 class Cli:
     """``sluice serve --protocol-workers 2`` on ports it picks; its output lines as they come."""
 
-    def __init__(self, repo: Path, cwd: Path, env: dict[str, str]) -> None:
+    def __init__(self, repo: Path, cwd: Path, env: dict[str, str], extra: tuple[str, ...] = ()) -> None:
         cmd = [
             sys.executable, "-m", "sluice.runtime", "serve", "--model-repository", str(repo), "--http-port", "0",
-            "--grpc-port", "0", "--metrics-port", "0", "--protocol-workers", "2", "--drain-period-s", "0",
+            "--grpc-port", "0", "--metrics-port", "0", "--protocol-workers", "2", "--drain-period-s", "0", *extra,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env}
@@ -585,6 +585,7 @@ class Cli:
         line = self.until("sluice ready")
         self.http = "127.0.0.1:" + re.search(r"HTTP \S+:(\d+)", line).group(1)  # type: ignore[union-attr]
         self.metrics = "127.0.0.1:" + re.search(r"metrics \S+:(\d+)", line).group(1)  # type: ignore[union-attr]
+        self.grpc = "127.0.0.1:" + re.search(r"gRPC \S+:(\d+)", line).group(1)  # type: ignore[union-attr]
         self.pids = [int(p) for p in re.findall(r"\d+", self.find("protocol worker(s) serving").split("pids")[1])]
 
     def until(self, text: str) -> str:
@@ -686,6 +687,68 @@ def test_killed_worker_is_restarted_and_workers_die_with_the_engine(cli: tuple[C
     server.proc.kill()  # the engine dies without a word: its workers must not outlive it
     server.proc.wait(30)
     _wait_for(lambda: not any(_alive(pid) for pid in workers), "the workers exit with the engine")
+
+
+def _hold_until(
+    address: str, done: Callable[[dict[str, http.client.HTTPConnection], collections.Counter[str]], bool]
+) -> tuple[dict[str, http.client.HTTPConnection], collections.Counter[str]]:
+    """With --max-connections 1: connect until ``done(held, refused)``: ``held`` one open connection per
+    worker that took one, ``refused`` the 503s per worker (its sluice-worker header says which)."""
+    held: dict[str, http.client.HTTPConnection] = {}
+    refused: collections.Counter[str] = collections.Counter()
+    deadline = time.monotonic() + 60
+    while not done(held, refused):
+        assert time.monotonic() < deadline, f"held {sorted(held)}, refused {refused}"
+        conn = http.client.HTTPConnection(address, timeout=30)
+        conn.request("GET", "/v2/health/ready")
+        response = conn.getresponse()
+        body = response.read()
+        worker = response.getheader("sluice-worker")
+        assert worker is not None
+        if response.status == 503:
+            assert b"--max-connections" in body
+            refused[worker] += 1
+            conn.close()
+        elif worker in held:
+            conn.close()
+        else:
+            held[worker] = conn
+    return held, refused
+
+
+ISO_LINE = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ "
+
+
+def test_workers_log_as_the_engine_settings_say_and_follow_changes(tmp_path: Path) -> None:
+    """A worker's lines take the engine's log settings at start and when a client changes them
+    (/v2/logging), tagged with the worker; a restarted worker starts with the settings in force."""
+    repo = tmp_path / "repo"
+    write_model(repo, "add_sub", ADD_SUB_CONFIG, {"model.onnx": BUILDERS.add_sub_model()})
+    server = Cli(repo, tmp_path, {}, ("--max-connections", "1"))
+    try:
+        with grpcclient.InferenceServerClient(server.grpc) as client:  # gRPC: its own connection limit
+            client.update_log_settings({"log_format": "ISO8601"})
+        held, _ = _hold_until(server.http, lambda held, refused: len(held) == 2 and sum(refused.values()) > 0)
+        line = server.until("connections are open")  # the worker that refused says so, once
+        found = re.match(ISO_LINE + r"WARNING sluice\.runtime\.http\[worker (\d)\]: HTTP: 1 connections are open",
+                         line)
+        assert found, line
+        refusing = found.group(1)
+        pid = server.pids[int(refusing)]
+        os.kill(pid, signal.SIGKILL)
+        held.pop(refusing).close()
+        restarted = server.until("restarted: pid")
+        assert re.match(ISO_LINE + r"INFO sluice\.runtime\.workers: protocol worker \d restarted", restarted)
+        # The other worker is still refusing (its connection is held): a new line comes from the new worker.
+        again, _ = _hold_until(server.http, lambda held, refused: refusing in held and refused[refusing] > 0)
+        line = server.until(f"http[worker {refusing}]: HTTP: 1 connections are open")
+        assert re.match(ISO_LINE + "WARNING ", line), line
+        worker_lines = [seen for seen in server.lines if "[worker " in seen]
+        assert len(worker_lines) >= 2 and all(re.match(ISO_LINE, seen) for seen in worker_lines), worker_lines
+        for conn in [*held.values(), *again.values()]:
+            conn.close()
+    finally:
+        server.close()
 
 
 def _engine_arenas(pid: int) -> int:

@@ -7,6 +7,7 @@ silent connections, fifty slow-loris connections beside a normal client, and the
 
 from __future__ import annotations
 
+import re
 import select
 import socket
 import threading
@@ -190,18 +191,25 @@ def test_fifty_slow_loris_connections_do_not_starve_a_normal_client(server):
     assert all(status_of(answer) == 408 for answer in answers.values() if answer), answers
 
 
-def test_connections_over_the_limit_get_503(serve, example_repo):
+def test_connections_over_the_limit_get_503(serve, example_repo, caplog):
     server = serve(example_repo, limits=Limits(**{**TIMEOUTS, "idle_timeout_s": 10.0}, max_connections=8))
     held = [connect(server.http) for _ in range(8)]
     try:
         for sock in held:  # each one is accepted and served
             sock.sendall(READY)
             assert status_of(sock.recv(65536)) == 200
-        with connect(server.http) as extra:
-            received, elapsed = read_until_closed(extra)
-        assert status_of(received) == 503
-        assert b"--max-connections" in received and b"8" in received
-        assert elapsed < 1
+        for _ in range(3):
+            with connect(server.http) as extra:
+                received, elapsed = read_until_closed(extra)
+            assert status_of(received) == 503
+            assert b"--max-connections" in received and b"8" in received
+            assert elapsed < 1
+        # one warning when the refusing starts, not one per refused connection
+        refusing = [r for r in caplog.records if "the most --max-connections allows" in r.getMessage()]
+        assert [(r.levelname, r.getMessage().split(",")[0]) for r in refusing] == [
+            ("WARNING", "HTTP: 8 connections are open")
+        ]
+        assert not [r for r in caplog.records if "accepting connections again" in r.getMessage()]
         held.pop().close()
         for _ in range(50):  # the server notices the close asynchronously
             with connect(server.http) as again:
@@ -211,6 +219,10 @@ def test_connections_over_the_limit_get_503(serve, example_repo):
                 break
             time.sleep(0.02)
         assert status_of(answer) == 200
+        again_lines = [r.getMessage() for r in caplog.records if "accepting connections again" in r.getMessage()]
+        assert len(again_lines) == 1
+        refused = int(re.search(r"; (\d+) were refused at --max-connections 8", again_lines[0]).group(1))
+        assert refused >= 3  # and any the server refused before it noticed the close
     finally:
         for sock in held:
             sock.close()
