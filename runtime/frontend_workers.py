@@ -1078,7 +1078,8 @@ async def _serve_worker(args: argparse.Namespace) -> int:
         log_control.govern(handler)
     log_control.apply()
     plane.on_log = log_control.apply
-    logging.getLogger().setLevel(logging.DEBUG if settings.log.verbose_level else logging.INFO)  # as --log-level
+    # Other libraries' loggers: DEBUG records made only when verbose at the start (the gate still filters).
+    logging.getLogger().setLevel(logging.DEBUG if settings.log.verbose_level else logging.INFO)
     applied = host_memory.apply(settings.malloc_tuning)  # as in the engine (logged there)
     if applied is not None:
         log.debug("protocol worker %d: %s", index, applied)

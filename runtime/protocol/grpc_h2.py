@@ -504,9 +504,8 @@ class GrpcConnection(asyncio.Protocol):
             # core and grows without bound). So the first call is answered UNAVAILABLE naming the limit, as
             # HTTP answers 503, and the GOAWAY then covers it; a connection that sends no call is closed after
             # --header-timeout-s.
-            limit = self._limits.max_connections
-            self._refusing = f"too many open connections, at most {limit} (--max-connections)"
-            server.crowding.refuse(limit)
+            self._refusing = server.crowding.refusal
+            server.crowding.refuse()
             self._refuse_timer = self._loop.call_later(self._limits.header_timeout_s, self._refuse_idle)
             return
         self._preface_timer = self._loop.call_later(self._limits.header_timeout_s, self._preface_timeout)
@@ -516,8 +515,8 @@ class GrpcConnection(asyncio.Protocol):
         self._out = []
         server = self._server
         server.connections.discard(self)
-        if server.crowding.refused:
-            server.crowding.closed(len(server.connections), self._limits.max_connections)
+        if server.crowding.refused:  # (checked here: this runs for every connection)
+            server.crowding.closed(len(server.connections))
         if self._preface_timer is not None:
             self._preface_timer.cancel()
         if self._refuse_timer is not None:
@@ -1570,7 +1569,7 @@ class GrpcServer(Listener):
     ) -> None:
         """``service``: the method table to serve (a protocol worker's forwards most methods to the
         engine); None: ``Service(dataplane, limits)``."""
-        super().__init__(loop, Crowding("gRPC", log))
+        super().__init__(loop, Crowding("gRPC", log, limits.max_connections))
         self.dataplane = dataplane
         self.limits = limits
         self.service = service if service is not None else Service(dataplane, limits)

@@ -175,16 +175,16 @@ class Connection(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
         self._server.connections.add(self)
         if len(self._server.connections) > self._limits.max_connections:
-            message = b"too many open connections, at most %d (--max-connections)" % self._limits.max_connections
-            self._write_simple(503, message, close=True)
-            self._server.crowding.refuse(self._limits.max_connections)
+            crowding = self._server.crowding
+            self._write_simple(503, crowding.refusal.encode(), close=True)
+            crowding.refuse()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         server = self._server
         server.connections.discard(self)
-        if server.crowding.refused:
-            server.crowding.closed(len(server.connections), self._limits.max_connections)
+        if server.crowding.refused:  # (checked here: this runs for every connection)
+            server.crowding.closed(len(server.connections))
         if self.inflight is not None:
             self.inflight.cancel.cancel()
             self.inflight = None
@@ -613,7 +613,7 @@ class HttpServer(Listener):
     """A listening socket, its HTTP/1.1 connections and a router."""
 
     def __init__(self, router: Callable[[Request], Any], limits: Limits, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(loop, Crowding("HTTP", log))
+        super().__init__(loop, Crowding("HTTP", log, limits.max_connections))
         self.route = router
         self.limits = limits
         # ``check_head(method, url)``: the answer a request gets whatever its body, or None (optional)

@@ -101,37 +101,42 @@ ABORT_AFTER_S = 1.0
 
 
 class Crowding:
-    """When a listener starts refusing connections at ``--max-connections``, and when it has room again:
-    one warning when the refusing starts and one line when it ends, not a line per refused connection (a
-    client that reconnects in a loop would flood the log). With protocol workers each worker has its own."""
+    """When a listener starts refusing connections at ``--max-connections`` (``limit``), and when it has room
+    again: one warning when the refusing starts and one line when it ends, not a line per refused connection
+    (a client that reconnects in a loop would flood the log). With protocol workers each worker has its own."""
 
-    def __init__(self, protocol: str, logger: logging.Logger) -> None:
-        self.protocol, self._log = protocol, logger
+    def __init__(self, protocol: str, logger: logging.Logger, limit: int) -> None:
+        self.protocol, self._log, self.limit = protocol, logger, limit
         self.refused = 0
         """connections refused since the refusing started (0: not refusing)"""
 
-    def refuse(self, limit: int) -> None:
-        """A new connection was refused: ``limit`` are open."""
+    @property
+    def refusal(self) -> str:
+        """What a refused connection is told."""
+        return f"too many open connections, at most {self.limit} (--max-connections)"
+
+    def refuse(self) -> None:
+        """A new connection was refused."""
         if not self.refused:
             self._log.warning("%s: %d connections are open, the most --max-connections allows: new ones are "
-                              "answered with an error and closed until one closes", self.protocol, limit)
+                              "answered with an error and closed until one closes", self.protocol, self.limit)
         self.refused += 1
 
-    def closed(self, still_open: int, limit: int) -> None:
+    def closed(self, still_open: int) -> None:
         """A connection closed, ``still_open`` are left: once there is room again, say how many were refused."""
-        if self.refused and still_open < limit:
+        if self.refused and still_open < self.limit:
             self._log.info("%s: accepting connections again; %d were refused at --max-connections %d",
-                           self.protocol, self.refused, limit)
+                           self.protocol, self.refused, self.limit)
             self.refused = 0
 
 
 class Listener:
     SWEEP_INTERVAL_S = 0.5
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, crowding: Crowding | None = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, crowding: Crowding) -> None:
         self.loop = loop
         self.connections: set = set()
-        self.crowding = crowding or Crowding("connections", logging.getLogger("sluice.runtime.listener"))
+        self.crowding = crowding
         self.draining = False
         self._servers: list[asyncio.Server] = []
         self._unix: list[tuple[Path, int]] = []  # socket files we bound: (path, inode)
