@@ -80,7 +80,13 @@ class _Plan:
         self.version = request.model_version
         self.id = request.id
         self.parameters = request.parameters
-        self.outputs = request.outputs
+        # A copy: binding shared memory rewrites the request's outputs' parameters, and the plan
+        # must keep what the client sent for every later request with these bytes.
+        self.outputs = (
+            None
+            if request.outputs is None
+            else [RequestedOutput(o.name, o.binary, dict(o.parameters)) for o in request.outputs]
+        )
         self.inputs = [
             (t.name, t.datatype, t.data.shape, int(t.data.size) * ELEMENT_SIZE[t.datatype], t.parameters)
             for t in request.inputs
@@ -131,6 +137,6 @@ class InferDecoder:
     def _request(plan: _Plan, inputs: list[Tensor]) -> InferRequest:
         outputs: list[RequestedOutput] | None = None
         if plan.outputs is not None:
-            outputs = [RequestedOutput(o.name, o.binary, o.parameters) for o in plan.outputs]
+            outputs = [RequestedOutput(o.name, o.binary, dict(o.parameters)) for o in plan.outputs]
         params: dict[str, Any] = dict(plan.parameters) if plan.parameters else {}
         return InferRequest(plan.model, plan.version, inputs, outputs, plan.id, params)

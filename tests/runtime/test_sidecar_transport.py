@@ -677,3 +677,33 @@ def test_a_key_with_a_lone_surrogate_is_a_400(server: Running) -> None:
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(request)
     assert caught.value.code == 400 and b"lone surrogate" in caught.value.read()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_repeated_request_writes_its_outputs_to_the_region_every_time(
+    server: Running, regions: Regions, protocol: str
+) -> None:
+    """Identical requests (inline inputs, outputs to a region) hit the servers' request-plan caches
+    from the second on: each must still write into the region, not answer in the body."""
+    client, mod = client_for(server, protocol), module_for(protocol)
+    handle, key = regions.create(128)
+    name = unique("again")
+    client.register_system_shared_memory(name, key, 128)
+    x = np.arange(16, dtype=np.float32)
+    for attempt in range(4):
+        shm.set_shared_memory_region(handle, [np.zeros(32, np.float32)])
+        inputs = [mod.InferInput("INPUT0", [16], "FP32"), mod.InferInput("INPUT1", [16], "FP32")]
+        for tensor in inputs:
+            tensor.set_data_from_numpy(x)
+        outputs = [mod.InferRequestedOutput("OUTPUT0")]
+        outputs[0].set_shared_memory(name, 64)
+        result = client.infer("add_sub", inputs, outputs=outputs)
+        np.testing.assert_array_equal(
+            shm.get_contents_as_numpy(handle, np.float32, [16]), x + x, err_msg=f"attempt {attempt}"
+        )
+        if protocol == "http":
+            assert result.get_output("OUTPUT0")["parameters"]["shared_memory_region"] == name
+        else:
+            assert "shared_memory_region" in result.get_output("OUTPUT0").parameters
+            assert result.get_response().raw_output_contents[0] == b""
+    client.unregister_system_shared_memory(name)
