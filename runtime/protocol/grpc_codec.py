@@ -12,7 +12,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from sluice.runtime import classification, shm
-from sluice.runtime.errors import InvalidArgument, PayloadTooLarge
+from sluice.runtime.errors import InvalidArgument, ModelError, PayloadTooLarge
 from sluice.runtime.settings import Limits
 from sluice.runtime.tensor_bytes import bytes_elements, encode_bytes_elements
 from sluice.runtime.types import (
@@ -48,13 +48,25 @@ def parameters_to_dict(params: Any) -> dict[str, Any]:
     return out
 
 
+_INT64_MIN, _INT64_MAX, _UINT64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
+
+
 def dict_to_parameters(values: dict[str, Any], target: Any) -> None:
+    """Raises ModelError for an integer outside int64/uint64 (a model's response parameter)."""
     for key, value in values.items():
         param = target[key]
         if isinstance(value, bool):
             param.bool_param = value
         elif isinstance(value, int):
-            param.int64_param = value
+            if _INT64_MIN <= value <= _INT64_MAX:
+                param.int64_param = value
+            elif 0 <= value <= _UINT64_MAX:
+                param.uint64_param = value  # as Triton sends an unsigned 64-bit parameter
+            else:
+                raise ModelError(
+                    f"parameter '{key}' is {value}, which no gRPC parameter holds: integers must lie in "
+                    f"[{_INT64_MIN}, {_UINT64_MAX}] (int64 or uint64); send larger ones as strings"
+                )
         elif isinstance(value, float):
             param.double_param = value
         else:

@@ -17,6 +17,7 @@ coroutine, for grpc.aio.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -26,11 +27,13 @@ from tritonclient.grpc import service_pb2 as pb
 
 from sluice.runtime import shm, tracing
 from sluice.runtime.dataplane import DataPlane
-from sluice.runtime.errors import InvalidArgument, NotFound, PayloadTooLarge, SluiceError, Unsupported
+from sluice.runtime.errors import Internal, InvalidArgument, NotFound, PayloadTooLarge, SluiceError, Unsupported
 from sluice.runtime.protocol import grpc_codec, grpc_health
 from sluice.runtime.protocol.grpc_plan import InferDecoder
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import InferRequest, InferResponse
+
+log = logging.getLogger("sluice.runtime.grpc")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 
@@ -220,6 +223,9 @@ class Service:
                     out = _stream_response(await self.dp.infer(infer_request), empty_final)
             except SluiceError as exc:
                 out = _stream_error(exc, message)
+            except Exception:  # a bug must cost this request only: the stream and its slot go on
+                log.exception("unhandled error answering a ModelStreamInfer request")
+                out = _stream_error(Internal("internal server error (see server log)"), message)
             await results.put((out, True))
 
         async def read() -> None:
@@ -305,6 +311,9 @@ class Service:
                     out = pb.ModelStreamInferResponse(infer_response=grpc_codec.encode_infer(item))
                 except SluiceError as exc:
                     out = _stream_error(exc, message)
+                except Exception:  # a response that cannot be encoded must not lose the request's end
+                    log.exception("unhandled error encoding a decoupled model's response")
+                    out = _stream_error(Internal("internal server error (see server log)"), message)
             elif final and empty_final:
                 out = pb.ModelStreamInferResponse(infer_response=_named_response(message))
             if out is not None:
