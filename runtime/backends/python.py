@@ -197,7 +197,7 @@ def auto_complete(config: mc.ModelConfig, ctx: LoadContext) -> None:
         try:
             with _metrics_owned(ctx, f"{ctx.model_name}:auto_complete"):
                 completed = hook(pb_utils.ModelConfig(model_config_json(config)))
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit from model code too: a load failure, not the server's exit
             raise ModelError(f"{where} raised {type(exc).__name__}: {_without_repository(str(exc), ctx)}") from exc
         if not isinstance(completed, pb_utils.ModelConfig):
             raise ModelError(
@@ -233,7 +233,7 @@ def _import_model_file(path: Path, ctx: LoadContext) -> ModuleType:
         sys.path.insert(0, sibling_dir)
         try:
             spec.loader.exec_module(module)
-        except Exception as exc:
+        except BaseException as exc:  # sys.exit() at import time too: the load fails, the server serves on
             sys.modules.pop(module_name, None)
             raise ModelError(
                 f"failed to load '{ctx.model_name}' version {ctx.version}: importing {_shown(path, ctx)} raised "
@@ -353,7 +353,7 @@ class PythonBackend(ModelBackend):
         instance = PythonInstance(self, instance_name)
         try:
             instance.start(args)
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit from initialize too: this load fails, nothing else
             instance.close_loop()
             raise ModelError(
                 f"failed to initialize model instance '{instance_name}' of model '{name}' "
@@ -419,7 +419,7 @@ class PythonInstance(ModelInstance):
             if callable(finalize):
                 with self._backend.model_code():
                     self._resolve(finalize())
-        except Exception:
+        except BaseException:  # SystemExit from finalize too: the unload completes, the server serves on
             _log.exception("finalize() of model instance '%s' raised", self._instance_name)
         finally:
             self._model = None

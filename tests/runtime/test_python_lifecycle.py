@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from .conftest import ADD_SUB_CONFIG, BUILDERS, EXPLICIT, write_model  # type: ignore[import-not-found]
 
@@ -172,3 +173,55 @@ def test_instance_name_is_tritons(tmp_path: Path, serve, client_module) -> None:
 
     assert client.infer("whoami", [tensor]).as_numpy("NAME").tolist() == [b"whoami_0"]
     assert sorted((grouped / "INSTANCES").read_text().split()) == ["grouped_0_0", "grouped_0_1", "solo"]
+
+
+ONE_OUTPUT_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([1.0], np.float32))]) for _ in requests]
+"""
+
+EXITS = {
+    "exit_import": "import sys\nsys.exit(7)\n" + ONE_OUTPUT_PY,
+    "exit_autocomplete": ONE_OUTPUT_PY
+    + "\n    @staticmethod\n    def auto_complete_config(config):\n        import sys\n        sys.exit(8)\n",
+    "exit_initialize": ONE_OUTPUT_PY + "\n    def initialize(self, args):\n        import sys\n        sys.exit(3)\n",
+}
+
+
+@pytest.mark.parametrize("control", ["startup", "explicit"])
+def test_sys_exit_in_model_code_fails_that_load_only(tmp_path: Path, serve, control: str) -> None:
+    """``sys.exit()`` at import, in ``auto_complete_config`` or in ``initialize`` is that model's failed
+    load (the reason naming SystemExit); ``sys.exit()`` in ``finalize`` still unloads. The server and
+    its other models serve on, as an exception there would leave them."""
+    repo = tmp_path / "repo"
+    write_model(repo, "good", ONE_OUTPUT_CONFIG.format(name="good"), {"model.py": ONE_OUTPUT_PY})
+    for name, source in EXITS.items():
+        write_model(repo, name, ONE_OUTPUT_CONFIG.format(name=name), {"model.py": source})
+    final = ONE_OUTPUT_PY + "\n    def finalize(self):\n        import sys\n        sys.exit(9)\n"
+    write_model(repo, "exit_finalize", ONE_OUTPUT_CONFIG.format(name="exit_finalize"), {"model.py": final})
+    server = serve(repo, **EXPLICIT) if control == "explicit" else serve(repo)
+    client = httpclient.InferenceServerClient(server.http)
+    tensor = httpclient.InferInput("IN", [1], "FP32")
+    tensor.set_data_from_numpy(np.array([2.0], np.float32))
+    if control == "explicit":
+        for name in EXITS:
+            with pytest.raises(InferenceServerException, match="SystemExit"):
+                client.load_model(name)
+    rows = {row["name"]: row for row in client.get_model_repository_index()}
+    for name in EXITS:
+        assert rows[name]["state"] == "UNAVAILABLE"
+        assert "SystemExit" in rows[name]["reason"], rows[name]
+        assert str(tmp_path) not in rows[name]["reason"]
+    assert client.is_server_live()
+    assert client.infer("good", [tensor]).as_numpy("OUT").tolist() == [1.0]
+    if control == "explicit":
+        client.unload_model("exit_finalize")
+        assert not client.is_model_ready("exit_finalize")
+        client.load_model("exit_finalize")  # loads again after its finalize exited
+        assert client.infer("exit_finalize", [tensor]).as_numpy("OUT").tolist() == [1.0]
+        assert client.infer("good", [tensor]).as_numpy("OUT").tolist() == [1.0]
