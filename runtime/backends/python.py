@@ -464,7 +464,7 @@ class PythonInstance(ModelInstance):
                         return [_accepted(request) for request in requests]
                     returned = self._resolve(returned)
         except BaseException as exc:  # SystemExit from model code too: the instance must keep serving
-            message = _execute_failed(self._instance_name, exc)
+            message = _execute_failed(self._instance_name, exc, self._backend._ctx)
             _log.debug("execute() of model instance '%s' raised", self._instance_name, exc_info=True)
             if self._backend.decoupled:
                 return [self._decoupled_failure(request, message) for request in wrapped]
@@ -534,7 +534,7 @@ class PythonInstance(ModelInstance):
         exc = future.exception()
         if exc is None:
             return
-        message = _execute_failed(self._instance_name, exc)
+        message = _execute_failed(self._instance_name, exc, self._backend._ctx)
         _log.debug("execute() of model instance '%s' raised", self._instance_name, exc_info=exc)
         for request in wrapped:
             if request._stream is not None:
@@ -681,10 +681,11 @@ class ServedRequest(pb_utils.InferenceRequest):
         return ResponseSender(self._stream)
 
 
-def _execute_failed(instance_name: str, exc: BaseException) -> str:
+def _execute_failed(instance_name: str, exc: BaseException, ctx: LoadContext) -> str:
     """Triton's words for an ``execute`` that raised (python_be.cc), which clients and log rules match on;
-    Triton appends the traceback, which names the server's files: Sluice logs it instead."""
-    message = f"{type(exc).__name__}: {exc}"
+    Triton appends the traceback, which names the server's files: Sluice logs it instead, and cuts the
+    repository's path out of the message (a file the model failed to open is shown relative to it)."""
+    message = f"{type(exc).__name__}: {_without_repository(str(exc), ctx)}"
     return f"Failed to process the request(s) for model instance '{instance_name}', message: {message}"
 
 

@@ -225,3 +225,56 @@ def test_sys_exit_in_model_code_fails_that_load_only(tmp_path: Path, serve, cont
         client.load_model("exit_finalize")  # loads again after its finalize exited
         assert client.infer("exit_finalize", [tensor]).as_numpy("OUT").tolist() == [1.0]
         assert client.infer("good", [tensor]).as_numpy("OUT").tolist() == [1.0]
+
+
+OPENS_MISSING_PY = """
+import os
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.weights = os.path.join(args["model_repository"], args["model_version"], "weights.bin")
+
+    SIGNATURE execute(self, requests):
+        open(self.weights)
+"""
+
+
+@pytest.mark.parametrize("decoupled", [False, True], ids=["plain", "decoupled-async"])
+def test_execute_errors_show_model_files_relative_to_the_repository(tmp_path: Path, serve, decoupled: bool) -> None:
+    repo = tmp_path / "repo"
+    config = ONE_OUTPUT_CONFIG.format(name="opens")
+    source = OPENS_MISSING_PY.replace("SIGNATURE", "async def" if decoupled else "def")
+    if decoupled:
+        config += "model_transaction_policy { decoupled: true }\n"
+    write_model(repo, "opens", config, {"model.py": source})
+    server = serve(repo)
+    expected = "No such file or directory: 'opens/1/weights.bin'"
+    if decoupled:
+        client = grpcclient.InferenceServerClient(server.grpc)
+        errors: list[str] = []
+        done = threading.Event()
+
+        def callback(result: object, error: object) -> None:
+            errors.append(str(error))
+            done.set()
+
+        client.start_stream(callback=callback)
+        tensor = grpcclient.InferInput("IN", [1], "FP32")
+        tensor.set_data_from_numpy(np.array([1.0], np.float32))
+        client.async_stream_infer("opens", [tensor])
+        assert done.wait(30)
+        client.stop_stream()
+        messages = errors
+    else:
+        messages = []
+        for module in (httpclient, grpcclient):
+            url = server.http if module is httpclient else server.grpc
+            tensor = module.InferInput("IN", [1], "FP32")
+            tensor.set_data_from_numpy(np.array([1.0], np.float32))
+            with pytest.raises(InferenceServerException) as caught:
+                module.InferenceServerClient(url).infer("opens", [tensor])
+            messages.append(caught.value.message())
+    for message in messages:
+        assert expected in message, message
+        assert str(tmp_path) not in message and str(tmp_path.resolve()) not in message
