@@ -42,7 +42,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from sluice.runtime import names
 from sluice.runtime.backends.base import TensorSpec
 from sluice.runtime.config_json import config_to_json as config_to_json  # the config endpoint's form
-from sluice.runtime.errors import ConfigError
+from sluice.runtime.errors import ConfigError, SluiceError
 from sluice.runtime.types import CONFIG_TYPE_BY_DATATYPE
 
 KNOWN_BACKENDS: tuple[str, ...] = ("onnxruntime", "python", "pytorch", "tensorrt")
@@ -662,6 +662,48 @@ def find_config_file(model_dir: Path) -> Path | None:
 
 def _format_of(config_file: Path) -> str:
     return {".pbtxt": "pbtxt", ".yaml": "yaml", ".yml": "yaml", ".json": "json"}[config_file.suffix]
+
+
+def local_step_models(config: mc.ModelConfig) -> list[str]:
+    """The step models of ensemble ``config`` served by this repository (not remote), in step order."""
+    remote = remote_steps(config)
+    return list(dict.fromkeys(s.model_name for s in config.ensemble_scheduling.step if s.model_name not in remote))
+
+
+def ensemble_steps_on_disk(model_dir: Path) -> list[str]:
+    """The local step models the config file in ``model_dir`` names when it is an ensemble's; [] for
+    any other model, and for a config that cannot be read or parsed (its own load says why). Blocking."""
+    try:
+        config_file = find_config_file(model_dir)
+        if config_file is None:
+            return []
+        text = config_file.read_text(encoding="utf-8")
+        config = parse_config(text, path=str(config_file), fmt=_format_of(config_file))
+    except (SluiceError, OSError, UnicodeDecodeError):
+        return []
+    return local_step_models(config) if config.platform == ENSEMBLE else []
+
+
+def ensemble_cycle(start: str, steps_of: Callable[[str], Sequence[str]]) -> list[str]:
+    """A cycle of ensembles through ``start`` (``[start, ..., start]``), or [] when following the step
+    models from ``start`` never comes back to it. ``steps_of(name)``: the local step models of
+    ``name`` ([] for a model that is not an ensemble). Pure; cycles not through ``start`` are
+    another ensemble's to report, and each name is expanded once."""
+    path: list[str] = []
+    done: set[str] = set()
+
+    def visit(name: str) -> list[str]:
+        path.append(name)
+        for step in steps_of(name):
+            if step == start:
+                return [*path, start]
+            if step not in done and step not in path and (found := visit(step)):
+                return found
+        path.pop()
+        done.add(name)
+        return []
+
+    return visit(start)
 
 
 def load_model_config(model_dir: Path, *, override: str | None = None) -> LoadedConfig:

@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Collection, Coroutine, Hashable, Iterable, Mapping
+from collections.abc import Callable, Collection, Coroutine, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -495,10 +495,12 @@ def prepare(
     services: BackendServices | None = None,
     tried: list[int] | None = None,
     serving: Mapping[int, Hashable] | None = None,
+    ensembles: Mapping[str, Sequence[str]] | None = None,
 ) -> _Prepared:
     """Blocking part of a load: parse, complete, validate, open sessions. Runs on a worker thread.
     ``serving``: the stamps of the versions serving now; a chosen version with the same stamp is
-    kept (listed in ``kept``, nothing opened for it).
+    kept (listed in ``kept``, nothing opened for it). ``ensembles``: the local step models of the
+    ensembles loaded now (their plans), which an ensemble's steps must not lead back to it through.
 
     Everything that can be refused is checked before the first backend or instance is created, so
     a refused load opens nothing; what it opened is closed again if a later step fails. The versions
@@ -515,12 +517,38 @@ def prepare(
         raise NotFound(f"failed to poll from model repository: no directory '{name}' in the model repository")
     loaded = model_config.load_model_config(model_dir, override=override)
     try:
-        return _prepare_loaded(root, name, loaded, model_dir, defaults, services, tried, serving or {})
+        return _prepare_loaded(root, name, loaded, model_dir, defaults, services, tried, serving or {}, ensembles or {})
     except ConfigError as exc:  # a backend's or a later check's complaint: placed in the config's text
         placed = loaded.placed(exc)
         if placed is exc:
             raise
         raise placed from exc
+
+
+def _refuse_ensemble_cycle(
+    root: Path, name: str, config: mc.ModelConfig, ensembles: Mapping[str, Sequence[str]]
+) -> None:
+    """Raises ConfigError when ensemble ``name``'s steps lead back to it through other ensembles,
+    loaded (their plans) or on disk (their config files): such requests would recurse without end.
+    Triton refuses this load too. Blocking (reads the config files of steps not loaded)."""
+    steps = model_config.local_step_models(config)
+
+    def steps_of(model: str) -> Sequence[str]:
+        if model == name:
+            return steps
+        if model in ensembles:
+            return ensembles[model]
+        model_dir = names.model_directory(root, model)
+        return model_config.ensemble_steps_on_disk(model_dir) if model_dir is not None else []
+
+    cycle = model_config.ensemble_cycle(name, steps_of)
+    if cycle:
+        index = next(i for i, step in enumerate(config.ensemble_scheduling.step) if step.model_name == cycle[1])
+        raise ConfigError(
+            f"circular dependency between ensembles: {' -> '.join(cycle)}; allowed: ensembles whose step "
+            "models (and theirs) never lead back to the ensemble",
+            field=f"ensemble_scheduling.step[{index}].model_name",
+        )
 
 
 def _prepare_loaded(
@@ -532,8 +560,11 @@ def _prepare_loaded(
     services: BackendServices | None,
     tried: list[int] | None,
     serving: Mapping[int, Hashable],
+    ensembles: Mapping[str, Sequence[str]],
 ) -> _Prepared:
     config = loaded.config
+    if model_config.backend_of(config) == model_config.ENSEMBLE:
+        _refuse_ensemble_cycle(root, name, config, ensembles)
     warnings = list(loaded.warnings)
     available = _available_versions(model_dir)
     backend = model_config.backend_of(config)
@@ -779,8 +810,13 @@ class Repository:
             try:
                 if files:
                     root = await loop.run_in_executor(None, _write_override, files, name)
+                ensembles = {
+                    other: self.composing_models(other)
+                    for other, entry in self._models.items()
+                    if other != name and entry.plan is not None and (entry.versions or entry.waiting)
+                }
                 prepared = await loop.run_in_executor(
-                    None, prepare, root, name, override, self._scheduling, self.services, tried, serving
+                    None, prepare, root, name, override, self._scheduling, self.services, tried, serving, ensembles
                 )
             except Exception as exc:
                 self._load_failed(name, model, exc, tried, None if root is self.root else root)

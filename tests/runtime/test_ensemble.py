@@ -973,3 +973,43 @@ def test_a_non_decoupled_ensemble_takes_one_response_of_a_decoupled_step(streami
         http.infer("single", [x, n])
     assert "is not decoupled but its decoupled steps produced more than one response" in caught.value.message()
     assert "model_transaction_policy { decoupled: true }" in caught.value.message()
+
+
+def _pointing_at(name: str, step: str) -> str:
+    return f"""
+name: "{name}"
+platform: "ensemble"
+max_batch_size: 0
+input [ {{ name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] }} ]
+output [ {{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] }} ]
+ensemble_scheduling {{ step [ {{ model_name: "{step}" model_version: -1
+  input_map {{ key: "INPUT0" value: "INPUT0" }} output_map {{ key: "OUTPUT0" value: "OUTPUT0" }} }} ] }}
+"""
+
+
+def test_ensemble_cycle_is_found_through_any_depth() -> None:
+    graph = {"a": ["b"], "b": ["c", "x"], "c": ["a"], "x": [], "d": ["d"], "e": ["b"]}
+    def steps(name: str) -> list[str]:
+        return graph.get(name, [])
+
+    assert model_config.ensemble_cycle("a", steps) == ["a", "b", "c", "a"]
+    assert model_config.ensemble_cycle("d", steps) == ["d", "d"]
+    assert model_config.ensemble_cycle("x", steps) == []
+    assert model_config.ensemble_cycle("e", steps) == []  # a cycle it reaches is the others' to report
+
+
+def test_ensembles_naming_each_other_are_refused_naming_the_cycle(tmp_path: Path, serve) -> None:
+    repo = tmp_path / "repo"
+    write_model(repo, "e1", _pointing_at("e1", "e2"), {})
+    write_model(repo, "e2", _pointing_at("e2", "e1"), {})
+    server = serve(repo)
+    client = httpclient.InferenceServerClient(server.http)
+    rows = {row["name"]: row for row in client.get_model_repository_index()}
+    assert rows["e1"]["state"] == rows["e2"]["state"] == "UNAVAILABLE"
+    assert "e1/config.pbtxt:7:" in rows["e1"]["reason"]
+    assert "circular dependency between ensembles: e1 -> e2 -> e1" in rows["e1"]["reason"]
+    assert "circular dependency between ensembles: e2 -> e1 -> e2" in rows["e2"]["reason"]
+    tensor = httpclient.InferInput("INPUT0", [4], "FP32")
+    tensor.set_data_from_numpy(np.zeros(4, np.float32))
+    with pytest.raises(InferenceServerException, match="circular dependency"):
+        client.infer("e1", [tensor])
