@@ -53,6 +53,7 @@ from sluice.runtime.config_json import config_to_json
 from sluice.runtime.errors import (
     AlreadyExists,
     Cancelled,
+    ConfigError,
     InvalidArgument,
     ModelError,
     NotFound,
@@ -116,9 +117,10 @@ _import_lock = threading.Lock()
 def load(config: mc.ModelConfig, ctx: LoadContext) -> ModelBackend:
     """Import ``<version_dir>/model.py`` (or ``default_model_filename``) and check its class."""
     if config.model_transaction_policy.decoupled and config.response_cache.enable:
-        raise Unsupported(
-            f"failed to load '{ctx.model_name}' version {ctx.version}: the response cache does not support "
-            "models with model_transaction_policy { decoupled: true }; remove response_cache or decoupled"
+        raise ConfigError(
+            "the response cache does not support models with model_transaction_policy { decoupled: true }; "
+            "allowed: response_cache { enable: false } or decoupled: false",
+            field="response_cache.enable",
         )
     if config.platform == torch_platform.PLATFORM:
         return _load_torch_platform(config, ctx)

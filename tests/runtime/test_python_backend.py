@@ -21,7 +21,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from sluice.runtime.backends import python as python_backend
 from sluice.runtime.backends import triton_python_backend_utils as pb_utils
 from sluice.runtime.backends.base import LoadContext, ModelInstance
-from sluice.runtime.errors import InvalidArgument, ModelError, SluiceError, Unsupported
+from sluice.runtime.errors import ConfigError, InvalidArgument, ModelError, SluiceError
 from sluice.runtime.types import InferRequest, InferResponse, RequestedOutput, Tensor
 
 ADD_SUB_CONFIG = """
@@ -669,8 +669,9 @@ def test_decoupled_model_with_response_cache_is_refused_at_load(tmp_path):
     )
     ctx = write_model(tmp_path, "dec", CHECKING_MODEL, config_text)
 
-    with pytest.raises(Unsupported, match=r"response cache does not support models with .*decoupled"):
+    with pytest.raises(ConfigError, match=r"field 'response_cache.enable': the response cache does not") as caught:
         python_backend.load(parse_config(config_text), ctx)
+    assert caught.value.field == "response_cache.enable"
 
 
 def test_initialize_error_fails_new_instance(tmp_path):

@@ -278,3 +278,17 @@ def test_execute_errors_show_model_files_relative_to_the_repository(tmp_path: Pa
     for message in messages:
         assert expected in message, message
         assert str(tmp_path) not in message and str(tmp_path.resolve()) not in message
+
+
+def test_decoupled_with_response_cache_is_refused_naming_file_line_and_field(tmp_path: Path, serve) -> None:
+    repo = tmp_path / "repo"
+    config = ONE_OUTPUT_CONFIG.format(name="dec") + (
+        "model_transaction_policy { decoupled: true }\nresponse_cache { enable: true }\n"
+    )
+    write_model(repo, "dec", config, {"model.py": ONE_OUTPUT_PY})
+    server = serve(repo)
+    rows = {row["name"]: row for row in httpclient.InferenceServerClient(server.http).get_model_repository_index()}
+    reason = rows["dec"]["reason"]
+    assert rows["dec"]["state"] == "UNAVAILABLE"
+    assert "dec/config.pbtxt:8:18:" in reason and "field 'response_cache.enable'" in reason, reason
+    assert "allowed: response_cache { enable: false } or decoupled: false" in reason
