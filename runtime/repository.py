@@ -973,7 +973,9 @@ class Repository:
             old, model.versions, model.waiting = {**model.waiting, **model.versions}, {}, {}
             # UNLOADING while its requests drain (Triton), UNAVAILABLE "unloaded" once they are done
             model.state = UNLOADING if old else UNAVAILABLE
-            model.reason = "" if old else "unloaded"
+            # a name no load ever found (its failed load left no reason) stays unknown: no index row
+            unknown = not old and not model.history and not model.reason and not model.load_error
+            model.reason = "" if old or unknown else "unloaded"
             model.load_error = model.reload_error = ""
             for version in old:
                 model.history[version] = UNLOADING

@@ -196,6 +196,23 @@ def test_explicit_mode_loads_only_load_model_names_and_allows_the_api(repo, serv
     assert not http.is_model_ready("plus")
 
 
+
+def test_unloading_a_name_the_repository_never_held_leaves_no_index_row(repo, serve):
+    server = serve(repo, model_control_mode="explicit", load_models=("plus",))
+    http = httpclient.InferenceServerClient(server.http)
+    grpc = grpcclient.InferenceServerClient(server.grpc)
+    for client in (http, grpc):
+        with pytest.raises(InferenceServerException, match="no directory 'ghost'"):
+            client.load_model("ghost")
+        client.unload_model("ghost")  # success for an unknown model, as Triton
+    client.unload_model("never_asked")
+    assert [row["name"] for row in http.get_model_repository_index()] == ["plus"]
+    assert [m.name for m in grpc.get_model_repository_index().models] == ["plus"]
+    http.unload_model("plus")  # a model that served keeps its row, UNAVAILABLE "unloaded"
+    assert http.get_model_repository_index() == [
+        {"name": "plus", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+    ]
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
