@@ -563,11 +563,11 @@ def _prepare_loaded(
     ensembles: Mapping[str, Sequence[str]],
 ) -> _Prepared:
     config = loaded.config
-    if model_config.backend_of(config) == model_config.ENSEMBLE:
-        _refuse_ensemble_cycle(root, name, config, ensembles)
     warnings = list(loaded.warnings)
     available = _available_versions(model_dir)
     backend = model_config.backend_of(config)
+    if backend == model_config.ENSEMBLE:
+        _refuse_ensemble_cycle(root, name, config, ensembles)
     if backend == model_config.ENSEMBLE and not available:
         available = [1]  # Triton wants an empty 1/ for an ensemble; Sluice does not
     chosen = model_config.select_versions(config, available, source=loaded.source)

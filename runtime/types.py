@@ -98,6 +98,12 @@ class RequestedOutput:
     parameters: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def copied_outputs(outputs: list[RequestedOutput] | None) -> list[RequestedOutput] | None:
+    """Outputs with parameters of their own: what a request-plan cache keeps, as binding shared memory
+    replaces the parameters of a request's outputs (each later request wraps the kept ones anew)."""
+    return None if outputs is None else [RequestedOutput(o.name, o.binary, dict(o.parameters)) for o in outputs]
+
+
 class CancelToken:
     """Set by the protocol layer when the client goes away; read by the scheduler and by models."""
 

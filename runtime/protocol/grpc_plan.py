@@ -22,7 +22,7 @@ from sluice.runtime import shm
 from sluice.runtime.errors import InvalidArgument
 from sluice.runtime.protocol import grpc_codec
 from sluice.runtime.settings import Limits
-from sluice.runtime.types import ELEMENT_SIZE, WIRE_DTYPE, InferRequest, RequestedOutput, Tensor
+from sluice.runtime.types import ELEMENT_SIZE, WIRE_DTYPE, InferRequest, RequestedOutput, Tensor, copied_outputs
 
 _RAW_FIELD = 7
 _MAX_PREFIX = 4096
@@ -80,13 +80,7 @@ class _Plan:
         self.version = request.model_version
         self.id = request.id
         self.parameters = request.parameters
-        # A copy: binding shared memory rewrites the request's outputs' parameters, and the plan
-        # must keep what the client sent for every later request with these bytes.
-        self.outputs = (
-            None
-            if request.outputs is None
-            else [RequestedOutput(o.name, o.binary, dict(o.parameters)) for o in request.outputs]
-        )
+        self.outputs = copied_outputs(request.outputs)  # not the first request's: binding rewrites those
         self.inputs = [
             (t.name, t.datatype, t.data.shape, int(t.data.size) * ELEMENT_SIZE[t.datatype], t.parameters)
             for t in request.inputs
@@ -137,6 +131,6 @@ class InferDecoder:
     def _request(plan: _Plan, inputs: list[Tensor]) -> InferRequest:
         outputs: list[RequestedOutput] | None = None
         if plan.outputs is not None:
-            outputs = [RequestedOutput(o.name, o.binary, dict(o.parameters)) for o in plan.outputs]
+            outputs = [RequestedOutput(o.name, o.binary, o.parameters) for o in plan.outputs]
         params: dict[str, Any] = dict(plan.parameters) if plan.parameters else {}
         return InferRequest(plan.model, plan.version, inputs, outputs, plan.id, params)

@@ -24,6 +24,7 @@ from sluice.runtime.types import (
     InferResponse,
     RequestedOutput,
     Tensor,
+    copied_outputs,
 )
 
 _MAX_HEADER = 4096
@@ -36,13 +37,7 @@ class _Plan:
     def __init__(self, request: InferRequest, sizes: list[int]) -> None:
         self.id = request.id
         self.parameters = request.parameters
-        # A copy: binding shared memory rewrites the request's outputs' parameters, and the plan
-        # must keep what the client sent for every later request with these bytes.
-        self.outputs = (
-            None
-            if request.outputs is None
-            else [RequestedOutput(o.name, o.binary, dict(o.parameters)) for o in request.outputs]
-        )
+        self.outputs = copied_outputs(request.outputs)  # not the first request's: binding rewrites those
         self.inputs = [
             (t.name, t.datatype, t.data.shape, int(t.data.size), size, t.parameters)
             for t, size in zip(request.inputs, sizes, strict=True)
@@ -102,7 +97,7 @@ class InferCodec:
             inputs.append(Tensor(name, datatype, array, dict(params) if params else {}))
         outputs = None
         if plan.outputs is not None:
-            outputs = [RequestedOutput(o.name, o.binary, dict(o.parameters)) for o in plan.outputs]
+            outputs = [RequestedOutput(o.name, o.binary, o.parameters) for o in plan.outputs]
         return InferRequest(model, version, inputs, outputs, plan.id, dict(plan.parameters) if plan.parameters else {})
 
     def encode(
