@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 FileStamp = tuple[str, int, int]
 """(path relative to its directory, size in bytes, mtime in ns): what tells a file changed."""
@@ -92,6 +92,18 @@ def changes(old: Snapshot, new: Snapshot) -> dict[str, Change]:
         if change is not None:
             out[name] = change
     return out
+
+
+def ensembles_to_retry(
+    found: Mapping[str, Change], failed: Collection[str], steps_of: Mapping[str, Collection[str]]
+) -> list[str]:
+    """The failed models a poll loads again, by name (sorted): those whose config names a local step
+    model the poll found added. An ensemble is refused while a step model is not in the repository;
+    Triton loads it once the step appears, and so does Sluice. ``failed``: models with nothing serving
+    after a failed load; ``steps_of``: the local step models each one's config on disk names (none
+    for a model that is not an ensemble). A model the poll itself loads or unloads is not retried."""
+    added = {name for name, change in found.items() if change.kind is Kind.ADDED}
+    return sorted(name for name in failed if name not in found and added.intersection(steps_of.get(name, ())))
 
 
 @dataclasses.dataclass

@@ -24,11 +24,20 @@ from pathlib import Path
 
 from sluice.runtime import names, pull
 from sluice.runtime.batching import Clock
-from sluice.runtime.config import CONFIG_FILE_NAMES
+from sluice.runtime.config import CONFIG_FILE_NAMES, ensemble_steps_on_disk
 from sluice.runtime.errors import InvalidArgument, SluiceError, Unavailable
 from sluice.runtime.mirror import RepositoryMirror
 from sluice.runtime.repository import Repository, directory_stamps, entry_stamps, unless_cancelled
-from sluice.runtime.snapshot import Change, FileStamp, Kind, ModelFiles, PollCounts, Snapshot, changes
+from sluice.runtime.snapshot import (
+    Change,
+    FileStamp,
+    Kind,
+    ModelFiles,
+    PollCounts,
+    Snapshot,
+    changes,
+    ensembles_to_retry,
+)
 
 log = logging.getLogger("sluice.runtime.watcher")
 
@@ -222,9 +231,30 @@ class ModelControl:
                 else:
                     work.append(self.repository.load(name))
             await asyncio.gather(*work, return_exceptions=True)  # each failure is logged and indexed
+            await self._retry_ensembles(found, now)
             if self.mirror is not None:
                 await self._collect(only=self._only)
             return found
+
+    async def _retry_ensembles(self, found: Mapping[str, Change], now: Snapshot) -> None:
+        """Load again the ensembles that failed because a step model was not in the repository, once a
+        poll adds it (:func:`snapshot.ensembles_to_retry`)."""
+        failed = [name for name in self.repository.failed() if name in now and name not in found]
+        if not failed or not any(change.kind is Kind.ADDED for change in found.values()):
+            return
+        root = self.repository.root
+
+        def steps_on_disk() -> dict[str, list[str]]:
+            return {
+                name: ensemble_steps_on_disk(model_dir) if (model_dir := names.model_directory(root, name)) else []
+                for name in failed
+            }
+
+        steps = await asyncio.get_running_loop().run_in_executor(None, steps_on_disk)
+        retry = ensembles_to_retry(found, failed, steps)
+        for name in retry:
+            log.info("repository poll: ensemble %s: a step model it names was added: loading again", name)
+        await asyncio.gather(*(self.repository.load(name) for name in retry), return_exceptions=True)
 
     async def _sync(self, only: Collection[str] | None) -> bool:
         assert self.mirror is not None

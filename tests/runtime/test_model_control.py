@@ -27,7 +27,7 @@ from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from sluice.runtime.server import StartupError
-from sluice.runtime.snapshot import Change, Kind, ModelFiles, changes
+from sluice.runtime.snapshot import Change, Kind, ModelFiles, changes, ensembles_to_retry
 from sluice.runtime.watcher import NOT_ALLOWED, startup_models
 
 from .conftest import ManualClock, write_model  # type: ignore[import-not-found]
@@ -142,6 +142,26 @@ B = frozenset({("model.onnx", 10, 2)})
 )
 def test_changes_between_two_snapshots(old, new, expected):
     assert changes(old, new) == expected
+
+
+@pytest.mark.parametrize(
+    ("found", "failed", "steps_of", "expected"),
+    [
+        ({"step": Change(Kind.ADDED)}, ["ens"], {"ens": ["step"]}, ["ens"]),
+        ({"step": Change(Kind.CHANGED, config_changed=True)}, ["ens"], {"ens": ["step"]}, []),
+        ({"step": Change(Kind.REMOVED)}, ["ens"], {"ens": ["step"]}, []),
+        ({"other": Change(Kind.ADDED)}, ["ens"], {"ens": ["step"]}, []),
+        ({"step": Change(Kind.ADDED)}, ["broken"], {"broken": []}, []),  # not an ensemble
+        ({"step": Change(Kind.ADDED), "ens": Change(Kind.CHANGED, config_changed=True)}, ["ens"],
+         {"ens": ["step"]}, []),  # the poll reloads it anyway
+        ({"a": Change(Kind.ADDED), "b": Change(Kind.ADDED)}, ["y", "x", "z"],
+         {"x": ["a"], "y": ["c", "b"], "z": ["c"]}, ["x", "y"]),
+    ],
+    ids=["step-added", "step-changed", "step-removed", "another-added", "not-an-ensemble", "reloaded-anyway",
+         "several"],
+)
+def test_ensembles_retried_after_a_poll(found, failed, steps_of, expected):
+    assert ensembles_to_retry(found, failed, steps_of) == expected
 
 
 @pytest.mark.parametrize(
@@ -620,6 +640,32 @@ output [ {{ name: "OUT", data_type: TYPE_FP32, dims: [ 1 ] }} ]
 ensemble_scheduling {{ step [ {{ model_name: "plus" model_version: -1
   input_map {{ key: "X" value: "IN" }} output_map {{ key: "Y" value: "OUT" }} }} ] }}
 """
+
+
+@pytest.mark.parametrize("ensemble_at_start", [True, False], ids=["ensemble-at-start", "ensemble-polled"])
+def test_an_ensemble_refused_for_a_missing_step_loads_once_a_poll_adds_the_step(repo, serve, ensemble_at_start):
+    """Triton's poll mode: an ensemble whose step model is not in the repository fails to load; once a
+    poll finds the step added, the step loads and the ensemble is loaded again and serves (it used to
+    stay UNAVAILABLE until its own files changed)."""
+    over_later = ensemble_over_plus("ens").replace('model_name: "plus"', 'model_name: "later"')
+    if ensemble_at_start:
+        write_model(repo, "ens", over_later, {})
+    server = serve(repo, model_control_mode="poll", repository_poll_s=3600)
+    if not ensemble_at_start:
+        write_model(repo, "ens", over_later, {})
+        assert server.call(server.server.poll_repository()) == {"ens": Change(Kind.ADDED)}
+    http = httpclient.InferenceServerClient(server.http)
+    [row] = [row for row in index(server.http) if row["name"] == "ens"]
+    assert row["state"] == "UNAVAILABLE" and "step model 'later' is not in the model repository" in row["reason"]
+    write_model(repo, "later", CONFIG.replace('"plus"', '"later"'), {"model.onnx": plus_model(5.0)})
+    assert server.call(server.server.poll_repository()) == {"later": Change(Kind.ADDED)}
+    assert http.is_model_ready("ens") and http.is_model_ready("later")
+    tensor = httpclient.InferInput("IN", [1, 1], "FP32")
+    tensor.set_data_from_numpy(np.array([[1.0]], np.float32))
+    assert float(http.infer("ens", [tensor]).as_numpy("OUT")[0, 0]) == 6.0
+    grpc = grpcclient.InferenceServerClient(server.grpc)
+    assert grpc.is_model_ready("ens")
+    assert server.call(server.server.poll_repository()) == {}  # nothing new: nothing loaded again
 
 
 def test_unload_dependents_unloads_an_ensemble_s_steps_unless_another_ensemble_uses_them(repo, serve):
