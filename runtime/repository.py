@@ -8,6 +8,7 @@ versions that were serving in place and records the reason for the repository in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -15,7 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Collection, Coroutine, Hashable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,13 @@ class _Model:
     # The temporary repository of a load with file overrides its versions were made from (removed when
     # they are closed); None: the repository's own directory.
     override_root: Path | None = None
+    # Loads and unloads holding or waiting for ``lock``: an entry nobody uses that holds nothing is dropped.
+    users: int = 0
+
+    def unknown(self) -> bool:
+        """Nothing serves, waits, or was ever found for this name: a name no load found (no index row)."""
+        return not (self.versions or self.waiting or self.history or self.reason or self.load_error
+                    or self.state == LOADING)
 
 
 _PLATFORM_BY_BACKEND = {"onnxruntime": "onnxruntime_onnx", "pytorch": "pytorch_libtorch", "tensorrt": "tensorrt_plan"}
@@ -769,6 +777,20 @@ class Repository:
             model = self._models[name] = _Model()
         return model
 
+    @contextlib.asynccontextmanager
+    async def _using(self, name: str, model: _Model) -> AsyncIterator[None]:
+        """Hold ``model``'s lock; afterwards an entry that holds nothing and that no other load or unload
+        waits for is dropped, so that loads of names the repository never held (a client trying
+        random names) leave nothing behind."""
+        model.users += 1
+        try:
+            async with model.lock:
+                yield
+        finally:
+            model.users -= 1
+            if model.users == 0 and model.unknown() and self._models.get(name) is model:
+                del self._models[name]
+
     def _checked(self, name: str, action: str) -> None:
         problem = names.name_problem(name)
         if problem is not None:
@@ -803,7 +825,7 @@ class Repository:
         loop = asyncio.get_running_loop()
         old: dict[int, ModelVersion] = {}
         tried: list[int] = []
-        async with model.lock:
+        async with self._using(name, model):
             model.state = LOADING
             serving = {version: stamp for version, stamp in model.stamps.items() if version in model.versions}
             root = self.root
@@ -963,7 +985,7 @@ class Repository:
         if model is None:
             self._expected.discard(name)
             return  # Triton answers success for an unknown model
-        async with model.lock:
+        async with self._using(name, model):
             # Under the lock, as a load marks the model expected under it: calls on one model take
             # effect in the order they came, so an unload sent during a load leaves it unloaded and
             # not awaited by readiness (discarded before the lock, the load marked it again).

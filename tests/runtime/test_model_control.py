@@ -233,6 +233,42 @@ def test_unloading_a_name_the_repository_never_held_leaves_no_index_row(repo, se
         {"name": "plus", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
     ]
 
+
+def test_loads_of_names_the_repository_never_held_leave_nothing_behind(repo, serve):
+    """A client trying random names gets 404 each time and the server keeps no entry for them (memory
+    grew by one entry per name), also when loads and unloads of one such name overlap; a name that
+    appears in the repository later loads as any other."""
+    server = serve(repo, model_control_mode="explicit", load_models=("plus",))
+    http = httpclient.InferenceServerClient(server.http)
+    grpc = grpcclient.InferenceServerClient(server.grpc)
+    for i in range(50):
+        with pytest.raises(InferenceServerException, match=f"no directory 'ghost{i}'"):
+            (http if i % 2 else grpc).load_model(f"ghost{i}")
+    errors: list[BaseException] = []
+
+    def churn(client_kind: str) -> None:
+        client = (httpclient.InferenceServerClient(server.http) if client_kind == "http"
+                  else grpcclient.InferenceServerClient(server.grpc))
+        for _ in range(10):
+            try:
+                client.load_model("ghost")
+            except InferenceServerException as exc:
+                if "no directory 'ghost'" not in exc.message():
+                    errors.append(exc)
+            client.unload_model("ghost")
+
+    threads = [threading.Thread(target=churn, args=(kind,)) for kind in ("http", "grpc", "http", "grpc")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors
+    assert sorted(server.server.repository._models) == ["plus"]  # the memory this is about: no public readout
+    assert [row["name"] for row in http.get_model_repository_index()] == ["plus"]
+    write_model(repo, "ghost7", CONFIG.replace('"plus"', '"ghost7"'), {"model.onnx": plus_model(7.0)})
+    grpc.load_model("ghost7")
+    assert infer_http(server.http, model="ghost7") == 8.0
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
