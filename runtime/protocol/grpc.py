@@ -12,7 +12,7 @@ import grpc
 from sluice.runtime import callers
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import SluiceError
-from sluice.runtime.protocol.grpc_service import INFER, STREAM, Call, Method, Service
+from sluice.runtime.protocol.grpc_service import INFER, STREAM, Call, Method, Service, stream_payload
 from sluice.runtime.protocol.grpc_status import grpc_code
 from sluice.runtime.settings import Limits
 
@@ -46,13 +46,13 @@ def _unary(method: Method) -> Callable[..., Any]:
     return handle
 
 
-def _stream(method: Method) -> Callable[..., Any]:
+def _stream(method: Method, limit: int) -> Callable[..., Any]:
     handler = method.handler
 
     async def handle(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             async for reply in handler(requests, _call(context)):
-                yield reply
+                yield stream_payload(reply, limit)  # an oversized one: its request's error, not the call's end
         except SluiceError as exc:
             await context.abort(grpc_code(exc), exc.message)
 
@@ -65,7 +65,9 @@ def method_handlers(service: Service) -> dict[str, dict[str, grpc.RpcMethodHandl
     handlers: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
     for method in service.methods.values():
         if method.kind == STREAM:
-            handler = grpc.stream_stream_rpc_method_handler(_stream(method), method.parse, _serialize)
+            handler = grpc.stream_stream_rpc_method_handler(
+                _stream(method, service.limits.max_grpc_message_bytes), method.parse, _serialize
+            )
         else:
             parse = None if method.kind == INFER else method.parse  # ModelInfer takes the bytes (plan cache)
             handler = grpc.unary_unary_rpc_method_handler(_unary(method), parse, _serialize)

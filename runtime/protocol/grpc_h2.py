@@ -1346,11 +1346,7 @@ class GrpcConnection(asyncio.Protocol):
                 async for reply in replies:
                     if stream.finished:
                         return
-                    payload = reply.SerializeToString()
-                    if len(payload) > self._max_message:  # as grpcio: the call ends
-                        self._too_large(stream, len(payload))
-                        return
-                    self._send_message(stream, payload)
+                    self._send_message(stream, grpc_service.stream_payload(reply, self._max_message))
                     if stream.pending:
                         # the client's window is full: take no more answers (and so, through the call's
                         # in-flight bound, no more requests) until it reads

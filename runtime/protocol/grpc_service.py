@@ -555,3 +555,19 @@ def unimplemented_message(name: str) -> str:
 
 def too_large(size: int, limit: int) -> str:
     return f"response is {size} bytes, larger than max ({limit}; --max-grpc-message-bytes)"
+
+
+def stream_payload(reply: Any, limit: int) -> bytes:
+    """``reply`` (a ModelStreamInferResponse, or one already serialized) as the stream sends it: a
+    reply larger than ``limit`` becomes an error for its request alone (id, model, version and
+    ``triton_final_response`` kept, so the client can match it and a decoupled request still ends)
+    and the stream goes on with the others (grpcio would end the whole call)."""
+    payload = reply if type(reply) is bytes else reply.SerializeToString()
+    if len(payload) <= limit:
+        return payload
+    full = pb.ModelStreamInferResponse.FromString(payload).infer_response
+    out = pb.ModelStreamInferResponse(error_message=too_large(len(payload), limit),
+                                      infer_response=_named_response(full))
+    if FINAL_PARAMETER in full.parameters:
+        out.infer_response.parameters[FINAL_PARAMETER].bool_param = full.parameters[FINAL_PARAMETER].bool_param
+    return out.SerializeToString()

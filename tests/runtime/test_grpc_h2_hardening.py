@@ -8,11 +8,13 @@ import contextlib
 import re
 import select
 import socket
+import threading
 import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import grpc
 import hpack
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ from hyperframe.frame import (
     WindowUpdateFrame,
 )
 from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from sluice.runtime.settings import Limits
@@ -254,6 +257,106 @@ def test_infer_response_over_the_message_limit_is_resource_exhausted(tmp_path, s
         assert client.infer("repeat", [small]).as_numpy("OUTPUT0").shape == (128,)
     finally:
         client.close()
+
+
+SIZES_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            for n in pb_utils.get_input_tensor_by_name(request, "SIZES").as_numpy():
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", np.ones(int(n), np.float32))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+SIZES_CONFIG = """
+name: "sizes"
+backend: "python"
+max_batch_size: 0
+input [ { name: "SIZES", data_type: TYPE_INT32, dims: [ -1 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+model_transaction_policy { decoupled: true }
+"""
+
+
+@pytest.mark.parametrize("grpc_server", ["h2", "grpcio"])
+def test_a_stream_response_over_the_message_limit_fails_that_request_and_the_stream_goes_on(
+    tmp_path, serve, grpc_server
+):
+    """On ModelStreamInfer an oversized response is an error for its request alone, carrying its id
+    (and, from a decoupled model, the final flag); the stream's other requests and later ones are
+    answered (the whole call used to end with RESOURCE_EXHAUSTED, losing every request in flight)."""
+    repo = tmp_path / "repo"
+    write_model(repo, "repeat", REPEAT_CONFIG, {"model.py": REPEAT_PY})
+    write_model(repo, "sizes", SIZES_CONFIG, {"model.py": SIZES_PY})
+    limit = 64 * 1024
+    server = serve(repo, limits=Limits(max_grpc_message_bytes=limit), grpc_server=grpc_server)
+    client = grpcclient.InferenceServerClient(server.grpc)
+    answers: list[tuple[Any, Any]] = []
+    done = threading.Condition()
+
+    def callback(result: Any, error: Any) -> None:
+        with done:
+            answers.append((result, error))
+            done.notify_all()
+
+    def repeat(n: int) -> list[Any]:
+        tensor = grpcclient.InferInput("INPUT0", [n], "FP32")
+        tensor.set_data_from_numpy(np.ones(n, np.float32))
+        return [tensor]
+
+    def sizes(*values: int) -> list[Any]:
+        tensor = grpcclient.InferInput("SIZES", [len(values)], "INT32")
+        tensor.set_data_from_numpy(np.array(values, np.int32))
+        return [tensor]
+
+    def wait_for(count: int) -> None:
+        with done:
+            assert done.wait_for(lambda: len(answers) >= count, timeout=30), answers
+
+    client.start_stream(callback)
+    try:
+        client.async_stream_infer("repeat", repeat(16), request_id="small-1")
+        client.async_stream_infer("repeat", repeat(4096), request_id="big")  # 128 KiB out
+        client.async_stream_infer("repeat", repeat(16), request_id="small-2")
+        wait_for(3)
+        by_id = {}
+        for result, error in answers:
+            if error is None:
+                by_id[result.get_response().id] = result.as_numpy("OUTPUT0").shape
+            else:
+                by_id["error"] = error
+        assert by_id["small-1"] == by_id["small-2"] == (128,)
+        error = by_id["error"]
+        assert re.search(rf"response is 13\d{{4}} bytes, larger than max \({limit}; --max-grpc-message-bytes\)",
+                         error.message()), error.message()
+        answers.clear()
+        # a decoupled request: small, too large (its error keeps the id), small, then its final flag
+        client.async_stream_infer("sizes", sizes(8, 40000, 8), request_id="d", enable_empty_final_response=True)
+        wait_for(4)
+        assert [e is None for _, e in answers] == [True, False, True, True]
+        assert "larger than max" in answers[1][1].message()
+        final = answers[3][0].get_response()
+        assert final.id == "d" and final.parameters["triton_final_response"].bool_param
+        client.async_stream_infer("repeat", repeat(16), request_id="after")
+        wait_for(5)
+        assert answers[4][1] is None and answers[4][0].get_response().id == "after"
+    finally:
+        client.stop_stream()
+        client.close()
+    # on the wire the error names its request (tritonclient hands its callback the message alone)
+    request = pb.ModelInferRequest(model_name="repeat", id="big",
+                                   raw_input_contents=[np.ones(4096, np.float32).tobytes()])
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=[4096])
+    with grpc.insecure_channel(server.grpc) as channel:
+        [reply] = list(service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(iter([request])))
+    assert "larger than max" in reply.error_message
+    assert (reply.infer_response.model_name, reply.infer_response.id) == ("repeat", "big")
 
 
 # -- 6. keepalive ------------------------------------------------------------------------------------------
