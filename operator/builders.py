@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -441,6 +442,19 @@ def _quantity_sum(quantities: Sequence[str]) -> str:
         if total >= factor and total % factor == 0:
             return f"{total // factor}{suffix}"
     return str(total)
+
+
+def resource_sum(values: Sequence[str], unit: str) -> str:
+    """CPU (``unit`` ``cpu``) or memory quantities added up for one container: one is returned as
+    written; a sum of CPUs in whole cores or millicores, of memory in GiB or MiB, rounded up."""
+    if len(values) == 1:
+        return values[0]
+    total = sum(api.quantity_to_float(v) for v in values)
+    if unit == "cpu":
+        millis = math.ceil(round(total * 1000, 6))
+        return str(millis // 1000) if millis % 1000 == 0 else f"{millis}m"
+    mib = math.ceil(round(total / 2**20, 6))
+    return f"{mib // 1024}Gi" if mib % 1024 == 0 else f"{mib}Mi"
 
 
 def model_storage(models: Sequence[ServedModel]) -> tuple[str | None, str | None]:
@@ -1091,9 +1105,9 @@ def ensemble(
             step_models[step.name] = step.model.name
             gpu = step.resources.gpu
             served = step.model
-        if gpu is not None:
-            step_gpus.append(gpu)
         model_name = step_models[step.name]
+        if gpu is not None and model_name not in sources:  # a model two steps call is served (and given GPUs) once
+            step_gpus.append(gpu)
         where = f"spec.steps[{index}]" + (f" (InferenceModel {step.model_ref!r})" if step.model_ref else ".model")
         if model_name == owner.name:
             problems.append(f"{where}: serves a model named {model_name!r}, the ensemble's own name; the runtime "
@@ -1172,16 +1186,50 @@ def ensemble(
         else:
             assert step.model is not None
             models.append(served_model(step.model, api.RuntimeConfig(), gpu=step.resources.gpu is not None))
+    resources = spec.resources
     if colocate:
         gpus = step_gpus
+        resources = colocated_resources(spec, referenced, settings)
     source = api.ModelSource(name=ensemble_name, storage_uri="", format="python", version=1)
     text = json.dumps(ensemble_config(ensemble_name, spec, step_models, remote), indent=2, sort_keys=True) + "\n"
     models.insert(0, ServedModel(source, "config.json", text))
     return _workload(
-        owner, models, model_name=ensemble_name, resources=spec.resources, gpus=gpus,
+        owner, models, model_name=ensemble_name, resources=resources, gpus=gpus,
         scaling=spec.scaling, storage=storage, shutdown=spec.shutdown, server=spec.server, settings=settings,
         traffic=({"revision": "stable", "version": 1, "percent": 100},),
         placement="Colocated" if colocate else "Remote", live=live,
+    )
+
+
+def colocated_resources(
+    spec: api.EnsembleSpec, referenced: Mapping[str, api.InferenceModelSpec], settings: Settings
+) -> api.Resources:
+    """The runtime container's CPU and memory when an Ensemble's steps share its pods: each field the
+    Ensemble's ``resources`` sets is used as it is; otherwise, once any step states it (in its own
+    ``resources`` or, for a ``modelRef``, in that InferenceModel's), the steps' add up (a step stating
+    none counts the operator default), one model counted once; else the operator default applies."""
+    served: dict[str, tuple[str | None, str | None]] = {}
+    for step in spec.steps:
+        if step.model_ref is not None:
+            ref = referenced[step.model_ref]
+            name = ref.model.name
+            cpu, memory = step.resources.cpu or ref.resources.cpu, step.resources.memory or ref.resources.memory
+        else:
+            assert step.model is not None
+            name, cpu, memory = step.model.name, step.resources.cpu, step.resources.memory
+        known = served.get(name, (None, None))
+        served[name] = (known[0] or cpu, known[1] or memory)  # two steps calling one model: one model to budget
+
+    def total(own: str | None, stated: list[str | None], default: str, unit: str) -> str | None:
+        if own is not None or not any(stated):
+            return own
+        return resource_sum([value or default for value in stated], unit)
+
+    cpus, memories = [cpu for cpu, _ in served.values()], [memory for _, memory in served.values()]
+    return dataclasses.replace(
+        spec.resources,
+        cpu=total(spec.resources.cpu, cpus, settings.default_resources.cpu, "cpu"),
+        memory=total(spec.resources.memory, memories, settings.default_resources.memory, "memory"),
     )
 
 

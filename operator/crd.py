@@ -710,7 +710,12 @@ def ensemble_crd() -> dict[str, Any]:
                 "name": _str("InferenceModel name.", minLength=1),
             }, required=("name",)),
             "model": _model_source("An inline model served inside the ensemble's pods."),
-            "resources": _resources(),
+            "resources": {**_resources(), "description": (
+                "What the step's model needs when the steps share the ensemble's pods (placement "
+                "Colocated, or Auto when they fit): its gpu, else the referenced InferenceModel's; cpu and "
+                "memory (else the InferenceModel's) add up over the steps into the runtime container's, "
+                "each one the Ensemble's own resources do not set. Not used when the steps are called "
+                "remotely (the InferenceModels' pods have their own).")},
             "version": _int("Model version to call; -1 is the latest.", -1, 2**31 - 1, default=-1),
             "inputMap": {**tensor_map, "description": "Step model input -> ensemble tensor it reads."},
             "outputMap": {**tensor_map, "description": "Step model output -> ensemble tensor it writes."},

@@ -16,7 +16,6 @@ shared with the application containers for Triton's system shared memory.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -194,13 +193,6 @@ def _prefixed(name: str) -> str:
     return name if name.startswith(PREFIX) else builders.dns_label(PREFIX + name)
 
 
-def _sum(values: Sequence[str], unit: str) -> str:
-    if len(values) == 1:
-        return values[0]
-    total = sum(api.quantity_to_float(v) for v in values)
-    return f"{math.ceil(total * 1000)}m" if unit == "cpu" else f"{math.ceil(total / 2**20)}Mi"
-
-
 def _container_security_context() -> Obj:
     # The app's pod-level securityContext is the app's: the injected containers carry their own.
     return {**builders._restricted_security_context(), "runAsUser": builders.RUNTIME_UID,
@@ -274,8 +266,9 @@ def inject(
     mounts += shared_mounts
 
     # ---- the runtime container
-    cpu = _sum([m.resources.cpu or settings.default_resources.cpu for _, m in models], "cpu")
-    memory = _sum([m.resources.memory or settings.default_resources.memory for _, m in models], "memory")
+    defaults = settings.default_resources
+    cpu = builders.resource_sum([m.resources.cpu or defaults.cpu for _, m in models], "cpu")
+    memory = builders.resource_sum([m.resources.memory or defaults.memory for _, m in models], "memory")
     grace = max(m.shutdown.grace_seconds for _, m in models)
     runtime: Obj = {
         "name": CONTAINER,

@@ -249,6 +249,54 @@ def test_ensemble_colocated_matches_golden():
     check_golden("ensemble-colocated", list(desired.objects))
 
 
+def _step(name: str, ref: str | None = None, **resources: str) -> dict:
+    source = {"modelRef": {"name": ref}} if ref else {"model": {"storageUri": f"s3://b/{name}", "format": "python"}}
+    return {"name": name, **source, **({"resources": resources} if resources else {}),
+            "inputMap": {"IN": "IMAGE"}, "outputMap": {"OUT": f"t_{name}"}}
+
+
+@pytest.mark.parametrize(("own", "steps", "expected"), [
+    ({}, [_step("a"), _step("b")], (None, None)),  # nothing stated: the operator default
+    ({}, [_step("a", cpu="500m"), _step("b", cpu="250m", memory="512Mi")], ("750m", "2560Mi")),
+    ({"cpu": "8"}, [_step("a", cpu="2", memory="1Gi"), _step("b", memory="1Gi")], ("8", "2Gi")),
+    ({}, [_step("a", ref="resnet"), _step("b", cpu="1")], ("5", "18Gi")),  # resnet: 4 CPU, 16Gi
+    # one model two steps call: served once, so its CPU, memory and GPU count once (its GPU went in twice)
+    ({}, [_step("a", ref="resnet", cpu="2"), _step("b", ref="resnet")], ("2", "16Gi")),
+], ids=["defaults", "steps-add-up", "ensemble-wins-per-field", "referenced-model", "one-model-counted-once"])
+def test_colocated_steps_size_the_ensembles_pods(own, steps, expected):
+    """A colocated Ensemble's pods get what its steps need (its own resources win, field by field);
+    the steps' cpu and memory were ignored, so a 4-CPU, 16Gi model ran in a 1-CPU, 2Gi pod."""
+    spec = {**ENSEMBLE, "steps": steps, **({"resources": own} if own else {}), "outputs": [
+        {"name": f"t_{step['name']}", "dataType": "TYPE_FP32", "dims": [-1]} for step in steps]}
+    referenced = {"resnet": api.parse_inference_model("resnet", MODELS["gpu-autoscaled"])}
+    parsed = api.parse_ensemble("classifier", spec)
+    resources = builders.colocated_resources(parsed, referenced, SETTINGS)
+    assert (resources.cpu, resources.memory) == expected
+    desired = builders.ensemble(owner("Ensemble", "classifier"), parsed, referenced, SETTINGS)
+    assert desired.placement == "Colocated"
+    [deployment] = [o for o in desired.objects if o["kind"] == "Deployment"]
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    defaults = SETTINGS.default_resources
+    want = {"cpu": expected[0] or defaults.cpu, "memory": expected[1] or defaults.memory}
+    assert {k: container["resources"]["limits"][k] for k in want} == want
+    assert {k: container["resources"]["requests"][k] for k in want} == want
+    if any("modelRef" in step for step in steps):
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_remote_steps_leave_the_ensembles_pods_at_their_own_resources():
+    big = {**MODELS["gpu-autoscaled"], "resources": {"cpu": "4", "memory": "16Gi", "gpu": {"count": 2}}}
+    spec = {**ENSEMBLE, "steps": [_step("a", ref="resnet", cpu="3")],
+            "outputs": [{"name": "t_a", "dataType": "TYPE_FP32", "dims": [-1]}]}
+    referenced = {"resnet": api.parse_inference_model("resnet", big)}
+    desired = builders.ensemble(owner("Ensemble", "classifier"), api.parse_ensemble("classifier", spec),
+                                referenced, SETTINGS)
+    assert desired.placement == "Remote"  # resnet runs in its own pods, sized by its own spec
+    [deployment] = [o for o in desired.objects if o["kind"] == "Deployment"]
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["cpu"] == SETTINGS.default_resources.cpu
+
+
 def test_ensemble_remote_when_steps_do_not_fit_one_pod():
     big = {**MODELS["gpu-autoscaled"], "resources": {"gpu": {"count": 2}}}
     spec = {**ENSEMBLE, "steps": [ENSEMBLE["steps"][1]], "inputs": [
