@@ -25,7 +25,7 @@ import pytest
 
 from sluice.operator import builders, certificates, webhook
 from sluice.operator.crd import all_crds
-from sluice.operator.kube import Kube
+from sluice.operator.kube import Kube, path
 from sluice.operator.settings import Settings, Webhook
 from sluice_testing import ApiServer, Cluster, OperatorHarness
 
@@ -206,6 +206,7 @@ async def test_a_model_the_index_lacks_is_read_from_the_api_before_a_pod_is_refu
     answers the webhook's Service too: with an empty index it reads the model instead of refusing the pod."""
     cluster, _, server, _ = env
     assert (await cluster.create(copy.deepcopy(MODEL)))[0] == 201
+    await cluster.wait(lambda: _condition(cluster, "Ready", "True"), "the Sidecar model is Ready")
     kube = Kube(kopf.ConnectionInfo(server=str(server.url).rstrip("/"), insecure=True))
     try:
         injector = webhook.Injector(Settings(), kube)
@@ -220,6 +221,43 @@ async def test_a_model_the_index_lacks_is_read_from_the_api_before_a_pod_is_refu
             await injector.review(missing, {})
     finally:
         await kube.aclose()
+
+
+async def test_a_model_whose_config_is_not_rendered_is_not_injected_until_it_is(env):
+    """An injected pod mounts the model's ConfigMap: while the operator cannot write it (here the API
+    refuses ConfigMaps, as missing RBAC would) the pod is denied naming the model's condition, instead
+    of being created with a mount that keeps it in ContainerCreating; once it is written the same pod is
+    injected. A changed spec is injected again only once its generation is rendered."""
+    cluster, webhooks, server, _ = env
+    server.reject_writes("v1/configmaps", 403, 'configmaps is forbidden: User "x" cannot create')
+    assert (await cluster.create(copy.deepcopy(MODEL)))[0] == 201
+    degraded = await cluster.wait(lambda: _condition(cluster, "Degraded", "True"), "the model is Degraded")
+    assert degraded["reason"] == "Forbidden"
+    not_ready = await _condition(cluster, "Ready", "False")
+    assert not_ready is not None and not_ready["reason"] == "Forbidden", not_ready  # not "DeploymentMissing"
+
+    async def denied_for_config() -> dict[str, Any] | None:
+        answer = await webhooks.review(app_pod())
+        return answer if "is not rendered" in answer.get("status", {}).get("message", "") else None
+
+    answer = await cluster.wait(denied_for_config, "the pod is denied for the unrendered config")
+    assert answer["allowed"] is False and answer["status"]["code"] == 403
+    message = answer["status"]["message"]
+    assert "InferenceModel 'mnist' cannot be injected: its config (ConfigMap 'mnist-config') is not rendered" in message
+    assert "configmaps is forbidden" in message
+    assert await cluster.get("ConfigMap", "mnist-config") is None
+    server.allow_writes("v1/configmaps")
+    status, _ = await cluster.call("PATCH", path("InferenceModel", NAMESPACE, "mnist"),
+                                   {"metadata": {"labels": {"retry": "1"}}}, "application/merge-patch+json")
+    assert status == 200  # any change retries (as kubectl label would)
+    await cluster.wait(lambda: _condition(cluster, "Ready", "True"), "the Sidecar model is Ready")
+    assert await cluster.get("ConfigMap", "mnist-config") is not None
+
+    async def injected() -> dict[str, Any] | None:
+        answer = await webhooks.review(app_pod())
+        return answer if answer["allowed"] and "patch" in answer else None
+
+    await cluster.wait(injected, "the same pod is injected once the config is rendered")
 
 
 async def test_pods_not_asking_or_opting_out_are_left_alone(env):

@@ -98,6 +98,8 @@ MAX_PROTOCOL_WORKERS = 64
 """The runtime's bound on ``sluice serve --protocol-workers`` (a contract test holds the two equal)."""
 
 NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}$"
+MAX_OBJECT_NAME = 253
+"""Kubernetes' limit on an object name (a DNS subdomain), a ConfigMap's included."""
 STORAGE_URI_PATTERN = r"^(s3|gs|az|https|pvc)://[^\s]+$"
 CHECKSUM_PATTERN = r"^sha256:[0-9a-f]{64}$"
 """``spec.model.checksum``: what ``sluice pull`` prints; of the file for one file or archive, else of the
@@ -809,7 +811,11 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
         mode=read.string(spec, "mode", "spec", choices=MODES) or DEPLOYMENT_MODE,
     )
     if result.mode == SIDECAR_MODE:
-        pass  # no Deployment or Service of its own: only '<name>-config', which any object name fits
+        # no Deployment or Service of its own: only '<name>-config', a DNS subdomain like the name itself
+        if len(name) > MAX_OBJECT_NAME - len("-config"):
+            read.problem("metadata.name", f"{name!r} is {len(name)} characters; in Sidecar mode it may have at most "
+                         f"{MAX_OBJECT_NAME - len('-config')}, since its ConfigMap is '<name>-config' (at most "
+                         f"{MAX_OBJECT_NAME})")
     elif not re.fullmatch(POOL_NAME_PATTERN, name):
         read.problem("metadata.name", f"{name!r} names the model's Deployment and Service, so it must be a DNS "
                      "label: lower-case letters, digits and '-', starting with a letter, at most 63 characters")

@@ -450,8 +450,9 @@ def _register_peering(registry: kopf.OperatorRegistry, name: str, namespaces: Se
 def _register_injection(registry: kopf.OperatorRegistry, injector: webhook.Injector) -> None:
     """The sidecar webhook: InferenceModels indexed by (namespace, name), and the mutating pod handler."""
 
-    def sidecar_models(name: str, namespace: str | None, spec: kopf.Spec, **_: Any) -> dict[tuple[str, str], Any]:
-        return {(namespace or "", name): sidecar.indexed(name, spec)}
+    def sidecar_models(name: str, namespace: str | None, spec: kopf.Spec, status: kopf.Status, meta: kopf.Meta,
+                       **_: Any) -> dict[tuple[str, str], Any]:
+        return {(namespace or "", name): sidecar.indexed(name, spec, status, meta.get("generation"))}
 
     kopf.index(api.GROUP, api.VERSION, api.INFERENCE_MODEL_PLURAL, registry=registry,
                id="sidecar_models")(sidecar_models)

@@ -355,7 +355,7 @@ class Reconciler:
             if plan.membership is not None:
                 found, replicas, ready = _member_conditions(body, plan.membership)
             elif plan.sidecar:
-                found, replicas, ready = _sidecar_conditions(owner), 0, 0
+                found, replicas, ready = _sidecar_conditions(owner, self._settings.webhook.port != 0), 0, 0
             else:
                 found, replicas, ready = _rollout(deployment)
                 if deployment is not None and ready < int((deployment.get("spec") or {}).get("replicas", 1)):
@@ -766,7 +766,11 @@ class Reconciler:
         found, replicas, ready = _rollout(deployment)
         found = [c for c in found if c.type == conditions.READY]
         membership = (fields or {}).get("pool")
-        if deployment is None and isinstance(membership, Mapping):
+        if deployment is None and (body.get("spec") or {}).get("mode") == api.SIDECAR_MODE:
+            # no Deployment is expected: what matters is that no pod gets the runtime of this spec
+            found = [Condition(conditions.READY, FALSE, reason,
+                               "Not injected: the webhook injects a Sidecar model only once its config is rendered.")]
+        elif deployment is None and isinstance(membership, Mapping):
             # a pool member: no Deployment of its own is expected, and the pool does not serve this spec
             found = [Condition(conditions.READY, FALSE, reason,
                                f"Not served by pool {membership.get('name')}: it serves no spec it cannot read.")]
@@ -1105,11 +1109,21 @@ def _member_conditions(body: Mapping[str, Any], membership: _Membership) -> tupl
     return found, replicas, ready
 
 
-def _sidecar_conditions(owner: builders.Owner) -> list[Condition]:
-    """A Sidecar model is ready once its config is rendered: the webhook can inject it from then on (how
-    many pods carry it is not tracked: that would mean watching every pod of the namespace)."""
+def _sidecar_conditions(owner: builders.Owner, webhook: bool) -> list[Condition]:
+    """A Sidecar model is ready once its config is rendered and this operator serves the injection
+    webhook (``webhook``): the webhook injects it from then on (how many pods carry it is not tracked:
+    that would mean watching every pod of the namespace)."""
+    if not webhook:
+        return [
+            Condition(conditions.READY, FALSE, "NoInjectionWebhook",
+                      f"Config rendered in ConfigMap {sidecar.config_map_name(owner.name)}, but this operator "
+                      "serves no sidecar-injection webhook (SLUICE_WEBHOOK_PORT is 0; the chart's webhook.enabled "
+                      "is false), so no pod gets the runtime: enable the webhook, or use spec.mode Deployment."),
+            Condition(conditions.PROGRESSING, FALSE, "Rendered", "Nothing to roll out: the runtime runs in the "
+                      "application's pods, which pick a changed config up when they are recreated."),
+        ]
     return [
-        Condition(conditions.READY, TRUE, "ReadyToInject",
+        Condition(conditions.READY, TRUE, sidecar.READY_TO_INJECT,
                   f"Config rendered in ConfigMap {sidecar.config_map_name(owner.name)}; pods annotated "
                   f"{sidecar.INJECT_ANNOTATION}: {owner.name} in a namespace labelled "
                   f"{sidecar.NAMESPACE_LABEL}: enabled get the runtime as a sidecar."),

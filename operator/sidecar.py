@@ -66,8 +66,23 @@ class Model:
     problem: str = ""
 
 
-def indexed(name: str, raw_spec: Mapping[str, Any]) -> Model:
-    """What the webhook needs to know of InferenceModel ``name`` (called by the kopf index on every change)."""
+READY_TO_INJECT = "ReadyToInject"
+"""The Ready reason of a Sidecar model whose config the operator rendered for its current spec; only such
+a model is injected (an injected pod mounts that ConfigMap and would not start without it)."""
+
+
+def rendered(generation: int) -> Obj:
+    """The status the operator writes once a Sidecar model's config of ``generation`` is rendered (the
+    part :func:`indexed` reads)."""
+    return {"observedGeneration": generation,
+            "conditions": [{"type": "Ready", "status": "True", "reason": READY_TO_INJECT}]}
+
+
+def indexed(name: str, raw_spec: Mapping[str, Any], status: Mapping[str, Any] | None,
+            generation: int | None) -> Model:
+    """What the webhook needs to know of InferenceModel ``name`` (called by the kopf index on every
+    change, status writes included): its spec once ``status`` says the config of this ``generation``
+    is rendered (Ready, :data:`READY_TO_INJECT`), else why it cannot be injected now."""
     try:
         spec = api.parse_inference_model(name, raw_spec)
     except api.SpecError as exc:
@@ -77,6 +92,20 @@ def indexed(name: str, raw_spec: Mapping[str, Any]) -> Model:
                                  f"call its Service, or set spec.mode: {api.SIDECAR_MODE}")
     if problems := builders.unserved_formats([("spec.model", spec.model)]):
         return Model(name, None, "; ".join(problems))
+    status = status or {}
+    ready = next((c for c in status.get("conditions") or () if isinstance(c, Mapping) and c.get("type") == "Ready"),
+                 None)
+    config = f"ConfigMap {config_map_name(name)!r}"
+    if generation is not None and status.get("observedGeneration") != generation:
+        return Model(name, None, f"the operator has not rendered its config ({config}) for generation {generation} "
+                                 "of its spec yet; the pod's controller retries")
+    if ready is None or ready.get("status") != "True" or ready.get("reason") != READY_TO_INJECT:
+        degraded = next((c for c in status.get("conditions") or ()
+                         if isinstance(c, Mapping) and c.get("type") == "Degraded" and c.get("status") == "True"), None)
+        said = degraded or ready  # the Degraded condition says what went wrong, where there is one
+        why = "" if said is None else f" ({said.get('reason')}" + (
+            f": {said['message']})" if said.get("message") else ")")
+        return Model(name, None, f"its config ({config}) is not rendered{why}; see its conditions")
     return Model(name, spec)
 
 

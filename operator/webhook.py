@@ -92,7 +92,8 @@ class Injector:
                         f"{sidecar.INJECT_ANNOTATION}: InferenceModel {name!r} could not be read from the API "
                         "(the operator is starting or the API is slow); the pod's controller retries") from None
                 if found is not None and not (found.get("metadata") or {}).get("deletionTimestamp"):
-                    known[name] = sidecar.indexed(name, found.get("spec") or {})
+                    known[name] = sidecar.indexed(name, found.get("spec") or {}, found.get("status"),
+                                                  found["metadata"].get("generation"))
         return sidecar.admit(pod, known, self.settings, native=bool(self.native))
 
     # ------------------------------------------------------------ self-managed TLS

@@ -374,6 +374,16 @@ def test_an_inference_model_name_must_name_its_deployment_and_service(name, cana
     api.parse_inference_model("a" * 56 if canary else "a" * 63, spec)  # the longest that fits
 
 
+def test_a_sidecar_model_name_leaves_room_for_its_config_map():
+    spec = {"mode": "Sidecar", "model": {"name": "m", "storageUri": "s3://b/m", "format": "onnx"}}
+    api.parse_inference_model("a" * 246, spec)  # 'a...a-config' is 253 characters: the longest a name may be
+    with pytest.raises(api.SpecError) as caught:
+        api.parse_inference_model("a" * 247, spec)
+    assert caught.value.problems == (
+        f"metadata.name: {'a' * 247!r} is 247 characters; in Sidecar mode it may have at most 246, since its "
+        "ConfigMap is '<name>-config' (at most 253)",)
+
+
 def test_a_sidecar_model_keeps_any_object_name():
     """A Sidecar-mode model owns no Deployment or Service (only '<name>-config'): dots and a leading
     digit, which Kubernetes allows in object names, stay allowed."""

@@ -281,6 +281,20 @@ async def test_a_torchscript_model_without_its_config_is_invalid_and_deploys_onc
     await client.wait(lambda: client.condition(client.read(client.IM, "resnet"), "Degraded")["status"] == "False")
 
 
+async def test_a_sidecar_model_is_not_ready_to_inject_when_the_operator_serves_no_webhook(client, operator):
+    """This operator runs without the injection webhook (SLUICE_WEBHOOK_PORT 0, the chart's default):
+    the config is rendered, but no pod would get the runtime, so the model does not say ReadyToInject."""
+    sidecar_model = client.model(mode="Sidecar")
+    del sidecar_model["spec"]["scaling"]  # a sidecar has no replicas of its own
+    await client.create(client.IM, sidecar_model)
+    ready = await client.wait(
+        lambda: (c := client.condition(client.read(client.IM, "resnet"), "Ready")) and c.get("reason") and c)
+    assert (ready["status"], ready["reason"]) == ("False", "NoInjectionWebhook")
+    assert "serves no sidecar-injection webhook" in ready["message"] and "webhook.enabled" in ready["message"]
+    assert client.read("v1/configmaps", "resnet-config") is not None
+    assert client.read(DEPLOY, "resnet") is None
+
+
 async def test_a_rejected_apply_is_degraded_then_recovers(client, operator, apiserver):
     apiserver.reject_writes(DEPLOY, 403, 'deployments.apps is forbidden: User "system:serviceaccount:x" cannot patch')
     await client.create(client.IM, client.model())

@@ -344,7 +344,7 @@ def test_the_injected_sidecar_serves_over_its_socket_and_shared_memory(s3_env: d
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     settings = Settings(http_port=ports["http"], grpc_port=ports["grpc"], metrics_port=ports["metrics"])
     spec = {"mode": "Sidecar", "model": {"storageUri": "s3://bucket/add_sub", "format": "onnx"}}
-    known = {"addsub": sidecar.indexed("addsub", spec)}
+    known = {"addsub": sidecar.indexed("addsub", spec, sidecar.rendered(1), 1)}
     app = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": "shop", "namespace": "models", "annotations": {sidecar.INJECT_ANNOTATION: "addsub"}},
            "spec": {"containers": [{"name": "shop", "image": "registry.example.com/shop:1"}]}}

@@ -27,9 +27,12 @@ GOLDEN = pathlib.Path(__file__).parent / "golden"
 SETTINGS = Settings()
 
 
+SIDECAR = {"mode": "Sidecar", "model": {"storageUri": "s3://models/mnist", "format": "onnx"}}
+
+
 def model(name: str, **spec: Any) -> sidecar.Model:
     raw = {"mode": "Sidecar", "model": {"storageUri": f"s3://models/{name}", "format": "onnx"}, **spec}
-    return sidecar.indexed(name, raw)
+    return sidecar.indexed(name, raw, sidecar.rendered(3), 3)
 
 
 def pod(*, inject: str | None = "mnist", **spec: Any) -> dict[str, Any]:
@@ -205,13 +208,23 @@ def test_a_model_fetching_as_another_service_account_is_denied():
 
 @pytest.mark.parametrize(("known", "message"), [
     ({}, "InferenceModel 'mnist' does not exist in namespace 'apps'"),
-    ({"mnist": sidecar.indexed("mnist", {"model": {"storageUri": "s3://m/x", "format": "onnx"}})},
+    ({"mnist": sidecar.indexed("mnist", {"model": {"storageUri": "s3://m/x", "format": "onnx"}}, None, None)},
      "its spec.mode is Deployment, not Sidecar"),
-    ({"mnist": sidecar.indexed("mnist", {"mode": "Sidecar", "model": {"format": "onnx"}})},
+    ({"mnist": sidecar.indexed("mnist", {"mode": "Sidecar", "model": {"format": "onnx"}}, None, None)},
      "its spec is invalid"),
     ({"mnist": sidecar.indexed("mnist", {"mode": "Sidecar", "model": {"storageUri": "s3://m/x",
-                                                                      "format": "tensorrt"}})},
+                                                                      "format": "tensorrt"}}, None, None)},
      "tensorrt models are not served"),
+    ({"mnist": sidecar.indexed("mnist", SIDECAR, None, 1)},
+     "the operator has not rendered its config (ConfigMap 'mnist-config') for generation 1 of its spec yet"),
+    ({"mnist": sidecar.indexed("mnist", SIDECAR, sidecar.rendered(1), 2)}, "for generation 2 of its spec yet"),
+    ({"mnist": sidecar.indexed("mnist", SIDECAR, {"observedGeneration": 2, "conditions": [
+        {"type": "Ready", "status": "False", "reason": "Forbidden", "message": "configmaps is forbidden"}]}, 2)},
+     "its config (ConfigMap 'mnist-config') is not rendered (Forbidden: configmaps is forbidden)"),
+    # Ready from its Deployment-mode days: not an injectable config
+    ({"mnist": sidecar.indexed("mnist", SIDECAR, {"observedGeneration": 2, "conditions": [
+        {"type": "Ready", "status": "True", "reason": "Available"}]}, 2)},
+     "is not rendered (Available); see its conditions"),
 ])
 def test_a_model_that_cannot_be_injected_is_denied_with_the_reason(known, message):
     with pytest.raises(sidecar.Denied) as caught:
