@@ -972,6 +972,9 @@ def parse_ensemble(name: str, spec: Mapping[str, Any]) -> EnsembleSpec:
         shutdown=read.shutdown(read.obj(spec, "shutdown", "spec"), "spec.shutdown"),
         server=read.server(read.obj(spec, "server", "spec"), "spec.server"),
     )
+    if not re.fullmatch(POOL_NAME_PATTERN, name):
+        read.problem("metadata.name", f"{name!r} names the ensemble's Deployment and Service, so it must be a DNS "
+                     "label: lower-case letters, digits and '-', starting with a letter, at most 63 characters")
     if read.problems:
         raise SpecError(read.problems)
     return result

@@ -374,6 +374,23 @@ def test_an_inference_model_name_must_name_its_deployment_and_service(name, cana
     api.parse_inference_model("a" * 56 if canary else "a" * 63, spec)  # the longest that fits
 
 
+@pytest.mark.parametrize("name", ["classifier.v2", "Classifier", "a" * 64, "3d-pipeline"])
+def test_an_ensemble_name_must_name_its_deployment_and_service(name):
+    """As for an InferenceModel: the Ensemble's name is its Deployment's and Service's (a real API server
+    refuses a Service 'classifier.v2'), so it was half applied."""
+    spec = {
+        "inputs": [{"name": "IN", "dataType": "TYPE_FP32", "dims": [4]}],
+        "outputs": [{"name": "OUT", "dataType": "TYPE_FP32", "dims": [4]}],
+        "steps": [{"name": "a", "modelRef": {"name": "m"}, "inputMap": {"x": "IN"}, "outputMap": {"y": "OUT"}}],
+    }
+    with pytest.raises(api.SpecError) as caught:
+        api.parse_ensemble(name, spec)
+    assert caught.value.problems == (
+        f"metadata.name: {name!r} names the ensemble's Deployment and Service, so it must be a DNS label: "
+        "lower-case letters, digits and '-', starting with a letter, at most 63 characters",)
+    api.parse_ensemble("a" * 63, spec)
+
+
 def test_a_sidecar_model_name_leaves_room_for_its_config_map():
     spec = {"mode": "Sidecar", "model": {"name": "m", "storageUri": "s3://b/m", "format": "onnx"}}
     api.parse_inference_model("a" * 246, spec)  # 'a...a-config' is 253 characters: the longest a name may be
