@@ -100,6 +100,10 @@ MAX_PROTOCOL_WORKERS = 64
 NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}$"
 MAX_OBJECT_NAME = 253
 """Kubernetes' limit on an object name (a DNS subdomain), a ConfigMap's included."""
+SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+"""A DNS subdomain (RFC 1123), of at most :data:`MAX_OBJECT_NAME` characters: a Secret's or ServiceAccount's name."""
+_SUBDOMAIN_HINT = (" (a Kubernetes object name: lower-case letters, digits, '-' and '.', starting and ending "
+                   f"with a letter or digit, at most {MAX_OBJECT_NAME} characters)")
 STORAGE_URI_PATTERN = r"^(s3|gs|az|https|pvc)://[^\s]+$"
 CHECKSUM_PATTERN = r"^sha256:[0-9a-f]{64}$"
 """``spec.model.checksum``: what ``sluice pull`` prints; of the file for one file or archive, else of the
@@ -712,10 +716,19 @@ class _Reader:
         if data is None:
             return Storage()
         secret = self.obj(data, "secretRef", path)
+        account = self.object_name(data, "serviceAccountName", path)
         return Storage(
-            service_account_name=self.string(data, "serviceAccountName", path),
-            secret_name=self.string(secret, "name", f"{path}.secretRef", required=True) if secret is not None else None,
+            service_account_name=account,
+            secret_name=self.object_name(secret, "name", f"{path}.secretRef", required=True)
+            if secret is not None else None,
         )
+
+    def object_name(self, data: Mapping[str, Any], key: str, path: str, *, required: bool = False) -> str | None:
+        """The name of another Kubernetes object (a Secret, a ServiceAccount): a DNS subdomain."""
+        value = self.string(data, key, path, required=required, pattern=SUBDOMAIN_PATTERN, hint=_SUBDOMAIN_HINT)
+        if value is not None and len(value) > MAX_OBJECT_NAME and re.fullmatch(SUBDOMAIN_PATTERN, value):
+            self.problem(f"{path}.{key}", f"is {len(value)} characters{_SUBDOMAIN_HINT}")
+        return value
 
     def tensors(self, data: Any, path: str) -> tuple[Tensor, ...]:
         if not isinstance(data, list) or not data:

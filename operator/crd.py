@@ -205,7 +205,7 @@ def _scaling() -> Schema:
                 "hpa: a HorizontalPodAutoscaler reading the metric as a Pods custom metric (needs "
                 "prometheus-adapter with the chart's rules). keda: a KEDA ScaledObject whose prometheus "
                 "trigger queries Prometheus (needs KEDA, and the operator's SLUICE_PROMETHEUS_URL / the "
-                "chart's autoscaling.prometheusUrl).",
+                "chart's prometheus.url).",
                 enum=list(api.SCALING_ENGINES), default=api.DEFAULT_SCALING_ENGINE,
             ),
             "scaleUpStabilizationSeconds": _int(
@@ -292,12 +292,14 @@ def _storage() -> Schema:
         "Credentials for fetching model files, by reference only: credentials never go into the spec.",
         {
             "serviceAccountName": _str(
-                "Service account of the model pods, e.g. one bound to a cloud IAM role (IRSA, Workload Identity)."
+                "Service account of the model pods, e.g. one bound to a cloud IAM role (IRSA, Workload Identity).",
+                pattern=api.SUBDOMAIN_PATTERN, maxLength=api.MAX_OBJECT_NAME,
             ),
             "secretRef": _obj(
                 "A Secret in the same namespace whose keys become environment variables of the fetch init "
                 "container (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL).",
-                {"name": _str("Secret name.", minLength=1)}, required=("name",),
+                {"name": _str("Secret name.", minLength=1, pattern=api.SUBDOMAIN_PATTERN,
+                              maxLength=api.MAX_OBJECT_NAME)}, required=("name",),
             ),
         },
     )

@@ -623,6 +623,61 @@ def test_the_readme_helm_install_uses_the_images_it_tells_you_to_build():
     assert images == built, f"the chart would run {images}, the README builds {built}"
 
 
+@pytest.mark.parametrize("release", ["a" * 53, "sluice-" + "b" * 46, "x"])
+def test_object_names_stay_valid_for_any_release_name(release):
+    """Helm allows release names of 53 characters: every Service must still be a DNS label of at most 63
+    (with '-metrics' and '-webhook' appended to a 60-character fullname they were 68), every other name
+    a DNS subdomain, and the operator, the webhook configuration and the certificate name the webhook
+    Service as the chart made it."""
+    args = ["--set", "webhook.enabled=true", "--set", "webhook.certManager.enabled=true",
+            "--set", "metrics.serviceMonitor.enabled=true"]
+    result = subprocess.run([helm(), "template", release, str(CHART), "--namespace", "sluice-system", *args],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    docs = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    assert len(services) == 2, services
+    for name in services:
+        assert re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", name), name
+    for doc in docs:
+        name = doc["metadata"]["name"]
+        assert len(name) <= 253 and re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name), (doc["kind"], name)
+    [deployment] = [d for d in docs if d["kind"] == "Deployment"]
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    [configuration] = [d for d in docs if d["kind"] == "MutatingWebhookConfiguration"]
+    [certificate] = [d for d in docs if d["kind"] == "Certificate"]
+    webhook_service = configuration["webhooks"][0]["clientConfig"]["service"]["name"]
+    assert webhook_service in services and env["SLUICE_WEBHOOK_SERVICE"] == webhook_service
+    assert f"{webhook_service}.sluice-system.svc" in certificate["spec"]["dnsNames"]
+
+
+def test_a_priority_class_name_is_always_a_string():
+    [deployment] = _rendered("Deployment", "--set-string", "priorityClassName=1000")
+    assert deployment["spec"]["template"]["spec"]["priorityClassName"] == "1000"  # unquoted it was the int 1000
+
+
+def test_the_chart_values_docs_and_messages_name_exist():
+    """Where the CRDs, the operator's messages or the docs name one of this chart's values ("the chart's
+    prometheus.url"), the chart has it (they named an autoscaling.prometheusUrl it never had)."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    texts = {p: p.read_text() for p in [*(ROOT / "operator").glob("*.py"), *(ROOT / "docs").glob("*.md")]}
+    named = {(path.relative_to(ROOT).as_posix(), key) for path, text in texts.items()
+             for key in re.findall(r"(?:chart's|chart value) `?([a-zA-Z]+(?:\.[a-zA-Z]+)+)", text)}
+    assert named, "the pattern no longer finds any reference"
+
+    def exists(key: str) -> bool:
+        node: object = values
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+
+    removed = {"runtime.storageInitializerImage"}  # named in the upgrade notes as gone
+    assert not any(exists(key) for key in removed)
+    assert [(path, key) for path, key in sorted(named) if not exists(key) and key not in removed] == []
+
+
 # ---------------------------------------------------------------- the sidecar webhook
 
 def test_webhook_is_off_by_default():

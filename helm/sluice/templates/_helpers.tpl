@@ -7,6 +7,17 @@
 {{- end -}}
 {{- end -}}
 
+{{- /*
+A Service's name: the fullname cut so that "<fullname>-<suffix>" stays a DNS label of at most 63
+characters (a 53-character release name would otherwise make the Service invalid). Called with
+(list . "suffix").
+*/}}
+{{- define "sluice.serviceName" -}}
+{{- $root := index . 0 -}}
+{{- $suffix := index . 1 -}}
+{{- printf "%s-%s" (include "sluice.fullname" $root | trunc (int (sub 62 (len $suffix))) | trimSuffix "-") $suffix -}}
+{{- end -}}
+
 {{- define "sluice.labels" -}}
 app.kubernetes.io/name: sluice-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
