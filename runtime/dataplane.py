@@ -329,6 +329,19 @@ class DataPlane:
         def answered(outcome: InferResponse | SluiceError) -> None:
             done(binding.finish(outcome))
 
+        responder = request.responder
+        if responder is not None and self.decoupled(request.model_name, request.model_version):
+            # A decoupled model answers through the responder (done hears only of an early error): each
+            # response has its outputs written to the regions, which are held until the final one.
+            def respond(item: InferResponse | Exception | None, final: bool) -> None:
+                if isinstance(item, InferResponse):
+                    item = binding.written(item)  # a region too small: this response's error
+                if final:
+                    binding.release()
+                responder(item, final)
+
+            request.responder = respond
+
         try:
             self.infer_nowait(request, answered)  # the shared-memory parameters are gone: no second bind
         except BaseException:

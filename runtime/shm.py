@@ -550,11 +550,16 @@ class Binding:
         """Write the outputs asked for in shared memory (a new response; a cached one is never
         changed) and let the regions go. Called once, when the request is answered."""
         try:
-            if isinstance(outcome, SluiceError) or not self.outputs:
-                return outcome
-            return self._write(outcome)
+            return self.written(outcome)
         finally:
             self.release()
+
+    def written(self, outcome: InferResponse | SluiceError) -> InferResponse | SluiceError:
+        """``outcome`` with the outputs asked for written in shared memory, the regions still held: one
+        of a decoupled model's responses (each one is written over the last, as in Triton)."""
+        if isinstance(outcome, SluiceError) or not self.outputs or not self._held:
+            return outcome
+        return self._write(outcome)
 
     def _write(self, response: InferResponse) -> InferResponse | SluiceError:
         outputs = []

@@ -707,3 +707,96 @@ def test_repeated_request_writes_its_outputs_to_the_region_every_time(
             assert "shared_memory_region" in result.get_output("OUTPUT0").parameters
             assert result.get_response().raw_output_contents[0] == b""
     client.unregister_system_shared_memory(name)
+
+
+DECOUPLED_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            sender = request.get_response_sender()
+            for k in range(1, 4):  # x, 2x, 3x: each response written over the last in the region
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", (x * k).astype(np.float32))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+DECOUPLED_CONFIG = """
+name: "triple"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+model_transaction_policy { decoupled: true }
+"""
+
+
+def test_a_decoupled_model_writes_each_response_to_the_region_and_lets_go_at_the_final_one(
+    tmp_path: Path, regions: Regions
+) -> None:
+    """ModelStreamInfer to a decoupled model with inputs and outputs in shared memory: every response
+    writes its outputs into the region (as in Triton, each over the last: the region holds the final
+    one's) and answers with the region's parameters, not the data; the regions are let go once the
+    final response is sent (they stayed held, so an unregistered region stayed mapped for good, and
+    the outputs came back inline, ignoring the region). A region too small fails each response."""
+    repo = tmp_path / "repo"
+    write_model(repo, "triple", DECOUPLED_CONFIG, {"model.py": DECOUPLED_PY})
+    handle = start_server(repo)
+    client = grpcclient.InferenceServerClient(handle.grpc)
+    answers: list[tuple[Any, Any]] = []
+    done = threading.Condition()
+
+    def callback(result: Any, error: Any) -> None:
+        with done:
+            answers.append((result, error))
+            done.notify_all()
+
+    try:
+        region, key = regions.create(32)
+        x = np.array([1, 2, 3, 4], dtype=np.float32)
+        shm.set_shared_memory_region(region, [x, np.zeros(4, np.float32)])
+        ours = mapped(key)
+        client.register_system_shared_memory("io", key, 32)
+        inp = grpcclient.InferInput("INPUT0", [4], "FP32")
+        inp.set_shared_memory("io", 16)
+        out = grpcclient.InferRequestedOutput("OUTPUT0")
+        out.set_shared_memory("io", 16, offset=16)
+        client.start_stream(callback)
+        client.async_stream_infer("triple", [inp], outputs=[out], request_id="r1", enable_empty_final_response=True)
+        with done:
+            assert done.wait_for(lambda: len(answers) >= 4, timeout=30), answers
+        assert [error for _, error in answers] == [None] * 4
+        for result, _ in answers[:3]:
+            response = result.get_response()
+            assert response.id == "r1" and response.raw_output_contents[0] == b""
+            assert response.outputs[0].parameters["shared_memory_region"].string_param == "io"
+            assert response.outputs[0].parameters["shared_memory_offset"].int64_param == 16
+        assert answers[3][0].get_response().parameters["triton_final_response"].bool_param
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(region, np.float32, [4], offset=16), x * 3)
+        client.unregister_system_shared_memory("io")
+        assert mapped(key) == ours  # nothing holds it any more: unmapped at once
+
+        _, small_key = regions.create(8)
+        ours = mapped(small_key)
+        client.register_system_shared_memory("small", small_key, 8)
+        inline = grpcclient.InferInput("INPUT0", [4], "FP32")
+        inline.set_data_from_numpy(x)
+        tiny = grpcclient.InferRequestedOutput("OUTPUT0")
+        tiny.set_shared_memory("small", 8)
+        answers.clear()
+        client.async_stream_infer("triple", [inline], outputs=[tiny], request_id="r2", enable_empty_final_response=True)
+        with done:
+            assert done.wait_for(lambda: len(answers) >= 4, timeout=30), answers
+        errors = [error for _, error in answers[:3]]
+        assert all(e is not None and "should be at least 16 bytes to hold the results" in e.message() for e in errors)
+        assert answers[3][1] is None and answers[3][0].get_response().parameters["triton_final_response"].bool_param
+        client.unregister_system_shared_memory("small")
+        assert mapped(small_key) == ours
+    finally:
+        client.stop_stream()
+        client.close()
+        handle.stop()
