@@ -685,6 +685,9 @@ class SequenceScheduler:
             self._idle.clear()
         request.cancel.on_cancel(lambda: self._cancel(entry))
         self._pump()
+        run = entry.job.sequence
+        if request.on_parked is not None and run is not None and run.slot is None and entry.state == _QUEUED:
+            request.on_parked()  # in the backlog: other sequences' ENDs (or idle releases) let it run
 
     # -- internals ---------------------------------------------------------------------------
     def _cancel(self, entry: _Entry) -> None:

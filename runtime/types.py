@@ -163,6 +163,11 @@ class InferRequest:
     responder: Responder | None = None
     # The request's trace (tracing.py) when it was sampled; None otherwise (the hot path's only check).
     trace: TraceHook | None = None
+    # Called (once, on the event loop) when the request waits for what only other requests can end: a
+    # sequence's request while its sequence waits for a slot held by sequences whose END has not come.
+    # A stream then stops counting it against its in-flight bound, so that it keeps reading (the ENDs
+    # may be on that very stream). None: nobody asks.
+    on_parked: Callable[[], None] | None = None
 
 
 class TraceHook(Protocol):

@@ -41,6 +41,9 @@ STREAM_IN_FLIGHT = 64
 """ModelStreamInfer requests of one stream in flight (running, or answered and not yet sent); the next
 message is read only when one finishes, so a stream the model cannot keep up with pushes back on
 its client (HTTP/2 flow control) instead of queueing without bound."""
+STREAM_PARKED = 1024
+"""Requests of one ModelStreamInfer stream that may wait in sequence backlogs without holding one of its
+STREAM_IN_FLIGHT slots (past it, a parked request keeps its slot)."""
 
 UNARY, STREAM, INFER, UNIMPLEMENTED = "unary", "stream", "infer", "unimplemented"
 HEALTH_CHECK = f"{grpc_health.HEALTH_SERVICE}/Check"
@@ -200,14 +203,35 @@ class Service:
         tasks: set[asyncio.Task] = set()
         slots = asyncio.Semaphore(STREAM_IN_FLIGHT)  # released when a request's last answer has been taken
         loop = asyncio.get_running_loop()
+        parked = 0  # requests whose slot went back while they wait in a sequence backlog
 
         async def one(message: Any) -> None:
+            nonlocal parked
             if type(message) is Unparsable:
                 await results.put((pb.ModelStreamInferResponse(error_message=message.message), True))
                 return
             empty_final = False
+            holds_slot = True
+
+            def park() -> None:
+                # Its sequence waits for a slot that only other sequences' ENDs free, and those may be
+                # among the messages not read yet: give its slot back (up to STREAM_PARKED of them).
+                nonlocal parked, holds_slot
+                if holds_slot and parked < STREAM_PARKED:
+                    holds_slot = False
+                    parked += 1
+                    slots.release()
+
+            def ended() -> bool:
+                """Whether the request's end frees a slot (else it was parked: one parked fewer)."""
+                nonlocal parked
+                if not holds_slot:
+                    parked -= 1
+                return holds_slot
+
             try:
                 infer_request = grpc_codec.decode_infer(message, self.limits)
+                infer_request.on_parked = park
                 if call.caller:
                     infer_request.caller = call.caller
                 if EMPTY_FINAL_PARAMETER in infer_request.parameters:
@@ -215,7 +239,7 @@ class Service:
                     empty_final = parameters.pop(EMPTY_FINAL_PARAMETER) is True
                     infer_request.parameters = parameters
                 if self.dp.decoupled(infer_request.model_name, infer_request.model_version):
-                    await self._decoupled(infer_request, message, results, empty_final, call.traceparent)
+                    await self._decoupled(infer_request, message, results, empty_final, call.traceparent, ended)
                     return
                 if self.tracing.on:  # tracing.py: sample it; a stream's requests share its traceparent
                     out = await self._stream_infer_traced(infer_request, call.traceparent, empty_final)
@@ -226,7 +250,7 @@ class Service:
             except Exception:  # a bug must cost this request only: the stream and its slot go on
                 log.exception("unhandled error answering a ModelStreamInfer request")
                 out = _stream_error(Internal("internal server error (see server log)"), message)
-            await results.put((out, True))
+            await results.put((out, ended()))
 
         async def read() -> None:
             iterator = aiter(messages)
@@ -292,6 +316,7 @@ class Service:
         results: asyncio.Queue[tuple[pb.ModelStreamInferResponse | None, bool] | None],
         empty_final: bool,
         traceparent: str | bytes | None,
+        ended: Callable[[], bool],
     ) -> None:
         """One request to a decoupled model: every response the model sends goes on the stream
         with ``triton_final_response`` saying whether it is the last, as Triton does; a bare final
@@ -318,7 +343,7 @@ class Service:
                 out = pb.ModelStreamInferResponse(infer_response=_named_response(message))
             if out is not None:
                 out.infer_response.parameters[FINAL_PARAMETER].bool_param = final
-            results.put_nowait((out, final))
+            results.put_nowait((out, final and ended()))
             if final:
                 finished.set_result(None)
 

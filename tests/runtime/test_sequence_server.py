@@ -245,3 +245,41 @@ def test_sequence_batching_config_errors_name_file_line_field_and_allowed(serve,
     assert "int32_false_true, fp32_false_true, bool_false_true" in message
     assert str(tmp_path) not in message
     client.close()
+
+
+def test_sequences_waiting_for_a_slot_do_not_stop_a_stream_from_reading_the_end_that_frees_it(serve, tmp_path):
+    """One slot (max_batch_size 1, one instance), one stream: sequence A holds the slot; 70 one-request
+    sequences queue for it (more than the stream's 64 requests in flight); then A's END comes on the
+    same stream. The waiting requests give their in-flight slots back, so the stream reads A's END, A
+    ends and frees the slot, and every waiting sequence runs. Before, the stream stopped reading after
+    64 of them: A's END stayed unread until A's idle timeout cut A short (here never: one hour)."""
+    root = tmp_path / "repo"
+    write_model(root, "acc_one", sm.accumulator_config("acc_one", max_batch_size=1, idle_us=3_600_000_000),
+                {"model.onnx": sm.accumulator_onnx()})
+    server = serve(root)
+    client = grpcclient.InferenceServerClient(server.grpc)
+    answers: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put(error or result))
+    try:
+        def send(value: int, sequence_id: int, request_id: str, **flags: bool) -> None:
+            client.async_stream_infer("acc_one", [_input(grpcclient, value)], sequence_id=sequence_id,
+                                      request_id=request_id, sequence_start=flags.get("start", False),
+                                      sequence_end=flags.get("end", False))
+
+        send(1, 1, "a-start", start=True)
+        first = answers.get(timeout=30)
+        assert not isinstance(first, InferenceServerException), first
+        assert first.as_numpy("OUTPUT").item() == 1
+        waiting = 70
+        for k in range(waiting):
+            send(10 + k, 100 + k, f"b{k}", start=True, end=True)
+        send(2, 1, "a-end", end=True)
+        got = {}
+        for _ in range(waiting + 1):
+            answer = answers.get(timeout=30)
+            assert not isinstance(answer, InferenceServerException), answer
+            got[answer.get_response().id] = answer.as_numpy("OUTPUT").item()
+        assert got == {"a-end": 3, **{f"b{k}": 10 + k for k in range(waiting)}}
+    finally:
+        client.stop_stream()
+        client.close()
