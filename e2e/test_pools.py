@@ -171,11 +171,11 @@ async def test_a_model_joins_and_leaves_a_pool(cluster):
     # Once the pool exists the model joins it: the pool serves it and its own Deployment goes.
     await cluster.apply(POOL)
 
-    async def joined() -> bool:
+    async def joined() -> bool:  # its own objects are deleted one after another: wait for the last
         return await _members(cluster) == ["solo"] and await _ready(cluster, "solo") \
-            and await cluster.get("Deployment", "solo") is None
-    await cluster.wait(joined, "solo served by the pool, its own Deployment deleted")
-    assert await cluster.get("ConfigMap", "solo-config") is None
+            and await cluster.get("Deployment", "solo") is None \
+            and await cluster.get("ConfigMap", "solo-config") is None
+    await cluster.wait(joined, "solo served by the pool, its own Deployment and ConfigMap deleted")
 
     # Leaving (spec.pool removed): its own Deployment again, and the pool drops it.
     await cluster.apply(standalone)
