@@ -188,6 +188,7 @@ def step_request(
         outer.id,
         dict(outer.parameters) if outer.parameters else {},
         caller=outer.caller,
+        on_parked=outer.on_parked,  # a step waiting in a sequence backlog: the ensemble's request waits too
     )
 
 

@@ -42,8 +42,10 @@ STREAM_IN_FLIGHT = 64
 message is read only when one finishes, so a stream the model cannot keep up with pushes back on
 its client (HTTP/2 flow control) instead of queueing without bound."""
 STREAM_PARKED = 1024
-"""Requests of one ModelStreamInfer stream that may wait in sequence backlogs without holding one of its
-STREAM_IN_FLIGHT slots (past it, a parked request keeps its slot)."""
+"""Requests of one ModelStreamInfer stream that may wait in sequence backlogs (or, once answered, for
+their answer to be sent) without holding one of its STREAM_IN_FLIGHT slots; past it, a parked
+request keeps its slot."""
+_SLOT, _PARKED = "slot", "parked"
 
 UNARY, STREAM, INFER, UNIMPLEMENTED = "unary", "stream", "infer", "unimplemented"
 HEALTH_CHECK = f"{grpc_health.HEALTH_SERVICE}/Check"
@@ -198,17 +200,17 @@ class Service:
         """Requests on one stream run concurrently (up to STREAM_IN_FLIGHT); responses come back as
         they finish, with ids; a bad message gets an error message on the stream, which goes on.
         A decoupled model answers a request with zero or more responses (:meth:`_decoupled`)."""
-        # (message or None, whether taking it ends a request and frees its slot); None: the end
-        results: asyncio.Queue[tuple[pb.ModelStreamInferResponse | None, bool] | None] = asyncio.Queue()
+        # (message or None, what taking it gives back: _SLOT or _PARKED at a request's last answer, else
+        # None); None: the end
+        results: asyncio.Queue[tuple[pb.ModelStreamInferResponse | None, str | None] | None] = asyncio.Queue()
         tasks: set[asyncio.Task] = set()
         slots = asyncio.Semaphore(STREAM_IN_FLIGHT)  # released when a request's last answer has been taken
         loop = asyncio.get_running_loop()
-        parked = 0  # requests whose slot went back while they wait in a sequence backlog
+        parked = 0  # requests whose slot went back (in a sequence backlog), until their last answer is taken
 
         async def one(message: Any) -> None:
-            nonlocal parked
             if type(message) is Unparsable:
-                await results.put((pb.ModelStreamInferResponse(error_message=message.message), True))
+                await results.put((pb.ModelStreamInferResponse(error_message=message.message), _SLOT))
                 return
             empty_final = False
             holds_slot = True
@@ -222,12 +224,10 @@ class Service:
                     parked += 1
                     slots.release()
 
-            def ended() -> bool:
-                """Whether the request's end frees a slot (else it was parked: one parked fewer)."""
-                nonlocal parked
-                if not holds_slot:
-                    parked -= 1
-                return holds_slot
+            def ended() -> str:
+                """What taking the request's last answer gives back: its slot, or (parked) its place
+                among the parked ones; parked answers not yet sent still count against STREAM_PARKED."""
+                return _SLOT if holds_slot else _PARKED
 
             try:
                 infer_request = grpc_codec.decode_infer(message, self.limits)
@@ -275,11 +275,13 @@ class Service:
                 item = await results.get()
                 if item is None:
                     break
-                out, ends_request = item
+                out, gives_back = item
                 if out is not None:
                     yield out
-                if ends_request:
+                if gives_back is _SLOT:
                     slots.release()
+                elif gives_back is _PARKED:
+                    parked -= 1
         finally:
             reader.cancel()
             for task in list(tasks):
@@ -313,10 +315,10 @@ class Service:
         self,
         request: InferRequest,
         message: Any,
-        results: asyncio.Queue[tuple[pb.ModelStreamInferResponse | None, bool] | None],
+        results: asyncio.Queue[tuple[pb.ModelStreamInferResponse | None, str | None] | None],
         empty_final: bool,
         traceparent: str | bytes | None,
-        ended: Callable[[], bool],
+        ended: Callable[[], str],
     ) -> None:
         """One request to a decoupled model: every response the model sends goes on the stream
         with ``triton_final_response`` saying whether it is the last, as Triton does; a bare final
@@ -343,7 +345,7 @@ class Service:
                 out = pb.ModelStreamInferResponse(infer_response=_named_response(message))
             if out is not None:
                 out.infer_response.parameters[FINAL_PARAMETER].bool_param = final
-            results.put_nowait((out, final and ended()))
+            results.put_nowait((out, ended() if final else None))
             if final:
                 finished.set_result(None)
 

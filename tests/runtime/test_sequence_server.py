@@ -247,7 +247,21 @@ def test_sequence_batching_config_errors_name_file_line_field_and_allowed(serve,
     client.close()
 
 
-def test_sequences_waiting_for_a_slot_do_not_stop_a_stream_from_reading_the_end_that_frees_it(serve, tmp_path):
+ENSEMBLE_OVER_ACC_ONE = """
+name: "ens_acc"
+platform: "ensemble"
+max_batch_size: 1
+input [ { name: "IN", data_type: TYPE_INT32, dims: [ 1 ] } ]
+output [ { name: "OUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+ensemble_scheduling { step [ { model_name: "acc_one" model_version: -1
+  input_map { key: "INPUT" value: "IN" } output_map { key: "OUTPUT" value: "OUT" } } ] }
+"""
+
+
+@pytest.mark.parametrize("through", ["acc_one", "ens_acc"], ids=["model", "ensemble"])
+def test_sequences_waiting_for_a_slot_do_not_stop_a_stream_from_reading_the_end_that_frees_it(
+    serve, tmp_path, through
+):
     """One slot (max_batch_size 1, one instance), one stream: sequence A holds the slot; 70 one-request
     sequences queue for it (more than the stream's 64 requests in flight); then A's END comes on the
     same stream. The waiting requests give their in-flight slots back, so the stream reads A's END, A
@@ -256,20 +270,24 @@ def test_sequences_waiting_for_a_slot_do_not_stop_a_stream_from_reading_the_end_
     root = tmp_path / "repo"
     write_model(root, "acc_one", sm.accumulator_config("acc_one", max_batch_size=1, idle_us=3_600_000_000),
                 {"model.onnx": sm.accumulator_onnx()})
+    write_model(root, "ens_acc", ENSEMBLE_OVER_ACC_ONE, {})  # its step's wait is the ensemble request's
     server = serve(root)
+    tensor_in, tensor_out = ("INPUT", "OUTPUT") if through == "acc_one" else ("IN", "OUT")
     client = grpcclient.InferenceServerClient(server.grpc)
     answers: queue.Queue[Any] = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put(error or result))
     try:
         def send(value: int, sequence_id: int, request_id: str, **flags: bool) -> None:
-            client.async_stream_infer("acc_one", [_input(grpcclient, value)], sequence_id=sequence_id,
+            tensor = grpcclient.InferInput(tensor_in, [1, 1], "INT32")
+            tensor.set_data_from_numpy(np.array([[value]], dtype=np.int32))
+            client.async_stream_infer(through, [tensor], sequence_id=sequence_id,
                                       request_id=request_id, sequence_start=flags.get("start", False),
                                       sequence_end=flags.get("end", False))
 
         send(1, 1, "a-start", start=True)
         first = answers.get(timeout=30)
         assert not isinstance(first, InferenceServerException), first
-        assert first.as_numpy("OUTPUT").item() == 1
+        assert first.as_numpy(tensor_out).item() == 1
         waiting = 70
         for k in range(waiting):
             send(10 + k, 100 + k, f"b{k}", start=True, end=True)
@@ -278,7 +296,7 @@ def test_sequences_waiting_for_a_slot_do_not_stop_a_stream_from_reading_the_end_
         for _ in range(waiting + 1):
             answer = answers.get(timeout=30)
             assert not isinstance(answer, InferenceServerException), answer
-            got[answer.get_response().id] = answer.as_numpy("OUTPUT").item()
+            got[answer.get_response().id] = answer.as_numpy(tensor_out).item()
         assert got == {"a-end": 3, **{f"b{k}": 10 + k for k in range(waiting)}}
     finally:
         client.stop_stream()
