@@ -99,9 +99,10 @@ def ensembles_to_retry(
 ) -> list[str]:
     """The failed models a poll loads again, by name (sorted): those whose config names a local step
     model the poll found added. An ensemble is refused while a step model is not in the repository;
-    Triton loads it once the step appears, and so does Sluice. ``failed``: models with nothing serving
-    after a failed load; ``steps_of``: the local step models each one's config on disk names (none
-    for a model that is not an ensemble). A model the poll itself loads or unloads is not retried."""
+    Triton loads it once the step appears, and so does Sluice. ``failed``: models whose last load failed
+    (nothing serving, or older versions serving on); ``steps_of``: the local step models each one's
+    config on disk names (none for a model that is not an ensemble). A model the poll itself loads
+    or unloads is not retried."""
     added = {name for name, change in found.items() if change.kind is Kind.ADDED}
     return sorted(name for name in failed if name not in found and added.intersection(steps_of.get(name, ())))
 

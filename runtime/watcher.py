@@ -239,7 +239,9 @@ class ModelControl:
     async def _retry_ensembles(self, found: Mapping[str, Change], now: Snapshot) -> None:
         """Load again the ensembles that failed because a step model was not in the repository, once a
         poll adds it (:func:`snapshot.ensembles_to_retry`)."""
-        failed = [name for name in self.repository.failed() if name in now and name not in found]
+        # refused outright, or refused a reload while older versions go on serving (STALE)
+        refused = {*self.repository.failed(), *self.repository.serving_stale()}
+        failed = sorted(name for name in refused if name in now and name not in found)
         if not failed or not any(change.kind is Kind.ADDED for change in found.values()):
             return
         root = self.repository.root

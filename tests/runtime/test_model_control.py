@@ -704,6 +704,36 @@ def test_an_ensemble_refused_for_a_missing_step_loads_once_a_poll_adds_the_step(
     assert server.call(server.server.poll_repository()) == {}  # nothing new: nothing loaded again
 
 
+def test_an_ensemble_whose_reload_waits_for_a_new_step_reloads_once_a_poll_adds_it(repo, serve):
+    """A serving ensemble's config gains a step not in the repository yet: the reload is refused and the
+    old config serves on (STALE); the poll that adds the step reloads the ensemble with the new config."""
+    write_model(repo, "ens", ensemble_over_plus("ens"), {})
+    server = serve(repo, model_control_mode="poll", repository_poll_s=3600)
+    http = httpclient.InferenceServerClient(server.http)
+
+    def infer_ens() -> float:
+        tensor = httpclient.InferInput("IN", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.array([[1.0]], np.float32))
+        return float(http.infer("ens", [tensor]).as_numpy("OUT")[0, 0])
+
+    assert infer_ens() == 2.0
+    two_steps = ensemble_over_plus("ens").replace(
+        'output_map { key: "Y" value: "OUT" } } ] }',
+        'output_map { key: "Y" value: "MID" } },\n  { model_name: "later" model_version: -1 '
+        'input_map { key: "X" value: "MID" } output_map { key: "Y" value: "OUT" } } ] }')
+    assert "later" in two_steps
+    (repo / "ens" / "config.pbtxt").write_text(two_steps)
+    assert server.call(server.server.poll_repository()) == {"ens": Change(Kind.CHANGED, config_changed=True)}
+    [row] = [row for row in index(server.http) if row["name"] == "ens"]
+    assert "reload failed, previous versions still serving" in row["reason"] and "'later'" in row["reason"]
+    assert infer_ens() == 2.0
+    write_model(repo, "later", CONFIG.replace('"plus"', '"later"'), {"model.onnx": plus_model(5.0)})
+    assert server.call(server.server.poll_repository()) == {"later": Change(Kind.ADDED)}
+    assert infer_ens() == 7.0  # 1 + 1, then + 5: the new config
+    [row] = [row for row in index(server.http) if row["name"] == "ens"]
+    assert row["state"] == "READY" and not row.get("reason")
+
+
 def test_unload_dependents_unloads_an_ensemble_s_steps_unless_another_ensemble_uses_them(repo, serve):
     """Triton's repository extension: unload_dependents also unloads the composing models (tritonclient's
     unload_model(..., unload_dependents=True), over HTTP and gRPC) that were loaded along with an ensemble,
