@@ -98,6 +98,8 @@ MAX_PROTOCOL_WORKERS = 64
 """The runtime's bound on ``sluice serve --protocol-workers`` (a contract test holds the two equal)."""
 
 NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}$"
+MAX_LABEL_VALUE = 63
+"""Kubernetes' limit on a label value."""
 MAX_OBJECT_NAME = 253
 """Kubernetes' limit on an object name (a DNS subdomain), a ConfigMap's included."""
 SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -824,11 +826,12 @@ def parse_inference_model(name: str, spec: Mapping[str, Any]) -> InferenceModelS
         mode=read.string(spec, "mode", "spec", choices=MODES) or DEPLOYMENT_MODE,
     )
     if result.mode == SIDECAR_MODE:
-        # no Deployment or Service of its own: only '<name>-config', a DNS subdomain like the name itself
-        if len(name) > MAX_OBJECT_NAME - len("-config"):
+        # no Deployment or Service of its own: only '<name>-config' (a DNS subdomain like the name), whose
+        # labels carry the name, and a label value has at most 63 characters (dots are allowed in it)
+        if len(name) > MAX_LABEL_VALUE:
             read.problem("metadata.name", f"{name!r} is {len(name)} characters; in Sidecar mode it may have at most "
-                         f"{MAX_OBJECT_NAME - len('-config')}, since its ConfigMap is '<name>-config' (at most "
-                         f"{MAX_OBJECT_NAME})")
+                         f"{MAX_LABEL_VALUE}, since its ConfigMap '<name>-config' carries it in labels (a label value "
+                         f"has at most {MAX_LABEL_VALUE})")
     elif not re.fullmatch(POOL_NAME_PATTERN, name):
         read.problem("metadata.name", f"{name!r} names the model's Deployment and Service, so it must be a DNS "
                      "label: lower-case letters, digits and '-', starting with a letter, at most 63 characters")

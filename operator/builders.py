@@ -1092,7 +1092,7 @@ def ensemble(
     ):
         raise NotServedError(problems)
     step_models: dict[str, str] = {}
-    step_gpus: list[api.Gpu] = []
+    model_gpus: dict[str, api.Gpu | None] = {}  # served model -> the first GPU any of its steps states
     sources: dict[str, tuple[int, object]] = {}  # model name -> (first step, what it serves)
     for index, step in enumerate(spec.steps):
         if step.model_ref is not None:
@@ -1106,8 +1106,8 @@ def ensemble(
             gpu = step.resources.gpu
             served = step.model
         model_name = step_models[step.name]
-        if gpu is not None and model_name not in sources:  # a model two steps call is served (and given GPUs) once
-            step_gpus.append(gpu)
+        if model_gpus.get(model_name) is None:  # a model two steps call is served (and given GPUs) once
+            model_gpus[model_name] = gpu
         where = f"spec.steps[{index}]" + (f" (InferenceModel {step.model_ref!r})" if step.model_ref else ".model")
         if model_name == owner.name:
             problems.append(f"{where}: serves a model named {model_name!r}, the ensemble's own name; the runtime "
@@ -1118,6 +1118,7 @@ def ensemble(
         sources.setdefault(model_name, (index, served))
     if problems:
         raise UnsatisfiableError(problems)
+    step_gpus = [gpu for gpu in model_gpus.values() if gpu is not None]
     fits = _fits_one_pod(step_gpus, settings)
     inline = [i for i, step in enumerate(spec.steps) if step.model is not None]
     if spec.placement == "Remote" and inline:
@@ -1175,7 +1176,7 @@ def ensemble(
         if step.model_ref is not None:
             ref = referenced[step.model_ref]
             if colocate:
-                gpu = step.resources.gpu or ref.resources.gpu
+                gpu = model_gpus[model_name]
                 # fetched with the model's own credentials where it has some (as its own pods fetch it), else
                 # with the Ensemble's
                 own = ref.storage if (ref.storage.secret_name or ref.storage.service_account_name) else None
@@ -1185,7 +1186,7 @@ def ensemble(
                 remote[model_name] = f"{host}:{settings.grpc_port}"
         else:
             assert step.model is not None
-            models.append(served_model(step.model, api.RuntimeConfig(), gpu=step.resources.gpu is not None))
+            models.append(served_model(step.model, api.RuntimeConfig(), gpu=model_gpus[model_name] is not None))
     resources = spec.resources
     if colocate:
         gpus = step_gpus

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.operator import api
+from sluice.operator import api, builders, sidecar
+from sluice.operator.settings import Settings
 
 MODEL = {"storageUri": "s3://bucket/m", "format": "onnx"}
 
@@ -398,14 +399,19 @@ def test_an_ensemble_name_must_name_its_deployment_and_service(name):
     api.parse_ensemble("a" * 63, spec)
 
 
-def test_a_sidecar_model_name_leaves_room_for_its_config_map():
+def test_a_sidecar_model_name_fits_the_labels_of_its_config_map():
+    """Its ConfigMap carries the name in labels (at most 63 characters): a longer name passed and then
+    could never be rendered (the API refused the ConfigMap, and the webhook every pod)."""
     spec = {"mode": "Sidecar", "model": {"name": "m", "storageUri": "s3://b/m", "format": "onnx"}}
-    api.parse_inference_model("a" * 246, spec)  # 'a...a-config' is 253 characters: the longest a name may be
+    api.parse_inference_model("a.b" + "c" * 60, spec)  # 63 characters, with a dot
     with pytest.raises(api.SpecError) as caught:
-        api.parse_inference_model("a" * 247, spec)
+        api.parse_inference_model("a" * 64, spec)
     assert caught.value.problems == (
-        f"metadata.name: {'a' * 247!r} is 247 characters; in Sidecar mode it may have at most 246, since its "
-        "ConfigMap is '<name>-config' (at most 253)",)
+        f"metadata.name: {'a' * 64!r} is 64 characters; in Sidecar mode it may have at most 63, since its "
+        "ConfigMap '<name>-config' carries it in labels (a label value has at most 63)",)
+    owner = builders.Owner(kind=api.INFERENCE_MODEL_KIND, name="a.b" + "c" * 60, namespace="apps", uid="u")
+    [config_map] = sidecar.children(owner, api.parse_inference_model(owner.name, spec), Settings()).objects
+    assert all(len(value) <= 63 for value in config_map["metadata"]["labels"].values())
 
 
 def test_a_sidecar_model_keeps_any_object_name():

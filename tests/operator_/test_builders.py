@@ -284,6 +284,21 @@ def test_colocated_steps_size_the_ensembles_pods(own, steps, expected):
         assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
 
+def test_a_model_two_steps_call_gets_the_gpu_either_step_states():
+    """The GPU one of its steps asks for is the model's, wherever that step stands (only the first step's
+    was looked at: a GPU asked for by the second was dropped and the model served on CPU)."""
+    steps = [_step("a", ref="cpu"), {**_step("b", ref="cpu"), "resources": {"gpu": {"count": 1}}}]
+    spec = {**ENSEMBLE, "steps": steps, "outputs": [
+        {"name": f"t_{step['name']}", "dataType": "TYPE_FP32", "dims": [-1]} for step in steps]}
+    referenced = {"cpu": api.parse_inference_model("cpu", {"model": {"storageUri": "s3://b/cpu", "format": "onnx"}})}
+    desired = builders.ensemble(owner("Ensemble", "classifier"), api.parse_ensemble("classifier", spec),
+                                referenced, SETTINGS)
+    [deployment] = [o for o in desired.objects if o["kind"] == "Deployment"]
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert container["image"] == SETTINGS.runtime_gpu_image
+
+
 def test_remote_steps_leave_the_ensembles_pods_at_their_own_resources():
     big = {**MODELS["gpu-autoscaled"], "resources": {"cpu": "4", "memory": "16Gi", "gpu": {"count": 2}}}
     spec = {**ENSEMBLE, "steps": [_step("a", ref="resnet", cpu="3")],
