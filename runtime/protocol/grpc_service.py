@@ -597,4 +597,7 @@ def stream_payload(reply: Any, limit: int) -> bytes:
                                       infer_response=_named_response(full))
     if FINAL_PARAMETER in full.parameters:
         out.infer_response.parameters[FINAL_PARAMETER].bool_param = full.parameters[FINAL_PARAMETER].bool_param
-    return out.SerializeToString()
+    error = out.SerializeToString()
+    if len(error) > limit:  # an id (or model name) near the limit itself: the words alone
+        error = pb.ModelStreamInferResponse(error_message=too_large(len(payload), limit)).SerializeToString()
+    return error
