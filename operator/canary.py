@@ -154,13 +154,16 @@ class Status:
     message: str = ""
     unready_since: float = 0.0
     """When the canary lost its last available pod during the analysis or the promotion (0: it has one)."""
+    awaiting_gate: str = ""
+    """``step`` or ``promotion`` while the analysis passed and the gate has not approved the next move
+    (``interval_started`` then starts the interval watched meanwhile); "" otherwise."""
 
 
 _STATUS_FIELDS = {
     "phase": "phase", "candidate": "candidate", "step": "step", "weight": "weight",
     "interval_started": "intervalStarted", "failures": "failures", "inconclusives": "inconclusives",
     "failed_candidate": "failedCandidate", "last_result": "lastResult", "message": "message",
-    "unready_since": "unreadySince",
+    "unready_since": "unreadySince", "awaiting_gate": "awaitingGate",
 }
 ACTIVE = (INITIALIZING, PROGRESSING, MANUAL, PROMOTING, FINALISING)
 """Phases in which the candidate's objects exist."""
@@ -414,10 +417,12 @@ def _enter_step(
             message=f"holding at {status.weight}%: the gate has not approved {weight}%"
             + (" (it said no)" if observation.gate is False else ""),
         )
+        if status.phase == PROGRESSING and not status.awaiting_gate:  # the interval watched while it waits
+            held = dataclasses.replace(held, awaiting_gate="step", interval_started=now)
         return Decision(held, (AskGate("step"),), requeue_after_s=_gate_poll(analysis))
     moved = dataclasses.replace(
         status, phase=PROGRESSING, step=index, weight=weight, interval_started=now, unready_since=0.0,
-        message=f"analysing at {weight}%",
+        awaiting_gate="", message=f"analysing at {weight}%",
     )
     return Decision(
         moved,
@@ -433,6 +438,8 @@ def _progressing(plan: Plan, status: Status, observation: Observation, now: floa
     unready = _hold_while_unready(analysis, status, observation, now, _step_weight(analysis, status))
     if unready is not None:
         return unready
+    if status.awaiting_gate:
+        return _awaiting_gate(plan, analysis, status, observation, now)
     remaining = status.interval_started + analysis.interval_s - now
     if remaining > 0:
         return Decision(status, requeue_after_s=remaining)
@@ -478,15 +485,57 @@ def _judged(
     if status.step + 1 < len(analysis.step_weights):
         return _enter_step(plan, analysis, passed, status.step + 1, observation, now)
     if analysis.promotion_gate and observation.gate is not True:
-        held = dataclasses.replace(passed, message="analysis passed; waiting for the gate to approve promotion")
+        held = dataclasses.replace(passed, awaiting_gate="promotion", interval_started=now,
+                                   message="analysis passed; waiting for the gate to approve promotion")
         return Decision(held, (AskGate("promotion"),), requeue_after_s=_gate_poll(analysis))
-    promoting = dataclasses.replace(passed, phase=PROMOTING, interval_started=now,  # the promotion's clock
-                                    message="promoting: rolling the candidate into stable")
+    return _promote(plan, passed, now)
+
+
+def _promote(plan: Plan, status: Status, now: float) -> Decision:
+    promoting = dataclasses.replace(status, phase=PROMOTING, interval_started=now,  # the promotion's clock
+                                    awaiting_gate="", message="promoting: rolling the candidate into stable")
     return Decision(
         promoting,
         (Promote(plan.candidate), Event("CanaryPromoting", f"candidate {plan.candidate} passed every step")),
         requeue_after_s=_interval(plan),
     )
+
+
+def _awaiting_gate(plan: Plan, analysis: Analysis, status: Status, observation: Observation, now: float) -> Decision:
+    """The analysis passed and the gate decides the next move (the next step, or promotion). Asked every
+    gate poll; meanwhile the canary is still judged once per interval: a failed interval counts (a
+    candidate that goes bad while it waits is rolled back, as Flagger keeps checking during a paused
+    promotion), an inconclusive one (a quiet night, a metrics outage) does not count against it."""
+    if observation.gate is True:
+        if status.awaiting_gate == "promotion":
+            return _promote(plan, status, now)
+        return _enter_step(plan, analysis, status, status.step + 1, observation, now)
+    target = ("promotion" if status.awaiting_gate == "promotion"
+              else f"{analysis.step_weights[status.step + 1]}%" if status.step + 1 < len(analysis.step_weights)
+              else "the next step")
+    said = " (it said no)" if observation.gate is False else ""
+    held = dataclasses.replace(status, message=f"holding at {status.weight}%: the gate has not approved {target}{said}")
+    remaining = status.interval_started + analysis.interval_s - now
+    judged = False
+    actions: tuple[Action, ...] = (AskGate(status.awaiting_gate),)
+    if remaining <= 0 and not (observation.no_baseline and observation.canary is None):
+        verdict, why = judge(analysis, observation)
+        judged = True
+        if verdict == FAILED:
+            failures = status.failures + 1
+            if failures > analysis.failure_limit:
+                return dataclasses.replace(
+                    _roll_back(dataclasses.replace(status, failures=failures), f"failed while the gate held it: {why}"),
+                    judged=True)
+            held = dataclasses.replace(held, failures=failures, last_result=FAILED,
+                                       message=f"interval failed while the gate held it: {why}")
+            actions += (Event("CanaryIntervalFailed", why, warning=True),)
+        held = dataclasses.replace(held, interval_started=now)
+        remaining = analysis.interval_s
+    elif remaining <= 0:  # no baseline yet (the operator started): the watched interval starts again
+        held = dataclasses.replace(held, interval_started=now)
+        remaining = analysis.interval_s
+    return Decision(held, actions, requeue_after_s=min(_gate_poll(analysis), remaining), judged=judged)
 
 
 def _manual(plan: Plan, status: Status, observation: Observation, now: float) -> Decision:
@@ -589,6 +638,7 @@ def _roll_back(status: Status, why: str) -> Decision:
         phase=ROLLED_BACK,
         weight=0,
         unready_since=0.0,
+        awaiting_gate="",
         failed_candidate=status.candidate,
         last_result=FAILED,
         message=f"rolled back: {why}; change spec.canary to try another candidate, or remove it",

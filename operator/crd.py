@@ -521,6 +521,8 @@ def _canary_status() -> Schema:
         "unreadySince": {"type": "number", "description": "When the canary lost its last ready pod during the "
                          "analysis or promotion (Unix seconds; 0: it has one). Rolled back progressDeadlineSeconds "
                          "later."},
+        "awaitingGate": _str("step or promotion while the analysis passed and the gate has not approved the "
+                             "next move (the canary is still judged once per interval meanwhile); empty otherwise."),
         "router": _str("Who applies the weight: gateway-api, istio or none (the stable pods forward)."),
         "gate": _str("Why the gate held the rollout, when it did."),
         "help": _str("What to change in spec to promote by hand or to abort."),

@@ -5,6 +5,7 @@ returned status back with the next observation at the requeue time it asked for.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -143,6 +144,61 @@ def test_the_promotion_gate_holds_promotion():
     assert isinstance(actions[-1], c.AskGate) and actions[-1].purpose == "promotion"
     status, _, phases, _ = drive(plan, [dataclasses.replace(SEEN, gate=True)], status=status, start=9000)
     assert phases == [c.PROMOTING]
+
+
+@pytest.mark.parametrize("gate", ["step", "promotion"])
+def test_while_the_gate_holds_quiet_intervals_do_not_count_and_the_canary_is_judged_once_per_interval(gate):
+    """A person takes hours to approve; at night the canary sees too few requests (or the metrics are
+    briefly unreadable). The gate is asked every 30 s, the canary judged once per interval, and
+    inconclusive intervals do not count against it (each gate poll used to re-judge the passed
+    interval, and three of them rolled a passed candidate back within 90 s)."""
+    analysis = dataclasses.replace(ANALYSIS, step_weights=(5, 25), interval_s=600, inconclusive_limit=2,
+                                   step_gate=gate == "step", promotion_gate=gate == "promotion")
+    plan = c.Plan("cand-a", analysis)
+    yes = dataclasses.replace(SEEN, gate=True)
+    if gate == "step":
+        status, _, _, now = drive(plan, [SEEN, yes])  # at 5 %, approved
+        decision = c.step(plan, status, SEEN, now)  # the interval passed: the gate is asked for 25 %
+    else:
+        status, _, _, now = drive(plan, [SEEN, SEEN, SEEN])  # 5 % then 25 % passed
+        decision = c.step(plan, status, SEEN, now)
+    held = decision.status
+    assert held.awaiting_gate == gate and held.phase == c.PROGRESSING
+    assert any(isinstance(a, c.AskGate) and a.purpose == gate for a in decision.actions)
+    quiet = dataclasses.replace(SEEN, canary=c.VersionMetrics(requests=3, errors=0), gate=False)
+    now += decision.requeue_after_s
+    judged_at = []
+    for _ in range(200):  # 100 minutes of gate polls
+        decision = c.step(plan, held, quiet, now)
+        assert decision.status.phase == c.PROGRESSING, decision.status.message
+        assert any(isinstance(a, c.AskGate) for a in decision.actions)
+        if decision.judged:
+            judged_at.append(now)
+        held = decision.status
+        assert decision.requeue_after_s <= 30
+        now += decision.requeue_after_s
+    assert held.inconclusives == 0 and held.failures == 0 and "gate has not approved" in held.message
+    assert len(judged_at) == 10 and all(b - a == pytest.approx(600) for a, b in itertools.pairwise(judged_at))
+    decision = c.step(plan, held, yes, now)
+    assert decision.status.phase == (c.PROGRESSING if gate == "step" else c.PROMOTING)
+    assert decision.status.awaiting_gate == ""
+    assert decision.status.weight == (25 if gate == "step" else held.weight)
+
+
+def test_a_canary_that_fails_while_the_gate_holds_is_rolled_back():
+    plan = c.Plan("cand-a", dataclasses.replace(ANALYSIS, step_weights=(50,), promotion_gate=True))
+    status, _, _, now = drive(plan, [SEEN, SEEN])
+    decision = c.step(plan, status, SEEN, now)
+    assert decision.status.awaiting_gate == "promotion"
+    bad = dataclasses.replace(SEEN, canary=c.VersionMetrics(requests=1000, errors=500), gate=False)
+    status, actions, phases, _ = drive(plan, [bad] * 30, status=decision.status, start=now + 30)
+    assert phases[-1] == c.ROLLED_BACK and "failed while the gate held it" in status.message
+    assert status.awaiting_gate == "" and weights(actions)[-1] == 0
+
+
+def test_the_awaited_gate_survives_the_status_round_trip():
+    status = c.Status(phase=c.PROGRESSING, candidate="x", step=0, weight=5, awaiting_gate="promotion")
+    assert c.status_from(c.status_to(status)) == status
 
 
 def test_a_new_candidate_mid_rollout_restarts_and_first_takes_the_old_weight_away():
