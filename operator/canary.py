@@ -396,8 +396,11 @@ def _initializing(plan: Plan, status: Status, observation: Observation, now: flo
             return _roll_back(status, f"the canary's pods were not ready within progressDeadlineSeconds "
                                       f"{deadline:g} (check their events and logs: image pull, model fetch, "
                                       "failed load, GPU capacity)")
-        held = dataclasses.replace(status, message="waiting for the canary's pods to be ready")
-        return Decision(held, (EnsureCanary(plan.candidate),), requeue_after_s=_interval(plan))
+        held = dataclasses.replace(status, weight=0, message="waiting for the canary's pods to be ready")
+        actions: tuple[Action, ...] = (EnsureCanary(plan.candidate),)
+        if status.weight:  # e.g. the analysis was removed mid-rollout: no share for a canary without pods
+            actions = (SetWeight(0), *actions)
+        return Decision(held, actions, requeue_after_s=_interval(plan))
     if plan.analysis is None:
         weight = plan.traffic_percent
         manual = dataclasses.replace(status, phase=MANUAL, weight=weight, unready_since=0.0,
@@ -433,8 +436,8 @@ def _enter_step(
 
 def _progressing(plan: Plan, status: Status, observation: Observation, now: float) -> Decision:
     analysis = plan.analysis
-    if analysis is None:  # the spec switched to manual mid-rollout
-        return _initializing(plan, status, observation, now)
+    if analysis is None:  # the spec switched to manual mid-rollout: the split once its pods are ready
+        return _initializing(plan, dataclasses.replace(status, phase=INITIALIZING), observation, now)
     unready = _hold_while_unready(analysis, status, observation, now, _step_weight(analysis, status))
     if unready is not None:
         return unready
@@ -540,6 +543,9 @@ def _awaiting_gate(plan: Plan, analysis: Analysis, status: Status, observation: 
 
 def _manual(plan: Plan, status: Status, observation: Observation, now: float) -> Decision:
     if plan.analysis is not None:  # the spec switched to analysis: start it from the first step
+        if not (observation.canary_serving or observation.canary_ready):  # once its pods are ready
+            waiting = dataclasses.replace(status, phase=INITIALIZING, step=-1, interval_started=now)
+            return _initializing(plan, waiting, observation, now)
         return _enter_step(plan, plan.analysis, status, 0, observation, now)
     serving = observation.canary_serving or observation.canary_ready
     weight = plan.traffic_percent if serving else 0

@@ -196,6 +196,27 @@ def test_a_canary_that_fails_while_the_gate_holds_is_rolled_back():
     assert status.awaiting_gate == "" and weights(actions)[-1] == 0
 
 
+def test_switching_between_analysis_and_a_manual_split_never_points_a_weight_at_a_canary_without_pods():
+    """Analysis removed at 50 % while the canary has no ready pods: its weight goes to 0 until they are
+    ready (it stayed 50 % for ever); a manual split that gets an analysis while its canary has no pods
+    waits for them before the first step (it went straight to 5 %)."""
+    unready = c.Observation(canary_ready=False, canary_serving=False)
+    at_half = c.Status(phase=c.PROGRESSING, candidate="cand-a", step=2, weight=50, interval_started=0.0)
+    manual = c.Plan("cand-a", None, traffic_percent=10)
+    decision = c.step(manual, at_half, unready, 10.0)
+    assert decision.status.weight == 0 and c.SetWeight(0) in decision.actions
+    assert decision.status.phase == c.INITIALIZING
+    decision = c.step(manual, decision.status, SEEN, 40.0)  # its pods are ready: the manual split
+    assert (decision.status.phase, decision.status.weight) == (c.MANUAL, 10)
+
+    parked = c.Status(phase=c.MANUAL, candidate="cand-a", step=-1, weight=0)
+    decision = c.step(PLAN, parked, unready, 100.0)
+    assert decision.status.phase == c.INITIALIZING and decision.status.weight == 0
+    assert not [a for a in decision.actions if isinstance(a, c.SetWeight) and a.percent]
+    decision = c.step(PLAN, decision.status, SEEN, 130.0)
+    assert (decision.status.phase, decision.status.weight) == (c.PROGRESSING, 5)
+
+
 def test_the_awaited_gate_survives_the_status_round_trip():
     status = c.Status(phase=c.PROGRESSING, candidate="x", step=0, weight=5, awaiting_gate="promotion")
     assert c.status_from(c.status_to(status)) == status
