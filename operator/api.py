@@ -486,6 +486,12 @@ class _Reader:
         if (before_step or before_promotion) and not gate_url:
             self.problem(f"{path}.gates.url", "is required when beforeStep or beforePromotion is true")
         latency = self.number(data, "maxLatencyP99Milliseconds", path, None, 1, 600_000)
+        ratio = self.number(data, "maxLatencyP99RatioToStable", path, None, 1, 100)
+        if ratio is not None and weights[0] >= 100:
+            self.problem(f"{path}.maxLatencyP99RatioToStable",
+                         f"needs a first step below 100 in stepWeights (got {weights!r}): at 100% the stable "
+                         "version serves nothing, so no interval would have a stable p99 to compare with; add a "
+                         "step such as 50, or use maxLatencyP99Milliseconds")
         return CanaryAnalysis(
             step_weights=tuple(weights),
             interval_seconds=self.integer(data, "intervalSeconds", path, 60, 10, 86_400),
@@ -493,7 +499,7 @@ class _Reader:
             min_requests=self.integer(data, "minRequests", path, 50, 1, 1_000_000_000),
             max_error_rate_percent=self.number(data, "maxErrorRatePercent", path, 1.0, 0, 100) or 0.0,
             max_latency_p99_ms=None if latency is None else int(latency),
-            max_latency_p99_ratio=self.number(data, "maxLatencyP99RatioToStable", path, None, 1, 100),
+            max_latency_p99_ratio=ratio,
             failure_limit=self.integer(data, "failureLimit", path, 0, 0, 100),
             inconclusive_limit=self.integer(data, "inconclusiveLimit", path, 2, 0, 100),
             gate_url=gate_url,

@@ -425,6 +425,10 @@ def _canary() -> Schema:
                                      "gates.url is required when beforeStep or beforePromotion is true")],
                     ),
                 },
+                rules=[_rule("!has(self.maxLatencyP99RatioToStable) || !has(self.stepWeights) || "
+                             "self.stepWeights[0] < 100",
+                             "maxLatencyP99RatioToStable needs a first step below 100 in stepWeights: at 100% the "
+                             "stable version serves nothing to compare with")],
             ),
         },
         required=("storageUri", "version"),

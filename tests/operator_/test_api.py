@@ -41,6 +41,9 @@ def test_defaults_match_the_crd():
      "cannot be combined with spec.model.config"),
     ({"model": MODEL, "canary": {"storageUri": MODEL["storageUri"], "version": 1}}, "is identical to spec.model"),
     ({"model": MODEL, "storage": {"secretRef": {}}}, "spec.storage.secretRef.name: is required"),
+    ({"model": MODEL, "canary": {"storageUri": "s3://b/m2", "version": 2, "analysis": {
+        "stepWeights": [100], "maxLatencyP99RatioToStable": 1.5}}},
+     "spec.canary.analysis.maxLatencyP99RatioToStable: needs a first step below 100 in stepWeights (got [100])"),
     ({"model": MODEL, "storage": {"secretRef": {"name": "S3_Credentials"}}},
      "spec.storage.secretRef.name: 'S3_Credentials' does not match"),
     ({"model": MODEL, "storage": {"serviceAccountName": "model reader"}},
