@@ -147,8 +147,8 @@ class ScrapeSource:
     Each read lists the namespace's pods once, keeps the Running ones with a pod IP whose
     ``app.kubernetes.io/instance`` names the track (and ``sluice.dev/inferencemodel`` the target),
     scrapes them concurrently, appends the scrape to the target's history and answers the delta
-    over the window. The history keeps what the next windows can need (at most ``history`` scrapes);
-    :meth:`forget` drops a target's.
+    over the window. The history keeps what the next windows can need (at most ``history`` scrapes,
+    spread over the window however often it is read); :meth:`forget` drops a target's.
     """
 
     def __init__(
@@ -181,11 +181,14 @@ class ScrapeSource:
         )
         history = self._history.setdefault((target.namespace, target.name), collections.deque())
         history.append(scrapes)
-        # keep the scrape nearest to one window back, and everything after it
-        while len(history) > self._history_len or (
-            len(history) > 2 and history[1][signals.CANARY].at <= now - target.window_s
-        ):
+        # keep the scrape nearest to one window back, and after it at most ``history`` spread over the
+        # window (dropping the oldest instead left a long window judged on its last ``history`` reads)
+        while len(history) > 2 and history[1][signals.CANARY].at <= now - target.window_s:
             history.popleft()
+        while len(history) > max(self._history_len, 3):
+            gaps = [history[i + 1][signals.CANARY].at - history[i - 1][signals.CANARY].at
+                    for i in range(1, len(history) - 1)]
+            del history[1 + gaps.index(min(gaps))]  # the read whose neighbours are closest: least lost
         self._once.ok(key)
         if len(history) < 2:
             log.info("%s: first scrape, no baseline yet: no metrics until the next read", key)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import socket
@@ -302,6 +303,28 @@ async def test_scrape_source_answers_over_a_short_history_and_says_so(fleet, cap
         assert canary.requests == 150 - 60  # from the read at 40 s
     finally:
         await source.aclose()
+
+
+async def test_a_long_window_read_often_is_judged_over_all_of_it(fleet):
+    """An hour's interval read every 15 s (each pass of the reconciler reads) keeps 240 reads' worth
+    of window in its 64-read history: the reads are thinned over the window, and the baseline stays an
+    hour back (the oldest were dropped, so only the last 16 minutes were judged)."""
+    texts, port = fleet
+    pods = Pods()
+    pods.add("canary-a", "127.0.0.2", "resnet-canary")
+    window = dataclasses.replace(TARGET, window_s=3600.0)
+    source = sources.ScrapeSource(pods, port)
+    try:
+        canary = None
+        for tick in range(241):  # one request a second since 0
+            texts["127.0.0.2"] = exposition(15 * tick, 0, 15 * tick)
+            try:
+                canary, _ = await source.read(window, now=15.0 * tick)
+            except c.NoBaseline:
+                assert tick == 0
+    finally:
+        await source.aclose()
+    assert canary is not None and canary.requests == 3600
 
 
 @pytest.mark.parametrize("error", [ApiError(403, "Forbidden", "pods is forbidden"), aiohttp.ClientConnectionError()])
