@@ -311,7 +311,7 @@ def judge(analysis: Analysis, observation: Observation) -> tuple[str, str]:
     if canary.requests < analysis.min_requests:
         return INCONCLUSIVE, f"{canary.requests:g} canary requests, fewer than minRequests {analysis.min_requests}"
     if canary.error_rate > analysis.max_error_rate:
-        return FAILED, f"canary error rate {canary.error_rate:.2%} is over {analysis.max_error_rate:.2%}"
+        return FAILED, f"canary error rate {_percent(canary.error_rate)} is over {_percent(analysis.max_error_rate)}"
     if analysis.max_p99_ms is not None or analysis.max_p99_ratio is not None:
         if canary.p99_ms is None or math.isnan(canary.p99_ms):
             return INCONCLUSIVE, "no canary p99 latency could be read"
@@ -326,7 +326,12 @@ def judge(analysis: Analysis, observation: Observation) -> tuple[str, str]:
                     f"canary p99 {canary.p99_ms:g} ms is over {analysis.max_p99_ratio:g}x "
                     f"the stable p99 {stable.p99_ms:g} ms"
                 )
-    return SUCCESSFUL, f"{canary.requests:g} requests, error rate {canary.error_rate:.2%}"
+    return SUCCESSFUL, f"{canary.requests:g} requests, error rate {_percent(canary.error_rate)}"
+
+
+def _percent(fraction: float) -> str:
+    """A rate as a percent with enough digits to tell it from its bound (0.001% is not 0.00%)."""
+    return f"{fraction * 100:.3g}%" if fraction < 0.01 else f"{fraction:.2%}"
 
 
 def step(plan: Plan | None, status: Status, observation: Observation, now: float) -> Decision:
@@ -441,6 +446,8 @@ def _progressing(plan: Plan, status: Status, observation: Observation, now: floa
     unready = _hold_while_unready(analysis, status, observation, now, _step_weight(analysis, status))
     if unready is not None:
         return unready
+    if status.interval_started > now:  # the clock stepped back: the interval starts again from now
+        status = dataclasses.replace(status, interval_started=now)
     if status.awaiting_gate:
         return _awaiting_gate(plan, analysis, status, observation, now)
     remaining = status.interval_started + analysis.interval_s - now

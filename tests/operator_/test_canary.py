@@ -217,6 +217,20 @@ def test_switching_between_analysis_and_a_manual_split_never_points_a_weight_at_
     assert (decision.status.phase, decision.status.weight) == (c.PROGRESSING, 5)
 
 
+def test_a_clock_stepped_back_restarts_the_interval_instead_of_stalling_for_the_step():
+    status, _, _, now = drive(PLAN, [SEEN, SEEN])  # at 5 %, the interval began at ``now - 60``
+    decision = c.step(PLAN, status, SEEN, now - 7200)  # NTP stepped the clock two hours back
+    assert decision.requeue_after_s == pytest.approx(60)  # it asked to wait 7260 s
+    assert decision.status.interval_started == now - 7200
+
+
+def test_a_tiny_error_rate_bound_is_written_so_that_it_can_be_read():
+    analysis = dataclasses.replace(ANALYSIS, max_error_rate=0.00001)  # maxErrorRatePercent 0.001
+    verdict, why = c.judge(analysis, dataclasses.replace(SEEN, canary=c.VersionMetrics(requests=100000, errors=5)))
+    assert verdict == c.FAILED and why == "canary error rate 0.005% is over 0.001%"  # it said 0.00% over 0.00%
+    assert c.judge(ANALYSIS, SEEN)[1] == "1000 requests, error rate 0.2%"
+
+
 def test_the_awaited_gate_survives_the_status_round_trip():
     status = c.Status(phase=c.PROGRESSING, candidate="x", step=0, weight=5, awaiting_gate="promotion")
     assert c.status_from(c.status_to(status)) == status
