@@ -239,6 +239,51 @@ async def _gone(env: Env, kind: str, name: str) -> bool:
     return await env.cluster.get(kind, name) is None
 
 
+async def test_a_next_candidate_waits_until_the_promoted_one_is_in_spec_model():
+    """Promoted v2, then spec.canary pointed at v3 with spec.model still v1: the stable pods would roll
+    back to v1 and v3 be compared with it. The operator refuses (Degraded, naming what to copy) and
+    changes nothing; with v2 folded into spec.model in the same change, v3 starts beside v2."""
+    async with environment() as env:
+        env.metrics.canary = HEALTHY
+        await env.cluster.apply(MODEL)
+        await env.until("the first step", phase="Progressing", weight=5)
+        for weight in (25, 50, 100):
+            await env.tick()
+            await env.until(f"the step to {weight}%", phase="Progressing", weight=weight)
+        await env.tick()
+        status = await env.until("promotion", phase="Succeeded")
+        promoted = status["candidate"]
+        template = await _stable_template(env)
+        assert "s3://models/clf/v2" in str(template["spec"]["initContainers"])
+
+        unfolded = copy.deepcopy(MODEL)
+        unfolded["spec"]["canary"].update({"storageUri": "s3://models/clf/v3", "version": 3})
+        await env.cluster.apply(unfolded)
+
+        async def refused() -> dict[str, Any] | None:
+            model = await env.cluster.get("InferenceModel", "clf")
+            degraded = env.cluster.condition(model, "Degraded")
+            return degraded if degraded.get("status") == "True" else None
+        degraded = await env.cluster.wait(refused, "the next candidate is refused")
+        assert degraded["reason"] == "InvalidSpec"
+        assert f"the promoted candidate {promoted} is not in spec.model yet" in degraded["message"]
+        assert "copy the promoted storageUri, version, config" in degraded["message"]
+        await env.tick()
+        assert await _stable_template(env) == template  # the stable pods still serve v2
+        assert await env.cluster.get("Deployment", "clf-canary") is None
+        model = await env.cluster.get("InferenceModel", "clf")
+        assert (model["status"]["canary"]["phase"], model["status"]["canary"]["candidate"]) == ("Succeeded", promoted)
+
+        folded = copy.deepcopy(unfolded)
+        folded["spec"]["model"] = {"storageUri": "s3://models/clf/v2", "format": "onnx", "version": 2}
+        await env.cluster.apply(folded)
+        status = await env.until("v3's first step", phase="Progressing", weight=5)
+        assert status["candidate"].startswith("v3-")
+        assert "s3://models/clf/v2" in str((await _stable_template(env))["spec"]["initContainers"])
+        canary = await env.cluster.get("Deployment", "clf-canary")
+        assert "s3://models/clf/v3" in str(canary["spec"]["template"]["spec"]["initContainers"])
+
+
 async def test_an_error_rate_breach_rolls_back_within_one_interval_and_is_not_retried():
     async with environment() as env:
         env.metrics.canary = HEALTHY

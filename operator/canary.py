@@ -87,6 +87,9 @@ class Plan:
     """The same candidate as operators before 2026-11-27 named it (a hash of fewer fields): a status
     written by one is read as this candidate, so an upgrade neither restarts a finished rollout nor
     retries a rolled-back candidate."""
+    serves: str = ""
+    """A hash of what the candidate serves (model source and runtime settings), as :func:`model_serves`
+    hashes ``spec.model``: equal once the candidate is folded into ``spec.model``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,13 +160,15 @@ class Status:
     awaiting_gate: str = ""
     """``step`` or ``promotion`` while the analysis passed and the gate has not approved the next move
     (``interval_started`` then starts the interval watched meanwhile); "" otherwise."""
+    serves: str = ""
+    """The candidate's :attr:`Plan.serves` (empty in a status written before it was kept)."""
 
 
 _STATUS_FIELDS = {
     "phase": "phase", "candidate": "candidate", "step": "step", "weight": "weight",
     "interval_started": "intervalStarted", "failures": "failures", "inconclusives": "inconclusives",
     "failed_candidate": "failedCandidate", "last_result": "lastResult", "message": "message",
-    "unready_since": "unreadySince", "awaiting_gate": "awaitingGate",
+    "unready_since": "unreadySince", "awaiting_gate": "awaitingGate", "serves": "serves",
 }
 ACTIVE = (INITIALIZING, PROGRESSING, MANUAL, PROMOTING, FINALISING)
 """Phases in which the candidate's objects exist."""
@@ -265,14 +270,15 @@ def plan_of(spec: api.InferenceModelSpec) -> Plan | None:
     }
     # what it serves (8 hex digits), then the pods around it (4): a change of only the latter after the
     # rollout ended is not a new candidate (see same_model)
-    candidate = f"v{canary.version}-{_digest(served)[:8]}{_digest(around)[:4]}"
+    serves = _digest(served)[:8]
+    candidate = f"v{canary.version}-{serves}{_digest(around)[:4]}"
     legacy = "v{}-{}".format(canary.version, _digest({
         "storageUri": canary.storage_uri, "version": canary.version, "config": canary.config,
         "runtime": dataclasses.asdict(canary.runtime or spec.runtime), "resources": dataclasses.asdict(spec.resources),
     })[:12])
     wanted = canary.analysis
     if wanted is None:
-        return Plan(candidate, None, canary.traffic_percent, legacy)
+        return Plan(candidate, None, canary.traffic_percent, legacy, serves)
     analysis = Analysis(
         step_weights=wanted.step_weights,
         interval_s=float(wanted.interval_seconds),
@@ -286,11 +292,35 @@ def plan_of(spec: api.InferenceModelSpec) -> Plan | None:
         step_gate=wanted.gate_before_step,
         promotion_gate=wanted.gate_before_promotion,
     )
-    return Plan(candidate, analysis, canary.traffic_percent, legacy)
+    return Plan(candidate, analysis, canary.traffic_percent, legacy, serves)
 
 
 def _digest(value: object) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def model_serves(spec: api.InferenceModelSpec) -> str:
+    """What ``spec.model`` serves, hashed as :attr:`Plan.serves` hashes a candidate."""
+    return _digest({"model": dataclasses.asdict(spec.model), "runtime": dataclasses.asdict(spec.runtime)})[:8]
+
+
+def unfolded(spec: api.InferenceModelSpec, status: Status) -> str | None:
+    """Why ``spec.canary`` may not start its candidate yet, or None. A promoted candidate runs in the
+    stable pods only while ``spec.canary`` names it: a next candidate before it is folded into
+    ``spec.model`` would roll the stable pods back to the older ``spec.model`` and compare the new
+    candidate with that (Flagger keeps the promoted version as the primary)."""
+    plan = plan_of(spec)
+    if plan is None or status.phase != SUCCEEDED or not status.serves:
+        return None
+    if status.candidate in (plan.candidate, plan.legacy) or same_model(plan.candidate, status.candidate):
+        return None
+    if model_serves(spec) == status.serves:
+        return None
+    return (f"spec.canary: the promoted candidate {status.candidate} is not in spec.model yet, so the stable "
+            "pods would roll back to spec.model before the next candidate is compared with them; copy the "
+            "promoted storageUri, version, config, checksum and sizeLimit (and spec.canary.runtime, if it set "
+            "one, into spec.runtime) into spec.model, in this change or before it. Until then nothing is changed: "
+            f"the stable pods keep serving {status.candidate}")
 
 
 def same_model(a: str, b: str) -> bool:
@@ -387,6 +417,7 @@ def _restart(plan: Plan, status: Status, now: float) -> Decision:
     fresh = Status(
         phase=INITIALIZING,
         candidate=plan.candidate,
+        serves=plan.serves,
         failed_candidate=status.failed_candidate,
         interval_started=now,
         message="waiting for the canary's pods to be ready",

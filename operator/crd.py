@@ -525,6 +525,8 @@ def _canary_status() -> Schema:
         "unreadySince": {"type": "number", "description": "When the canary lost its last ready pod during the "
                          "analysis or promotion (Unix seconds; 0: it has one). Rolled back progressDeadlineSeconds "
                          "later."},
+        "serves": _str("A hash of what the candidate serves (model source and runtime), to tell when it is folded "
+                       "into spec.model."),
         "awaitingGate": _str("step or promotion while the analysis passed and the gate has not approved the "
                              "next move (the canary is still judged once per interval meanwhile); empty otherwise."),
         "router": _str("Who applies the weight: gateway-api, istio or none (the stable pods forward)."),

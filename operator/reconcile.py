@@ -444,6 +444,8 @@ class Reconciler:
             placed = await self._place(owner, body, model.resources.gpu, model.scaling.min_replicas,
                                        model.canary is not None) if model.resources.gpu is not None else None
             stored = (body.get("status") or {}).get("canary")
+            if model.canary is not None and stored and (why := canary.unfolded(model, canary.status_from(stored))):
+                raise api.SpecError((why,))
             rollout = None
             if model.canary is not None or stored:
                 rollout = await self._canary(owner, model, stored, live)
