@@ -233,6 +233,8 @@ async def test_a_healthy_canary_goes_5_25_50_100_and_is_promoted():
             return model["status"].get("observedGeneration") == model["metadata"]["generation"]
         await env.cluster.wait(settled, "the finished spec is reconciled")
         assert await _stable_template(env) == template
+        model = await env.cluster.get("InferenceModel", "clf")
+        assert not model["status"]["canary"].get("help")  # "Copy spec.canary ..." would say to copy what is gone
 
 
 async def _gone(env: Env, kind: str, name: str) -> bool:

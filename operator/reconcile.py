@@ -1030,6 +1030,8 @@ def _canary_summary(status: canary.Status, analysis: canary.Analysis | None) -> 
 
 def _canary_help(status: canary.Status, spec: api.InferenceModelSpec) -> str:
     """What to change in the spec (the operator never writes it) to finish by hand or to abort."""
+    if status.phase == canary.SUCCEEDED and spec.canary is None:
+        return ""  # folded in (or given up): nothing left to do
     if status.phase == canary.SUCCEEDED:
         return ("Promoted. Copy spec.canary's storageUri, version and config into spec.model and remove "
                 "spec.canary in one change: the pods will not roll again. Removing spec.canary alone "
