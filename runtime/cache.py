@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Protocol
 
 from sluice.runtime.types import InferRequest, InferResponse, Tensor
@@ -32,13 +32,24 @@ def cache_key(request: InferRequest) -> Hashable:
 def _size(key: Hashable, response: InferResponse) -> int:
     """Bytes an entry holds: its outputs and its key, which carries every input's bytes (a large
     input with a small output would otherwise slip past the bound)."""
-    size = sum(int(t.data.nbytes) + 64 for t in response.outputs) + 128
+    size = sum(_output_size(t) + 64 for t in response.outputs) + 128
     for _, _, _, raw in key:  # type: ignore[attr-defined]
         if isinstance(raw, bytes):
             size += len(raw) + 64
         else:  # BYTES elements
-            size += sum(len(item) + 40 if isinstance(item, bytes | str) else 40 for item in raw) + 64
+            size += _elements_size(raw) + 64
     return size
+
+
+def _output_size(tensor: Tensor) -> int:
+    """An output's bytes: a BYTES tensor's ``nbytes`` counts only its pointers, not the elements."""
+    if tensor.data.dtype == object:
+        return int(tensor.data.nbytes) + _elements_size(tensor.data.ravel().tolist())
+    return int(tensor.data.nbytes)
+
+
+def _elements_size(items: Iterable[object]) -> int:
+    return sum(len(item) + 40 if isinstance(item, bytes | str) else 40 for item in items)
 
 
 def _kept(tensor: Tensor) -> Tensor:

@@ -163,6 +163,58 @@ def test_the_bound_counts_the_inputs_a_cached_entry_keeps(tmp_path, serve):
     client.close()
 
 
+LARGE_TEXT_CONFIG = """
+name: "text"
+backend: "python"
+max_batch_size: 0
+input [ { name: "N", data_type: TYPE_INT32, dims: [ 1 ] } ]
+output [ { name: "TEXT", data_type: TYPE_STRING, dims: [ 1 ] }, { name: "RUNS", data_type: TYPE_INT32, dims: [ 1 ] } ]
+response_cache { enable: true }
+parameters { key: "response_cache_bytes" value { string_value: "100000" } }
+"""
+
+LARGE_TEXT_PY = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.runs = 0
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            self.runs += 1
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            out.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("TEXT", np.array([(b"%08d" % n) * 5000], dtype=object)),  # 40 KB
+                pb_utils.Tensor("RUNS", np.array([self.runs], np.int32))]))
+        return out
+"""
+
+
+def test_the_bound_counts_the_bytes_of_text_outputs(tmp_path, serve):
+    """BYTES outputs were counted by their pointers (8 bytes an element): a 100 KB cache kept any number
+    of 40 KB texts (1 MiB ones grew the process by 200 MiB in 200 requests)."""
+    repo = tmp_path / "repo"
+    write_model(repo, "text", LARGE_TEXT_CONFIG, {"model.py": LARGE_TEXT_PY})
+    server = serve(repo)
+    client = httpclient.InferenceServerClient(server.http)
+
+    def runs(n: int) -> int:
+        inp = httpclient.InferInput("N", [1], "INT32")
+        inp.set_data_from_numpy(np.array([n], np.int32))
+        result = client.infer("text", [inp])
+        assert result.as_numpy("TEXT")[0] == (b"%08d" % n) * 5000
+        return int(result.as_numpy("RUNS")[0])
+
+    assert [runs(n) for n in range(4)] == [1, 2, 3, 4]
+    assert runs(3) == 4  # the newest entry is a hit
+    assert runs(0) == 5  # two 40 KB texts fit in 100 KB, not four: the oldest was evicted
+    client.close()
+
+
 # -- Triton's server cache: --cache-config local,size=N ----------------------------------------------
 
 
