@@ -75,7 +75,7 @@ def cache_config_bytes(entries: Sequence[str]) -> int:
             raise ValueError(f"{entry!r}: cache {cache.strip()!r} is not available; allowed: local,size=<bytes>")
         if not equals or key.strip() != "size":
             raise ValueError(f"{entry!r}: allowed: local,size=<bytes> (the local cache has no setting {key.strip()!r})")
-        if not value.strip().isdigit() or int(value) <= 0:
+        if not (value.strip().isascii() and value.strip().isdigit()) or int(value) <= 0:
             raise ValueError(f"{entry!r}: size {value.strip()!r} is not a positive number of bytes")
         size = int(value)
     if size is None:

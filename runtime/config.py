@@ -1013,7 +1013,7 @@ def _check_ensemble(config: mc.ModelConfig, fail: _Fail) -> list[str]:
                 f"'{model}' is not a step model of this ensemble; allowed: {', '.join(sorted(step_models))}", key
             )
         host, _, port = target.rpartition(":")
-        if not host or not port.isdigit():
+        if not host or not (port.isascii() and port.isdigit()):
             raise fail(f"remote step target is {target!r}; allowed: 'host:port' of a gRPC endpoint", key)
     used = {tensor for step in steps for tensor in step.input_map.values()}
     return [

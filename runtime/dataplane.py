@@ -220,7 +220,7 @@ class DataPlane:
         if not ready:
             raise InvalidArgument(f"requested model '{name}' is not available")
         if version:
-            if not version.isdigit() or int(version) not in ready:
+            if not (version.isascii() and version.isdigit()) or int(version) not in ready:
                 raise InvalidArgument(f"requested model version is not available for model '{name}'")
             ready = [int(version)]
         return [self.repository.get(name, str(v)).stats.as_triton() for v in ready]

@@ -199,7 +199,7 @@ def _devices_of(gpu: GpuReading) -> list[tuple[str, str]]:
 
 
 def _visible_entry(gpus: Sequence[GpuReading], entry: str) -> list[tuple[str, str]] | None:
-    if entry.isdigit():
+    if entry.isascii() and entry.isdigit():
         index = int(entry)
         return _devices_of(gpus[index]) if index < len(gpus) else None
     if entry.startswith("MIG-GPU-"):  # before R470: MIG-<GPU UUID>/<GPU instance id>/<compute instance id>
@@ -218,7 +218,7 @@ def _visible_entry(gpus: Sequence[GpuReading], entry: str) -> list[tuple[str, st
 
 def _legacy_mig_entry(gpus: Sequence[GpuReading], entry: str) -> list[tuple[str, str]] | None:
     parent, *ids = entry.split("/")
-    if len(ids) != 2 or not all(part.isdigit() for part in ids):
+    if len(ids) != 2 or not all(part.isascii() and part.isdigit() for part in ids):
         return None
     gpu_instance, compute_instance = (int(part) for part in ids)
     for gpu in gpus:

@@ -228,7 +228,7 @@ class RepositoryMirror:
             for entry in sorted(model_dir.iterdir()):
                 if entry.name.startswith("."):
                     continue
-                if entry.name.isdigit() and entry.is_symlink():
+                if entry.name.isascii() and entry.name.isdigit() and entry.is_symlink():
                     if (model, int(entry.name)) not in found.versions:
                         entry.unlink()
                         self._links.pop((model, int(entry.name)), None)
@@ -274,7 +274,7 @@ class RepositoryMirror:
             current = {
                 os.path.basename(os.readlink(link))
                 for link in (self.root / model).glob("*")
-                if link.is_symlink() and link.name.isdigit()
+                if link.is_symlink() and link.name.isascii() and link.name.isdigit()
             } if (self.root / model).is_dir() else set()
             for entry in sorted(model_store.iterdir()):
                 if entry.name not in current:

@@ -261,7 +261,7 @@ class HttpStore:
         request = urllib.request.Request(file.key, headers={"User-Agent": "sluice-pull"})
         with self._opener.open(request, timeout=self._timeout) as response:
             length = response.headers.get("Content-Length")
-            yield response, int(length) if length and length.isdigit() else None
+            yield response, int(length) if length and length.isascii() and length.isdigit() else None
 
 
 class LocalStore:

@@ -340,7 +340,7 @@ def response_cache(config: mc.ModelConfig, defaults: SchedulingDefaults) -> Resp
     size = defaults.response_cache_bytes
     if "response_cache_bytes" in config.parameters:
         raw = config.parameters["response_cache_bytes"].string_value
-        if not raw.isdigit() or int(raw) <= 0:
+        if not (raw.isascii() and raw.isdigit()) or int(raw) <= 0:
             raise ConfigError(f"must be a positive integer, got {raw!r}", field="parameters[response_cache_bytes]")
         size = int(raw)
     return ResponseCache(size)
@@ -1024,7 +1024,7 @@ class Repository:
         model = self._models.get(name)
         if model is None or not model.versions:
             return False
-        return not version or (version.isdigit() and int(version) in model.versions)
+        return not version or (version.isascii() and version.isdigit() and int(version) in model.versions)
 
     async def load_steps(self, name: str, _seen: set[str] | None = None, tried: Collection[str] = ()) -> None:
         """Load the composing models of ensemble ``name`` that are not loaded (Triton loads an

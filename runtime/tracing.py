@@ -180,7 +180,7 @@ def parse_trace_config(values: Iterable[str], base: TracingSettings | None = Non
             "bsp_schedule_delay",
             "bsp_max_export_batch_size",
         ):
-            if not value.strip().isdigit() or int(value) <= 0:
+            if not (value.strip().isascii() and value.strip().isdigit()) or int(value) <= 0:
                 raise TraceConfigError(f"{shown}: allowed: an integer > 0")
             exporter["bsp_schedule_delay_ms" if key == "bsp_schedule_delay" else key] = int(value)
         else:

@@ -141,7 +141,13 @@ def _int_param(config: mc.ModelConfig, key: str, default: int) -> int:
         raise ConfigError(f"{raw!r} is not an integer; {allowed}", field=f"parameters[{key}]") from None
     if value < 0:
         raise ConfigError(f"{value} is negative; {allowed}", field=f"parameters[{key}]")
+    if value > MAX_THREADS:
+        raise ConfigError(f"{value} is more than {MAX_THREADS}; {allowed}", field=f"parameters[{key}]")
     return value
+
+
+MAX_THREADS = 1024
+"""The most threads a thread-count parameter may ask for (onnxruntime takes an int32; none needs more)."""
 
 
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")

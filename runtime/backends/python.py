@@ -517,7 +517,7 @@ class PythonInstance(ModelInstance):
             inputs=[pb_utils.Tensor(tensor.name, tensor.data) for tensor in request.inputs],
             requested_output_names=requested,
             model_name=request.model_name,
-            model_version=int(version) if version.isdigit() else self._backend._ctx.version,
+            model_version=int(version) if version.isascii() and version.isdigit() else self._backend._ctx.version,
             flags=flags,
             parameters={k: v for k, v in parameters.items() if k not in _RESERVED_PARAMETERS},
         )

@@ -151,7 +151,7 @@ def instance_profiles(config: mc.ModelConfig, num_profiles: int, gpu_count: int 
     for index, group in enumerate(config.instance_group):
         chosen: list[int] = []
         for name in group.profile:
-            if not name.strip().isdigit() or int(name) >= num_profiles:
+            if not (name.strip().isascii() and name.strip().isdigit()) or int(name) >= num_profiles:
                 raise ConfigError(
                     f"profile {name!r} is not an optimization profile of the engine; allowed: {allowed} "
                     f"(the engine has {num_profiles})",

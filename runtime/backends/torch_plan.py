@@ -165,7 +165,7 @@ def torch_settings(parameters: Mapping[str, str]) -> tuple[TorchSettings, list[s
                 raise ConfigError(f"must be 'true' or 'false', got {raw!r}", field=field)
             values[_BOOL_PARAMETERS[upper]] = value in _TRUE
         elif upper in _INT_PARAMETERS:
-            if not value.isdigit() or int(value) < 1:
+            if not (value.isascii() and value.isdigit()) or int(value) < 1:
                 raise ConfigError(f"must be a positive integer string, got {raw!r}", field=field)
             values[_INT_PARAMETERS[upper]] = int(value)
         elif upper in IGNORED_PARAMETERS:

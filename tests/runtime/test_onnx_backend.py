@@ -125,6 +125,26 @@ def test_bad_thread_parameter_names_file_line_field_and_what_is_allowed(tmp_path
     assert str(tmp_path) not in message  # the server's paths stay with the server
 
 
+
+@pytest.mark.parametrize(("key", "value", "words"), [
+    ("intra_op_thread_count", "99999999999", "99999999999 is more than 1024"),  # onnxruntime's own TypeError
+    ("inter_op_thread_count", "\u00b2", "'\u00b2' is not an integer"),
+])
+def test_out_of_range_thread_counts_are_config_errors(tmp_path, serve, key, value, words):
+    repo = tmp_path / "repo"
+    write_model(
+        repo, "mlp", 'name: "mlp"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
+        f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}\n',
+        {"model.onnx": BUILDERS.mlp_model()},
+    )  # fmt: skip
+    server = serve(repo, **EXPLICIT)
+    with pytest.raises(InferenceServerException) as info:
+        httpclient.InferenceServerClient(server.http).load_model("mlp")
+    message = str(info.value)
+    assert f"mlp/config.pbtxt:4:1: field 'parameters[{key}]': {words}" in message, message
+    assert "0x" not in message and "SessionOptions" not in message
+
+
 def test_output_reshape_serves_the_config_dims(tmp_path, serve, mlp_session):
     """The model produces [-1, 4]; the config serves it as [-1, 2, 2] via reshape."""
     repo = tmp_path / "repo"

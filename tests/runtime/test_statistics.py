@@ -4,6 +4,9 @@ run, as Triton fills them (``get_inference_statistics``, what perf_analyzer's se
 from __future__ import annotations
 
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -192,6 +195,21 @@ def test_unknown_models_and_versions_are_tritons_invalid_argument(tmp_path, serv
         grpc_stats(server, model, version)
     assert grpc_error.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert message in str(grpc_error.value)
+
+
+@pytest.mark.parametrize("version", ["\u00b2", "\u2460", "\u0663"])  # digits, not ASCII ones: int() refuses them
+def test_a_version_of_other_digits_is_an_unknown_version_not_a_500(tmp_path, serve, version):
+    repo = tmp_path / "repo"
+    write_model(repo, "flaky", FAILING_CONFIG.format(name="flaky"), {"model.py": FAILING_PY})
+    server = serve(repo)
+    quoted = urllib.parse.quote(version)
+    with pytest.raises(urllib.error.HTTPError) as http_error:
+        urllib.request.urlopen(f"http://{server.http}/v2/models/flaky/versions/{quoted}/stats", timeout=30)
+    assert http_error.value.code == 400
+    assert "requested model version is not available for model 'flaky'" in http_error.value.read().decode()
+    with pytest.raises(InferenceServerException) as grpc_error:
+        grpc_stats(server, "flaky", version)
+    assert grpc_error.value.status() == "StatusCode.INVALID_ARGUMENT"
 
 
 def test_cache_hits_and_misses_move_their_fields_not_inferences(tmp_path, serve):
