@@ -65,6 +65,10 @@ KEEP_ALIVE_ANNOUNCED = 2
 ``connection: keep-alive``, without which an HTTP/1.0 client (ApacheBench ``-k``) closes it."""
 
 
+_SECTIONS = (b"", b"health", b"models", b"repository", b"systemsharedmemory", b"cudasharedmemory", b"logging",
+             b"trace")
+"""The first path parts under /v2 the router serves (:meth:`check_head` refuses the others before a body)."""
+
 class Request:
     __slots__ = ("body", "conn", "headers", "keep_alive", "method", "path", "query")
 
@@ -841,7 +845,7 @@ class V2Routes:
             rest = parts[3:]
             if rest != [b"index"] and not (len(rest) == 3 and rest[0] == b"models" and rest[2] in (b"load", b"unload")):
                 return error_response(NotFound(f"no route for {path.decode(errors='replace')}"))
-        elif section not in (b"", b"health", b"models", b"systemsharedmemory", b"cudasharedmemory", b"logging"):
+        elif section not in _SECTIONS:
             return error_response(NotFound(f"no route for {path.decode(errors='replace')}"))
         return None
 

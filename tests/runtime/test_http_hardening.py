@@ -98,6 +98,22 @@ def test_header_values_lose_trailing_whitespace(shared_server):
         assert status == 200 and sums(body) == [2.0] * 16
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v2/trace/setting", b'{"trace_rate": "1000"}'),  # it was a 404 "no route" with Expect, a 200 without
+    ("/v2/models/add_sub/trace/setting", b'{"trace_rate": "1000"}'),
+    ("/v2/logging", b'{"log_verbose_level": 0}'),
+    ("/v2/repository/index", b"{}"),
+])
+def test_every_route_that_takes_a_body_answers_expect_100_continue(shared_server, path, body):
+    with Wire(shared_server.http) as wire:
+        wire.send(post(path, body, b"Expect: 100-continue\r\n"))
+        status, _ = wire.head()
+        assert status == 100, path
+        wire.send(body)
+        status, _, answer = wire.response()
+        assert status == 200, answer
+
+
 @pytest.mark.parametrize("value", [b"1_0", b"+5", b"-0", b" 7x", b"9" * 5000])
 def test_inference_header_content_length_takes_digits_only(shared_server, value):
     with Wire(shared_server.http) as wire:
