@@ -133,7 +133,7 @@ def read_labels(config: mc.ModelConfig, model_dir: Path) -> Labels:
                 f"output '{output.name}': label_filename {names.shown(filename)!r}: "
                 f"{problem.replace('version directory', 'model directory')}; "
                 "allowed: the name of a file in the model directory, one label per line",
-                file=f"model '{config.name}'",
+                file=None,  # the config's: placed() adds its path and the field's line
                 field=field,
             )
         try:
@@ -142,14 +142,14 @@ def read_labels(config: mc.ModelConfig, model_dir: Path) -> Labels:
             raise ConfigError(
                 f"output '{output.name}': label file '{filename}' does not exist in the model directory "
                 f"'{config.name}/'; allowed: a file next to config.pbtxt, one label per line",
-                file=f"model '{config.name}'",
+                file=None,  # the config's: placed() adds its path and the field's line
                 field=field,
             ) from None
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.reason if isinstance(exc, UnicodeDecodeError) else (exc.strerror or type(exc).__name__)
             raise ConfigError(
                 f"output '{output.name}': cannot read label file '{filename}' in the model directory: {reason}",
-                file=f"model '{config.name}'",
+                file=None,  # the config's: placed() adds its path and the field's line
                 field=field,
             ) from None
         labels[output.name] = tuple(line.removesuffix("\r") for line in text.split("\n"))

@@ -216,7 +216,38 @@ def _parse_pbtxt(text: str, path: str) -> mc.ModelConfig:
         raise ConfigError(message, file=path, line=line, column=column, field=field) from exc
     except Exception as exc:  # e.g. an invalid escape in a string: protobuf raises plain errors
         raise ConfigError(f"cannot parse: {exc}", file=path) from exc
+    if (unknown := _unknown_enum(config)) is not None:
+        # proto3 text format takes any number for an enum (data_type: 99); JSON and YAML are checked
+        field, enum, number = unknown
+        line, column = _locate(text, "pbtxt", field)
+        raise ConfigError(_bad_enum_message(enum, enum.full_name, str(number)), file=path, line=line,
+                          column=column, field=field)
     return config
+
+
+def _unknown_enum(message: Message, prefix: str = "") -> tuple[str, EnumDescriptor, int] | None:
+    """The first enum field of ``message`` (nested ones included) holding a number its enum does not
+    name: (field path as errors name it, the enum, the number); None when there is none."""
+
+    def check(fd: FieldDescriptor, value: Any, field: str) -> tuple[str, EnumDescriptor, int] | None:
+        if fd.message_type is not None:
+            return _unknown_enum(value, field + ".")
+        if fd.enum_type is not None and value not in fd.enum_type.values_by_number:
+            return field, fd.enum_type, int(value)
+        return None
+
+    for fd, value in message.ListFields():
+        name = prefix + fd.name
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            value_fd = fd.message_type.fields_by_name["value"]
+            found = next((f for key in value if (f := check(value_fd, value[key], f"{name}[{key}]"))), None)
+        elif fd.label == FieldDescriptor.LABEL_REPEATED:
+            found = next((f for i, item in enumerate(value) if (f := check(fd, item, f"{name}[{i}]"))), None)
+        else:
+            found = check(fd, value, name)
+        if found is not None:
+            return found
+    return None
 
 
 def _strip_pbtxt_prefix(message: str, text: str, line: int | None, column: int | None = None) -> str:

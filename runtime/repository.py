@@ -599,7 +599,7 @@ def _prepare_loaded(
         from sluice.runtime.backends import onnxrt
 
         inputs, outputs = onnxrt.probe(onnxrt.model_path(config, last))
-        warnings += model_config.complete_io(config, inputs, outputs)
+        warnings += model_config.complete_io(config, inputs, outputs, source=loaded.source)
     if backend == "tensorrt":  # the engine's IO and profiles complete and check the config
         from sluice.runtime.backends import tensorrt
 

@@ -118,6 +118,7 @@ def test_read_labels_refuses_naming_the_file_not_the_server_path(tmp_path: Path,
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")) as caught:
         classification.read_labels(config, tmp_path)
     assert str(tmp_path) not in str(caught.value)
+    assert caught.value.file is None  # the config's: the repository places it (file, line) in config.pbtxt
 
 
 # -- through the server -------------------------------------------------------------------------

@@ -214,6 +214,18 @@ PARSE_ERRORS = [
         [":1:31", "parameters[0].value.strin_value", "did you mean 'string_value'?"],
         id="pbtxt-unknown-field-in-map-value",
     ),
+    pytest.param(  # proto3 text format takes any number for an enum: it failed later, as a raw ValueError
+        "pbtxt",
+        'name: "m"\ninput [ { name: "x" data_type: 99 dims: [ 1 ] } ]',
+        [":2:21", "field 'input[0].data_type'", "'99' is not a valid DataType value; allowed: TYPE_BOOL"],
+        id="pbtxt-enum-number-unknown",
+    ),
+    pytest.param(  # it loaded as READY with an instance kind no backend knows
+        "pbtxt",
+        'instance_group [ { count: 1 }, { kind: 17 } ]',
+        [":1:", "field 'instance_group[1].kind'", "'17' is not a valid Kind value"],
+        id="pbtxt-enum-number-nested",
+    ),
     pytest.param(
         "pbtxt",
         "colour: 3",

@@ -126,6 +126,23 @@ def test_bad_thread_parameter_names_file_line_field_and_what_is_allowed(tmp_path
 
 
 
+def test_a_config_that_contradicts_the_model_file_names_the_config_line(tmp_path, serve):
+    """The ONNX file's own tensors check the config after it is read: the error still points at the
+    field's line (it named only "model 'mlp'"), as config errors do."""
+    repo = tmp_path / "repo"
+    write_model(
+        repo, "mlp", 'name: "mlp"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
+        'input [ { name: "INPUT0", data_type: TYPE_INT32, dims: [ 4 ] } ]\n',
+        {"model.onnx": BUILDERS.mlp_model()},
+    )  # fmt: skip
+    server = serve(repo, **EXPLICIT)
+    with pytest.raises(InferenceServerException) as info:
+        httpclient.InferenceServerClient(server.http).load_model("mlp")
+    message = str(info.value)
+    assert "mlp/config.pbtxt:4:" in message and "field 'input[0].data_type'" in message, message
+    assert "TYPE_INT32 in the config but the model declares TYPE_FP32" in message
+
+
 @pytest.mark.parametrize(("key", "value", "words"), [
     ("intra_op_thread_count", "99999999999", "99999999999 is more than 1024"),  # onnxruntime's own TypeError
     ("inter_op_thread_count", "\u00b2", "'\u00b2' is not an integer"),
