@@ -241,7 +241,7 @@ def _unknown_enum(message: Message, prefix: str = "") -> tuple[str, EnumDescript
         if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
             value_fd = fd.message_type.fields_by_name["value"]
             found = next((f for key in value if (f := check(value_fd, value[key], f"{name}[{key}]"))), None)
-        elif fd.label == FieldDescriptor.LABEL_REPEATED:
+        elif _is_repeated(fd):
             found = next((f for i, item in enumerate(value) if (f := check(fd, item, f"{name}[{i}]"))), None)
         else:
             found = check(fd, value, name)
