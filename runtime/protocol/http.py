@@ -641,16 +641,28 @@ def _decode_body(request: Request, limits: Limits) -> bytes:
             f"unsupported Content-Encoding {encoding[:64].decode(errors='replace')!r}; allowed: gzip, deflate"
         )
     wbits = 31 if encoding == b"gzip" else 15
-    decompressor = zlib.decompressobj(wbits)
-    try:
-        out = decompressor.decompress(request.body, limits.max_body_bytes + 1)
-    except zlib.error as exc:
-        raise InvalidArgument(f"request body is not valid {encoding.decode()} data: {exc}") from None
-    if len(out) > limits.max_body_bytes or decompressor.unconsumed_tail:
-        raise PayloadTooLarge(f"decompressed request body is over the {limits.max_body_bytes}-byte limit")
-    if not decompressor.eof:
-        raise InvalidArgument(f"request body is truncated {encoding.decode()} data: the compressed stream does not end")
-    return out
+    name = encoding.decode()
+    parts: list[bytes] = []
+    size = 0
+    rest = request.body
+    while True:  # a gzip body may hold several members, one after another (RFC 1952 §2.2): all of them count
+        decompressor = zlib.decompressobj(wbits)
+        try:
+            out = decompressor.decompress(rest, limits.max_body_bytes - size + 1)
+        except zlib.error as exc:
+            raise InvalidArgument(f"request body is not valid {name} data: {exc}") from None
+        size += len(out)
+        if size > limits.max_body_bytes or decompressor.unconsumed_tail:
+            raise PayloadTooLarge(f"decompressed request body is over the {limits.max_body_bytes}-byte limit")
+        if not decompressor.eof:
+            raise InvalidArgument(f"request body is truncated {name} data: the compressed stream does not end")
+        parts.append(out)
+        rest = decompressor.unused_data
+        if not rest:
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        if wbits != 31:
+            raise InvalidArgument(f"request body has {len(rest)} bytes after the end of its {name} data; allowed: "
+                                  "one deflate stream and nothing after it")
 
 
 def _encoded(encoded: tuple[bytes, int | None]) -> Response:

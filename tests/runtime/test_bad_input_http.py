@@ -571,6 +571,25 @@ CASES = [
         "gzip",
         "truncated",
     ),
+    case(  # junk after a whole gzip member was ignored: the request ran on what came before it
+        "gzip-trailing-junk",
+        infer("add_sub", gzip.compress(json.dumps(GOOD).encode()) + b"junk", {"Content-Encoding": "gzip"}),
+        400,
+        "not valid gzip data",
+    ),
+    case(
+        "deflate-trailing-bytes",
+        infer("add_sub", zlib.compress(json.dumps(GOOD).encode()) + b"x", {"Content-Encoding": "deflate"}),
+        400,
+        "after the end of its deflate data",
+    ),
+    case(
+        "gzip-members-over-the-limit",  # each member small, together past the limit
+        infer("add_sub", b"".join(gzip.compress(b" " * (MAX_BODY // 2)) for _ in range(3)),
+              {"Content-Encoding": "gzip"}),
+        413,
+        "decompressed",
+    ),
     case("deflate-garbage", infer("add_sub", b"\x00\x01\x02", {"Content-Encoding": "deflate"}), 400, "deflate"),
     case(
         "unknown-encoding",
@@ -773,6 +792,21 @@ def test_chunked_bodies_are_read_plain_and_gzip_encoded(shared_server):
             reply = conn.reply()
             assert reply.status == 200, reply.body[:300]
             assert json.loads(reply.body)["outputs"][0]["data"] == [2.0] * 16
+
+
+def test_a_gzip_body_of_several_members_is_read_whole(shared_server):
+    """RFC 1952: a gzip file may be several members one after another (``cat a.gz b.gz``); every one
+    is the body (only the first was read: the binary part after it was missing, a 400)."""
+    head, blob = json.dumps(GOOD).encode(), b""
+    split = len(head) // 2
+    body = gzip.compress(head[:split]) + gzip.compress(head[split:]) + gzip.compress(blob)
+    request_bytes = (b"POST /v2/models/add_sub/infer HTTP/1.1\r\nHost: t\r\nContent-Encoding: gzip\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    with Conn(shared_server.http) as conn:
+        conn.send(request_bytes)
+        reply = conn.reply()
+    assert reply.status == 200, reply.body[:300]
+    assert json.loads(reply.body)["outputs"][0]["data"] == [2.0] * 16
 
 
 def test_pipelined_errors_answered_in_order(shared_server):
