@@ -248,6 +248,10 @@ def _parameters(obj: dict, where: str) -> dict[str, Any]:
         return {}
     if not isinstance(params, dict):
         raise _bad(f"{where}: 'parameters' must be an object, got {type(params).__name__}")
+    for key, value in params.items():
+        if not isinstance(value, bool | int | float | str):  # as Triton (and gRPC's InferParameter): scalars
+            kind = "null" if value is None else "an array" if isinstance(value, list) else "an object"
+            raise _bad(f"{where}: parameter {key[:64]!r} is {kind}; allowed: a string, a number or a boolean")
     return params
 
 

@@ -555,6 +555,19 @@ CASES = [
         "too short",
         fast=True,
     ),
+    case(  # a 900-deep object passed as a parameter: --max-json-depth was checked only for tensor data
+        "parameter-nested",
+        infer("add_sub", {**GOOD, "parameters": {"deep": json.loads("[" * 900 + "]" * 900)}}),
+        400,
+        "request: parameter 'deep' is an array; allowed: a string, a number or a boolean",
+    ),
+    case(
+        "input-parameter-object",
+        infer("add_sub", with_input(0, parameters={"x": {"y": 1}})),
+        400,
+        "input 'INPUT0': parameter 'x' is an object",
+    ),
+    case("parameter-null", infer("add_sub", {**GOOD, "parameters": {"priority": None}}), 400, "'priority' is null"),
     # -- content encoding ---------------------------------------------------------------------
     case(
         "gzip-bomb",
