@@ -527,7 +527,7 @@ def _judged(
         return _enter_step(plan, analysis, passed, status.step + 1, observation, now)
     if analysis.promotion_gate and observation.gate is not True:
         held = dataclasses.replace(passed, awaiting_gate="promotion", interval_started=now,
-                                   message="analysis passed; waiting for the gate to approve promotion")
+                                   message=_gate_message(analysis, passed, "promotion", observation))
         return Decision(held, (AskGate("promotion"),), requeue_after_s=_gate_poll(analysis))
     return _promote(plan, passed, now)
 
@@ -542,6 +542,15 @@ def _promote(plan: Plan, status: Status, now: float) -> Decision:
     )
 
 
+def _gate_message(analysis: Analysis, status: Status, purpose: str, observation: Observation) -> str:
+    said = " (it said no)" if observation.gate is False else ""
+    if purpose == "promotion":
+        return f"analysis passed; waiting for the gate to approve promotion{said}"
+    nxt = status.step + 1
+    target = f"{analysis.step_weights[nxt]}%" if nxt < len(analysis.step_weights) else "the next step"
+    return f"holding at {status.weight}%: the gate has not approved {target}{said}"
+
+
 def _awaiting_gate(plan: Plan, analysis: Analysis, status: Status, observation: Observation, now: float) -> Decision:
     """The analysis passed and the gate decides the next move (the next step, or promotion). Asked every
     gate poll; meanwhile the canary is still judged once per interval: a failed interval counts (a
@@ -551,11 +560,7 @@ def _awaiting_gate(plan: Plan, analysis: Analysis, status: Status, observation: 
         if status.awaiting_gate == "promotion":
             return _promote(plan, status, now)
         return _enter_step(plan, analysis, status, status.step + 1, observation, now)
-    target = ("promotion" if status.awaiting_gate == "promotion"
-              else f"{analysis.step_weights[status.step + 1]}%" if status.step + 1 < len(analysis.step_weights)
-              else "the next step")
-    said = " (it said no)" if observation.gate is False else ""
-    held = dataclasses.replace(status, message=f"holding at {status.weight}%: the gate has not approved {target}{said}")
+    held = dataclasses.replace(status, message=_gate_message(analysis, status, status.awaiting_gate, observation))
     remaining = status.interval_started + analysis.interval_s - now
     judged = False
     actions: tuple[Action, ...] = (AskGate(status.awaiting_gate),)
