@@ -642,27 +642,47 @@ def _decode_body(request: Request, limits: Limits) -> bytes:
         )
     wbits = 31 if encoding == b"gzip" else 15
     name = encoding.decode()
+    view = memoryview(request.body)
     parts: list[bytes] = []
-    size = 0
-    rest = request.body
-    while True:  # a gzip body may hold several members, one after another (RFC 1952 §2.2): all of them count
-        decompressor = zlib.decompressobj(wbits)
-        try:
-            out = decompressor.decompress(rest, limits.max_body_bytes - size + 1)
-        except zlib.error as exc:
-            raise InvalidArgument(f"request body is not valid {name} data: {exc}") from None
-        size += len(out)
-        if size > limits.max_body_bytes or decompressor.unconsumed_tail:
-            raise PayloadTooLarge(f"decompressed request body is over the {limits.max_body_bytes}-byte limit")
-        if not decompressor.eof:
-            raise InvalidArgument(f"request body is truncated {name} data: the compressed stream does not end")
-        parts.append(out)
-        rest = decompressor.unused_data
-        if not rest:
-            return parts[0] if len(parts) == 1 else b"".join(parts)
-        if wbits != 31:
-            raise InvalidArgument(f"request body has {len(rest)} bytes after the end of its {name} data; allowed: "
-                                  "one deflate stream and nothing after it")
+    size = members = 0
+    decompressor = zlib.decompressobj(wbits)
+    started = False  # the current member has had input
+    # Fed in bounded pieces, so what is left after a member (zlib copies it out) stays small: a body
+    # of many tiny members costs linear time, not quadratic.
+    for offset in range(0, len(view), _INFLATE_PIECE):
+        data: bytes | memoryview = view[offset : offset + _INFLATE_PIECE]
+        while data:
+            if decompressor.eof:  # the member before ended: a gzip body may hold several (RFC 1952 §2.2)
+                if wbits != 31:
+                    raise InvalidArgument(f"request body has bytes after the end of its {name} data; allowed: "
+                                          "one deflate stream and nothing after it")
+                members += 1
+                if members >= _MAX_GZIP_MEMBERS:
+                    raise InvalidArgument(f"request body has more than {_MAX_GZIP_MEMBERS} gzip members; allowed: "
+                                          f"up to {_MAX_GZIP_MEMBERS}, one after another")
+                decompressor = zlib.decompressobj(wbits)
+            try:
+                out = decompressor.decompress(data, limits.max_body_bytes - size + 1)
+            except zlib.error as exc:
+                what = (f"has bytes after its last gzip member that are not gzip data ({exc})" if members
+                        else f"is not valid {name} data: {exc}")
+                raise InvalidArgument(f"request body {what}") from None
+            started = True
+            size += len(out)
+            if size > limits.max_body_bytes or decompressor.unconsumed_tail:
+                raise PayloadTooLarge(f"decompressed request body is over the {limits.max_body_bytes}-byte limit")
+            parts.append(out)
+            data = decompressor.unused_data if decompressor.eof else b""
+    if not started or not decompressor.eof:
+        if members:
+            raise InvalidArgument("request body has bytes after its last gzip member that are not a whole gzip member")
+        raise InvalidArgument(f"request body is truncated {name} data: the compressed stream does not end")
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+_INFLATE_PIECE = 1 << 16
+_MAX_GZIP_MEMBERS = 1024
+"""Members of one gzip request body (``cat`` of a few files has a few; many tiny ones only cost time)."""
 
 
 def _encoded(encoded: tuple[bytes, int | None]) -> Response:

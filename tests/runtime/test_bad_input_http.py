@@ -586,9 +586,22 @@ CASES = [
     ),
     case(  # junk after a whole gzip member was ignored: the request ran on what came before it
         "gzip-trailing-junk",
-        infer("add_sub", gzip.compress(json.dumps(GOOD).encode()) + b"junk", {"Content-Encoding": "gzip"}),
+        infer("add_sub", gzip.compress(json.dumps(GOOD).encode()) + b"junk after it", {"Content-Encoding": "gzip"}),
         400,
-        "not valid gzip data",
+        "bytes after its last gzip member that are not gzip data",
+    ),
+    case(
+        "gzip-short-trailing-junk",
+        infer("add_sub", gzip.compress(json.dumps(GOOD).encode()) + b"\x1f\x8b", {"Content-Encoding": "gzip"}),
+        400,
+        "bytes after its last gzip member that are not a whole gzip member",
+    ),
+    case(  # each member costs a pass: a body of a million empty ones took minutes of the event loop
+        "gzip-too-many-members",
+        infer("add_sub", gzip.compress(json.dumps(GOOD).encode()) + gzip.compress(b"") * 2000,
+              {"Content-Encoding": "gzip"}),
+        400,
+        "more than 1024 gzip members",
     ),
     case(
         "deflate-trailing-bytes",
