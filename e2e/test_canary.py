@@ -269,7 +269,7 @@ async def test_a_next_candidate_waits_until_the_promoted_one_is_in_spec_model():
         degraded = await env.cluster.wait(refused, "the next candidate is refused")
         assert degraded["reason"] == "InvalidSpec"
         assert f"the promoted candidate {promoted} is not in spec.model yet" in degraded["message"]
-        assert "copy the promoted storageUri, version, config" in degraded["message"]
+        assert "copy the promoted storageUri, version and config" in degraded["message"]
         await env.tick()
         assert await _stable_template(env) == template  # the stable pods still serve v2
         assert await env.cluster.get("Deployment", "clf-canary") is None

@@ -270,8 +270,9 @@ def plan_of(spec: api.InferenceModelSpec) -> Plan | None:
     }
     # what it serves (8 hex digits), then the pods around it (4): a change of only the latter after the
     # rollout ended is not a new candidate (see same_model)
-    serves = _digest(served)[:8]
-    candidate = f"v{canary.version}-{serves}{_digest(around)[:4]}"
+    candidate = f"v{canary.version}-{_digest(served)[:8]}{_digest(around)[:4]}"
+    config = canary.config if canary.config is not None else spec.model.config
+    serves = _serves(canary.storage_uri, canary.version, config, canary.runtime or spec.runtime)
     legacy = "v{}-{}".format(canary.version, _digest({
         "storageUri": canary.storage_uri, "version": canary.version, "config": canary.config,
         "runtime": dataclasses.asdict(canary.runtime or spec.runtime), "resources": dataclasses.asdict(spec.resources),
@@ -299,9 +300,17 @@ def _digest(value: object) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _serves(storage_uri: str, version: int, config: str | None, runtime: api.RuntimeConfig) -> str:
+    """The files, version and config a model serves (the runtime settings where no inline config
+    replaces them): what folding a candidate into ``spec.model`` copies. Checksums and size limits,
+    which only guard the fetch, are left out."""
+    settings = None if config is not None else dataclasses.asdict(runtime)
+    return _digest({"storageUri": storage_uri, "version": version, "config": config, "runtime": settings})[:12]
+
+
 def model_serves(spec: api.InferenceModelSpec) -> str:
     """What ``spec.model`` serves, hashed as :attr:`Plan.serves` hashes a candidate."""
-    return _digest({"model": dataclasses.asdict(spec.model), "runtime": dataclasses.asdict(spec.runtime)})[:8]
+    return _serves(spec.model.storage_uri, spec.model.version, spec.model.config, spec.runtime)
 
 
 def unfolded(spec: api.InferenceModelSpec, status: Status) -> str | None:
@@ -310,17 +319,17 @@ def unfolded(spec: api.InferenceModelSpec, status: Status) -> str | None:
     ``spec.model`` would roll the stable pods back to the older ``spec.model`` and compare the new
     candidate with that (Flagger keeps the promoted version as the primary)."""
     plan = plan_of(spec)
-    if plan is None or status.phase != SUCCEEDED or not status.serves:
-        return None
+    if plan is None or status.phase not in (FINALISING, SUCCEEDED) or not status.serves:
+        return None  # before the promotion ends, a new candidate restarts the rollout from spec.model
     if status.candidate in (plan.candidate, plan.legacy) or same_model(plan.candidate, status.candidate):
         return None
     if model_serves(spec) == status.serves:
         return None
     return (f"spec.canary: the promoted candidate {status.candidate} is not in spec.model yet, so the stable "
             "pods would roll back to spec.model before the next candidate is compared with them; copy the "
-            "promoted storageUri, version, config, checksum and sizeLimit (and spec.canary.runtime, if it set "
-            "one, into spec.runtime) into spec.model, in this change or before it. Until then nothing is changed: "
-            f"the stable pods keep serving {status.candidate}")
+            "promoted storageUri, version and config (and spec.canary.runtime, if it set one, into spec.runtime) "
+            "into spec.model in this same change, or fold it and remove spec.canary first, then name the next "
+            f"candidate. Until then nothing is changed: the stable pods keep serving {status.candidate}")
 
 
 def same_model(a: str, b: str) -> bool:
@@ -341,7 +350,8 @@ def judge(analysis: Analysis, observation: Observation) -> tuple[str, str]:
     if canary.requests < analysis.min_requests:
         return INCONCLUSIVE, f"{canary.requests:g} canary requests, fewer than minRequests {analysis.min_requests}"
     if canary.error_rate > analysis.max_error_rate:
-        return FAILED, f"canary error rate {_percent(canary.error_rate)} is over {_percent(analysis.max_error_rate)}"
+        rate, bound = _percents(canary.error_rate, analysis.max_error_rate)
+        return FAILED, f"canary error rate {rate} is over {bound}"
     if analysis.max_p99_ms is not None or analysis.max_p99_ratio is not None:
         if canary.p99_ms is None or math.isnan(canary.p99_ms):
             return INCONCLUSIVE, "no canary p99 latency could be read"
@@ -360,8 +370,22 @@ def judge(analysis: Analysis, observation: Observation) -> tuple[str, str]:
 
 
 def _percent(fraction: float) -> str:
-    """A rate as a percent with enough digits to tell it from its bound (0.001% is not 0.00%)."""
-    return f"{fraction * 100:.3g}%" if fraction < 0.01 else f"{fraction:.2%}"
+    return _percents(fraction, fraction)[0]
+
+
+def _percents(value: float, bound: float) -> tuple[str, str]:
+    """Two rates as percents, with the digits that tell them apart (0.005% over 0.001%, 1.0005% over
+    1%, never 0.00% over 0.00%), two decimals where those suffice."""
+    def shown(x: float, digits: int) -> str:
+        text = f"{x * 100:.{digits}f}"
+        return text if digits == 2 else text.rstrip("0").rstrip(".")
+
+    for digits in range(2, 10):
+        a, b = shown(value, digits), shown(bound, digits)
+        apart = a != b or value == bound
+        if apart and (float(a) != 0.0 or value == 0.0) and (float(b) != 0.0 or bound == 0.0):
+            return f"{a}%", f"{b}%"
+    return f"{value * 100:.10g}%", f"{bound * 100:.10g}%"
 
 
 def step(plan: Plan | None, status: Status, observation: Observation, now: float) -> Decision:
@@ -381,6 +405,8 @@ def step(plan: Plan | None, status: Status, observation: Observation, now: float
             candidate=plan.candidate if status.candidate == plan.legacy else status.candidate,
             failed_candidate=plan.candidate if status.failed_candidate == plan.legacy else status.failed_candidate,
         )
+    if plan.candidate == status.candidate and plan.serves and not status.serves:  # a status from before it was kept
+        status = dataclasses.replace(status, serves=plan.serves)
     if plan.candidate == status.failed_candidate:
         return _stay_rolled_back(plan, status)
     adopt = status.phase == SUCCEEDED and same_model(plan.candidate, status.candidate)
@@ -473,7 +499,8 @@ def _enter_step(
 def _progressing(plan: Plan, status: Status, observation: Observation, now: float) -> Decision:
     analysis = plan.analysis
     if analysis is None:  # the spec switched to manual mid-rollout: the split once its pods are ready
-        return _initializing(plan, dataclasses.replace(status, phase=INITIALIZING), observation, now)
+        waiting = dataclasses.replace(status, phase=INITIALIZING, step=-1, interval_started=now, awaiting_gate="")
+        return _initializing(plan, waiting, observation, now)
     unready = _hold_while_unready(analysis, status, observation, now, _step_weight(analysis, status))
     if unready is not None:
         return unready
@@ -556,11 +583,17 @@ def _awaiting_gate(plan: Plan, analysis: Analysis, status: Status, observation: 
     gate poll; meanwhile the canary is still judged once per interval: a failed interval counts (a
     candidate that goes bad while it waits is rolled back, as Flagger keeps checking during a paused
     promotion), an inconclusive one (a quiet night, a metrics outage) does not count against it."""
-    if observation.gate is True:
-        if status.awaiting_gate == "promotion":
-            return _promote(plan, status, now)
-        return _enter_step(plan, analysis, status, status.step + 1, observation, now)
-    held = dataclasses.replace(status, message=_gate_message(analysis, status, status.awaiting_gate, observation))
+    purpose = status.awaiting_gate
+    if purpose == "step" and status.step + 1 >= len(analysis.step_weights):
+        purpose = "promotion"  # the steps were shortened meanwhile: what comes next is the promotion
+    wanted = analysis.promotion_gate if purpose == "promotion" else analysis.step_gate
+    if observation.gate is True or not wanted:  # approved, or the gate was turned off meanwhile
+        released = dataclasses.replace(status, awaiting_gate="")
+        if purpose == "promotion":
+            return _promote(plan, released, now)
+        return _enter_step(plan, analysis, released, status.step + 1, observation, now)
+    status = dataclasses.replace(status, awaiting_gate=purpose)
+    held = dataclasses.replace(status, message=_gate_message(analysis, status, purpose, observation))
     remaining = status.interval_started + analysis.interval_s - now
     judged = False
     actions: tuple[Action, ...] = (AskGate(status.awaiting_gate),)
@@ -587,7 +620,7 @@ def _awaiting_gate(plan: Plan, analysis: Analysis, status: Status, observation: 
 def _manual(plan: Plan, status: Status, observation: Observation, now: float) -> Decision:
     if plan.analysis is not None:  # the spec switched to analysis: start it from the first step
         if not (observation.canary_serving or observation.canary_ready):  # once its pods are ready
-            waiting = dataclasses.replace(status, phase=INITIALIZING, step=-1, interval_started=now)
+            waiting = dataclasses.replace(status, phase=INITIALIZING, step=-1, interval_started=now, awaiting_gate="")
             return _initializing(plan, waiting, observation, now)
         return _enter_step(plan, plan.analysis, status, 0, observation, now)
     serving = observation.canary_serving or observation.canary_ready

@@ -1033,9 +1033,10 @@ def _canary_help(status: canary.Status, spec: api.InferenceModelSpec) -> str:
     if status.phase == canary.SUCCEEDED and spec.canary is None:
         return ""  # folded in (or given up): nothing left to do
     if status.phase == canary.SUCCEEDED:
-        return ("Promoted. Copy spec.canary's storageUri, version and config into spec.model and remove "
-                "spec.canary in one change: the pods will not roll again. Removing spec.canary alone "
-                "rolls the stable pods back to spec.model.")
+        return ("Promoted. Copy spec.canary's storageUri, version and config into spec.model (and its runtime, "
+                "if it set one, into spec.runtime) and remove spec.canary in one change: the pods will not roll "
+                "again. Removing spec.canary alone rolls the stable pods back to spec.model; a next candidate "
+                "waits until this one is in spec.model.")
     if status.phase == canary.ROLLED_BACK:
         return "Rolled back. Change spec.canary to try another candidate, or remove it."
     if status.phase in canary.ACTIVE:

@@ -166,7 +166,7 @@ NATIVE_SIDECAR_CHOICES = ("auto", "true", "false")
 
 def _webhook(env: Mapping[str, str], defaults: Webhook) -> Webhook:
     port = env.get("SLUICE_WEBHOOK_PORT", str(defaults.port))
-    if not port.isdigit() or int(port) > 65535:
+    if not (port.isascii() and port.isdigit()) or int(port) > 65535:
         raise ValueError(f"SLUICE_WEBHOOK_PORT={port!r} is not allowed; allowed: 0 (no webhook) or a port 1-65535")
     return Webhook(
         port=int(port),
@@ -199,7 +199,7 @@ MAX_PROTOCOL_WORKERS = 64
 def _protocol_workers(value: str) -> int | str | None:
     if value in ("", "auto"):
         return value or None
-    if value.isdigit() and int(value) <= MAX_PROTOCOL_WORKERS:
+    if value.isascii() and value.isdigit() and int(value) <= MAX_PROTOCOL_WORKERS:
         return int(value)
     raise ValueError(f"SLUICE_PROTOCOL_WORKERS={value!r} is not allowed; allowed: empty (not passed), auto, "
                      f"or a count from 0 to {MAX_PROTOCOL_WORKERS}")

@@ -230,7 +230,97 @@ def test_a_tiny_error_rate_bound_is_written_so_that_it_can_be_read():
     analysis = dataclasses.replace(ANALYSIS, max_error_rate=0.00001)  # maxErrorRatePercent 0.001
     verdict, why = c.judge(analysis, dataclasses.replace(SEEN, canary=c.VersionMetrics(requests=100000, errors=5)))
     assert verdict == c.FAILED and why == "canary error rate 0.005% is over 0.001%"  # it said 0.00% over 0.00%
-    assert c.judge(ANALYSIS, SEEN)[1] == "1000 requests, error rate 0.2%"
+    assert c.judge(ANALYSIS, SEEN)[1] == "1000 requests, error rate 0.20%"
+    bound = dataclasses.replace(ANALYSIS, max_error_rate=0.01)
+    just_over = dataclasses.replace(SEEN, canary=c.VersionMetrics(requests=100000, errors=1001))
+    assert c.judge(bound, just_over)[1] == "canary error rate 1.001% is over 1%"  # not 1.00% over 1.00%
+
+
+def _held_for_the_step_gate(plan):
+    yes = dataclasses.replace(SEEN, gate=True)
+    status, _, _, now = drive(plan, [SEEN, yes])  # at 5 %, approved
+    status, _, _, now = drive(plan, [yes], status=status, start=now)  # at 25 %
+    decision = c.step(plan, status, SEEN, now)  # 25 % passed: the gate is asked for the next step
+    assert decision.status.awaiting_gate == "step" and decision.status.weight == 25
+    return decision.status, now
+
+
+def test_steps_shortened_while_the_gate_holds_lead_to_the_promotion():
+    """Held before 50 % of (5, 25, 50), the steps become (5, 25): the next move is the promotion (an
+    approval raised IndexError, and the reconciler failed on every pass)."""
+    long = c.Plan("cand-a", dataclasses.replace(ANALYSIS, step_weights=(5, 25, 50), step_gate=True))
+    held, now = _held_for_the_step_gate(long)
+    short = c.Plan("cand-a", dataclasses.replace(long.analysis, step_weights=(5, 25)))
+    decision = c.step(short, held, dataclasses.replace(SEEN, gate=True), now + 30)
+    assert decision.status.phase == c.PROMOTING and decision.status.awaiting_gate == ""
+    gated = c.Plan("cand-a", dataclasses.replace(short.analysis, promotion_gate=True))
+    decision = c.step(gated, held, dataclasses.replace(SEEN, gate=False), now + 30)
+    assert decision.status.awaiting_gate == "promotion" and "approve promotion (it said no)" in decision.status.message
+
+
+def test_turning_the_gate_off_releases_a_held_rollout():
+    plan = c.Plan("cand-a", dataclasses.replace(ANALYSIS, step_gate=True))
+    held, now = _held_for_the_step_gate(plan)
+    off = c.Plan("cand-a", dataclasses.replace(plan.analysis, step_gate=False))
+    decision = c.step(off, held, SEEN, now + 30)  # nobody is asked now: it held for ever
+    assert (decision.status.phase, decision.status.weight, decision.status.awaiting_gate) == (c.PROGRESSING, 50, "")
+
+
+def test_a_canary_never_ready_after_a_switch_to_manual_and_back_is_rolled_back_at_the_deadline():
+    unready = c.Observation(canary_ready=False, canary_serving=False)
+    at_half = c.Status(phase=c.PROGRESSING, candidate="cand-a", step=2, weight=50, interval_started=0.0,
+                       awaiting_gate="step")
+    decision = c.step(c.Plan("cand-a", None, traffic_percent=10), at_half, unready, 100.0)
+    assert (decision.status.step, decision.status.awaiting_gate) == (-1, "")
+    status, _, phases, _ = drive(PLAN, [unready] * 30, status=decision.status, start=200.0)
+    assert phases[-1] == c.ROLLED_BACK and "progressDeadlineSeconds" in status.message
+
+
+CONFIG_V2 = 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n'
+
+
+def _folding_spec(model: dict, canary: dict | None, runtime: dict | None = None):
+    from sluice.operator import api
+
+    spec = {"model": {"format": "onnx", **model}, **({"canary": canary} if canary else {})}
+    if runtime:
+        spec["runtime"] = runtime
+    return api.parse_inference_model("clf", spec)
+
+
+V1 = {"storageUri": "s3://m/clf/v1", "version": 1}
+V2_CANARY = {"storageUri": "s3://m/clf/v2", "version": 2, "config": CONFIG_V2}
+V3_CANARY = {"storageUri": "s3://m/clf/v3", "version": 3}
+
+
+def _promoted(spec, phase=c.SUCCEEDED):
+    plan = c.plan_of(spec)
+    return c.Status(phase=phase, candidate=plan.candidate, serves=plan.serves)
+
+
+@pytest.mark.parametrize(("folded", "runtime", "refused"), [
+    (V1, {"maxBatchSize": 4}, True),  # not folded: the stable pods would go back to v1
+    ({"storageUri": "s3://m/clf/v2", "version": 2, "config": CONFIG_V2}, None, False),  # folded (runtime dropped,
+    # as an inline config requires)
+    ({"storageUri": "s3://m/clf/v2", "version": 2, "config": CONFIG_V2, "checksum": "sha256:" + "ab" * 32}, None,
+     False),  # folded, with a checksum for the same files
+    ({"storageUri": "s3://m/clf/v2", "version": 2}, {"maxBatchSize": 4}, True),  # its config left out
+])
+def test_a_next_candidate_is_refused_only_until_the_promoted_one_is_folded(folded, runtime, refused):
+    promoted = _promoted(_folding_spec(V1, V2_CANARY, {"maxBatchSize": 4}))
+    why = c.unfolded(_folding_spec(folded, V3_CANARY, runtime), promoted)
+    assert (why is not None) == refused, why
+    if refused:
+        assert "fold it and remove spec.canary first" in why
+
+
+def test_the_fold_is_also_awaited_while_finalising_and_read_into_older_statuses():
+    v2 = _folding_spec(V1, V2_CANARY)
+    assert c.unfolded(_folding_spec(V1, V3_CANARY), _promoted(v2, c.FINALISING)) is not None
+    assert c.unfolded(_folding_spec(V1, V3_CANARY), _promoted(v2, c.PROGRESSING)) is None  # not promoted: a restart
+    older = dataclasses.replace(_promoted(v2, c.FINALISING), serves="")  # written before serves was kept
+    decision = c.step(c.plan_of(v2), older, c.Observation(canary_ready=True, stable_rolled_out=True), 100.0)
+    assert decision.status.serves == c.plan_of(v2).serves
 
 
 def test_the_awaited_gate_survives_the_status_round_trip():
