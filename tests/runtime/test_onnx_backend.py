@@ -105,40 +105,33 @@ def test_gpu_model_without_cuda_fails_its_load_only(tmp_path, serve):
     assert "CUDA execution provider" in row["reason"]
 
 
+def mlp_load_error(tmp_path, serve, config_tail: str) -> str:
+    """The message of an explicit load of the MLP whose config.pbtxt ends with ``config_tail`` (line 4 on)."""
+    repo = tmp_path / "repo"
+    write_model(repo, "mlp", 'name: "mlp"\nbackend: "onnxruntime"\nmax_batch_size: 8\n' + config_tail,
+                {"model.onnx": BUILDERS.mlp_model()})
+    server = serve(repo, **EXPLICIT)
+    with pytest.raises(InferenceServerException) as info:
+        httpclient.InferenceServerClient(server.http).load_model("mlp")
+    return str(info.value)
+
+
 def test_bad_thread_parameter_names_file_line_field_and_what_is_allowed(tmp_path, serve):
     """The parameter is read when the session opens, after the config was validated; the error
     still points at the entry's line in config.pbtxt (found by its key, not the first entry's)."""
-    repo = tmp_path / "repo"
-    write_model(
-        repo, "mlp", 'name: "mlp"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
-        'parameters { key: "inter_op_thread_count" value { string_value: "1" } }\n'
+    message = mlp_load_error(
+        tmp_path, serve, 'parameters { key: "inter_op_thread_count" value { string_value: "1" } }\n'
         "parameters { key: 'intra_op_thread_count' value { string_value: \"many\" } }\n",
-        {"model.onnx": BUILDERS.mlp_model()},
-    )  # fmt: skip
-    server = serve(repo, **EXPLICIT)
-    client = httpclient.InferenceServerClient(server.http)
-    with pytest.raises(InferenceServerException) as info:
-        client.load_model("mlp")
-    message = str(info.value)
+    )
     assert "mlp/config.pbtxt:5:1: field 'parameters[intra_op_thread_count]': 'many' is not an integer" in message
     assert 'allowed: a whole number as its string_value, such as "4"' in message
     assert str(tmp_path) not in message  # the server's paths stay with the server
 
 
-
 def test_a_config_that_contradicts_the_model_file_names_the_config_line(tmp_path, serve):
     """The ONNX file's own tensors check the config after it is read: the error still points at the
     field's line (it named only "model 'mlp'"), as config errors do."""
-    repo = tmp_path / "repo"
-    write_model(
-        repo, "mlp", 'name: "mlp"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
-        'input [ { name: "INPUT0", data_type: TYPE_INT32, dims: [ 4 ] } ]\n',
-        {"model.onnx": BUILDERS.mlp_model()},
-    )  # fmt: skip
-    server = serve(repo, **EXPLICIT)
-    with pytest.raises(InferenceServerException) as info:
-        httpclient.InferenceServerClient(server.http).load_model("mlp")
-    message = str(info.value)
+    message = mlp_load_error(tmp_path, serve, 'input [ { name: "INPUT0", data_type: TYPE_INT32, dims: [ 4 ] } ]\n')
     assert "mlp/config.pbtxt:4:" in message and "field 'input[0].data_type'" in message, message
     assert "TYPE_INT32 in the config but the model declares TYPE_FP32" in message
 
@@ -148,16 +141,7 @@ def test_a_config_that_contradicts_the_model_file_names_the_config_line(tmp_path
     ("inter_op_thread_count", "\u00b2", "'\u00b2' is not an integer"),
 ])
 def test_out_of_range_thread_counts_are_config_errors(tmp_path, serve, key, value, words):
-    repo = tmp_path / "repo"
-    write_model(
-        repo, "mlp", 'name: "mlp"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
-        f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}\n',
-        {"model.onnx": BUILDERS.mlp_model()},
-    )  # fmt: skip
-    server = serve(repo, **EXPLICIT)
-    with pytest.raises(InferenceServerException) as info:
-        httpclient.InferenceServerClient(server.http).load_model("mlp")
-    message = str(info.value)
+    message = mlp_load_error(tmp_path, serve, f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}\n')
     assert f"mlp/config.pbtxt:4:1: field 'parameters[{key}]': {words}" in message, message
     assert "0x" not in message and "SessionOptions" not in message
 
