@@ -336,10 +336,13 @@ def gpu_rendering(
     else from the spec alone (no inventory visible, or an Ensemble's colocated steps)."""
     if not gpus:
         return GpuRendering(limits={})
+    shape_tolerations = (GPU_TOLERATION,) if shape is None else (
+        GPU_TOLERATION, *(dict(t) for t in shape.tolerations if dict(t) != GPU_TOLERATION))
     if dra and len(gpus) == 1:
-        return GpuRendering(limits={}, claim=_dra_claim(gpus[0], shape))
+        # DRA pods land on the same tainted GPU nodes: they tolerate what extended-resource pods do
+        return GpuRendering(limits={}, claim=_dra_claim(gpus[0], shape), tolerations=shape_tolerations)
     if shape is not None and len(gpus) == 1:
-        tolerations = [GPU_TOLERATION, *(dict(t) for t in shape.tolerations if dict(t) != GPU_TOLERATION)]
+        tolerations = list(shape_tolerations)
         return GpuRendering(
             limits={shape.resource: str(shape.count)},
             affinity=_product_affinity(shape),
@@ -373,7 +376,9 @@ def claim_template(owner: Owner, name: str, rendering: GpuRendering, track: str 
     return {
         "apiVersion": DRA_API_VERSION, "kind": "ResourceClaimTemplate",
         "metadata": _meta(owner, name, common_labels(owner, track)),
-        "spec": rendering.claim,
+        # spec.metadata is what Kubernetes copies into each claim it makes from the template: the labels
+        # let the planner tell this workload's own claims from other workloads' (they held its devices twice)
+        "spec": {"metadata": {"labels": common_labels(owner, track)}, **rendering.claim},
     }
 
 

@@ -361,8 +361,10 @@ def shapes(request: Request, inv: inventory.Inventory, offer: _Offer | None = No
         pinned_products = () if kind == MIXED else tuple(fitting)
         if kind == MIXED and len(fitting) != len(products):
             pinned_products = tuple(fitting)
-        if kind == SHARED and "" in fitting:
-            pinned_products = ()  # a time-sliced slice GFD labelled no product for: its resource alone names it
+        if "" in fitting:
+            # a node GPU feature discovery labelled no product for (GKE's own device plugin): an affinity on
+            # nvidia.com/gpu.product would match no such node, so the resource alone names the shape
+            pinned_products = ()
         avoid = _avoid(inv, kind, resource)
         shape = Shape(kind=kind, resource=resource, count=max(request.count, 1), profile=profile,
                       products=pinned_products, memory_mib=memory,

@@ -583,3 +583,82 @@ async def test_the_gpus_of_a_model_whose_spec_turned_invalid_stay_held():
     owner = builders.Owner(kind="InferenceModel", namespace="d", name="new", uid="u")
     placed = await reconciler._place(owner, new, api.Gpu(count=1), 1, False)
     assert placed.verdict.state == placement.PENDING and "0 free of 2" in placed.verdict.reason
+
+
+async def test_dra_a_models_own_claims_made_from_its_template_are_its_own():
+    """Kubernetes makes each pod's ResourceClaim from the template's spec (labels from spec.metadata).
+    Those claims must read as the model's own: without labels they counted as another workload's, so a
+    running DRA model saw its slice as taken (Pending, CapacityFull, devices booked twice)."""
+    import datetime
+
+    from sluice.operator import api, builders, placement, reconcile
+    from sluice.operator.settings import Settings
+
+    settings = Settings(gpu_allocation="dra")
+    spec = {"model": {"storageUri": "s3://b/m", "format": "onnx"}, "resources": {"gpu": {"migProfile": "1g.10gb"}}}
+    body = {"apiVersion": "sluice.dev/v1alpha1", "kind": "InferenceModel",
+            "metadata": {"name": "m", "namespace": "models", "uid": "u1", "generation": 1,
+                         "creationTimestamp": "2026-01-01T00:00:00Z"}, "spec": spec, "status": {}}
+    device = {"name": "gpu-0-mig-19-0-1", "attributes": {"type": {"string": "mig"}, "profile": {"string": "1g.10gb"},
+              "productName": {"string": "NVIDIA A100-SXM4-80GB"}}, "capacity": {"memory": {"value": "9728Mi"}}}
+    slices = [{"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": "n1-gpu"},
+               "spec": {"driver": "gpu.nvidia.com", "nodeName": "n1",
+                        "pool": {"name": "n1", "generation": 1, "resourceSliceCount": 1}, "devices": [device]}}]
+    claims: list[dict] = []
+
+    class Kube:
+        async def list(self, kind: str, namespace: str) -> list:
+            return {"InferenceModel": [body], "ResourceSlice": slices, "ResourceClaim": claims}.get(kind, [])
+
+        async def get(self, *args: object) -> None:
+            return None
+
+    reconciler = reconcile.Reconciler(kube=Kube(), settings=settings,  # type: ignore[arg-type]
+                                      clock=lambda: datetime.datetime(2026, 1, 2, tzinfo=datetime.UTC),
+                                      events=lambda *a, **k: None)
+    owner = reconcile._owner(body)
+    model = api.parse_inference_model("m", spec)
+    placed = await reconciler._place(owner, body, model.resources.gpu, 1, False)
+    assert placed.verdict.state == placement.PLACED
+    body["status"] = {"placement": reconcile._placement_status(placed, body), "replicas": 1}
+    desired = builders.inference_model(owner, model, settings, shape=placed.verdict.shape)
+    [template] = [o for o in desired.objects if o["kind"] == "ResourceClaimTemplate"]
+    [deployment] = [o for o in desired.objects if o["kind"] == "Deployment"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
+        deployment["spec"]["template"]["spec"]["tolerations"]  # DRA pods land on the same tainted GPU nodes
+    claims.append({  # what the resource-claim controller makes for the model's pod, once allocated
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "m-7d9f-abcde-gpu-x2k4", "namespace": "models",
+                     "labels": dict((template["spec"].get("metadata") or {}).get("labels") or {}),
+                     "ownerReferences": [{"kind": "Pod", "name": "m-7d9f-abcde", "apiVersion": "v1", "uid": "p"}]},
+        "spec": template["spec"]["spec"],
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": "gpu.nvidia.com", "pool": "n1", "device": device["name"]}]}}}})
+    reconciler._gpu_view = None  # read the cluster again
+    placed = await reconciler._place(owner, body, model.resources.gpu, 1, False)
+    assert placed.verdict.state == placement.PLACED, placed.verdict.reason
+
+
+def test_a_gpu_node_without_feature_discovery_labels_gets_pods_that_fit_it():
+    """GKE's own device plugin advertises nvidia.com/gpu without GPU feature discovery's labels: a
+    whole GPU placed there must not be pinned to nvidia.com/gpu.product In [""], which no node matches
+    (it was Placed, and its pods Pending for ever)."""
+    from sluice.operator import api, builders
+    from sluice.operator.settings import Settings
+    from sluice_testing import scheduler
+
+    gke = {"apiVersion": "v1", "kind": "Node",
+           "metadata": {"name": "gke-l4", "labels": {"cloud.google.com/gke-accelerator": "nvidia-l4"}},
+           "spec": {}, "status": {"allocatable": {"cpu": "32", "memory": "128Gi", "nvidia.com/gpu": "1", "pods": "110"},
+                                  "conditions": [{"type": "Ready", "status": "True"}]}}
+    request = placement.Request(key="InferenceModel/x/m", replicas=1, count=1)
+    verdict = placement.plan(inventory.from_nodes([gke]), [request]).verdicts[request.key]
+    assert verdict.state == placement.PLACED and verdict.shape is not None
+    spec = api.parse_inference_model("m", {"model": {"storageUri": "s3://b/m", "format": "onnx"},
+                                           "resources": {"gpu": {"count": 1}}})
+    owner = builders.Owner(kind="InferenceModel", name="m", namespace="x", uid="u")
+    [deployment] = [o for o in builders.inference_model(owner, spec, Settings(), shape=verdict.shape).objects
+                    if o["kind"] == "Deployment"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "m-1", "namespace": "x"},
+           "spec": deployment["spec"]["template"]["spec"]}
+    assert scheduler.schedule(pod, [gke], []).node == "gke-l4"
