@@ -774,8 +774,9 @@ def model_pool_crd() -> dict[str, Any]:
             "gpu": _gpu(
                 "The device each pool replica gets, in exactly one form: whole GPUs, one MIG slice, or one GPU "
                 "with at least this much memory. Members declare shares of its memory (capacity: gpu.memory; "
-                "for migProfile the profile's nominal memory; for count unknown, so members are admitted on "
-                "computePercent alone).", share=False,
+                "for migProfile the profile's nominal memory; for count one GPU's memory, learned from the nodes "
+                "the pool is placed on, and until then unknown, so members are admitted on computePercent "
+                "alone).", share=False,
             ),
             "resources": _resources(gpu=False),
             "scaling": {**_scaling(), "description": "Replica bounds of the pool: it scales as one, on its pods' "

@@ -441,8 +441,8 @@ def plan(inv: inventory.Inventory, requests: Sequence[Request], *, advise: bool 
             continue
         total = next((s for s in candidates if book.capacity(s, free=False) >= request.replicas), None)
         shape = total or (candidates[0] if candidates else None)
+        missing = _missing(request, candidates, book)  # before its own booking: what others left free
         booked, nodes = book.book(shape, request.replicas) if shape is not None else (0, ())
-        missing = _missing(request, candidates, book)
         state = PENDING if total is not None else UNSATISFIABLE
         verdicts[request.key] = Verdict(request.key, state, shape, missing, nodes,
                                         book.pools(shape) if shape else (), booked)
@@ -502,9 +502,10 @@ def repartition(
         model = gpus.CATALOGUE_BY_KEY.get(node.model)
         if model is None or not model.mig_capable or node.dra or any(d.kind == SHARED for d in node.devices):
             continue  # time-sliced nodes are shared as a whole: not partitioned
-        if node.strategy == SINGLE:
-            # One profile for every GPU of the node (GPU Feature Discovery labels a node with two
+        if node.strategy != MIXED:
+            # single: one profile for every GPU of the node (GPU Feature Discovery labels a node with two
             # -MIG-INVALID, and it then offers nothing): a layout grown GPU by GPU cannot serve there.
+            # none (or no strategy label): the device plugin advertises whole GPUs, never MIG slices.
             continue
         by_model.setdefault(node.model, []).append(n)
     layouts: dict[int, list[gpus.Layout]] = {}

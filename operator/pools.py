@@ -9,8 +9,9 @@ The rules (docs/operator.md, "Model pools"):
 
 * Capacity is the memory of the device each pool replica gets: ``gpu.memory`` itself; for a
   ``migProfile`` the smallest nominal memory of that profile on any GPU in the catalogue (``gpus``), so
-  the pool fits wherever the slice lands; for ``count`` n, n times the GPU memory when the caller knows
-  it, otherwise unknown, and then members are admitted on compute shares alone (the status says so).
+  the pool fits wherever the slice lands; for ``count`` n, one GPU's memory when the caller knows it
+  (each GPU holds every member), learned from placement, otherwise unknown, and then members are
+  admitted on compute shares alone (the status says so).
   Compute is 100 % per device.
 * Admission is stable: members admitted before stay admitted while they still fit together, so adding
   a member never evicts one. A member that grew is checked against what the others leave free and,

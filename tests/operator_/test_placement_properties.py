@@ -662,3 +662,35 @@ def test_a_gpu_node_without_feature_discovery_labels_gets_pods_that_fit_it():
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "m-1", "namespace": "x"},
            "spec": deployment["spec"]["template"]["spec"]}
     assert scheduler.schedule(pod, [gke], []).node == "gke-l4"
+
+
+def _gpu_node(name: str, labels: dict, allocatable: dict) -> dict:
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}, "spec": {},
+            "status": {"allocatable": {"cpu": "32", **allocatable},
+                       "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def test_nothing_fits_counts_what_others_left_free_not_the_requests_own_booking():
+    a100 = _gpu_node("a100-0", {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "nvidia.com/gpu.count": "2",
+                                "nvidia.com/mig.strategy": "mixed"},
+                     {"nvidia.com/mig-1g.10gb": "4", "nvidia.com/mig-2g.20gb": "2", "nvidia.com/mig-3g.40gb": "2"})
+    request = placement.Request(key="InferenceModel/x/m", replicas=3, profile="2g.20gb")
+    verdict = placement.plan(inventory.from_nodes([a100]), [request]).verdicts[request.key]
+    assert verdict.state == placement.UNSATISFIABLE
+    assert "MIG 2g.20gb (mixed strategy): 2 free of 2" in verdict.reason  # it said 0 free: its own two booked
+
+
+@pytest.mark.parametrize("strategy", ["none", None])
+def test_no_repartition_advice_for_nodes_whose_device_plugin_advertises_no_slices(strategy):
+    """Under MIG strategy none (or no strategy label) the device plugin advertises nvidia.com/gpu and never
+    nvidia.com/mig-*: repartitioning such a node (drained for it) would not serve the model."""
+    labels = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "nvidia.com/gpu.count": "8",
+              "nvidia.com/gpu.memory": "81559", "nvidia.com/mig.capable": "true",
+              **({"nvidia.com/mig.strategy": strategy} if strategy else {})}
+    request = placement.Request(key="InferenceModel/x/m", replicas=1, profile="1g.10gb")
+    result = placement.plan(inventory.from_nodes([_gpu_node("h100-w", labels, {"nvidia.com/gpu": "8"})]), [request])
+    assert result.verdicts[request.key].state != placement.PLACED
+    assert result.advice == ()
+    mixed = {**labels, "nvidia.com/mig.strategy": "mixed"}
+    assert placement.plan(inventory.from_nodes([_gpu_node("h100-w", mixed, {"nvidia.com/gpu": "8"})]),
+                          [request]).advice  # a mixed node is advised
