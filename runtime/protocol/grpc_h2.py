@@ -376,6 +376,7 @@ class _Stream:
         "headers_sent",
         "held",
         "message",
+        "opened",
         "owed",
         "pending",
         "queue",
@@ -415,6 +416,7 @@ class _Stream:
         self.request: InferRequest | None = None
         self.task: asyncio.Task | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.opened = 0.0  # loop time the grpc-timeout timer started (with ``timer``)
         self.queue: asyncio.Queue | None = None
         self.drained: asyncio.Future | None = None  # ModelStreamInfer waiting for its DATA to go out
         self.caller = ""  # the head's sluice-caller
@@ -897,7 +899,13 @@ class GrpcConnection(asyncio.Protocol):
             if sid > self._last_sid:
                 raise _H2Error(PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
             return
+        timer = stream.timer
         self._abandon(stream)
+        if timer is not None and self._loop.time() - stream.opened >= (timer.when() - stream.opened) / 2:
+            # its own deadline has come, or nearly (the client's clock started first): a client cancels
+            # a call that timed out, which is no rapid reset (a reset within the first half still counts)
+            self._after_stream_closed()
+            return
         self._reset_debt += 1
         if self._reset_debt > RESET_LIMIT:
             raise _H2Error(ENHANCE_YOUR_CALM, "too many streams reset by the client (rapid reset)")
@@ -1124,6 +1132,7 @@ class GrpcConnection(asyncio.Protocol):
         route = head.route
         assert route is not None
         if head.timeout is not None:
+            stream.opened = self._loop.time()
             stream.timer = self._loop.call_later(head.timeout, self._expire, stream)
         if route.kind == _STREAM:
             stream.queue = asyncio.Queue()

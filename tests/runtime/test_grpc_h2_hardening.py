@@ -149,6 +149,34 @@ def test_rapid_reset_gets_goaway_enhance_your_calm(serve, repo, connect):
     assert_add_sub_ok(good.response(1))
 
 
+def test_calls_reset_as_their_own_deadline_comes_are_not_a_rapid_reset(serve, repo, connect, monkeypatch):
+    """grpc clients reset a call when its deadline fires, often just before the server's own grpc-timeout
+    answers: thousands of timed-out calls on a stuck model tripped the rapid-reset defence and the GOAWAY
+    killed every call on the channel. A reset in the second half of a call's timeout is not counted; one
+    in its first half still is."""
+    from sluice.runtime.protocol import grpc_h2
+
+    monkeypatch.setattr(grpc_h2, "RESET_LIMIT", 8)
+    server = serve(repo, scheduling=NO_SHEDDING)
+    client = connect(server.grpc)
+    late = client.block(SERVICE + "ModelInfer", [("grpc-timeout", "300m")])
+    sids = range(1, 2 * 20, 2)
+    client.send(*(HeadersFrame(sid, late, flags=["END_HEADERS"]) for sid in sids))  # requests still coming
+    time.sleep(0.2)  # past half of the calls' own 300 ms: the client's deadline comes first (its clock started first)
+    client.send(*(RstStreamFrame(sid, CANCEL) for sid in sids))
+    client.request(101, SERVICE + "ModelInfer", add_sub_request())
+    assert_add_sub_ok(client.response(101))
+    assert client.goaway is None and not client.closed
+
+    attacker = connect(server.grpc)
+    early = attacker.block(SERVICE + "ModelInfer", [("grpc-timeout", "100S")])
+    with contextlib.suppress(OSError):
+        attacker.send(*(frame for sid in sids for frame in (HeadersFrame(sid, early, flags=["END_HEADERS"]),
+                                                          RstStreamFrame(sid, CANCEL))))
+    attacker.drain(5.0)
+    assert attacker.goaway is not None and attacker.goaway.error_code == ENHANCE_YOUR_CALM
+
+
 def test_a_client_that_cancels_some_of_its_calls_is_not_cut_off(serve, repo, connect):
     """1,500 resets in all, more than the limit, but no more resets than answered calls."""
     client = connect(serve(repo, scheduling=NO_SHEDDING).grpc)
