@@ -1240,6 +1240,9 @@ class GrpcConnection(asyncio.Protocol):
             )
         if not decompressor.eof:
             raise InvalidArgument("compressed message is truncated")
+        if decompressor.unused_data:  # as grpcio: one compressed stream is one message, nothing after it
+            raise InvalidArgument(f"compressed message has {len(decompressor.unused_data)} bytes after the end of "
+                                  "its compressed data; allowed: one gzip or deflate stream per message")
         return out
 
     def _end_of_input(self, stream: _Stream) -> None:

@@ -599,6 +599,20 @@ def test_gzip_compressed_request(serve, repo, connect):
     assert response.status == UNIMPLEMENTED and "snappy" in response.message
 
 
+def test_a_compressed_message_with_bytes_after_its_stream_is_refused(serve, repo, connect):
+    """Two gzip members (or one and junk) in one message: grpcio refuses them; the first member alone
+    was taken (the request read with the first's id and version, the rest dropped)."""
+    client = connect(serve(repo).grpc)
+    for sid, tail in [(1, gzip.compress(b"\x00")), (3, b"junk after it")]:
+        block = client.block(SERVICE + "ModelInfer", extra=[("grpc-encoding", "gzip")])
+        client.send(HeadersFrame(sid, block, flags=["END_HEADERS"]))
+        client.send_data(sid, grpc_frame(gzip.compress(add_sub_request()) + tail, compressed=True))
+        response = client.response(sid)
+        assert response.status == INVALID_ARGUMENT and "after the end of its compressed data" in response.message
+    client.request(5, SERVICE + "ModelInfer", add_sub_request())
+    assert_add_sub_ok(client.response(5))
+
+
 @pytest.mark.parametrize(
     ("garbage", "code"),
     [
