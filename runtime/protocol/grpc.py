@@ -13,7 +13,7 @@ from sluice.runtime import callers
 from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import SluiceError
 from sluice.runtime.protocol.grpc_service import INFER, STREAM, Call, Method, Service, stream_payload
-from sluice.runtime.protocol.grpc_status import grpc_code
+from sluice.runtime.protocol.grpc_status import clipped, grpc_code
 from sluice.runtime.settings import Limits
 
 
@@ -41,7 +41,7 @@ def _unary(method: Method) -> Callable[..., Any]:
         try:
             return await handler(request, _call(context))
         except SluiceError as exc:
-            await context.abort(grpc_code(exc), exc.message)
+            await context.abort(grpc_code(exc), clipped(exc.message))
 
     return handle
 
@@ -54,7 +54,7 @@ def _stream(method: Method, limit: int) -> Callable[..., Any]:
             async for reply in handler(requests, _call(context)):
                 yield stream_payload(reply, limit)  # an oversized one: its request's error, not the call's end
         except SluiceError as exc:
-            await context.abort(grpc_code(exc), exc.message)
+            await context.abort(grpc_code(exc), clipped(exc.message))
 
     return handle
 

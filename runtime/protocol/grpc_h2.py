@@ -51,7 +51,7 @@ from sluice.runtime.dataplane import DataPlane
 from sluice.runtime.errors import InvalidArgument, PayloadTooLarge, SluiceError
 from sluice.runtime.protocol import grpc_service
 from sluice.runtime.protocol.grpc_service import Call, Method, Service
-from sluice.runtime.protocol.grpc_status import grpc_code
+from sluice.runtime.protocol.grpc_status import clipped, grpc_code
 from sluice.runtime.protocol.listener import Crowding, Listener
 from sluice.runtime.settings import Limits
 from sluice.runtime.types import InferRequest, InferResponse
@@ -188,7 +188,7 @@ def percent_encode(message: str) -> bytes:
 def status_block(code: grpc.StatusCode, message: str) -> bytes:
     block = _literal(b"grpc-status", str(code.value[0]).encode())
     if message:
-        block += _literal(b"grpc-message", percent_encode(message)[:MAX_GRPC_MESSAGE_IN_ERRORS])
+        block += _literal(b"grpc-message", percent_encode(clipped(message, MAX_GRPC_MESSAGE_IN_ERRORS)))
     return block
 
 

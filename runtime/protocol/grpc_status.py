@@ -48,3 +48,23 @@ def grpc_code(exc: SluiceError) -> grpc.StatusCode:
         code = next((GRPC_CODES[base] for base in cls.__mro__ if base in GRPC_CODES), grpc.StatusCode.INTERNAL)
         _resolved[cls] = code
     return code
+
+
+MAX_MESSAGE_BYTES = 4096
+"""Longest grpc-message (as sent: percent-encoded) either gRPC server sends, so error trailers stay
+within clients' metadata limits (grpcio's hard limit is 16 KiB for the whole block)."""
+
+
+def clipped(message: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """``message`` cut at a character boundary so that its grpc-message encoding (UTF-8, then ``%XX``
+    for every byte outside printable ASCII and for ``%``) has at most ``limit`` bytes: cutting the
+    encoded bytes split an escape or a character, and clients then decoded the whole text as latin-1."""
+    if len(message) * 12 <= limit:  # even all 4-byte characters, each escaped, fit
+        return message
+    size = 0
+    for index, char in enumerate(message):
+        cost = sum(1 if 0x20 <= byte <= 0x7E and byte != 0x25 else 3 for byte in char.encode("utf-8", "replace"))
+        if size + cost > limit:
+            return message[:index]
+        size += cost
+    return message

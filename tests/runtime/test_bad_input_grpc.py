@@ -252,6 +252,37 @@ def test_message_over_max_grpc_message_bytes(serve, example_repo, front_end):
         pb.ModelInferResponse.FromString(call(chan, "ModelInfer", good().SerializeToString()))
 
 
+@pytest.mark.parametrize("front_end", ["h2", "grpcio"])
+@pytest.mark.parametrize("name", ["x" * 20000, "x" + "\u00e9" * 1000, "xx" + "\u00e9" * 1000],
+                         ids=["long", "accents", "accents-shifted"])
+def test_a_long_error_message_is_cut_whole_and_keeps_its_code(serve, example_repo, front_end, name):
+    """Errors naming a long model name: the h2 server cut the encoded text inside a %XX escape or a
+    character (clients then read it all as latin-1: '\u00a9\u00c3\u00a9\u00c3...'), and grpcio's trailers
+    overran the clients' 16 KiB metadata limit (RESOURCE_EXHAUSTED instead of NOT_FOUND)."""
+    from sluice.runtime.protocol import grpc_h2, grpc_status
+
+    server = serve(example_repo, grpc_server=front_end)
+    client = grpcclient.InferenceServerClient(server.grpc)
+    with pytest.raises(InferenceServerException) as info:
+        client.get_model_metadata(name)
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+    message = info.value.message()
+    body = message.removeprefix("Request for unknown model: '")
+    assert body != message and name.startswith(body)  # cut within the name, character by character
+    assert "\u00c3" not in message and len(grpc_h2.percent_encode(message)) <= grpc_status.MAX_MESSAGE_BYTES
+    client.close()
+
+
+@pytest.mark.parametrize(("text", "limit", "kept"), [
+    ("abc", 10, "abc"), ("abcdef", 3, "abc"), ("%%%", 7, "%%"), ("\u00e9\u00e9", 6, "\u00e9"), ("\u00e9\u00e9", 5, ""),
+    ("a\U0001f600b", 13, "a\U0001f600"),  # 4 bytes, each escaped: 12
+])
+def test_clipped_cuts_at_characters_within_the_encoded_budget(text, limit, kept):
+    from sluice.runtime.protocol import grpc_status
+
+    assert grpc_status.clipped(text, limit) == kept
+
+
 def test_tritonclient_sees_the_codes(shared_server):
     client = grpcclient.InferenceServerClient(shared_server.grpc)
     try:
