@@ -478,6 +478,7 @@ class GrpcConnection(asyncio.Protocol):
         self._closed_at: float | None = None  # when we closed it (the transport may still be flushing)
         self._block_started = 0.0  # when the header block waiting for CONTINUATION began
         self.last_activity = self._loop.time()
+        self._last_busy = 0.0  # the last sweep that found a call open: idleness counts from its end
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -734,10 +735,13 @@ class GrpcConnection(asyncio.Protocol):
             return
         if not self._streams:
             self._keepalive_sent = None
-            if now - self.last_activity > limits.idle_timeout_s:
+            # idle since its last bytes, or since its last call ended (a long call sends nothing while it runs)
+            if now - max(self.last_activity, self._last_busy) > limits.idle_timeout_s:
                 self.goaway()
                 self.close()
-        elif self._keepalive_sent is not None:
+            return
+        self._last_busy = now
+        if self._keepalive_sent is not None:
             if now - self._keepalive_sent > limits.keepalive_timeout_s:
                 self._fail(NO_ERROR, "keepalive PING not acknowledged in time (--keepalive-timeout-s)")
         elif now - self.last_activity > limits.keepalive_interval_s and not self._closed:

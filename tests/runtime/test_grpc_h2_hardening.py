@@ -22,6 +22,7 @@ import tritonclient.grpc as grpcclient
 from hyperframe.frame import (
     ContinuationFrame,
     DataFrame,
+    GoAwayFrame,
     HeadersFrame,
     PingFrame,
     RstStreamFrame,
@@ -768,3 +769,28 @@ def test_a_call_over_the_connection_limit_is_answered_unavailable_naming_it(serv
                 assert time.monotonic() < deadline, "no room again after a connection closed"
                 time.sleep(0.05)
     assert any("gRPC: accepting connections again" in r.getMessage() for r in caplog.records)
+
+
+def test_the_idle_timeout_counts_from_the_end_of_the_last_call(tmp_path, serve, connect):
+    """A call that runs for most of --idle-timeout-s sends nothing while it runs: the connection was
+    closed a fraction of a second after the answer (idleness counted from the request's last bytes),
+    not an idle timeout after it, as the flag says. The sweeper looks every 0.5 s: closed after 1.8 s
+    of idleness at the earliest now, at most 0.7 s after the answer before."""
+    from .conftest import GATED_CONFIG, gate, gated_py  # type: ignore[import-not-found]
+
+    repo = tmp_path / "repo"
+    write_model(repo, "gated", GATED_CONFIG, {"model.py": gated_py("sluice_test_idle_gate")})
+    with gate("sluice_test_idle_gate") as held:
+        server = serve(repo, limits=Limits(idle_timeout_s=2.3))
+        client = connect(server.grpc, auto_window=False)  # it sends nothing more once the call is sent
+        request = pb.ModelInferRequest(model_name="gated", raw_input_contents=[np.ones(4, np.float32).tobytes()])
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[4])
+        client.request(1, SERVICE + "ModelInfer", request.SerializeToString())
+        assert held.entered.wait(30)  # type: ignore[attr-defined]
+        time.sleep(2.1)  # the call runs for most of the idle timeout, the client silent meanwhile
+        held.release.set()  # type: ignore[attr-defined]
+        assert client.response(1).status == OK
+        frames = client.drain(1.2)
+        assert not any(isinstance(f, GoAwayFrame) for f in frames) and not client.closed
+        frames = client.drain(5.0)  # and then it is closed as idle
+        assert any(isinstance(f, GoAwayFrame) for f in frames)
