@@ -237,15 +237,14 @@ def admit(capacity: Capacity, members: Iterable[Member], previously_admitted: It
     grown = [m for m in ordered if m.name in before and _grew(m, before[m.name])]
     new = [m for m in ordered if m.name not in before]
     taken: list[Member] = []
-    conflicts: dict[str, str] = {}
     for member in (*kept, *grown, *new):
-        if (conflict := _conflict(capacity, taken, member)) is not None:
-            conflicts[member.name] = conflict
-        elif _fits(capacity, taken, member):
+        if _conflict(capacity, taken, member) is None and _fits(capacity, taken, member):
             taken.append(member)
     admitted = tuple(sorted(taken, key=_age))
+    # Each waiting member's cause and reason are against the final admission (not what was taken when
+    # it was considered): admitting again from this status then gives the same words.
     waiting = [
-        Waiting(m, POOL_CONFLICT, conflicts[m.name]) if m.name in conflicts
+        Waiting(m, POOL_CONFLICT, conflict) if (conflict := _conflict(capacity, admitted, m)) is not None
         else Waiting(m, POOL_FULL, _missing(capacity, admitted, m))
         for m in ordered if m not in admitted
     ]

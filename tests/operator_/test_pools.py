@@ -201,11 +201,13 @@ def test_unreadable_status_entries_are_skipped():
 # ---------------------------------------------------------------- properties
 
 def members_strategy() -> st.SearchStrategy[list[pools.Member]]:
+    # now and then two members serve one model name or fetch as different service accounts (conflicts)
     one = st.builds(
-        lambda i, gib, compute, second: pools.Member(
+        lambda i, gib, compute, second, shared, account: pools.Member(
             name=f"m{i}", memory_mib=gib * 512, compute_percent=compute, created=f"2025-01-01T00:00:{second:02d}Z",
-            model=f"m{i}"),
-        st.integers(0, 30), st.integers(1, 40), st.sampled_from([0, 0, 10, 25, 40, 70]), st.integers(0, 59))
+            model="shared" if shared else f"m{i}", service_account=account),
+        st.integers(0, 30), st.integers(1, 40), st.sampled_from([0, 0, 10, 25, 40, 70]), st.integers(0, 59),
+        st.sampled_from([False, False, False, True]), st.sampled_from([None, None, "sa-a", "sa-b"]))
     return st.lists(one, max_size=12, unique_by=lambda m: m.name)
 
 
