@@ -186,8 +186,9 @@ def mixed_layouts(model: gpus.GpuModel, counts: Mapping[str, int], gpu_count: in
 
     The labels say how many slices of each profile a node has, not which GPU holds them. MIG manager
     partitions every GPU of a node alike in its named layouts, so an even split is tried first; else
-    each slice, largest first, goes to the GPU with the most free memory slices where it fits. Slices
-    that fit on no GPU are dropped (the published counts were not a valid partition)."""
+    each slice, largest first, goes to the GPU with the most free memory slices where it fits, and when
+    that drops one a search for an assignment holding them all follows. Slices that fit on no GPU in any
+    assignment are dropped (the published counts were not a valid partition)."""
     wanted = {name: n for name, n in counts.items() if n > 0 and model.profile(name) is not None}
     gpu_count = max(gpu_count, 1)
     if all(n % gpu_count == 0 for n in wanted.values()):
@@ -205,7 +206,48 @@ def mixed_layouts(model: gpus.GpuModel, counts: Mapping[str, int], gpu_count: in
             if grown is not None:
                 layouts[index] = grown
                 break
+    if sum(len(layout) for layout in layouts) < len(order):
+        # the greedy spread dropped a slice: look for an assignment that holds every advertised one
+        # (e.g. 2 x 3g.40gb on one GPU and 7 x 1g.10gb on the other, which the spread split up)
+        every = _assignment(model, tuple(order), gpu_count)
+        if every is not None:
+            return every
     return tuple(layouts)
+
+
+_ASSIGNMENT_BUDGET = 5_000
+"""Search states :func:`_assignment` tries before it gives up (a few milliseconds' worth)."""
+
+
+def _assignment(model: gpus.GpuModel, order: tuple[str, ...], gpu_count: int) -> tuple[gpus.Layout, ...] | None:
+    """Every slice of ``order`` (largest first) on one of ``gpu_count`` GPUs as valid partitions, or None:
+    a depth-first search, GPUs that look alike tried once, states already seen not again."""
+    seen: set[tuple[int, tuple[gpus.Layout, ...]]] = set()
+    layouts: list[gpus.Layout] = [() for _ in range(gpu_count)]
+
+    def place(i: int) -> bool:
+        if i == len(order):
+            return True
+        state = (i, tuple(sorted(layouts)))
+        if state in seen or len(seen) >= _ASSIGNMENT_BUDGET:
+            return False  # seen, or too many tried: the counts are likely no valid partition at all
+        seen.add(state)
+        tried: set[gpus.Layout] = set()
+        for g in range(gpu_count):
+            before = layouts[g]
+            if before in tried:
+                continue
+            tried.add(before)
+            grown = gpus.pack(model, [order[i]], before)
+            if grown is None:
+                continue
+            layouts[g] = grown
+            if place(i + 1):
+                return True
+            layouts[g] = before
+        return False
+
+    return tuple(layouts) if place(0) else None
 
 
 def _devices_of(

@@ -173,6 +173,15 @@ def test_mixed_counts_that_are_no_partition_drop_what_does_not_fit():
                                                                  "3g.20gb"]
 
 
+def test_mixed_counts_that_are_a_partition_keep_every_advertised_slice():
+    """GPU 0 cut as 2 x 3g.40gb and GPU 1 as 7 x 1g.10gb (mig-parted per GPU): the greedy spread put a
+    3g.40gb on each GPU and dropped a 1g.10gb the device plugin advertises (6 counted of 7)."""
+    model = gpus.CATALOGUE_BY_KEY["A100-80GB"]
+    layouts = inventory.mixed_layouts(model, {"1g.10gb": 7, "3g.40gb": 2}, 2)
+    assert all(gpus.valid_layout(model, layout) for layout in layouts)
+    assert sorted(p for layout in layouts for p, _ in layout) == ["1g.10gb"] * 7 + ["3g.40gb"] * 2
+
+
 def test_single_strategy_counts_mig_devices_not_gpus():
     (node,) = inventory.from_nodes([_single()]).nodes
     _check_consistent(node)
