@@ -332,14 +332,14 @@ class DataPlane:
         responder = request.responder
         if responder is not None and self.decoupled(request.model_name, request.model_version):
             # A decoupled model answers through the responder (done hears only of an early error): each
-            # response has its outputs written to the regions, which are held until the final one.
+            # response has its outputs written to the regions (request.rewrite, before it is counted: a
+            # region too small makes it an error), which are held until the final one.
             def respond(item: InferResponse | Exception | None, final: bool) -> None:
-                if isinstance(item, InferResponse):
-                    item = binding.written(item)  # a region too small: this response's error
                 if final:
                     binding.release()
                 responder(item, final)
 
+            request.rewrite = binding.written
             request.responder = respond
 
         try:
@@ -460,6 +460,8 @@ def _on_loop(responder: Responder, mv: ModelVersion, request: InferRequest) -> R
     def deliver(item: InferResponse | Exception | None, final: bool) -> None:
         nonlocal index, since
         now = time.monotonic_ns()
+        if isinstance(item, InferResponse) and request.rewrite is not None:
+            item = request.rewrite(_named(item, mv, request))
         if isinstance(item, InferResponse):
             _named(item, mv, request)
             kind = RESPONSE_SUCCESS

@@ -168,6 +168,9 @@ class InferRequest:
     # A stream then stops counting it against its in-flight bound, so that it keeps reading (the ENDs
     # may be on that very stream). None: nobody asks.
     on_parked: Callable[[], None] | None = None
+    # What a decoupled model's response becomes before it is counted and sent: the shared-memory binding
+    # writing its outputs to the client's regions (an error when one is too small). None: nothing.
+    rewrite: Callable[[InferResponse], InferResponse | Exception] | None = None
 
 
 class TraceHook(Protocol):

@@ -794,6 +794,12 @@ def test_a_decoupled_model_writes_each_response_to_the_region_and_lets_go_at_the
         errors = [error for _, error in answers[:3]]
         assert all(e is not None and "should be at least 16 bytes to hold the results" in e.message() for e in errors)
         assert answers[3][1] is None and answers[3][0].get_response().parameters["triton_final_response"].bool_param
+        # the statistics count what the client got: r1's three responses succeeded, r2's failed (they
+        # were counted as successes, the region written after the count)
+        stats = client.get_inference_statistics("triple", as_json=True)["model_stats"][0]["response_stats"]
+        counted = {index: (entry["success"].get("count", "0"), entry["fail"].get("count", "0"))
+                   for index, entry in stats.items() if index in ("0", "1", "2")}
+        assert counted == {"0": ("1", "1"), "1": ("1", "1"), "2": ("1", "1")}
         client.unregister_system_shared_memory("small")
         assert mapped(small_key) == ours
     finally:
