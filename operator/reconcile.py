@@ -1118,20 +1118,18 @@ def _sidecar_conditions(owner: builders.Owner, webhook: bool) -> list[Condition]
     """A Sidecar model is ready once its config is rendered and this operator serves the injection
     webhook (``webhook``): the webhook injects it from then on (how many pods carry it is not tracked:
     that would mean watching every pod of the namespace)."""
-    if not webhook:
-        return [
-            Condition(conditions.READY, FALSE, "NoInjectionWebhook",
-                      f"Config rendered in ConfigMap {sidecar.config_map_name(owner.name)}, but this operator "
-                      "serves no sidecar-injection webhook (SLUICE_WEBHOOK_PORT is 0; the chart's webhook.enabled "
-                      "is false), so no pod gets the runtime: enable the webhook, or use spec.mode Deployment."),
-            Condition(conditions.PROGRESSING, FALSE, "Rendered", "Nothing to roll out: the runtime runs in the "
-                      "application's pods, which pick a changed config up when they are recreated."),
-        ]
-    return [
+    rendered = f"Config rendered in ConfigMap {sidecar.config_map_name(owner.name)}"
+    ready = (
         Condition(conditions.READY, TRUE, sidecar.READY_TO_INJECT,
-                  f"Config rendered in ConfigMap {sidecar.config_map_name(owner.name)}; pods annotated "
-                  f"{sidecar.INJECT_ANNOTATION}: {owner.name} in a namespace labelled "
-                  f"{sidecar.NAMESPACE_LABEL}: enabled get the runtime as a sidecar."),
+                  f"{rendered}; pods annotated {sidecar.INJECT_ANNOTATION}: {owner.name} in a namespace labelled "
+                  f"{sidecar.NAMESPACE_LABEL}: enabled get the runtime as a sidecar.") if webhook else
+        Condition(conditions.READY, FALSE, "NoInjectionWebhook",
+                  f"{rendered}, but this operator serves no sidecar-injection webhook (SLUICE_WEBHOOK_PORT is 0; "
+                  "the chart's webhook.enabled is false), so no pod gets the runtime: enable the webhook, or use "
+                  "spec.mode Deployment.")
+    )
+    return [
+        ready,
         Condition(conditions.PROGRESSING, FALSE, "Rendered", "Nothing to roll out: the runtime runs in the "
                   "application's pods, which pick a changed config up when they are recreated."),
     ]

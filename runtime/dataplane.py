@@ -460,10 +460,11 @@ def _on_loop(responder: Responder, mv: ModelVersion, request: InferRequest) -> R
     def deliver(item: InferResponse | Exception | None, final: bool) -> None:
         nonlocal index, since
         now = time.monotonic_ns()
-        if isinstance(item, InferResponse) and request.rewrite is not None:
-            item = request.rewrite(_named(item, mv, request))
         if isinstance(item, InferResponse):
             _named(item, mv, request)
+            if request.rewrite is not None:  # written where the client asked, before it is counted
+                item = request.rewrite(item)
+        if isinstance(item, InferResponse):
             kind = RESPONSE_SUCCESS
         else:
             kind = RESPONSE_EMPTY if item is None else RESPONSE_FAIL

@@ -664,7 +664,8 @@ def _decode_body(request: Request, limits: Limits) -> bytes:
             try:
                 out = decompressor.decompress(data, limits.max_body_bytes - size + 1)
             except zlib.error as exc:
-                what = (f"has bytes after its last gzip member that are not gzip data ({exc})" if members
+                what = (f"has bytes after its last gzip member that are not gzip data ({exc}); allowed: whole "
+                        "gzip members one after another, nothing after the last" if members
                         else f"is not valid {name} data: {exc}")
                 raise InvalidArgument(f"request body {what}") from None
             started = True
@@ -675,7 +676,8 @@ def _decode_body(request: Request, limits: Limits) -> bytes:
             data = decompressor.unused_data if decompressor.eof else b""
     if not started or not decompressor.eof:
         if members:
-            raise InvalidArgument("request body has bytes after its last gzip member that are not a whole gzip member")
+            raise InvalidArgument("request body has bytes after its last gzip member that are not a whole gzip "
+                                  "member; allowed: whole gzip members one after another, nothing after the last")
         raise InvalidArgument(f"request body is truncated {name} data: the compressed stream does not end")
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
